@@ -1,0 +1,69 @@
+"""The OpenAI error object for every failure, with the right status code."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.code), exc.status, headers=exc.headers)
+
+
+def _describe(err: dict) -> tuple[str, str | None]:
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or None
+    msg = err.get("msg", "invalid value")
+    if err.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {msg}", None
+    return (f"{param}: {msg}" if param else msg), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        # FastAPI answers 422; OpenAI clients expect 400 with one readable message.
+        errors = exc.errors()
+        message, param = _describe(errors[0]) if errors else ("invalid request", None)
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+        return error_response(APIError(400, message, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return error_response(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        log.exception("unhandled error")
+        return error_response(APIError(500, f"internal error: {exc}"))

@@ -1,0 +1,43 @@
+"""Prometheus metrics, in a registry owned by the app (no process-wide globals)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
+
+
+class _EngineGauges:
+    """Reads running/waiting counts at scrape time instead of pushing them on every step."""
+
+    def __init__(self, read: Callable[[], tuple[int, int]]) -> None:
+        self._read = read
+
+    def collect(self):
+        running, waiting = self._read()
+        g = GaugeMetricFamily("mlxserve_num_requests_running", "Requests in the decode batch or prefilling")
+        g.add_metric([], running)
+        yield g
+        g = GaugeMetricFamily("mlxserve_num_requests_waiting", "Requests queued for a slot")
+        g.add_metric([], waiting)
+        yield g
+
+
+class Metrics:
+    def __init__(self, read_engine_counts: Callable[[], tuple[int, int]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("mlxserve_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("mlxserve_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.completion_tokens = Counter("mlxserve_completion_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("mlxserve_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("mlxserve_inter_token_latency_seconds", "Time between output tokens", buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("mlxserve_request_latency_seconds", "End-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r)
+        r.register(_EngineGauges(read_engine_counts))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,43 @@
+"""Typed configuration, validated once at start-up and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine core and its scheduler need to know."""
+
+    max_num_seqs: int = 64
+    # Prompt tokens processed per engine step; a longer prompt is split into chunks of this size so
+    # running streams get a decode step between chunks.
+    prefill_step_size: int = 512
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    default_max_tokens: int = 2048
+    # Requests allowed to wait for a slot; beyond this the server answers 503 instead of queueing forever.
+    max_num_waiting: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.prefill_step_size < 1:
+            raise ValueError("prefill_step_size must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str | None = None  # local folder or hub id; None serves the embedded demo model
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "info"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")

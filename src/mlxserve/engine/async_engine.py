@@ -1,0 +1,124 @@
+"""The asyncio facade: handlers submit, stream and abort; one engine thread owns MLX.
+
+Commands go to the engine thread through a thread-safe queue; each step's outputs come back in one
+`call_soon_threadsafe` callback that fans them out to per-request asyncio queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from mlxserve.engine.request import Request, RequestOutput
+from mlxserve.engine.scheduler import QueueFullError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+
+
+class AsyncEngine:
+    def __init__(self, make_core: Callable[[], "EngineCore"], max_num_requests: int) -> None:  # noqa: F821
+        # The core (and with it the model's MLX stream) is built on the engine thread itself.
+        self._make_core = make_core
+        self._max_num_requests = max_num_requests
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self.stats = EngineStats()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="mlxserve-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(("stop", None))
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    # -- requests ------------------------------------------------------------------------------
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        if len(self._streams) >= self._max_num_requests:
+            raise QueueFullError(
+                f"the server is at its limit of {self._max_num_requests} running and waiting requests"
+            )
+        rid = request.request_id
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = stream
+        self._inbox.put(("add", request))
+        finished = False
+        try:
+            while not finished:
+                out: RequestOutput = await stream.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:  # the client went away (cancel / disconnect): free its slot and KV
+                self._inbox.put(("abort", rid))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    # -- engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        import mlx.core as mx
+
+        try:
+            core = self._make_core()
+            stream = mx.new_stream(mx.default_device())
+        except BaseException as exc:  # reported to start()
+            self._startup_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        with mx.stream(stream):
+            while True:
+                block = not core.has_work
+                try:
+                    while True:
+                        cmd, arg = self._inbox.get(block=block)
+                        block = False
+                        if cmd == "stop":
+                            return
+                        if cmd == "add":
+                            self._add(core, arg)
+                        else:
+                            core.abort(arg)
+                except queue.Empty:
+                    pass
+                outputs = core.step()
+                self.stats = EngineStats(core.scheduler.num_running, core.scheduler.num_waiting)
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _add(self, core, request: Request) -> None:
+        try:
+            core.add_request(request)
+        except Exception as exc:
+            out = RequestOutput(request.request_id, [], "", request.num_prompt_tokens, 0, error=str(exc))
+            self._loop.call_soon_threadsafe(self._dispatch, [out])

@@ -1,0 +1,108 @@
+"""One engine step: schedule -> run -> update, then turn new tokens into text outputs.
+
+Runs on the engine thread only; the asyncio side talks to it through `AsyncEngine`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from mlxserve.config import EngineConfig
+from mlxserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from mlxserve.engine.request import Request, RequestOutput, RequestStatus
+from mlxserve.engine.runner import ModelRunner
+from mlxserve.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _TextState:
+    detok: IncrementalDetokenizer
+    stop: StopStringMatcher
+    num_sent_tokens: int = 0
+
+
+class EngineCore:
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(config, max_model_len)
+        self.runner = ModelRunner(model)
+        self._requests: dict[str, Request] = {}
+        self._text: dict[str, _TextState] = {}
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+        self._requests[request.request_id] = request
+        self._text[request.request_id] = _TextState(
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+            StopStringMatcher(request.sampling.stop),
+        )
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self._forget(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        try:
+            step = self.runner.execute(sched, self._requests)
+        except Exception as exc:  # a failed step must not take the server down with it
+            log.exception("engine step failed")
+            return self._fail_all(f"engine step failed: {exc}")
+        finished = {r.request_id for r in self.scheduler.update(dict(zip(step.request_ids, step.token_ids)))}
+        outputs = []
+        for rid, token in zip(step.request_ids, step.token_ids):
+            request = self._requests.get(rid)
+            if request is None:
+                continue
+            out = self._make_output(request, token, rid in finished)
+            if rid in step.logprobs:
+                out.logprobs = [step.logprobs[rid]]
+            outputs.append(out)
+            if out.finished:
+                self._forget(rid)
+        return outputs
+
+    def _make_output(self, request: Request, token: int, finished: bool) -> RequestOutput:
+        state = self._text[request.request_id]
+        text, hit = state.stop.feed(state.detok.add(token))
+        if hit and not finished:
+            self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+            finished = True
+        elif finished and not hit:
+            tail, hit = state.stop.feed(state.detok.flush())
+            text += tail if hit else tail + state.stop.flush()
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[token],
+            text=text,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            finish_reason=request.finish_reason if finished else None,
+        )
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self._text.pop(request_id, None)
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        outputs = []
+        for rid, request in list(self._requests.items()):
+            self.scheduler.abort(rid)
+            outputs.append(
+                RequestOutput(rid, [], "", request.num_prompt_tokens, request.num_output_tokens, error=message)
+            )
+            self._forget(rid)
+        # Rebuild the runner's state from scratch: its caches may be half-updated.
+        self.runner = ModelRunner(self.runner.model)
+        self.scheduler.schedule()  # flush the finished list the new runner never saw
+        return outputs

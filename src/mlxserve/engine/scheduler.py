@@ -1,0 +1,149 @@
+"""Who runs this step: admission, prefill chunks, finishes and aborts. Imports no tensor library.
+
+The scheduler owns the waiting queue and the running set. Each call to `schedule()` admits waiting
+requests in FIFO order up to `max_num_seqs`, hands out at most `prefill_step_size` prompt tokens of
+prefill work (oldest request first, so a long prompt is split across steps and never freezes the
+streams that are already decoding), and lists the requests whose state the runner must drop.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from mlxserve.config import EngineConfig
+from mlxserve.engine.request import Request, RequestStatus
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at its limit; the API answers 503 with Retry-After."""
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    request_id: str
+    start: int  # first prompt position of this chunk
+    num_tokens: int
+    is_last: bool  # the chunk that ends the prompt: the runner samples the first token from it
+
+
+@dataclass
+class SchedulerOutput:
+    prefill_chunks: list[PrefillChunk] = field(default_factory=list)
+    # Requests already decoding (their prompt finished in an earlier step).
+    decode_request_ids: list[str] = field(default_factory=list)
+    # Requests that finished or were aborted since the last step: the runner frees their KV.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.prefill_chunks or self.decode_request_ids or self.finished_request_ids)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        # Insertion order is admission order: prefill work goes to the oldest request first.
+        self.running: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+
+    # -- queue -------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if len(self.waiting) >= self.config.max_num_waiting:
+            raise QueueFullError(
+                f"{len(self.waiting)} requests are already waiting (limit {self.config.max_num_waiting})"
+            )
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Drops a request wherever it is; returns it, or None if it already finished."""
+        request = self.running.get(request_id)
+        if request is not None:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            return request
+        for request in self.waiting:
+            if request.request_id == request_id:
+                self.waiting.remove(request)
+                request.status = RequestStatus.FINISHED_ABORTED
+                return request
+        return None
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._finished_ids)
+
+    # -- step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+
+        # Requests whose prompt finished in an earlier step decode now.
+        out.decode_request_ids = [r.request_id for r in self.running.values() if r.is_prefill_done]
+
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running[request.request_id] = request
+
+        budget = self.config.prefill_step_size
+        for request in self.running.values():
+            if budget == 0:
+                break
+            if request.is_prefill_done:
+                continue
+            n = min(request.num_prompt_tokens_left, budget)
+            start = request.num_computed_tokens
+            request.num_computed_tokens += n
+            budget -= n
+            out.prefill_chunks.append(
+                PrefillChunk(request.request_id, start, n, is_last=request.is_prefill_done)
+            )
+        return out
+
+    def update(self, new_tokens: dict[str, int]) -> list[Request]:
+        """Appends one sampled token per request; returns the requests that this token finished."""
+        finished = []
+        for request_id, token in new_tokens.items():
+            request = self.running.get(request_id)
+            if request is None:  # finished or aborted while its token was in flight
+                continue
+            request.output_token_ids.append(token)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self._finish(request, status)
+                finished.append(request)
+        return finished
+
+    def finish(self, request_id: str, status: RequestStatus) -> None:
+        """Ends a running request for a reason found outside the scheduler (a stop string)."""
+        request = self.running.get(request_id)
+        if request is not None:
+            self._finish(request, status)
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        sp = request.sampling
+        if not sp.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in sp.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_prompt_tokens + request.num_output_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        del self.running[request.request_id]
+        self._finished_ids.append(request.request_id)
