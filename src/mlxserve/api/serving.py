@@ -1,0 +1,129 @@
+"""From an OpenAI request body to an engine `Request`: tokenization, limits and sampling settings."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from mlxserve.api.errors import APIError
+from mlxserve.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from mlxserve.engine.request import Request, SamplingParams
+
+
+@dataclass
+class ServedModel:
+    """What the HTTP layer knows about the model it serves (no MLX objects besides the tokenizer)."""
+
+    name: str
+    aliases: frozenset[str]
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    default_max_tokens: int
+    created: int
+
+    def check_name(self, requested: str) -> None:
+        if requested != self.name and requested not in self.aliases:
+            raise APIError(404, f"The model `{requested}` does not exist; this server serves `{self.name}`.", "model", "model_not_found")
+
+
+def _render_chat(model: ServedModel, body: ChatCompletionRequest) -> list[int]:
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    tok = model.tokenizer
+    if getattr(tok, "chat_template", None):
+        try:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # a template may reject a role order, e.g. two system messages
+            raise APIError(400, f"the chat template rejected these messages: {exc}", "messages") from exc
+        if isinstance(ids, dict):
+            ids = ids["input_ids"]
+        return list(ids)
+    # Base models without a template: a plain transcript, like a user would type it.
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    return list(tok.encode(text))
+
+
+def _completion_prompt(model: ServedModel, body: CompletionRequest) -> list[int]:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(400, "only one prompt per request is supported", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return list(model.tokenizer.encode(prompt))
+    bad = [t for t in prompt if not 0 <= t < model.vocab_size]
+    if bad:
+        raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary (0..{model.vocab_size - 1})", "prompt")
+    return list(prompt)
+
+
+def _max_tokens(model: ServedModel, body: SamplingFields, num_prompt: int) -> int:
+    room = model.max_model_len - num_prompt
+    requested = body.requested_max_tokens
+    if requested is None:
+        if room < 1:
+            raise APIError(
+                400,
+                f"the prompt has {num_prompt} tokens; this model's context length is {model.max_model_len}",
+                "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                "context_length_exceeded",
+            )
+        return min(model.default_max_tokens, room)
+    if num_prompt + requested > model.max_model_len:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {model.max_model_len} tokens, but the request asks for "
+            f"{num_prompt} prompt tokens + {requested} completion tokens = {num_prompt + requested}",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+    return requested
+
+
+def _logit_bias(model: ServedModel, body: SamplingFields) -> tuple[tuple[int, float], ...]:
+    if not body.logit_bias:
+        return ()
+    out = []
+    for key, value in body.logit_bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise APIError(400, f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+        if not 0 <= token < model.vocab_size:
+            raise APIError(400, f"logit_bias token id {token} is outside the vocabulary (0..{model.vocab_size - 1})", "logit_bias")
+        out.append((token, value))
+    return tuple(out)
+
+
+def make_request(model: ServedModel, body: SamplingFields) -> Request:
+    """Validates what pydantic cannot (model name, n, context limits, token ids) and builds the request."""
+    model.check_name(body.model)
+    if body.n != 1:
+        raise APIError(400, "n > 1 is not supported yet; send n=1 (or several requests)", "n")
+    if isinstance(body, CompletionRequest) and body.echo:
+        raise APIError(400, "echo is not supported", "echo")
+    if isinstance(body, ChatCompletionRequest):
+        prompt_ids, prefix = _render_chat(model, body), "chatcmpl"
+    else:
+        prompt_ids, prefix = _completion_prompt(model, body), "cmpl"
+    if not prompt_ids:
+        raise APIError(400, "the prompt is empty", "prompt")
+    params = SamplingParams(
+        max_tokens=_max_tokens(model, body, len(prompt_ids)),
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=max(body.top_k, 0),
+        min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=_logit_bias(model, body),
+        seed=body.seed,
+        stop=body.stop_list,
+        ignore_eos=body.ignore_eos,
+        logprobs=body.logprobs is not None if isinstance(body, CompletionRequest) else body.logprobs,
+        top_logprobs=body.num_top_logprobs,
+    )
+    return Request(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, model.eos_token_ids)

@@ -1,0 +1,399 @@
+"""`mlxserve bench serve`: a streaming load generator for any OpenAI-compatible server.
+
+The same harness drives mlxserve, mlx_lm.server, vllm-mlx..., so their numbers compare
+side by side. Every time is taken on the client: it is what a user of the server sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime
+from urllib.parse import urlsplit
+
+import httpx
+
+from mlxserve.bench.report import format_table, mean, percentile, write_json
+
+ENDPOINT_PATHS = {"completions": "/completions", "chat": "/chat/completions"}
+
+# Short common words: with its leading space each is one token in the BPE vocabularies of
+# Llama, Qwen, Mistral, Gemma..., so the word count tracks the prompt's token count.
+_WORDS = (
+    "the of and to in is it that was for on are as with his they at be this from have or "
+    "by one had not but what all were when we there can an your which their said if do will "
+    "each about how up out them then she many some so these would other into has more her two "
+    "like him see time could no make than first been its who now people my made over did down "
+    "only way find use may water long little very after words called just where most know get "
+    "through back much before go good new write our used me man too any day same right look "
+    "think also around another came come work three word must because does part even place well"
+).split()
+
+# Tokens taken by the "Request <tag>.<i>:" header and a BOS token; subtracted so the
+# prompt lands near prompt_tokens.
+_PROMPT_OVERHEAD_TOKENS = 6
+
+TABLE_COLUMNS = [  # (level key, header, format); times in ms
+    ("label", "label", ""), ("concurrency", "conc", "d"), ("num_requests", "reqs", "d"),
+    ("ttft_p50_ms", "ttft p50", ".1f"), ("ttft_p99_ms", "ttft p99", ".1f"),
+    ("itl_p50_ms", "itl p50", ".2f"), ("itl_p99_ms", "itl p99", ".2f"),
+    ("decode_tok_s_per_req", "tok/s/req", ".1f"), ("agg_tok_s", "agg tok/s", ".1f"),
+    ("req_s", "req/s", ".2f"), ("num_errors", "errors", "d"),
+]
+
+
+class ServeBenchError(RuntimeError):
+    """The bench cannot measure anything (e.g. every warmup request failed)."""
+
+
+@dataclass
+class ServeBenchConfig:
+    url: str  # base URL, with or without the trailing /v1
+    model: str
+    concurrency: list[int]  # each level is one run
+    prompt_tokens: int = 128  # approximate prompt length
+    max_tokens: int = 128
+    num_requests: int | None = None  # per level; None -> a few waves (see num_requests_for)
+    endpoint: str = "completions"  # or "chat"
+    warmup: int = 1  # sent before measuring: a cold server compiles kernels on its first call
+    ignore_eos: bool = True  # extra body field; servers that don't know it ignore it
+    timeout_s: float = 600
+    seed: int = 0
+    label: str = ""  # shown in the table, e.g. "mlxserve" / "mlx_lm.server"
+    output_json: str | None = None
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"url must look like http://host:port, got {self.url!r}")
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
+        if self.prompt_tokens < 1 or self.max_tokens < 1:
+            raise ValueError("prompt_tokens and max_tokens must be >= 1")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise ValueError("num_requests must be >= 1")
+        if self.endpoint not in ENDPOINT_PATHS:
+            raise ValueError(f"endpoint must be one of {sorted(ENDPOINT_PATHS)}")
+        if self.warmup < 0 or self.timeout_s <= 0:
+            raise ValueError("warmup must be >= 0 and timeout_s > 0")
+
+    @property
+    def base_url(self) -> str:
+        base = self.url.rstrip("/")
+        return base if base.endswith("/v1") else base + "/v1"
+
+    @property
+    def request_url(self) -> str:
+        return self.base_url + ENDPOINT_PATHS[self.endpoint]
+
+    @property
+    def display_label(self) -> str:
+        return self.label or urlsplit(self.url).netloc
+
+    def num_requests_for(self, concurrency: int) -> int:
+        if self.num_requests is not None:
+            return self.num_requests
+        # Four waves: the first starts all at once (a prefill burst); the later ones see
+        # the staggered arrivals that steady traffic produces.
+        return max(4 * concurrency, 8)
+
+
+@dataclass
+class RequestResult:
+    error: str | None = None
+    ttft_s: float | None = None  # send -> first non-empty content chunk
+    e2e_s: float | None = None  # send -> end of stream
+    decode_s: float | None = None  # first -> last content chunk
+    num_chunks: int = 0  # SSE events that carried content
+    num_completion_tokens: int = 0
+    num_prompt_tokens: int | None = None  # as the server's usage reports it
+    itl_s: list[float] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def tokens_per_chunk(self) -> float:
+        return max(1.0, self.num_completion_tokens / self.num_chunks) if self.num_chunks else 1.0
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        # Tokens of the first chunk were produced by prefill; only the rest are decode.
+        if not self.ok or not self.decode_s:
+            return None
+        return (self.num_completion_tokens - self.tokens_per_chunk) / self.decode_s
+
+    def summary(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k != "itl_s"}
+        out["decode_tok_s"] = self.decode_tok_s
+        return out
+
+
+def make_prompt(seed: int, tag: str, index: int, prompt_tokens: int) -> str:
+    """A prompt of about prompt_tokens tokens, distinct for every (tag, index).
+
+    The index leads the prompt so that no two requests share a first block: a prefix
+    cache must not make later requests cheaper than the first.
+    """
+    rng = random.Random(f"{seed}/{tag}/{index}")
+    words = rng.choices(_WORDS, k=max(1, prompt_tokens - _PROMPT_OVERHEAD_TOKENS))
+    return f"Request {tag}.{index}: " + " ".join(words)
+
+
+def make_body(cfg: ServeBenchConfig, prompt: str) -> dict:
+    body: dict = {"model": cfg.model, "stream": True, "stream_options": {"include_usage": True},
+                  "temperature": 0, "max_tokens": cfg.max_tokens}
+    if cfg.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True  # keeps every request at max_tokens, so runs compare
+    return body
+
+
+def _chunk_text(event: dict, chat: bool) -> str:
+    choice = (event.get("choices") or [{}])[0]  # the usage chunk has no choices
+    if not chat:
+        return choice.get("text") or ""
+    delta = choice.get("delta") or {}
+    # Reasoning models stream thinking under its own key; those are generated tokens too.
+    return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
+
+
+async def _stream_request(
+    client: httpx.AsyncClient, cfg: ServeBenchConfig, prompt: str
+) -> RequestResult:
+    result = RequestResult()
+    chat = cfg.endpoint == "chat"
+    chunk_times: list[float] = []
+    usage_tokens = 0
+    start = time.perf_counter()
+    async with client.stream("POST", cfg.request_url, json=make_body(cfg, prompt)) as resp:
+        if resp.status_code != 200:
+            detail = (await resp.aread()).decode(errors="replace").strip()
+            result.error = f"HTTP {resp.status_code}: {detail[:200]}"
+            return result
+        async for line in resp.aiter_lines():
+            now = time.perf_counter()  # before parsing: the parse is our cost, not the server's
+            # Blank separators, ": keep-alive" comments and "event:" lines carry no data.
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if event.get("error"):
+                result.error = f"stream error: {json.dumps(event['error'])[:200]}"
+                return result
+            usage = event.get("usage")
+            if usage:
+                usage_tokens = usage.get("completion_tokens") or 0
+                result.num_prompt_tokens = usage.get("prompt_tokens")
+            if _chunk_text(event, chat):
+                chunk_times.append(now)
+    end = time.perf_counter()
+    if not chunk_times:
+        result.error = "stream ended without content"
+        return result
+    result.ttft_s = chunk_times[0] - start
+    result.e2e_s = end - start
+    result.decode_s = chunk_times[-1] - chunk_times[0]
+    result.num_chunks = len(chunk_times)
+    # Without usage, one content chunk is taken as one token.
+    result.num_completion_tokens = usage_tokens or len(chunk_times)
+    # An SSE event does not say how many tokens it holds; when usage shows more tokens
+    # than events, spread each gap evenly over the average tokens per event.
+    per_chunk = result.tokens_per_chunk
+    repeat = max(1, round(per_chunk))
+    for prev, cur in zip(chunk_times, chunk_times[1:]):
+        result.itl_s.extend([(cur - prev) / per_chunk] * repeat)
+    return result
+
+
+async def _timed_request(
+    client: httpx.AsyncClient, cfg: ServeBenchConfig, prompt: str
+) -> RequestResult:
+    try:
+        return await asyncio.wait_for(_stream_request(client, cfg, prompt), cfg.timeout_s)
+    except asyncio.TimeoutError:
+        return RequestResult(error=f"timeout after {cfg.timeout_s:g}s")
+    except Exception as exc:  # noqa: BLE001
+        # One broken reply (refused connection, malformed JSON) is an error to count,
+        # never a reason to abort a level that other requests are still measuring.
+        return RequestResult(error=f"{type(exc).__name__}: {exc}".rstrip(": "))
+
+
+def _make_client(cfg: ServeBenchConfig, concurrency: int) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(cfg.timeout_s),
+        limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+        # A proxy from the environment would sit between us and the server and skew every
+        # number; the bench talks to the given URL only.
+        trust_env=False,
+    )
+
+
+def summarize_level(
+    cfg: ServeBenchConfig, concurrency: int, results: list[RequestResult], wall_s: float
+) -> dict:
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft_s for r in ok]
+    e2e = [r.e2e_s for r in ok]
+    itl = [gap for r in ok for gap in r.itl_s]
+    rates = [r.decode_tok_s for r in ok if r.decode_tok_s is not None]
+    prompt_lens = [r.num_prompt_tokens for r in ok if r.num_prompt_tokens is not None]
+    num_tokens = sum(r.num_completion_tokens for r in ok)
+    errors = [r.error for r in results if not r.ok]
+    return {
+        "label": cfg.display_label,
+        "concurrency": concurrency,
+        "num_requests": len(results),
+        "num_ok": len(ok),
+        "num_errors": len(errors),
+        "wall_s": wall_s,
+        "ttft_p50_ms": percentile(ttft, 50, scale=1000),
+        "ttft_p99_ms": percentile(ttft, 99, scale=1000),
+        "ttft_mean_ms": mean(ttft, scale=1000),
+        "itl_p50_ms": percentile(itl, 50, scale=1000),
+        "itl_p99_ms": percentile(itl, 99, scale=1000),
+        "e2e_p50_ms": percentile(e2e, 50, scale=1000),
+        "e2e_p99_ms": percentile(e2e, 99, scale=1000),
+        "decode_tok_s_per_req": mean(rates),
+        "agg_tok_s": num_tokens / wall_s if wall_s > 0 else None,
+        "req_s": len(ok) / wall_s if wall_s > 0 else None,
+        "num_completion_tokens": num_tokens,
+        "mean_prompt_tokens": mean(prompt_lens),
+        "error_samples": list(dict.fromkeys(errors))[:3],
+        "requests": [r.summary() for r in results],
+    }
+
+
+async def run_level(cfg: ServeBenchConfig, concurrency: int, *, tag: str | None = None) -> dict:
+    """One concurrency level: keep `concurrency` requests in flight until all are sent."""
+    tag = tag or f"c{concurrency}"
+    num_requests = cfg.num_requests_for(concurrency)
+    prompts = [make_prompt(cfg.seed, tag, i, cfg.prompt_tokens) for i in range(num_requests)]
+    results: list[RequestResult | None] = [None] * num_requests
+    pending = iter(range(num_requests))
+
+    async with _make_client(cfg, concurrency) as client:
+
+        async def worker() -> None:
+            # Workers share one iterator: each takes the next unsent request as soon as
+            # its previous one finishes, so exactly `concurrency` stay in flight.
+            for i in pending:
+                results[i] = await _timed_request(client, cfg, prompts[i])
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, num_requests))))
+        wall_s = time.perf_counter() - start
+    return summarize_level(cfg, concurrency, results, wall_s)
+
+
+async def run_serve_bench(cfg: ServeBenchConfig, on_level=None) -> dict:
+    """All levels in order -> {"config", "warmup", "levels"}; writes JSON if cfg.output_json.
+
+    `on_level(level_dict)` is called after each level, for progress output.
+    """
+    warmup_results: list[RequestResult] = []
+    if cfg.warmup:
+        async with _make_client(cfg, 1) as client:
+            for i in range(cfg.warmup):
+                prompt = make_prompt(cfg.seed, "warmup", i, cfg.prompt_tokens)
+                warmup_results.append(await _timed_request(client, cfg, prompt))
+        if not any(r.ok for r in warmup_results):
+            # The server is down or rejects the request shape: every level would only
+            # count errors (perhaps after long timeouts), so stop here and say why.
+            raise ServeBenchError(f"all warmup requests failed: {warmup_results[0].error}")
+    levels = []
+    for pos, concurrency in enumerate(cfg.concurrency):
+        # The level's position is in the tag, so a repeated level gets fresh prompts too.
+        level = await run_level(cfg, concurrency, tag=f"L{pos}c{concurrency}")
+        levels.append(level)
+        if on_level is not None:
+            on_level(level)
+    num_warmup_errors = sum(not r.ok for r in warmup_results)
+    result = {
+        "config": asdict(cfg),
+        "request_url": cfg.request_url,
+        "warmup": {"num_requests": len(warmup_results), "num_errors": num_warmup_errors},
+        "levels": levels,
+    }
+    if cfg.output_json:
+        write_json(cfg.output_json, result)
+    return result
+
+
+def int_list(text: str) -> list[int]:
+    # argparse turns the ValueError of a bad item into a usage error; ranges are
+    # checked by ServeBenchConfig.
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000[/v1]")
+    parser.add_argument("--model", required=True, help="model name sent in each request")
+    parser.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16],
+                        help="comma-separated levels, one run each (default 1,2,4,8,16)")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="approximate prompt length")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--num-requests", type=int, default=None,
+                        help="requests per level (default max(4*concurrency, 8))")
+    parser.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions")
+    parser.add_argument("--warmup", type=int, default=1, help="requests sent before measuring")
+    parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                        help="don't send ignore_eos (for servers that reject unknown fields)")
+    parser.add_argument("--timeout", dest="timeout_s", type=float, default=600.0,
+                        help="per-request timeout in seconds")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--label", default="", help="name shown in the table, e.g. mlx_lm.server")
+    parser.add_argument("--output-json", default=None,
+                        help="result file (default bench-results/serve-<label>-<time>.json)")
+    parser.add_argument("--no-json", action="store_true", help="print the table only")
+
+
+def _default_json_path(label: str) -> str:
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_") or "server"
+    return f"bench-results/serve-{slug}-{datetime.now():%Y%m%d-%H%M%S}.json"
+
+
+def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
+    # add_arguments names each flag's dest after its config field.
+    names = {f.name for f in fields(ServeBenchConfig)}
+    cfg = ServeBenchConfig(**{k: v for k, v in vars(args).items() if k in names})
+    if getattr(args, "no_json", False):
+        cfg.output_json = None
+    elif cfg.output_json is None:
+        cfg.output_json = _default_json_path(cfg.display_label)
+    return cfg
+
+
+def _print_progress(level: dict) -> None:
+    # Levels can take minutes each; show that the run is moving, on stderr so the table
+    # on stdout stays clean for redirection.
+    done = f"{level['num_ok']}/{level['num_requests']} ok"
+    print(f"[{level['label']}] conc={level['concurrency']}: {done}", file=sys.stderr, flush=True)
+    for message in level["error_samples"]:
+        print(f"  error: {message}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    """CLI entry: 0 when every request succeeded, 1 when some failed, 2 when nothing ran."""
+    try:
+        cfg = config_from_args(args)
+        result = asyncio.run(run_serve_bench(cfg, on_level=_print_progress))
+    except (ValueError, ServeBenchError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(result["levels"], TABLE_COLUMNS))
+    if cfg.output_json:
+        print(f"wrote {cfg.output_json}", file=sys.stderr)
+    return 0 if all(level["num_errors"] == 0 for level in result["levels"]) else 1
