@@ -58,15 +58,22 @@ class AsyncEngine:
         return len(self._streams)
 
     # -- requests ------------------------------------------------------------------------------
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Queues `request` and returns its output stream; raises QueueFullError at once when full.
+
+        Iterate the stream to the end or close it: leaving it early (a disconnect cancels the
+        handler) aborts the request, which frees its slot and KV in the next engine step.
+        """
         if len(self._streams) >= self._max_num_requests:
             raise QueueFullError(
                 f"the server is at its limit of {self._max_num_requests} running and waiting requests"
             )
-        rid = request.request_id
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = stream
+        self._streams[request.request_id] = stream
         self._inbox.put(("add", request))
+        return self._iterate(request.request_id, stream)
+
+    async def _iterate(self, rid: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
@@ -75,7 +82,7 @@ class AsyncEngine:
                 yield out
         finally:
             self._streams.pop(rid, None)
-            if not finished:  # the client went away (cancel / disconnect): free its slot and KV
+            if not finished:
                 self._inbox.put(("abort", rid))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:

@@ -1,0 +1,159 @@
+"""The FastAPI app: OpenAI routes over the async engine. Imports no MLX."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from mlxserve.api.errors import APIError, error_body, install_error_handlers
+from mlxserve.api.metrics import Metrics
+from mlxserve.api.responses import SSE_DONE, ResponseBuilder, sse
+from mlxserve.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from mlxserve.api.serving import ServedModel, make_request
+from mlxserve.engine.async_engine import AsyncEngine
+from mlxserve.engine.request import RequestOutput
+from mlxserve.engine.scheduler import QueueFullError
+
+log = logging.getLogger(__name__)
+
+_RETRY_AFTER_S = "1"
+
+
+class _Timer:
+    """TTFT and inter-token latency of one request, fed into the Prometheus histograms."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.start = time.perf_counter()
+        self.last: float | None = None
+
+    def on_output(self, out: RequestOutput) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            self.metrics.itl.observe(now - self.last)
+        self.last = now
+
+    def done(self, out: RequestOutput | None) -> None:
+        self.metrics.e2e.observe(time.perf_counter() - self.start)
+        if out is not None:
+            self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
+            self.metrics.completion_tokens.inc(out.num_output_tokens)
+
+
+def create_app(model: ServedModel, engine: AsyncEngine) -> FastAPI:
+    metrics = Metrics(lambda: (engine.stats.num_running, engine.stats.num_waiting))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="mlxserve", lifespan=lifespan)
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def _count(request: Request, call_next):
+        response = await call_next(request)
+        if request.url.path.startswith("/v1/"):
+            metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model.name, "object": "model", "created": model.created, "owned_by": "mlxserve",
+                "max_model_len": model.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, raw: Request):
+        return await _complete(body, raw, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        return await _complete(body, raw, chat=False)
+
+    async def _complete(body: SamplingFields, raw: Request, chat: bool):
+        request = make_request(model, body)
+        try:
+            outputs = engine.generate(request)
+        except QueueFullError as exc:
+            raise APIError(503, str(exc), code="server_busy", headers={"Retry-After": _RETRY_AFTER_S}) from exc
+        builder = ResponseBuilder(request.request_id, body.model, chat, model.tokenizer)
+        timer = _Timer(metrics)
+        if body.stream:
+            return StreamingResponse(
+                _stream(builder, outputs, body.include_usage, timer), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return await _whole(builder, outputs, timer, raw)
+
+    return app
+
+
+async def _stream(builder: ResponseBuilder, outputs: AsyncIterator[RequestOutput], include_usage: bool, timer: _Timer):
+    first = builder.first_chunk()
+    if first:
+        yield first
+    last = None
+    async for out in outputs:
+        if out.error:
+            yield sse(error_body(500, out.error))
+            break
+        timer.on_output(out)
+        last = out
+        chunk = builder.chunk(out)
+        if chunk:
+            yield chunk
+    timer.done(last)
+    if include_usage and last is not None:
+        yield builder.usage_chunk(last.num_prompt_tokens, last.num_output_tokens)
+    yield SSE_DONE
+
+
+async def _whole(builder: ResponseBuilder, outputs: AsyncIterator[RequestOutput], timer: _Timer, raw: Request):
+    async def collect():
+        parts, lps, last = [], [], None
+        async for out in outputs:
+            if out.error:
+                raise RuntimeError(out.error)
+            timer.on_output(out)
+            parts.append(out.text)
+            if out.logprobs:
+                lps.extend(out.logprobs)
+            last = out
+        return "".join(parts), lps, last
+
+    # Nothing is streamed, so watch the connection ourselves: a client that gives up must not keep
+    # its slot busy until max_tokens.
+    task = asyncio.ensure_future(collect())
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            break
+        if await raw.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return Response(status_code=499)
+    text, lps, last = task.result()
+    timer.done(last)
+    return JSONResponse(builder.full(text, last.finish_reason, last.num_prompt_tokens, last.num_output_tokens, lps or None))

@@ -1,0 +1,104 @@
+"""`mlxserve bench engine`: the same load as `bench serve`, in-process through the async engine.
+
+Comparing the two tables gives the HTTP layer's cost: same prompts, same metrics, no sockets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+import uuid
+
+from mlxserve.bench.report import format_table, write_json
+from mlxserve.bench.serve import (
+    TABLE_COLUMNS,
+    RequestResult,
+    ServeBenchConfig,
+    _default_json_path,
+    int_list,
+    make_prompt,
+    summarize_level,
+)
+from mlxserve.config import EngineConfig
+from mlxserve.engine.request import Request, SamplingParams
+
+
+async def _one(engine, tokenizer, cfg: ServeBenchConfig, prompt: str, eos) -> RequestResult:
+    ids = tokenizer.encode(prompt)
+    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=cfg.ignore_eos)
+    res = RequestResult(num_prompt_tokens=len(ids))
+    start = time.perf_counter()
+    first = last = None
+    async for out in engine.generate(Request(uuid.uuid4().hex, ids, params, eos)):
+        now = time.perf_counter()
+        if out.error:
+            res.error = out.error
+            return res
+        if first is None:
+            first = now
+            res.ttft_s = now - start
+        else:
+            res.itl_s.append(now - last)
+        last = now
+        res.num_chunks += 1
+        res.num_completion_tokens = out.num_output_tokens
+    res.e2e_s = time.perf_counter() - start
+    res.decode_s = (last - first) if first is not None else None
+    return res
+
+
+async def run_engine_bench(cfg: ServeBenchConfig, model_path: str | None, engine_config: EngineConfig) -> dict:
+    from mlxserve.models.demo import ensure_demo_model
+    from mlxserve.models.loader import load_model
+    from mlxserve.server import make_engine, resolve_max_model_len
+
+    loaded = load_model(model_path or str(ensure_demo_model()))
+    engine = make_engine(loaded, engine_config, resolve_max_model_len(loaded, engine_config))
+    engine.start(asyncio.get_running_loop())
+    levels = []
+    try:
+        await _one(engine, loaded.tokenizer, cfg, make_prompt(cfg.seed, "warmup", 0, cfg.prompt_tokens),
+                   loaded.eos_token_ids)
+        for pos, c in enumerate(cfg.concurrency):
+            tag = f"L{pos}c{c}"
+            n = cfg.num_requests_for(c)
+            prompts = [make_prompt(cfg.seed, tag, i, cfg.prompt_tokens) for i in range(n)]
+            results: list = [None] * n
+            pending = iter(range(n))
+
+            async def worker():
+                for i in pending:
+                    results[i] = await _one(engine, loaded.tokenizer, cfg, prompts[i], loaded.eos_token_ids)
+
+            start = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(min(c, n))))
+            levels.append(summarize_level(cfg, c, results, time.perf_counter() - start))
+            print(f"level c={c}: {levels[-1]['agg_tok_s']:.1f} tok/s", flush=True)
+    finally:
+        engine.stop()
+    return {"config": {"model": model_path, **cfg.__dict__}, "levels": levels}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model folder or hub id (default: the demo model)")
+    parser.add_argument("--concurrency", type=int_list, default=[1, 16])
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--prefill-step-size", type=int, default=EngineConfig().prefill_step_size)
+    parser.add_argument("--label", default="engine")
+    parser.add_argument("--output-json", default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = ServeBenchConfig(url="http://in-process", model=args.model or "demo", concurrency=args.concurrency,
+                           prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                           num_requests=args.num_requests, label=args.label, output_json=args.output_json)
+    engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, prefill_step_size=args.prefill_step_size)
+    result = asyncio.run(run_engine_bench(cfg, args.model, engine_config))
+    print(format_table(result["levels"], TABLE_COLUMNS))
+    path = write_json(args.output_json or _default_json_path(args.label), result)
+    print(f"wrote {path}")
+    return 0 if all(lv["num_errors"] == 0 for lv in result["levels"]) else 1

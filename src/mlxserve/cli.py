@@ -1,0 +1,97 @@
+"""`mlxserve` command line: parses flags into configs and calls the pieces. Kept thin."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from mlxserve.config import EngineConfig, ServerConfig
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences decoded together")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--prefill-step-size", type=int, default=d.prefill_step_size,
+                   help="prompt tokens per engine step; longer prompts are chunked")
+    p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
+                   help="max_tokens when a request names none")
+
+
+def _engine_config(args) -> EngineConfig:
+    return EngineConfig(max_num_seqs=args.max_num_seqs, prefill_step_size=args.prefill_step_size,
+                        max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens)
+
+
+def _serve(args) -> int:
+    import uvicorn
+
+    from mlxserve.server import build_app
+
+    config = ServerConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
+                          port=args.port, log_level=args.log_level, engine=_engine_config(args))
+    app = build_app(config)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+    return 0
+
+
+def _demo_model(args) -> int:
+    from mlxserve.models.demo import ensure_demo_model
+
+    print(ensure_demo_model(args.path))
+    return 0
+
+
+def _bench_serve(args) -> int:
+    from mlxserve.bench import serve
+
+    return serve.run(args)
+
+
+def _bench_engine(args) -> int:
+    from mlxserve.bench import engine
+
+    return engine.run(args)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlxserve", description="MLX-native OpenAI-compatible server")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="local model folder or Hugging Face id (default: the built-in demo model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="name clients use (default: folder name or id)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_engine_flags(serve)
+    serve.set_defaults(func=_serve)
+
+    demo = sub.add_parser("demo-model", help="build the offline demo model (tiny, random weights)")
+    demo.add_argument("path", nargs="?", default=None, help="output folder (default: the user cache dir)")
+    demo.set_defaults(func=_demo_model)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    from mlxserve.bench import engine as bench_engine
+    from mlxserve.bench import serve as bench_serve
+
+    bs = bench.add_parser("serve", help="streaming HTTP load against an OpenAI-compatible server")
+    bench_serve.add_arguments(bs)
+    bs.set_defaults(func=_bench_serve)
+    be = bench.add_parser("engine", help="the engine in-process, no HTTP")
+    bench_engine.add_arguments(be)
+    be.set_defaults(func=_bench_engine)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
