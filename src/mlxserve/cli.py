@@ -37,9 +37,18 @@ def _serve(args) -> int:
 
 
 def _demo_model(args) -> int:
-    from mlxserve.models.demo import ensure_demo_model
+    import dataclasses
 
-    print(ensure_demo_model(args.path))
+    from mlxserve.models.demo import SHAPES, build_model_folder, ensure_demo_model
+
+    if args.shape == "tiny" and args.bits is None:
+        print(ensure_demo_model(args.path))
+        return 0
+    if args.path is None:
+        raise SystemExit("a PATH is needed with --shape or --bits")
+    config = dataclasses.replace(SHAPES[args.shape], quantize_bits=args.bits, group_size=args.group_size,
+                                 quantize_with_converter=args.shape == "tiny")
+    print(build_model_folder(args.path, config))
     return 0
 
 
@@ -53,6 +62,12 @@ def _bench_engine(args) -> int:
     from mlxserve.bench import engine
 
     return engine.run(args)
+
+
+def _bench_compare(args) -> int:
+    from mlxserve.bench import compare
+
+    return compare.run(args)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -72,9 +87,14 @@ def make_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo-model", help="build the offline demo model (tiny, random weights)")
     demo.add_argument("path", nargs="?", default=None, help="output folder (default: the user cache dir)")
+    demo.add_argument("--shape", default="tiny", choices=["tiny", "qwen3-0.6b", "qwen3-8b"],
+                      help="a real model's shape with random weights (for benchmarks)")
+    demo.add_argument("--bits", type=int, default=None, help="quantize to this many bits")
+    demo.add_argument("--group-size", type=int, default=64)
     demo.set_defaults(func=_demo_model)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    from mlxserve.bench import compare as bench_compare
     from mlxserve.bench import engine as bench_engine
     from mlxserve.bench import serve as bench_serve
 
@@ -84,6 +104,9 @@ def make_parser() -> argparse.ArgumentParser:
     be = bench.add_parser("engine", help="the engine in-process, no HTTP")
     bench_engine.add_arguments(be)
     be.set_defaults(func=_bench_engine)
+    bc = bench.add_parser("compare", help="mlxserve vs mlx_lm.server, same model and load, one run")
+    bench_compare.add_arguments(bc)
+    bc.set_defaults(func=_bench_compare)
     return parser
 
 

@@ -125,11 +125,16 @@ class ModelRunner:
             self._prefill_caches[rid] = cache
             self._samplers[rid] = RowSampler.make(request.sampling, request.prompt_token_ids)
         ids = request.prompt_token_ids[chunk.start : chunk.start + chunk.num_tokens]
-        logits = self.model(mx.array(ids)[None], cache=cache)
         if not chunk.is_last:
-            # Bound the lazy graph: a chunk is evaluated before the next is built.
+            self.model(mx.array(ids)[None], cache=cache)
+            # Bound the lazy graph: a chunk is evaluated before the next is built. Only the cache is
+            # evaluated, so the LM head never runs on these positions.
             mx.eval([c.state for c in cache])
             return
+        if len(ids) > 1:
+            # Same reason: the last position alone gets logits (what mlx-lm's generate_step does).
+            self.model(mx.array(ids[:-1])[None], cache=cache)
+        logits = self.model(mx.array(ids[-1:])[None], cache=cache)
         del self._prefill_caches[rid]
         sampler = self._samplers[rid]
         tokens, logprobs = sample_batch(logits[:, -1, :], [sampler])

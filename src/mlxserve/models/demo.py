@@ -61,6 +61,12 @@ class DemoModelConfig:
     quantize_bits: int | None = None  # e.g. 4: quantized through mlx-lm's converter
     group_size: int = 64
     tie_word_embeddings: bool = True
+    # None: the tokenizer's size. Benchmarks set a real model's (151936 for Qwen3) so the LM head
+    # costs what it costs in production; ids past the tokenizer decode to nothing.
+    vocab_size: int | None = None
+    # The converter round-trips through a float checkpoint on disk; for multi-GB benchmark models we
+    # quantize in memory with mlx's nn.quantize instead (same layers, same config entry).
+    quantize_with_converter: bool = True
 
     def __post_init__(self):
         if self.arch not in _ARCHITECTURES:
@@ -219,8 +225,14 @@ def _write_float_folder(out: pathlib.Path, config: DemoModelConfig) -> None:
         vocab_size = _vocab_size(json.load(f))
     eos_token_id = _token_id(out, EOS_TOKEN)
     pad_token_id = _token_id(out, PAD_TOKEN)
-    hf_config = _hf_config(config, vocab_size, eos_token_id, pad_token_id)
-    save_model(out, _random_model(config, hf_config))
+    hf_config = _hf_config(config, config.vocab_size or vocab_size, eos_token_id, pad_token_id)
+    model = _random_model(config, hf_config)
+    if config.quantize_bits is not None and not config.quantize_with_converter:
+        import mlx.nn as nn
+
+        nn.quantize(model, group_size=config.group_size, bits=config.quantize_bits)
+        hf_config["quantization"] = {"group_size": config.group_size, "bits": config.quantize_bits}
+    save_model(out, model)
     save_config(hf_config, config_path=out / "config.json")
     generation_config = {
         "bos_token_id": None,
@@ -259,7 +271,7 @@ def _quantize_folder(src: pathlib.Path, out: pathlib.Path, config: DemoModelConf
 def build_model_folder(out_dir, config: DemoModelConfig = DemoModelConfig()) -> pathlib.Path:
     """Build a tiny random-weight model folder at out_dir (created if missing) and return its path."""
     out = pathlib.Path(out_dir)
-    if config.quantize_bits is None:
+    if config.quantize_bits is None or not config.quantize_with_converter:
         out.mkdir(parents=True, exist_ok=True)
         _write_float_folder(out, config)
         return out
@@ -306,3 +318,17 @@ def _write_json(path: pathlib.Path, obj: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, ensure_ascii=False)
         f.write("\n")
+
+
+# Real models' shapes with random weights, for benchmarks (`mlxserve demo-model PATH --shape qwen3-8b --bits 4`).
+SHAPES = {
+    "tiny": DemoModelConfig(),
+    "qwen3-0.6b": DemoModelConfig(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                                  num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+                                  max_position_embeddings=40960, vocab_size=151936, dtype="bfloat16",
+                                  init_std=0.02),
+    "qwen3-8b": DemoModelConfig(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                                num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+                                max_position_embeddings=40960, vocab_size=151936, dtype="bfloat16",
+                                init_std=0.02, tie_word_embeddings=False),
+}

@@ -1,0 +1,121 @@
+"""`mlxserve bench compare`: mlxserve and mlx_lm.server on the same model, same load, one run.
+
+Each server is started in turn as a subprocess on a loopback port, measured with `bench serve`'s
+harness, then stopped, so the two never compete for the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from mlxserve.bench.report import format_table, write_json
+from mlxserve.bench.serve import TABLE_COLUMNS, ServeBenchConfig, _default_json_path, int_list, run_serve_bench
+
+_SERVERS = ("mlxserve", "mlx_lm")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _command(server: str, model: str, port: int, args) -> tuple[list[str], str]:
+    """The command line and the model name clients send."""
+    if server == "mlxserve":
+        cmd = [sys.executable, "-m", "mlxserve.cli", "serve", model, "--port", str(port),
+               "--served-model-name", "bench", "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
+        return cmd, "bench"
+    cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", str(port), "--log-level", "WARNING"]
+    # mlx_lm.server matches the request's model against the path it loaded.
+    return cmd, model
+
+
+@contextlib.contextmanager
+def _running(cmd: list[str], url: str, timeout_s: float):
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[2]} exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/v1/models", timeout=2, trust_env=False).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{cmd[2]} did not come up within {timeout_s:.0f} s")
+            time.sleep(0.5)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _ratios(levels: list[dict]) -> list[dict]:
+    by = {(lv["label"], lv["concurrency"]): lv for lv in levels}
+    rows = []
+    for (label, c), lv in by.items():
+        ref = by.get(("mlx_lm", c))
+        if label == "mlxserve" and ref and ref.get("agg_tok_s"):
+            rows.append({"concurrency": c, "agg_ratio": lv["agg_tok_s"] / ref["agg_tok_s"],
+                         "ttft_p50_ratio": (ref["ttft_p50_ms"] or 0) / (lv["ttft_p50_ms"] or 1)})
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from mlxserve.models.demo import ensure_demo_model
+
+    model = args.model or str(ensure_demo_model())
+    levels, errors = [], 0
+    for server in args.servers:
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd, name = _command(server, model, port, args)
+        print(f"starting {server} on {url}", flush=True)
+        with _running(cmd, url, args.startup_timeout):
+            cfg = ServeBenchConfig(url=url, model=name, concurrency=args.concurrency, prompt_tokens=args.prompt_tokens,
+                                   max_tokens=args.max_tokens, num_requests=args.num_requests, label=server,
+                                   warmup=args.warmup, endpoint=args.endpoint)
+            result = asyncio.run(run_serve_bench(cfg))
+        levels.extend(result["levels"])
+        errors += sum(lv["num_errors"] for lv in result["levels"])
+        print(format_table(result["levels"], TABLE_COLUMNS), flush=True)
+    print()
+    print(format_table(levels, TABLE_COLUMNS))
+    ratios = _ratios(levels)
+    if ratios:
+        print()
+        print(format_table(ratios, [("concurrency", "conc", "d"), ("agg_ratio", "mlxserve/mlx_lm agg tok/s", ".2f"),
+                                    ("ttft_p50_ratio", "ttft p50 speed-up", ".2f")]))
+    path = write_json(args.output_json or _default_json_path("compare"),
+                      {"model": model, "levels": levels, "ratios": ratios})
+    print(f"wrote {path}")
+    return 0 if errors == 0 else 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model folder (default: the demo model)")
+    parser.add_argument("--servers", type=lambda s: [x for x in s.split(",") if x], default=list(_SERVERS),
+                        help="comma list of: " + ", ".join(_SERVERS))
+    parser.add_argument("--concurrency", type=int_list, default=[1, 16])
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--startup-timeout", type=float, default=600)
+    parser.add_argument("--output-json", default=None)
