@@ -29,6 +29,7 @@ class LiveServer:
     url: str  # http://127.0.0.1:<port>
     server: uvicorn.Server
     thread: threading.Thread
+    model_name: str = SERVED_NAME
 
     @property
     def base_url(self) -> str:
@@ -79,8 +80,7 @@ def server(qwen3_model_dir):
     live.stop()
 
 
-@pytest.fixture
-def make_server():
+def _server_factory():
     started: list[LiveServer] = []
 
     def make(model_dir, **engine_kwargs) -> LiveServer:
@@ -91,6 +91,18 @@ def make_server():
     yield make
     for live in started:
         live.stop()
+
+
+@pytest.fixture
+def make_server():
+    """`make_server(model_dir, **engine_kwargs)`: servers that stop when the test ends."""
+    yield from _server_factory()
+
+
+@pytest.fixture(scope="module")
+def make_module_server():
+    """The same, for module-scoped fixtures: the servers stop when the module ends."""
+    yield from _server_factory()
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,8 @@ class SamplingFields(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
     logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]]] = None
-    seed: Optional[int] = None
+    # int64 (OpenAI) or uint64: anything else cannot seed mx.random and would fail inside the engine step.
+    seed: Optional[Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]] = None
     stop: Optional[Union[str, list[str]]] = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
     stream: bool = False

@@ -52,7 +52,10 @@ def _completion_prompt(model: ServedModel, body: CompletionRequest) -> list[int]
             raise APIError(400, "only one prompt per request is supported", "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return list(model.tokenizer.encode(prompt))
+        try:
+            return list(model.tokenizer.encode(prompt))
+        except Exception as exc:  # e.g. a lone surrogate ("\ud800") that JSON allows but UTF-8 does not
+            raise APIError(400, f"the prompt cannot be tokenized: {exc}", "prompt") from exc
     bad = [t for t in prompt if not 0 <= t < model.vocab_size]
     if bad:
         raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary (0..{model.vocab_size - 1})", "prompt")
@@ -114,13 +117,16 @@ def make_request(model: ServedModel, body: SamplingFields) -> Request:
         max_tokens=_max_tokens(model, body, len(prompt_ids)),
         temperature=body.temperature,
         top_p=body.top_p,
-        top_k=max(body.top_k, 0),
+        # mlx-lm's top-k sampler raises for k >= vocab (inside a compiled function, which also breaks
+        # mx.random's global state for every later request): such a k filters nothing, so it means "off".
+        top_k=body.top_k if 0 < body.top_k < model.vocab_size else 0,
         min_p=body.min_p,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
         logit_bias=_logit_bias(model, body),
-        seed=body.seed,
+        # mx.random.key takes 0..2**64-1; a negative int64 seed maps onto that range (two's complement).
+        seed=body.seed % 2**64 if body.seed is not None else None,
         stop=body.stop_list,
         ignore_eos=body.ignore_eos,
         logprobs=body.logprobs is not None if isinstance(body, CompletionRequest) else body.logprobs,

@@ -222,7 +222,10 @@ def _write_float_folder(out: pathlib.Path, config: DemoModelConfig) -> None:
 
     build_tokenizer(out)
     with open(out / "tokenizer.json", encoding="utf-8") as f:
-        vocab_size = _vocab_size(json.load(f))
+        tokenizer_json = json.load(f)
+    vocab_size = _vocab_size(tokenizer_json)
+    if config.vocab_size and config.vocab_size > vocab_size:
+        _pad_vocab(out, tokenizer_json, vocab_size, config.vocab_size)
     eos_token_id = _token_id(out, EOS_TOKEN)
     pad_token_id = _token_id(out, PAD_TOKEN)
     hf_config = _hf_config(config, config.vocab_size or vocab_size, eos_token_id, pad_token_id)
@@ -241,6 +244,15 @@ def _write_float_folder(out: pathlib.Path, config: DemoModelConfig) -> None:
         "do_sample": False,
     }
     _write_json(out / "generation_config.json", generation_config)
+
+
+def _pad_vocab(out: pathlib.Path, tokenizer_json: dict, start: int, stop: int) -> None:
+    """Gives every id of a benchmark-sized vocabulary a text (" v2048", ...), so a random model's output
+    streams as text like a real model's. Encoding never produces them: they have no merges."""
+    vocab = tokenizer_json["model"]["vocab"]
+    for i in range(start, stop):
+        vocab[f"\u0120v{i}"] = i  # U+0120 is the byte-level alphabet's space
+    _write_json(out / "tokenizer.json", tokenizer_json)
 
 
 def _vocab_size(tokenizer_json: dict) -> int:
