@@ -17,8 +17,13 @@ class EngineConfig:
     default_max_tokens: int = 2048
     # Requests allowed to wait for a slot; beyond this the server answers 503 instead of queueing forever.
     max_num_waiting: int = 1024
+    # Keep the decode batch at a few fixed sizes and compile them at start-up: "auto" does so where
+    # kernels are compiled per shape at first use (MLX's CUDA backend), "on" / "off" force it.
+    decode_buckets: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.decode_buckets not in ("auto", "on", "off"):
+            raise ValueError("decode_buckets must be auto, on or off")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.prefill_step_size < 1:

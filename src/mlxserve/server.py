@@ -26,12 +26,26 @@ def resolve_max_model_len(loaded: LoadedModel, config: EngineConfig) -> int:
 
 
 def make_engine(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> AsyncEngine:
+    from mlxserve.engine.batch import make_buckets
     from mlxserve.engine.engine_core import EngineCore
 
     def make_core():
-        return EngineCore(loaded.model, loaded.tokenizer, config, max_model_len)
+        buckets = make_buckets(config.max_num_seqs) if _use_buckets(config) else None
+        core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len, buckets)
+        if buckets:
+            core.warmup(buckets)
+        return core
 
     return AsyncEngine(make_core, max_num_requests=config.max_num_seqs + config.max_num_waiting)
+
+
+def _use_buckets(config: EngineConfig) -> bool:
+    if config.decode_buckets != "auto":
+        return config.decode_buckets == "on"
+    import mlx.core as mx
+
+    # Only MLX's CUDA backend compiles per shape at first use; Metal and CPU gain nothing.
+    return hasattr(mx, "cuda") and mx.cuda.is_available() and mx.default_device() == mx.gpu
 
 
 def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAPI:

@@ -48,6 +48,31 @@ class _Timer:
             self.metrics.completion_tokens.inc(out.num_output_tokens)
 
 
+class _CountRequests:
+    """Counts /v1/ requests by status. A plain ASGI middleware on purpose: Starlette's
+    `@app.middleware("http")` wraps `receive` so that `Request.is_disconnected()` never sees the client
+    leave (a timed-out non-streaming request kept its slot to the end), and it skipped unhandled 500s."""
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        status = 500  # unless a response starts: an exception escaped to the server error handler
+
+        async def send_with_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            self.metrics.requests.labels(scope["path"], str(status)).inc()
+
+
 def create_app(model: ServedModel, engine: AsyncEngine) -> FastAPI:
     metrics = Metrics(lambda: (engine.stats.num_running, engine.stats.num_waiting))
 
@@ -62,12 +87,7 @@ def create_app(model: ServedModel, engine: AsyncEngine) -> FastAPI:
     app = FastAPI(title="mlxserve", lifespan=lifespan)
     install_error_handlers(app)
 
-    @app.middleware("http")
-    async def _count(request: Request, call_next):
-        response = await call_next(request)
-        if request.url.path.startswith("/v1/"):
-            metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(_CountRequests, metrics=metrics)
 
     @app.get("/health")
     async def health():

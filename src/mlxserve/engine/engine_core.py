@@ -6,12 +6,13 @@ Runs on the engine thread only; the asyncio side talks to it through `AsyncEngin
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from mlxserve.engine.request import Request, RequestOutput, RequestStatus
+from mlxserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from mlxserve.engine.runner import ModelRunner
 from mlxserve.engine.scheduler import Scheduler
 
@@ -26,10 +27,12 @@ class _TextState:
 
 
 class EngineCore:
-    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, max_model_len: int) -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, config: EngineConfig, max_model_len: int, buckets: list[int] | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(config, max_model_len)
-        self.runner = ModelRunner(model)
+        self.runner = ModelRunner(model, buckets)
         self._requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
 
@@ -72,6 +75,18 @@ class EngineCore:
                 self._forget(rid)
         return outputs
 
+    def warmup(self, batch_sizes: list[int], prompt_len: int = 16, num_tokens: int = 4) -> None:
+        """Runs dummy requests at every batch size so first-use kernel compiles happen now."""
+        start = time.perf_counter()
+        params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+        prompt = [i % 7 + 1 for i in range(prompt_len)]
+        for size in batch_sizes:
+            for i in range(size):
+                self.add_request(Request(f"warmup-{size}-{i}", prompt, params))
+            while self.has_work:
+                self.step()
+        log.info("warm-up over batch sizes %s took %.1f s", batch_sizes, time.perf_counter() - start)
+
     def _make_output(self, request: Request, token: int, finished: bool) -> RequestOutput:
         state = self._text[request.request_id]
         text, hit = state.stop.feed(state.detok.add(token))
@@ -103,6 +118,6 @@ class EngineCore:
             )
             self._forget(rid)
         # Rebuild the runner's state from scratch: its caches may be half-updated.
-        self.runner = ModelRunner(self.runner.model)
+        self.runner = ModelRunner(self.runner.model, self.runner.buckets)
         self.scheduler.schedule()  # flush the finished list the new runner never saw
         return outputs

@@ -1,0 +1,273 @@
+"""The scheduler with fake token ids: admission, chunked prefill, finishing, aborts. No model, no MLX."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from mlxserve.config import EngineConfig
+from mlxserve.engine.request import Request, RequestStatus, SamplingParams
+from mlxserve.engine.scheduler import PrefillChunk, QueueFullError, Scheduler
+
+EOS = 0
+
+
+def make_request(rid: str, num_prompt: int = 4, max_tokens: int = 8, **sampling) -> Request:
+    return Request(rid, list(range(100, 100 + num_prompt)), SamplingParams(max_tokens=max_tokens, **sampling),
+                   eos_token_ids=frozenset({EOS}))
+
+
+def make_scheduler(max_num_seqs=4, prefill_step_size=512, max_model_len=1024, max_num_waiting=1024) -> Scheduler:
+    config = EngineConfig(max_num_seqs=max_num_seqs, prefill_step_size=prefill_step_size,
+                          max_num_waiting=max_num_waiting)
+    return Scheduler(config, max_model_len)
+
+
+def chunks(out) -> list[tuple[str, int, int, bool]]:
+    return [(c.request_id, c.start, c.num_tokens, c.is_last) for c in out.prefill_chunks]
+
+
+def prefill_all(s: Scheduler) -> None:
+    """Schedules until no request has prompt left, feeding one token per finished prompt."""
+    for _ in range(100):
+        out = s.schedule()
+        new = {c.request_id: 7 for c in out.prefill_chunks if c.is_last}
+        new |= {rid: 7 for rid in out.decode_request_ids}
+        s.update(new)
+        if all(r.is_prefill_done for r in s.running.values()) and not s.waiting:
+            return
+    raise AssertionError("prefill never finished")
+
+
+def test_scheduler_imports_no_tensor_library():
+    code = "import sys, mlxserve.engine.scheduler; bad = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'numpy')]; assert not bad, bad"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_fifo_admission_up_to_max_num_seqs():
+    s = make_scheduler(max_num_seqs=2)
+    for i in range(5):
+        s.add_request(make_request(f"r{i}"))
+    out = s.schedule()
+    assert list(s.running) == ["r0", "r1"]
+    assert [r.request_id for r in s.waiting] == ["r2", "r3", "r4"]
+    assert (s.num_running, s.num_waiting) == (2, 3)
+    assert [c.request_id for c in out.prefill_chunks] == ["r0", "r1"]
+    assert all(s.running[rid].status is RequestStatus.RUNNING for rid in s.running)
+    assert all(r.status is RequestStatus.WAITING for r in s.waiting)
+
+
+def test_a_finished_request_makes_room_for_the_oldest_waiting():
+    s = make_scheduler(max_num_seqs=2)
+    for i in range(4):
+        s.add_request(make_request(f"r{i}", max_tokens=1 if i == 1 else 8))
+    out = s.schedule()
+    finished = s.update({c.request_id: 5 for c in out.prefill_chunks})
+    assert [r.request_id for r in finished] == ["r1"]
+    out = s.schedule()
+    assert out.finished_request_ids == ["r1"]
+    assert list(s.running) == ["r0", "r2"]
+    assert [c.request_id for c in out.prefill_chunks] == ["r2"]
+    assert out.decode_request_ids == ["r0"]
+
+
+def test_prefill_is_chunked_oldest_first():
+    s = make_scheduler(prefill_step_size=4)
+    s.add_request(make_request("a", num_prompt=10))
+    s.add_request(make_request("b", num_prompt=3))
+    assert chunks(s.schedule()) == [("a", 0, 4, False)]
+    assert chunks(s.schedule()) == [("a", 4, 4, False)]
+    # a's last 2 tokens, then b gets what is left of the budget.
+    assert chunks(s.schedule()) == [("a", 8, 2, True), ("b", 0, 2, False)]
+    out = s.schedule()
+    assert chunks(out) == [("b", 2, 1, True)]
+    # a finished its prompt in the previous step, but has no sampled token yet; still it decodes now.
+    assert out.decode_request_ids == ["a"]
+    assert s.running["a"].num_computed_tokens == 10 and s.running["b"].num_computed_tokens == 3
+
+
+def test_chunks_cover_the_prompt_exactly():
+    s = make_scheduler(prefill_step_size=5)
+    prompts = {"a": 17, "b": 1, "c": 5, "d": 11}
+    for rid, n in prompts.items():
+        s.add_request(make_request(rid, num_prompt=n))
+    seen: dict[str, list[PrefillChunk]] = {rid: [] for rid in prompts}
+    for _ in range(20):
+        out = s.schedule()
+        assert sum(c.num_tokens for c in out.prefill_chunks) <= 5
+        for c in out.prefill_chunks:
+            seen[c.request_id].append(c)
+    for rid, n in prompts.items():
+        cs = seen[rid]
+        assert [c.start for c in cs] == [sum(x.num_tokens for x in cs[:i]) for i in range(len(cs))]
+        assert sum(c.num_tokens for c in cs) == n
+        assert [c.is_last for c in cs] == [False] * (len(cs) - 1) + [True]
+
+
+def test_decode_list_holds_requests_whose_prompt_is_done():
+    s = make_scheduler(prefill_step_size=8)
+    s.add_request(make_request("short", num_prompt=2))
+    s.add_request(make_request("long", num_prompt=20))
+    out = s.schedule()
+    assert chunks(out) == [("short", 0, 2, True), ("long", 0, 6, False)]
+    assert out.decode_request_ids == []
+    s.update({"short": 5})
+    out = s.schedule()
+    assert out.decode_request_ids == ["short"]
+    assert chunks(out) == [("long", 6, 8, False)]
+
+
+def run_one(s: Scheduler, r: Request, tokens: list[int]) -> list[str | None]:
+    """Feeds `tokens` to the only request, one step each; its finish reason after each step."""
+    reasons = []
+    for t in tokens:
+        s.schedule()
+        s.update({r.request_id: t})
+        reasons.append(r.finish_reason)
+    return reasons
+
+
+def single(s: Scheduler, **kw) -> Request:
+    r = make_request("x", **kw)
+    s.add_request(r)
+    return r
+
+
+def test_finish_on_eos():
+    s = make_scheduler()
+    r = single(s)
+    assert run_one(s, r, [5, 6, EOS]) == [None, None, "stop"]
+    assert r.status is RequestStatus.FINISHED_STOPPED
+    assert r.output_token_ids == [5, 6, EOS]
+    assert "x" not in s.running
+    assert s.schedule().finished_request_ids == ["x"]
+    assert s.schedule().finished_request_ids == []  # reported once
+
+
+def test_ignore_eos_keeps_going_until_max_tokens():
+    s = make_scheduler()
+    r = single(s, max_tokens=3, ignore_eos=True)
+    assert run_one(s, r, [EOS, EOS, EOS]) == [None, None, "length"]
+    assert r.num_output_tokens == 3
+
+
+def test_finish_on_stop_token_id_even_with_ignore_eos():
+    s = make_scheduler()
+    r = single(s, stop_token_ids=(42,), ignore_eos=True)
+    assert run_one(s, r, [5, 42]) == [None, "stop"]
+
+
+def test_finish_on_max_tokens():
+    s = make_scheduler()
+    r = single(s, max_tokens=2)
+    assert run_one(s, r, [5, 6]) == [None, "length"]
+    assert r.status is RequestStatus.FINISHED_LENGTH
+
+
+def test_finish_on_max_model_len():
+    s = make_scheduler(max_model_len=6)
+    r = single(s, num_prompt=4, max_tokens=100)
+    assert run_one(s, r, [5, 6]) == [None, "length"]
+    assert r.num_prompt_tokens + r.num_output_tokens == 6
+
+
+def test_update_ignores_unknown_and_finished_requests():
+    s = make_scheduler()
+    r = single(s, max_tokens=1)
+    s.schedule()
+    assert [f.request_id for f in s.update({"x": 5, "ghost": 9})] == ["x"]
+    # A token still in flight for a request that already finished (pipelined decode) is dropped.
+    assert s.update({"x": 6}) == []
+    assert r.output_token_ids == [5]
+
+
+def test_finish_from_outside_the_scheduler():
+    s = make_scheduler()
+    r = single(s)
+    s.schedule()
+    s.finish("x", RequestStatus.FINISHED_STOPPED)
+    assert r.finish_reason == "stop"
+    assert s.schedule().finished_request_ids == ["x"]
+    s.finish("x", RequestStatus.FINISHED_STOPPED)  # already gone: no-op
+    assert s.schedule().finished_request_ids == []
+
+
+def test_abort_waiting_request():
+    s = make_scheduler(max_num_seqs=1)
+    s.add_request(make_request("a"))
+    s.add_request(make_request("b"))
+    s.schedule()
+    aborted = s.abort("b")
+    assert aborted is not None and aborted.status is RequestStatus.FINISHED_ABORTED
+    assert aborted.finish_reason == "abort"
+    assert s.num_waiting == 0
+    # It never reached the runner, so there is nothing for the runner to free.
+    assert s.schedule().finished_request_ids == []
+
+
+def test_abort_running_request_is_reported_next_step():
+    s = make_scheduler(max_num_seqs=1)
+    s.add_request(make_request("a"))
+    s.add_request(make_request("b"))
+    s.schedule()
+    assert s.abort("a").status is RequestStatus.FINISHED_ABORTED
+    assert s.num_running == 0
+    out = s.schedule()
+    assert out.finished_request_ids == ["a"]
+    assert list(s.running) == ["b"]  # the freed slot is used in the same step
+    assert s.abort("a") is None
+    assert s.abort("nobody") is None
+
+
+def test_abort_while_prefilling_stops_its_chunks():
+    s = make_scheduler(prefill_step_size=4)
+    s.add_request(make_request("a", num_prompt=12))
+    s.add_request(make_request("b", num_prompt=4))
+    assert chunks(s.schedule()) == [("a", 0, 4, False)]
+    s.abort("a")
+    out = s.schedule()
+    assert out.finished_request_ids == ["a"]
+    assert chunks(out) == [("b", 0, 4, True)]
+
+
+def test_queue_full_past_max_num_waiting():
+    s = make_scheduler(max_num_seqs=1, max_num_waiting=2)
+    s.add_request(make_request("a"))
+    s.add_request(make_request("b"))
+    with pytest.raises(QueueFullError):
+        s.add_request(make_request("c"))
+    s.schedule()  # a is admitted: one waiting place frees up
+    s.add_request(make_request("c"))
+    assert [r.request_id for r in s.waiting] == ["b", "c"]
+
+
+def test_has_work_and_is_empty():
+    s = make_scheduler()
+    assert not s.has_work and s.schedule().is_empty
+    r = single(s, max_tokens=1)
+    assert s.has_work
+    out = s.schedule()
+    assert not out.is_empty
+    s.update({"x": 5})
+    assert r.finish_reason == "length"
+    assert s.has_work  # the finished id must still reach the runner
+    assert s.schedule().finished_request_ids == ["x"]
+    assert not s.has_work
+
+
+def test_full_lifecycle_many_requests():
+    s = make_scheduler(max_num_seqs=3, prefill_step_size=6)
+    for i in range(7):
+        s.add_request(make_request(f"r{i}", num_prompt=2 + i, max_tokens=2 + i % 3))
+    finished: list[str] = []
+    for _ in range(200):
+        out = s.schedule()
+        assert len(s.running) <= 3
+        new = {c.request_id: 9 for c in out.prefill_chunks if c.is_last} | {rid: 9 for rid in out.decode_request_ids}
+        finished += [r.request_id for r in s.update(new)]
+        if not s.has_work:
+            break
+    assert sorted(finished) == [f"r{i}" for i in range(7)]
+    assert s.num_running == s.num_waiting == 0
