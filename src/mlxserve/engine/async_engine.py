@@ -10,6 +10,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
@@ -17,6 +18,9 @@ from mlxserve.engine.request import Request, RequestOutput
 from mlxserve.engine.scheduler import QueueFullError
 
 log = logging.getLogger(__name__)
+
+# A step this long stalls every stream; worth a log line (kernel compiles, a huge prefill chunk).
+_SLOW_STEP_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -95,15 +99,17 @@ class AsyncEngine:
     def _run(self) -> None:
         import mlx.core as mx
 
-        try:
-            core = self._make_core()
-            stream = mx.new_stream(mx.default_device())
-        except BaseException as exc:  # reported to start()
-            self._startup_error = exc
-            self._ready.set()
-            return
-        self._ready.set()
+        stream = mx.new_stream(mx.default_device())
         with mx.stream(stream):
+            # The core is built (and warmed up) on the stream that will serve: compiled kernels and
+            # buffers the warm-up creates are the ones the real steps reuse.
+            try:
+                core = self._make_core()
+            except BaseException as exc:  # reported to start()
+                self._startup_error = exc
+                self._ready.set()
+                return
+            self._ready.set()
             while True:
                 block = not core.has_work
                 try:
@@ -118,7 +124,12 @@ class AsyncEngine:
                             core.abort(arg)
                 except queue.Empty:
                     pass
+                started = time.perf_counter()
                 outputs = core.step()
+                elapsed = time.perf_counter() - started
+                if elapsed > _SLOW_STEP_S:
+                    log.warning("slow engine step: %.2f s with %d running, %d waiting", elapsed,
+                                core.scheduler.num_running, core.scheduler.num_waiting)
                 self.stats = EngineStats(core.scheduler.num_running, core.scheduler.num_waiting)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)

@@ -102,7 +102,8 @@ class EngineCore:
             text=text,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
-            finish_reason=request.finish_reason if finished else None,
+            # A stop string completed by the token that also reached max_tokens still cut the text: "stop".
+            finish_reason=("stop" if hit else request.finish_reason) if finished else None,
         )
 
     def _forget(self, request_id: str) -> None:
@@ -119,5 +120,10 @@ class EngineCore:
             self._forget(rid)
         # Rebuild the runner's state from scratch: its caches may be half-updated.
         self.runner = ModelRunner(self.runner.model, self.runner.buckets)
+        # mlx-lm's samplers are mx.compile'd over mx.random.state; one that raised mid-trace leaves a
+        # placeholder array there and every later unseeded sample would fail. Start a fresh key.
+        import mlx.core as mx
+
+        mx.random.seed(time.time_ns() % 2**32)
         self.scheduler.schedule()  # flush the finished list the new runner never saw
         return outputs
