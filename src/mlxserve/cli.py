@@ -17,14 +17,16 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens per engine step; longer prompts are chunked")
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
                    help="max_tokens when a request names none")
-    p.add_argument("--decode-buckets", choices=["auto", "on", "off"], default=d.decode_buckets,
-                   help="fixed decode batch sizes compiled at start-up (auto: on for CUDA)")
+    p.add_argument("--warmup", choices=["auto", "on", "off"], default=d.warmup,
+                   help="run every batch size once at start-up (auto: on for CUDA, which compiles per shape)")
+    p.add_argument("--decode-buckets", choices=["on", "off"], default=d.decode_buckets,
+                   help="pad the decode batch to a few fixed sizes")
 
 
 def _engine_config(args) -> EngineConfig:
     return EngineConfig(max_num_seqs=args.max_num_seqs, prefill_step_size=args.prefill_step_size,
                         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
-                        decode_buckets=args.decode_buckets)
+                        warmup=args.warmup, decode_buckets=args.decode_buckets)
 
 
 def _serve(args) -> int:

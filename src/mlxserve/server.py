@@ -30,18 +30,16 @@ def make_engine(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -
     from mlxserve.engine.engine_core import EngineCore
 
     def make_core():
-        buckets = make_buckets(config.max_num_seqs) if _use_buckets(config) else None
+        buckets = make_buckets(config.max_num_seqs) if config.decode_buckets == "on" else None
         core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len, buckets)
-        if buckets:
-            core.warmup(buckets)
+        if _compiles_per_shape() if config.warmup == "auto" else config.warmup == "on":
+            core.warmup(config.max_num_seqs)
         return core
 
     return AsyncEngine(make_core, max_num_requests=config.max_num_seqs + config.max_num_waiting)
 
 
-def _use_buckets(config: EngineConfig) -> bool:
-    if config.decode_buckets != "auto":
-        return config.decode_buckets == "on"
+def _compiles_per_shape() -> bool:
     import mlx.core as mx
 
     # Only MLX's CUDA backend compiles per shape at first use; Metal and CPU gain nothing.

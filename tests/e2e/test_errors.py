@@ -161,6 +161,14 @@ def test_exactly_at_context_limit_is_accepted(http):
     assert r.json()["usage"] == {"prompt_tokens": 60, "completion_tokens": 4, "total_tokens": 64}
 
 
+def test_default_max_tokens_fills_the_context(http):
+    body = without(comp(prompt=[5] * 50, ignore_eos=True), "max_tokens")
+    r = send(http, COMP, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == MAX_MODEL_LEN - 50
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_wrong_method_and_unknown_path(http):
     assert_error_shape(http.get(CHAT), 405)
     assert_error_shape(http.get("/v1/nothing-here"), 404)

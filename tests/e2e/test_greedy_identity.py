@@ -18,6 +18,7 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 from mlxserve.config import EngineConfig
+from mlxserve.engine.batch import make_buckets
 from mlxserve.engine.engine_core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.models.loader import load_model
@@ -84,10 +85,12 @@ def _max_tokens(i: int) -> int:
 # -- engine level: exact token ids -------------------------------------------------------------------
 
 
-def _run_engine(case: Case, order: list[int], join_after_steps: int, num_first_wave: int) -> dict[str, tuple]:
+def _run_engine(case: Case, order: list[int], join_after_steps: int, num_first_wave: int,
+                buckets: list[int] | None = None) -> dict[str, tuple]:
     """Adds `order[:num_first_wave]`, steps `join_after_steps` times, adds the rest, steps to the end."""
     core = EngineCore(case.loaded.model, case.loaded.tokenizer,
-                      EngineConfig(max_num_seqs=16, prefill_step_size=PREFILL_STEP), max_model_len=4096)
+                      EngineConfig(max_num_seqs=16, prefill_step_size=PREFILL_STEP), max_model_len=4096,
+                      buckets=buckets)
     tokens: dict[str, list[int]] = {}
     logprobs: dict[str, list] = {}
     finish: dict[str, str] = {}
@@ -144,10 +147,12 @@ def test_engine_alone_matches_mlx_lm(case):
         _check_engine_result(case, i, result[f"r{i}"])
 
 
-def test_engine_batched_matches_mlx_lm(case):
+@pytest.mark.parametrize("buckets", [None, make_buckets(16)], ids=["exact-batch", "bucketed-batch"])
+def test_engine_batched_matches_mlx_lm(case, buckets):
     # Longest prompts first so the second wave joins while chunked prefills and decodes are in flight.
+    # With buckets the batch is padded with filler rows, which must not change any live row.
     order = sorted(range(len(case.prompts)), key=lambda i: -len(case.prompts[i]))
-    result = _run_engine(case, order, join_after_steps=3, num_first_wave=8)
+    result = _run_engine(case, order, join_after_steps=3, num_first_wave=8, buckets=buckets)
     for i in range(len(case.prompts)):
         _check_engine_result(case, i, result[f"r{i}"])
 
@@ -198,8 +203,9 @@ async def _stream_one(client, prompt, max_tokens, first_chunk: asyncio.Event | N
 
 
 @pytest.mark.anyio
-async def test_http_16_concurrent_match_mlx_lm(case, make_server):
-    live = make_server(case.model_dir, max_num_seqs=16, prefill_step_size=PREFILL_STEP)
+@pytest.mark.parametrize("decode_buckets", ["off", "on"])
+async def test_http_16_concurrent_match_mlx_lm(case, make_server, decode_buckets):
+    live = make_server(case.model_dir, max_num_seqs=16, prefill_step_size=PREFILL_STEP, decode_buckets=decode_buckets)
     async with openai.AsyncOpenAI(base_url=live.base_url, api_key="x", max_retries=0, timeout=120) as client:
         # Wave 1 (long generations) is decoding when wave 2 arrives and is prefilled in chunks.
         wave1 = [i for i in range(len(case.prompts)) if i % 2 == 0]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 
-import openai
 import pytest
 from tokenizers import Tokenizer
 
@@ -59,12 +58,17 @@ def collect_completion_stream(stream):
     return pieces, finish, usage
 
 
+def _plain(token: str, min_len: int) -> bool:
+    word = token.strip()
+    return len(word) >= min_len and word.isascii() and word.isalpha()
+
+
 def clean_span(tokens: list[str], min_len: int) -> int:
-    """Index of the first token that is plain ASCII letters of at least `min_len` characters."""
-    for i, t in enumerate(tokens):
-        if i > 0 and len(t.strip()) >= min_len and t.strip().isascii() and t.strip().isalpha():
+    """Index of the first token of plain ASCII letters (at least `min_len`) after another plain token."""
+    for i in range(1, len(tokens)):
+        if _plain(tokens[i], min_len) and _plain(tokens[i - 1], 1):
             return i
-    raise AssertionError(f"no clean token in {tokens}")
+    raise AssertionError(f"no plain token pair in {tokens}")
 
 
 # -- basics ------------------------------------------------------------------------------------------
@@ -126,13 +130,6 @@ def test_completion_token_id_prompt(client, hf_tokenizer):
     by_ids = complete(client, prompt=ids, max_tokens=6, temperature=0.0, extra_body=IGNORE_EOS)
     assert by_ids.usage.prompt_tokens == len(ids)
     assert by_ids.choices[0].text == by_text.choices[0].text
-
-
-def test_default_max_tokens_fills_to_eos_or_limit(client):
-    # No max_tokens: the server picks one (default 2048, capped by the context); the request still ends.
-    r = complete(client, prompt="hi", temperature=0.0, extra_body={"top_k": 1}, max_tokens=None)
-    assert r.choices[0].finish_reason in ("stop", "length")
-    assert r.usage.completion_tokens >= 1
 
 
 # -- streaming ---------------------------------------------------------------------------------------
@@ -215,7 +212,7 @@ def _stop_cases(text: str, tokens: list[str]) -> dict[str, str]:
     i = clean_span(tokens, 2)
     j = clean_span(tokens[i + 1 :], 3) + i + 1
     inside = tokens[j].strip()[1:3]  # strictly inside one token
-    across = tokens[i - 1][-1:] + tokens[i].lstrip()[:2]  # the end of one token and the start of the next
+    across = tokens[i - 1][-1:] + tokens[i][:2]  # the end of one token and the start of the next
     assert across in text and inside in text
     return {"across": across, "inside": inside}
 
@@ -269,6 +266,33 @@ def test_earliest_of_several_stop_strings_wins(client, greedy_completion):
     r = complete(client, max_tokens=24, temperature=0.0, stop=stops, extra_body=IGNORE_EOS)
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == text[: min(text.find(s) for s in stops)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_on_the_last_allowed_token_reports_stop(client, greedy_completion, stream):
+    text, tokens = greedy_completion
+    stop = _stop_cases(text, tokens)["across"]
+    # The number of tokens whose text first contains the stop string: max_tokens ends there too.
+    k = next(k for k in range(1, len(tokens) + 1) if stop in "".join(tokens[:k]))
+    assert text.startswith("".join(tokens[:k]))
+    kw = dict(max_tokens=k, temperature=0.0, stop=stop, extra_body=IGNORE_EOS)
+    if stream:
+        pieces, finish, _ = collect_completion_stream(complete(client, stream=True, **kw))
+        got = "".join(pieces)
+    else:
+        r = complete(client, **kw)
+        got, finish = r.choices[0].text, r.choices[0].finish_reason
+    assert got == _expected_before(text, [stop])
+    assert finish == "stop"
+
+
+def test_eos_finishes_with_stop_unless_ignored(client, hf_tokenizer):
+    eos = hf_tokenizer.token_to_id("<|im_end|>")
+    r = complete(client, max_tokens=5, temperature=0.0, logit_bias={str(eos): 100})
+    assert (r.choices[0].finish_reason, r.choices[0].text, r.usage.completion_tokens) == ("stop", "", 1)
+    r = complete(client, max_tokens=5, temperature=0.0, logit_bias={str(eos): 100}, extra_body=IGNORE_EOS)
+    # Special tokens are not rendered as text.
+    assert (r.choices[0].finish_reason, r.choices[0].text, r.usage.completion_tokens) == ("length", "", 5)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -29,18 +29,6 @@ def chunks(out) -> list[tuple[str, int, int, bool]]:
     return [(c.request_id, c.start, c.num_tokens, c.is_last) for c in out.prefill_chunks]
 
 
-def prefill_all(s: Scheduler) -> None:
-    """Schedules until no request has prompt left, feeding one token per finished prompt."""
-    for _ in range(100):
-        out = s.schedule()
-        new = {c.request_id: 7 for c in out.prefill_chunks if c.is_last}
-        new |= {rid: 7 for rid in out.decode_request_ids}
-        s.update(new)
-        if all(r.is_prefill_done for r in s.running.values()) and not s.waiting:
-            return
-    raise AssertionError("prefill never finished")
-
-
 def test_scheduler_imports_no_tensor_library():
     code = "import sys, mlxserve.engine.scheduler; bad = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'numpy')]; assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True)

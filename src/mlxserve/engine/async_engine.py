@@ -99,10 +99,11 @@ class AsyncEngine:
     def _run(self) -> None:
         import mlx.core as mx
 
-        stream = mx.new_stream(mx.default_device())
+        # The engine thread's own default stream, not `mx.new_stream`: on MLX's CUDA backend a new
+        # stream made every new prompt length stall for ~35 s (H200, mlx 0.32.4), the default one
+        # did not. The thread is the only one issuing MLX work, so it owns this stream all the same.
+        stream = mx.default_stream(mx.default_device())
         with mx.stream(stream):
-            # The core is built (and warmed up) on the stream that will serve: compiled kernels and
-            # buffers the warm-up creates are the ones the real steps reuse.
             try:
                 core = self._make_core()
             except BaseException as exc:  # reported to start()

@@ -75,17 +75,19 @@ class EngineCore:
                 self._forget(rid)
         return outputs
 
-    def warmup(self, batch_sizes: list[int], prompt_len: int = 16, num_tokens: int = 4) -> None:
-        """Runs dummy requests at every batch size so first-use kernel compiles happen now."""
+    def warmup(self, max_batch: int, prompt_len: int = 16) -> None:
+        """Runs the batch through every size from 1 to `max_batch` and back, so the kernels a backend
+        compiles per shape at first use (MLX's CUDA backend: seconds each) are compiled now and not
+        while clients wait. One request joins per step and each stays `max_batch + 1` tokens."""
         start = time.perf_counter()
-        params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_batch + 1, temperature=0.0, ignore_eos=True)
         prompt = [i % 7 + 1 for i in range(prompt_len)]
-        for size in batch_sizes:
-            for i in range(size):
-                self.add_request(Request(f"warmup-{size}-{i}", prompt, params))
-            while self.has_work:
-                self.step()
-        log.info("warm-up over batch sizes %s took %.1f s", batch_sizes, time.perf_counter() - start)
+        for i in range(max_batch):
+            self.add_request(Request(f"warmup-{i}", prompt, params))
+            self.step()
+        while self.has_work:
+            self.step()
+        log.info("warm-up over batch sizes 1..%d took %.1f s", max_batch, time.perf_counter() - start)
 
     def _make_output(self, request: Request, token: int, finished: bool) -> RequestOutput:
         state = self._text[request.request_id]
