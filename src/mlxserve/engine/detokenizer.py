@@ -8,9 +8,55 @@ SentencePiece-style tokenizers the context they need to render that space.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import codecs
+from typing import Any, Callable, Sequence
 
 _CONTEXT_TOKENS = 6
+
+
+def _byte_alphabet_decoder() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): printable bytes stand for themselves, the others are
+    shifted to code points from 256 up. Returns char -> byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def make_detokenizer_factory(tokenizer: Any) -> Callable[[Sequence[int]], Any]:
+    """Per-model setup, shared by all requests: a bytes table for byte-level BPE tokenizers (Qwen,
+    Llama 3, GPT-2 style), where each token is a fixed byte string and an incremental UTF-8 decoder
+    is exact; the windowed `decode` for everything else (SentencePiece and friends)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+        return lambda prompt_ids: IncrementalDetokenizer(tokenizer, prompt_ids)
+    alphabet = _byte_alphabet_decoder()
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    table = [bytes(alphabet.get(ch, 0x3F) for ch in piece) if piece else b"" for piece in pieces]
+    for token_id, added in tokenizer.added_tokens_decoder.items():
+        if token_id < len(table):
+            # Added tokens are stored as plain text, not in the byte alphabet; special ones are skipped
+            # like `decode(..., skip_special_tokens=True)` does.
+            table[token_id] = b"" if added.special else added.content.encode("utf-8")
+    return lambda prompt_ids: ByteLevelDetokenizer(table)
+
+
+class ByteLevelDetokenizer:
+    def __init__(self, table: list[bytes]) -> None:
+        self._table = table
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def add(self, token_id: int) -> str:
+        piece = self._table[token_id] if token_id < len(self._table) else b""
+        return self._utf8.decode(piece)
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
 
 
 class IncrementalDetokenizer:

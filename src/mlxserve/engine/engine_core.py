@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxserve.config import EngineConfig
-from mlxserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from mlxserve.engine.detokenizer import StopStringMatcher, make_detokenizer_factory
 from mlxserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from mlxserve.engine.runner import ModelRunner
 from mlxserve.engine.scheduler import Scheduler
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _TextState:
-    detok: IncrementalDetokenizer
+    detok: Any  # IncrementalDetokenizer or ByteLevelDetokenizer
     stop: StopStringMatcher
     num_sent_tokens: int = 0
 
@@ -31,6 +31,7 @@ class EngineCore:
         self, model: Any, tokenizer: Any, config: EngineConfig, max_model_len: int, buckets: list[int] | None = None
     ) -> None:
         self.tokenizer = tokenizer
+        self._make_detokenizer = make_detokenizer_factory(tokenizer)
         self.scheduler = Scheduler(config, max_model_len)
         self.runner = ModelRunner(model, buckets)
         self._requests: dict[str, Request] = {}
@@ -44,7 +45,7 @@ class EngineCore:
         self.scheduler.add_request(request)
         self._requests[request.request_id] = request
         self._text[request.request_id] = _TextState(
-            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+            self._make_detokenizer(request.prompt_token_ids),
             StopStringMatcher(request.sampling.stop),
         )
 
