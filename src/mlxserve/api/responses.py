@@ -29,6 +29,7 @@ class ResponseBuilder:
         self.chat = chat
         self.created = int(time.time())
         self._tok = tokenizer
+        self._text_template: list[str] | None = None
 
     def _envelope(self, obj: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
@@ -88,6 +89,14 @@ class ResponseBuilder:
     def chunk(self, out: RequestOutput) -> str | None:
         if not out.text and not out.finish_reason and not out.logprobs:
             return None
+        if not out.finish_reason and not out.logprobs:
+            # The common chunk (text only) from a template: one small dumps instead of a whole object.
+            if self._text_template is None:
+                marker = "\x00"
+                body = sse(self._chunk({"content": marker} if self.chat else marker, None))
+                self._text_template = body.split(json.dumps(marker))
+            head, tail = self._text_template
+            return head + json.dumps(out.text, ensure_ascii=False) + tail
         body = ({"content": out.text} if out.text else {}) if self.chat else out.text
         return sse(self._chunk(body, out.finish_reason, out.logprobs))
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from mlxserve.engine.request import Request, RequestOutput
+from mlxserve.engine.request import Request, RequestOutput, merge_outputs
 from mlxserve.engine.scheduler import QueueFullError
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,10 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                out: RequestOutput = await stream.get()
+                ready = [await stream.get()]
+                while not ready[-1].finished and not stream.empty():
+                    ready.append(stream.get_nowait())
+                out = merge_outputs(ready)
                 finished = out.finished
                 yield out
         finally:

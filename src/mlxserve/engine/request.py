@@ -111,3 +111,22 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None or self.error is not None
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: a consumer that fell behind catches up with a
+    single chunk instead of paying per-chunk costs for every token it missed."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    logprobs = [lp for o in outputs for lp in (o.logprobs or ())]
+    return RequestOutput(
+        request_id=last.request_id,
+        new_token_ids=[t for o in outputs for t in o.new_token_ids],
+        text="".join(o.text for o in outputs),
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens,
+        finish_reason=last.finish_reason,
+        logprobs=logprobs if any(o.logprobs is not None for o in outputs) else None,
+        error=next((o.error for o in outputs if o.error), None),
+    )
