@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from typing import AsyncIterator
@@ -79,6 +80,10 @@ def create_app(model: ServedModel, engine: AsyncEngine) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         engine.start(asyncio.get_running_loop())
+        # Everything loaded so far (model code, tokenizer, FastAPI) lives as long as the server: move it
+        # out of the collector's sight, or each full collection walks it all and stalls the streams.
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:
