@@ -23,6 +23,10 @@ class EngineConfig:
     warmup: str = "off"
     # Pad the decode batch to a few fixed sizes (fewer shapes to compile, some wasted rows).
     decode_buckets: str = "off"
+    # Prefix cache: KV of full blocks of `block_size` tokens, reused by later prompts with the same start.
+    enable_prefix_cache: bool = True
+    block_size: int = 256
+    cache_memory_bytes: int = 2 << 30
 
     def __post_init__(self) -> None:
         if self.warmup not in ("auto", "on", "off"):
@@ -35,6 +39,10 @@ class EngineConfig:
             raise ValueError("prefill_step_size must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.cache_memory_bytes < 0:
+            raise ValueError("cache_memory_bytes must be >= 0")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
 
@@ -51,3 +59,16 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+
+
+def parse_memory(text: str, total_bytes: int) -> int:
+    """"2GB", "512MiB", "1e9" or "20%" (of total_bytes) -> bytes."""
+    t = text.strip().upper().replace(" ", "")
+    if t.endswith("%"):
+        return int(float(t[:-1]) / 100 * total_bytes)
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
+             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "B": 1}
+    for suffix, scale in units.items():
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * scale)
+    return int(float(t))

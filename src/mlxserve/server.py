@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 from fastapi import FastAPI
 
@@ -25,13 +26,29 @@ def resolve_max_model_len(loaded: LoadedModel, config: EngineConfig) -> int:
     return config.max_model_len
 
 
+def model_key(loaded: LoadedModel) -> str:
+    """Identity of the weights for the prefix cache: config, source and weight files' sizes and mtimes,
+    so blocks from another model (or an edited one) never match."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256(json.dumps(loaded.config, sort_keys=True, default=str).encode())
+    h.update(loaded.source.encode())
+    path = Path(loaded.source)
+    if path.is_dir():
+        for f in sorted(path.glob("*.safetensors")):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:32]
+
+
 def make_engine(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> AsyncEngine:
     from mlxserve.engine.batch import make_buckets
     from mlxserve.engine.engine_core import EngineCore
 
     def make_core():
         buckets = make_buckets(config.max_num_seqs) if config.decode_buckets == "on" else None
-        core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len, buckets)
+        core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len, buckets, model_key(loaded))
         if _compiles_per_shape() if config.warmup == "auto" else config.warmup == "on":
             core.warmup(config.max_num_seqs)
         return core

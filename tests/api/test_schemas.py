@@ -246,7 +246,8 @@ def test_full_responses():
     assert chat["object"] == "chat.completion"
     assert chat["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop",
                                 "logprobs": None}]
-    assert chat["usage"] == usage(3, 2) == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert chat["usage"] == usage(3, 2) == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                                            "prompt_tokens_details": {"cached_tokens": 0}}
     comp = ResponseBuilder("id", "tiny", False, ByteTokenizer()).full("hi", "length", 3, 2, None)
     assert comp["object"] == "text_completion" and comp["choices"][0]["text"] == "hi"
 

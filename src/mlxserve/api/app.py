@@ -75,7 +75,7 @@ class _CountRequests:
 
 
 def create_app(model: ServedModel, engine: AsyncEngine) -> FastAPI:
-    metrics = Metrics(lambda: (engine.stats.num_running, engine.stats.num_waiting))
+    metrics = Metrics(lambda: engine.stats)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -101,6 +101,15 @@ def create_app(model: ServedModel, engine: AsyncEngine) -> FastAPI:
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/cache/stats")
+    async def cache_stats():
+        return await engine.call(lambda core: core.cache_stats())
+
+    @app.delete("/v1/cache")
+    async def clear_cache():
+        n = await engine.call(lambda core: core.clear_cache())
+        return {"cleared_blocks": n}
 
     @app.get("/v1/models")
     async def models():
@@ -150,7 +159,7 @@ async def _stream(builder: ResponseBuilder, outputs: AsyncIterator[RequestOutput
             yield chunk
     timer.done(last)
     if include_usage and last is not None:
-        yield builder.usage_chunk(last.num_prompt_tokens, last.num_output_tokens)
+        yield builder.usage_chunk(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
     yield SSE_DONE
 
 
@@ -181,4 +190,5 @@ async def _whole(builder: ResponseBuilder, outputs: AsyncIterator[RequestOutput]
             return Response(status_code=499)
     text, lps, last = task.result()
     timer.done(last)
-    return JSONResponse(builder.full(text, last.finish_reason, last.num_prompt_tokens, last.num_output_tokens, lps or None))
+    return JSONResponse(builder.full(text, last.finish_reason, last.num_prompt_tokens, last.num_output_tokens, lps or None,
+                                     last.num_cached_tokens))

@@ -2,23 +2,33 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
 
 
 class _EngineGauges:
-    """Reads running/waiting counts at scrape time instead of pushing them on every step."""
+    """Reads the engine's counters at scrape time instead of pushing them on every step."""
 
-    def __init__(self, read: Callable[[], tuple[int, int]]) -> None:
+    def __init__(self, read: Callable[[], Any]) -> None:
         self._read = read
 
     def collect(self):
-        running, waiting = self._read()
+        stats = self._read()
+        running, waiting = stats.num_running, stats.num_waiting
+        c = CounterMetricFamily("mlxserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache")
+        c.add_metric([], stats.prefix_queried_tokens)
+        yield c
+        c = CounterMetricFamily("mlxserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache")
+        c.add_metric([], stats.prefix_hit_tokens)
+        yield c
+        g = GaugeMetricFamily("mlxserve_prefix_cache_blocks", "Blocks held by the prefix cache in memory")
+        g.add_metric([], stats.prefix_cached_blocks)
+        yield g
         g = GaugeMetricFamily("mlxserve_num_requests_running", "Requests in the decode batch or prefilling")
         g.add_metric([], running)
         yield g
@@ -28,7 +38,7 @@ class _EngineGauges:
 
 
 class Metrics:
-    def __init__(self, read_engine_counts: Callable[[], tuple[int, int]]) -> None:
+    def __init__(self, read_engine_counts: Callable[[], Any]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("mlxserve_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)

@@ -16,8 +16,9 @@ def sse(obj: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def usage(num_prompt: int, num_completion: int) -> dict:
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion, "total_tokens": num_prompt + num_completion}
+def usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion, "total_tokens": num_prompt + num_completion,
+            "prompt_tokens_details": {"cached_tokens": num_cached}}
 
 
 class ResponseBuilder:
@@ -58,7 +59,8 @@ class ResponseBuilder:
         return entry
 
     # -- whole response ------------------------------------------------------------------------
-    def full(self, text: str, finish_reason: str, num_prompt: int, num_completion: int, lps: list | None) -> dict:
+    def full(self, text: str, finish_reason: str, num_prompt: int, num_completion: int, lps: list | None,
+             num_cached: int = 0) -> dict:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason, "logprobs": None}
             obj = "chat.completion"
@@ -67,7 +69,7 @@ class ResponseBuilder:
             obj = "text_completion"
         if lps is not None:
             choice["logprobs"] = self.logprobs(lps)
-        return self._envelope(obj, [choice], usage=usage(num_prompt, num_completion))
+        return self._envelope(obj, [choice], usage=usage(num_prompt, num_completion, num_cached))
 
     # -- streaming -----------------------------------------------------------------------------
     def first_chunk(self) -> str | None:
@@ -100,6 +102,6 @@ class ResponseBuilder:
         body = ({"content": out.text} if out.text else {}) if self.chat else out.text
         return sse(self._chunk(body, out.finish_reason, out.logprobs))
 
-    def usage_chunk(self, num_prompt: int, num_completion: int) -> str:
+    def usage_chunk(self, num_prompt: int, num_completion: int, num_cached: int = 0) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return sse(self._envelope(obj, [], usage=usage(num_prompt, num_completion)))
+        return sse(self._envelope(obj, [], usage=usage(num_prompt, num_completion, num_cached)))

@@ -7,6 +7,7 @@ Commands go to the engine thread through a thread-safe queue; each step's output
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -27,6 +28,9 @@ _SLOW_STEP_S = 1.0
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_cached_blocks: int = 0
 
 
 class AsyncEngine:
@@ -92,6 +96,13 @@ class AsyncEngine:
             if not finished:
                 self._inbox.put(("abort", rid))
 
+    async def call(self, fn: Callable[["EngineCore"], object]) -> object:  # noqa: F821
+        """Runs `fn(core)` on the engine thread between two steps (state the engine owns, e.g. the
+        prefix cache, is only touched there) and returns its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", (fn, future)))
+        return await asyncio.wrap_future(future)
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -124,6 +135,8 @@ class AsyncEngine:
                             return
                         if cmd == "add":
                             self._add(core, arg)
+                        elif cmd == "call":
+                            self._call(core, *arg)
                         else:
                             core.abort(arg)
                 except queue.Empty:
@@ -134,9 +147,21 @@ class AsyncEngine:
                 if elapsed > _SLOW_STEP_S:
                     log.warning("slow engine step: %.2f s with %d running, %d waiting", elapsed,
                                 core.scheduler.num_running, core.scheduler.num_waiting)
-                self.stats = EngineStats(core.scheduler.num_running, core.scheduler.num_waiting)
+                prefix = core.prefix
+                self.stats = EngineStats(
+                    core.scheduler.num_running,
+                    core.scheduler.num_waiting,
+                    *((prefix.num_queried_tokens, prefix.num_hit_tokens, prefix.pool.num_cached) if prefix else ()),
+                )
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    @staticmethod
+    def _call(core, fn, future: concurrent.futures.Future) -> None:
+        try:
+            future.set_result(fn(core))
+        except Exception as exc:
+            future.set_exception(exc)
 
     def _add(self, core, request: Request) -> None:
         try:

@@ -15,6 +15,7 @@ from mlxserve.engine.detokenizer import StopStringMatcher, make_detokenizer_fact
 from mlxserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from mlxserve.engine.runner import ModelRunner
 from mlxserve.engine.scheduler import Scheduler
+from mlxserve.cache.setup import make_prefix_cache
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +29,19 @@ class _TextState:
 
 class EngineCore:
     def __init__(
-        self, model: Any, tokenizer: Any, config: EngineConfig, max_model_len: int, buckets: list[int] | None = None
+        self,
+        model: Any,
+        tokenizer: Any,
+        config: EngineConfig,
+        max_model_len: int,
+        buckets: list[int] | None = None,
+        model_key: str = "",
     ) -> None:
         self.tokenizer = tokenizer
         self._make_detokenizer = make_detokenizer_factory(tokenizer)
-        self.scheduler = Scheduler(config, max_model_len)
-        self.runner = ModelRunner(model, buckets)
+        self.prefix, store = make_prefix_cache(model, config, model_key)
+        self.scheduler = Scheduler(config, max_model_len, self.prefix)
+        self.runner = ModelRunner(model, buckets, store, config.block_size)
         self._requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
 
@@ -107,6 +115,7 @@ class EngineCore:
             num_output_tokens=request.num_output_tokens,
             # A stop string completed by the token that also reached max_tokens still cut the text: "stop".
             finish_reason=("stop" if hit else request.finish_reason) if finished else None,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     def _forget(self, request_id: str) -> None:
@@ -121,12 +130,22 @@ class EngineCore:
                 RequestOutput(rid, [], "", request.num_prompt_tokens, request.num_output_tokens, error=message)
             )
             self._forget(rid)
-        # Rebuild the runner's state from scratch: its caches may be half-updated.
-        self.runner = ModelRunner(self.runner.model, self.runner.buckets)
+        # Rebuild the runner's state from scratch: its caches may be half-updated, and so may the
+        # prefix cache's planned blocks, so that starts empty too.
+        old = self.runner
+        self.runner = ModelRunner(old.model, old.buckets, old.store, old.block_size)
+        self.scheduler.reset_after_failure()
         # mlx-lm's samplers are mx.compile'd over mx.random.state; one that raised mid-trace leaves a
         # placeholder array there and every later unseeded sample would fail. Start a fresh key.
         import mlx.core as mx
 
         mx.random.seed(time.time_ns() % 2**32)
-        self.scheduler.schedule()  # flush the finished list the new runner never saw
         return outputs
+
+    def cache_stats(self) -> dict:
+        if self.prefix is None:
+            return {"enabled": False}
+        return {"enabled": True, **self.prefix.stats(), "memory_bytes": self.runner.store.nbytes}
+
+    def clear_cache(self) -> int:
+        return self.prefix.clear() if self.prefix is not None else 0

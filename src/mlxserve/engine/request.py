@@ -66,6 +66,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # Prompt tokens already written into this request's KV cache.
     num_computed_tokens: int = 0
+    # Prefix-cache hit at admission: these blocks hold the first num_cached_tokens prompt tokens.
+    cached_block_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -107,6 +110,7 @@ class RequestOutput:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -129,4 +133,5 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         finish_reason=last.finish_reason,
         logprobs=logprobs if any(o.logprobs is not None for o in outputs) else None,
         error=next((o.error for o in outputs if o.error), None),
+        num_cached_tokens=last.num_cached_tokens,
     )

@@ -15,6 +15,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxserve.cache.kv_store import KVBlockStore
 from mlxserve.engine.batch import DecodeBatch
 from mlxserve.engine.request import Request, SamplingParams, TokenLogprob
 from mlxserve.engine.sampling import RowSampler, gather_logprobs, sample_batch
@@ -34,9 +35,13 @@ class StepTokens:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, buckets: list[int] | None = None) -> None:
+    def __init__(
+        self, model: Any, buckets: list[int] | None = None, store: KVBlockStore | None = None, block_size: int = 0
+    ) -> None:
         self.model = model
         self.buckets = buckets
+        self.store = store
+        self.block_size = block_size
         self._prefill_caches: dict[str, list[Any]] = {}
         self._samplers: dict[str, RowSampler] = {}
         self._batch = DecodeBatch(buckets)
@@ -49,6 +54,8 @@ class ModelRunner:
         return len(self._batch)
 
     def execute(self, sched: SchedulerOutput, requests: dict[str, Request]) -> StepTokens:
+        if sched.store_ops:
+            self._store_blocks(sched.store_ops)
         self._drop(sched.finished_request_ids)
         joined: list[tuple[str, list[Any], mx.array]] = []
         for chunk in sched.prefill_chunks:
@@ -68,12 +75,28 @@ class ModelRunner:
         if request_ids:
             self._batch.drop(set(request_ids))
 
+    def _store_blocks(self, store_ops: dict) -> None:
+        """Copies full blocks of finishing rows into the prefix cache, before the rows are dropped."""
+        new = []
+        for rid, ops in store_ops.items():
+            if rid not in self._batch.row_ids:
+                continue
+            row = self._batch.row_ids.index(rid)
+            cache = [c.extract(row) for c in self._batch.cache]
+            for op in ops:
+                kv = self.store.copy_from(cache, op.start, self.block_size)
+                self.store.put(op.block_id, kv)
+                new.extend(a for pair in kv for a in pair)
+        mx.async_eval(new)
+
     # -- prefill -------------------------------------------------------------------------------
     def _prefill(self, chunk: PrefillChunk, request: Request):
         rid = request.request_id
         cache = self._prefill_caches.get(rid)
         if cache is None:
             cache = make_prompt_cache(self.model)
+            if request.cached_block_ids:
+                self.store.make_cache(request.cached_block_ids, cache)
             self._prefill_caches[rid] = cache
             self._samplers[rid] = RowSampler.make(request.sampling, request.prompt_token_ids)
         ids = request.prompt_token_ids[chunk.start : chunk.start + chunk.num_tokens]

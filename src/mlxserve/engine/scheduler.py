@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from mlxserve.cache.prefix_cache import PrefixCacheManager, StoreOp
 from mlxserve.config import EngineConfig
 from mlxserve.engine.request import Request, RequestStatus
 
@@ -34,6 +35,8 @@ class SchedulerOutput:
     decode_request_ids: list[str] = field(default_factory=list)
     # Requests that finished or were aborted since the last step: the runner frees their KV.
     finished_request_ids: list[str] = field(default_factory=list)
+    # Before freeing, the runner copies these blocks of a finished request's KV into the prefix cache.
+    store_ops: dict[str, list[StoreOp]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -41,13 +44,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, max_model_len: int, prefix: PrefixCacheManager | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        self.prefix = prefix
         self.waiting: deque[Request] = deque()
         # Insertion order is admission order: prefill work goes to the oldest request first.
         self.running: dict[str, Request] = {}
         self._finished_ids: list[str] = []
+        self._finished: list[Request] = []
 
     # -- queue -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -87,6 +92,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
+        if self.prefix is not None:
+            self._plan_stores(out)
 
         # Requests whose prompt finished in an earlier step decode now.
         out.decode_request_ids = [r.request_id for r in self.running.values() if r.is_prefill_done]
@@ -95,6 +102,10 @@ class Scheduler:
             request = self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running[request.request_id] = request
+            if self.prefix is not None:
+                request.cached_block_ids = self.prefix.lookup(request.request_id, request.prompt_token_ids)
+                request.num_cached_tokens = len(request.cached_block_ids) * self.prefix.block_size
+                request.num_computed_tokens = request.num_cached_tokens
 
         budget = self.config.prefill_step_size
         for request in self.running.values():
@@ -143,7 +154,30 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def reset_after_failure(self) -> None:
+        """After a failed step: every request was aborted; drop the bookkeeping for them."""
+        self._finished_ids = []
+        if self.prefix is not None:
+            for request in self._finished:
+                self.prefix.release(request.request_id)
+            self.prefix.finish_stores()
+            self.prefix.clear()
+        self._finished = []
+
+    def _plan_stores(self, out: SchedulerOutput) -> None:
+        self.prefix.finish_stores()  # the last step's planned copies were made
+        for request in self._finished:
+            # A request that got its first token has a decode row holding KV for its prompt and
+            # every output token (each emitted token was fed in the step that emitted it).
+            if request.num_output_tokens > 0:
+                ops = self.prefix.plan_store(request.prompt_token_ids + request.output_token_ids)
+                if ops:
+                    out.store_ops[request.request_id] = ops
+            self.prefix.release(request.request_id)
+        self._finished = []
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         del self.running[request.request_id]
         self._finished_ids.append(request.request_id)
+        self._finished.append(request)

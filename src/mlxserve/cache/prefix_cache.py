@@ -1,0 +1,132 @@
+"""The logical half of the prefix cache: which blocks a prompt can reuse, which a finished request
+adds. No MLX here; the runner's `KVBlockStore` holds the arrays under the same block ids.
+
+Stored blocks are immutable copies: a running request attaches them to its own cache (one copy)
+and writes its new tokens there, never into a shared block. Divergence inside a block therefore
+needs no copy-on-write at run time: the diverging block simply has another hash and is computed.
+Blocks stay referenced while a request that hit them runs, so eviction never takes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+EvictCallback = Callable[[bytes, int], None]
+# Asked on a memory miss (a second tier, e.g. SSD): fill block `block_id` with the data stored under
+# this hash and these tokens, and say whether it could.
+ColdLookup = Callable[[bytes, Sequence[int], int], bool]
+
+from mlxserve.cache.block_pool import Block, BlockPool
+from mlxserve.cache.hashing import block_hashes
+
+
+@dataclass(frozen=True)
+class StoreOp:
+    """Copy tokens [start, start + block_size) of a request's KV into block `block_id`."""
+
+    block_id: int
+    start: int
+    block_hash: bytes
+
+
+class PrefixCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        model_key: str,
+        on_evict: EvictCallback | None = None,
+        lookup_cold: ColdLookup | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.model_key = model_key
+        # Called the moment a block's hash is dropped, before its id is handed out again, so the
+        # physical store can free (or spill) the data in time.
+        self.pool = BlockPool(num_blocks, block_size, on_evict=on_evict)
+        self._lookup_cold = lookup_cold
+        self._held: dict[str, list[Block]] = {}
+        self._writing: list[Block] = []  # planned stores, held until the runner has copied them
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    # -- admission -----------------------------------------------------------------------------
+    def lookup(self, request_id: str, token_ids: Sequence[int]) -> list[int]:
+        """Ids of the longest run of cached full blocks at the start of the prompt, now held by
+        `request_id`. At least one prompt token is always left to compute (it yields the logits)."""
+        bs = self.block_size
+        hashes = block_hashes(token_ids[:-1], bs, model_key=self.model_key)
+        hits: list[Block] = []
+        for i, h in enumerate(hashes):
+            tokens = token_ids[i * bs : (i + 1) * bs]
+            block = self.pool.lookup(h, tokens)
+            if block is None and self._lookup_cold is not None:
+                block = self._load_cold(h, tokens)
+            if block is None:
+                break
+            self.pool.touch([block])
+            hits.append(block)
+        self._held[request_id] = hits
+        self.num_queried_tokens += len(token_ids)
+        self.num_hit_tokens += len(hits) * bs
+        return [b.block_id for b in hits]
+
+    def _load_cold(self, block_hash: bytes, tokens: Sequence[int]) -> Block | None:
+        if self.pool.num_free == 0:
+            return None
+        (block,) = self.pool.allocate(1)
+        if not self._lookup_cold(block_hash, tokens, block.block_id):
+            self.pool.free([block])
+            return None
+        self.pool.cache_full_block(block, block_hash, tokens)
+        self.pool.free([block])  # the caller touches it like any memory hit
+        return block
+
+    def release(self, request_id: str) -> None:
+        # Tail first: a prompt's last blocks are evicted before the head other requests share.
+        self.pool.free(reversed(self._held.pop(request_id, [])))
+
+    # -- insertion -----------------------------------------------------------------------------
+    def plan_store(self, token_ids: Sequence[int]) -> list[StoreOp]:
+        """Blocks of `token_ids` (tokens whose KV exists) not cached yet, each given a block id.
+
+        Planned blocks stay referenced until `finish_stores`, so an allocation later in the same
+        step cannot evict a block before the runner has written it."""
+        bs = self.block_size
+        ops = []
+        for i, h in enumerate(block_hashes(token_ids, bs, model_key=self.model_key)):
+            tokens = token_ids[i * bs : (i + 1) * bs]
+            if h in self.pool.cached:
+                continue  # this request's own hit, or another request stored it first
+            if self.pool.num_free == 0:
+                break
+            (block,) = self.pool.allocate(1)
+            self.pool.cache_full_block(block, h, tokens)
+            self._writing.append(block)
+            ops.append(StoreOp(block.block_id, i * bs, h))
+        return ops
+
+    def finish_stores(self) -> None:
+        """The runner copied every planned block: they become ordinary evictable cache entries."""
+        self.pool.free(reversed(self._writing))
+        self._writing = []
+
+    def evict_to(self, num_blocks: int) -> int:
+        """Shrinks the cached, unreferenced set so at most `num_blocks` are cached."""
+        return self.pool.evict_unreferenced(max(0, self.pool.num_cached - num_blocks))
+
+    def clear(self) -> int:
+        return self.pool.evict_unreferenced(self.pool.num_cached)
+
+    def stats(self) -> dict:
+        q = self.num_queried_tokens
+        return {
+            "block_size": self.block_size,
+            "num_blocks": self.pool.num_blocks,
+            "num_cached_blocks": self.pool.num_cached,
+            "num_used_blocks": self.pool.num_used,
+            "queried_tokens": q,
+            "hit_tokens": self.num_hit_tokens,
+            "hit_rate": self.num_hit_tokens / q if q else 0.0,
+            "evictions": self.pool.num_evictions,
+        }

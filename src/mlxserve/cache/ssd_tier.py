@@ -1,0 +1,468 @@
+"""The SSD cold tier of the prefix cache: one safetensors file per KV block.
+
+A file is named by its block's chained hash (`hashing.disk_key`), so blocks survive restarts
+and serve every request with that prefix. Each file carries a compatibility header (model,
+block size, layers, dtype, format version), the block's token ids and a sha256; a file that
+fails any check is a cache miss and is deleted, never an error for the caller.
+
+No MLX here: the engine thread hands over raw little-endian bytes (bfloat16 has no numpy
+dtype) and each tensor is stored as a 1-D uint8 array of them, so any safetensors reader
+can open the files. The real shapes live in the header.
+
+Threads: `put` only enqueues; one writer thread writes (temp file, fsync, rename) and keeps
+the size cap. `get` reads on the caller's thread. The index (hash -> file size, in LRU
+order) is shared by both and guarded by one lock; file I/O stays outside it.
+The directory belongs to the tier: `*.tmp` files in it are deleted at start-up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from mlxserve.cache.hashing import disk_key
+
+FORMAT_VERSION = 1
+BLOCK_SUFFIX = ".safetensors"
+TMP_SUFFIX = ".tmp"
+# Far above any real header (a block's token ids + a few hundred tensor entries); bounds
+# what a corrupt length prefix can make us allocate.
+_MAX_HEADER_BYTES = 16 << 20
+_METADATA = "__metadata__"
+
+
+@dataclass(frozen=True)
+class BlockMeta:
+    """What makes stored blocks usable by this server; any difference makes a file foreign."""
+
+    model_key: str
+    block_size: int
+    num_layers: int
+    dtype: str
+    format_version: int = FORMAT_VERSION
+
+    def header_fields(self) -> dict[str, str]:
+        # safetensors metadata is a str -> str map.
+        return {
+            "format_version": str(self.format_version),
+            "model_key": self.model_key,
+            "block_size": str(self.block_size),
+            "num_layers": str(self.num_layers),
+            "dtype": self.dtype,
+        }
+
+
+@dataclass
+class BlockData:
+    """One block's KV: tensor name (e.g. "l0.k") -> (raw little-endian bytes, shape).
+
+    On `put` the buffers may be any C-contiguous bytes-like objects; they are written later
+    by another thread, so they must not change after the call (`bytes` never do).
+    """
+
+    token_ids: tuple[int, ...]
+    tensors: dict[str, tuple[bytes, tuple[int, ...]]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(memoryview(buf).nbytes for buf, _ in self.tensors.values())
+
+
+class _BadFile(Exception):
+    """A block file failed a check; the message says which."""
+
+
+class _Incompatible(_BadFile):
+    """A well-formed file from another model, block size, dtype or format version."""
+
+
+class _TokenMismatch(_BadFile):
+    """The file's tokens differ from the caller's: it cannot serve this hash."""
+
+
+@dataclass(eq=False)  # identity tells the entry a reader saw from a later rewrite
+class _Entry:
+    size: int
+
+
+def _checksum(block_hash: bytes, token_ids, shapes: list, buffers: list) -> str:
+    # Covers the manifest as well as the tensor bytes: a flipped header byte that still
+    # parses (a shape digit, a token id) must not be served either.
+    h = hashlib.sha256()
+    manifest = [block_hash.hex(), [int(t) for t in token_ids], shapes]
+    h.update(json.dumps(manifest, separators=(",", ":")).encode())
+    for buf in buffers:
+        h.update(buf)
+    return h.hexdigest()
+
+
+def _encode(meta: BlockMeta, block_hash: bytes, block: BlockData) -> tuple[bytes, list]:
+    """The safetensors length prefix + JSON header, and the buffers to write after it."""
+    entries, shapes, buffers, offset = {}, [], [], 0
+    for name, (buf, shape) in block.tensors.items():
+        size = memoryview(buf).nbytes
+        entries[name] = {"dtype": "U8", "shape": [size], "data_offsets": [offset, offset + size]}
+        shapes.append([name, [int(d) for d in shape]])
+        buffers.append(buf)
+        offset += size
+    metadata = meta.header_fields()
+    metadata["block_hash"] = block_hash.hex()
+    metadata["token_ids"] = json.dumps([int(t) for t in block.token_ids], separators=(",", ":"))
+    metadata["shapes"] = json.dumps(shapes, separators=(",", ":"))
+    metadata["sha256"] = _checksum(block_hash, block.token_ids, shapes, buffers)
+    header = json.dumps({_METADATA: metadata, **entries}, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # the format pads so tensor data starts 8-byte aligned
+    return len(header).to_bytes(8, "little") + header, buffers
+
+
+def _read_header(f, meta: BlockMeta, file_size: int) -> tuple[dict, list[tuple[str, int, int]]]:
+    """Parse and check the header; leaves `f` at the start of the data.
+
+    Returns the metadata and the tensors as (name, begin, end) in file order.
+    """
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise _BadFile("truncated before the header")
+    header_len = int.from_bytes(prefix, "little")
+    if header_len > _MAX_HEADER_BYTES or 8 + header_len > file_size:
+        raise _BadFile(f"header length {header_len} out of range")
+    try:
+        header = json.loads(f.read(header_len))
+        metadata = header.pop(_METADATA)
+        for key, expected in meta.header_fields().items():
+            if metadata.get(key) != expected:
+                raise _Incompatible(f"{key}={metadata.get(key)!r}, expected {expected!r}")
+        spans = sorted(
+            ((name, int(e["data_offsets"][0]), int(e["data_offsets"][1])) for name, e in header.items()),
+            key=lambda span: span[1],
+        )
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        raise _BadFile(f"unreadable header: {exc!r}") from None
+    pos = 0
+    for name, begin, end in spans:  # the data must be tiled exactly, as the format requires
+        if begin != pos or end < begin:
+            raise _BadFile(f"tensor {name!r} has bad offsets")
+        pos = end
+    if 8 + header_len + pos != file_size:
+        raise _BadFile(f"file has {file_size} bytes, header says {8 + header_len + pos}")
+    return metadata, spans
+
+
+def _hash_from_name(name: str) -> bytes | None:
+    """The block hash a file name stands for, or None for files that are not blocks."""
+    if not name.endswith(BLOCK_SUFFIX):
+        return None
+    try:
+        block_hash = bytes.fromhex(name[: -len(BLOCK_SUFFIX)])
+    except ValueError:
+        return None
+    return block_hash if block_hash and disk_key(block_hash) + BLOCK_SUFFIX == name else None
+
+
+class SSDTier:
+    """Content-addressed KV blocks on disk, bounded by `max_bytes`, LRU-evicted."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        max_bytes: int,
+        meta: BlockMeta,
+        *,
+        writer_queue_size: int = 256,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        if max_bytes <= 0 or writer_queue_size <= 0:
+            raise ValueError(f"need positive sizes, got {max_bytes=} {writer_queue_size=}")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.meta = meta
+        self._log = logger or logging.getLogger(__name__)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified whenever _pending shrinks
+        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # front = least recently used
+        # Queued or being written: served from memory so a block is never in neither tier.
+        self._pending: dict[bytes, BlockData] = {}
+        self._queue: queue.Queue = queue.Queue(maxsize=writer_queue_size)
+        self._bytes = 0
+        self._closed = False
+        self._counts = dict.fromkeys(
+            ("writes", "dropped_writes", "write_errors", "reads", "hits", "misses",
+             "collisions", "corrupt_removed", "incompatible_removed", "evictions"), 0)
+        self._scan()
+        self._writer = threading.Thread(target=self._run_writer, name="ssd-tier-writer", daemon=True)
+        self._writer.start()
+
+    # -- the caller's side ---------------------------------------------------
+
+    def contains(self, block_hash: bytes) -> bool:
+        with self._lock:
+            return block_hash in self._index or block_hash in self._pending
+
+    def put(self, block_hash: bytes, block: BlockData) -> bool:
+        """Queue a block for writing; never waits. False if dropped or already stored."""
+        if len(block.token_ids) != self.meta.block_size:
+            raise ValueError(f"a block has {self.meta.block_size} tokens, got {len(block.token_ids)}")
+        for name, (buf, _) in block.tensors.items():
+            if not isinstance(name, str) or name == _METADATA or not memoryview(buf).c_contiguous:
+                raise ValueError(f"bad tensor {name!r}: need a str name and a C-contiguous buffer")
+        with self._lock:
+            if self._closed or block_hash in self._pending:
+                return False
+            if block_hash in self._index:
+                self._index.move_to_end(block_hash)  # it just left the GPU pool: it is hot
+                return False
+            if block.nbytes > self.max_bytes:  # it would evict everything and still not fit
+                self._counts["dropped_writes"] += 1
+                return False
+            try:
+                self._queue.put_nowait((block_hash, block))
+            except queue.Full:  # the disk is behind: losing a cache write beats stalling a step
+                self._counts["dropped_writes"] += 1
+                return False
+            self._pending[block_hash] = block
+            return True
+
+    def get(self, block_hash: bytes, token_ids: Sequence[int]) -> BlockData | None:
+        """The stored block if it is intact and holds exactly `token_ids`, else None."""
+        tokens = tuple(token_ids)
+        with self._lock:
+            pending = self._pending.get(block_hash)
+            if pending is not None:
+                if tuple(pending.token_ids) == tokens:
+                    self._counts["hits"] += 1
+                    return pending
+                self._counts["collisions"] += 1
+            entry = self._index.get(block_hash) if pending is None else None
+            if entry is None:
+                self._counts["misses"] += 1
+                return None
+            self._counts["reads"] += 1
+        path = self._path(block_hash)
+        try:
+            block = self._read_block(path, block_hash, tokens)
+        except (_BadFile, OSError) as exc:
+            self._on_bad_read(block_hash, entry, path, exc)
+            return None
+        try:
+            os.utime(path)  # the mtime carries the LRU order across restarts
+        except OSError:
+            pass
+        with self._lock:
+            if self._index.get(block_hash) is entry:
+                self._index.move_to_end(block_hash)
+            self._counts["hits"] += 1
+        return block
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write is on disk (or failed); False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._pending, timeout)
+
+    def clear(self) -> int:
+        """Delete every block file (queued writes are dropped); returns how many."""
+        with self._lock:
+            while not self._closed:  # after close the queue may hold the writer's stop sentinel
+                try:
+                    block_hash, _ = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                self._pending.pop(block_hash, None)
+            self._idle.notify_all()
+        self.flush()  # the write in flight, if any, lands before we delete
+        with self._lock:
+            self._index.clear()
+            self._bytes = 0
+        count = 0
+        for item in os.scandir(self.directory):
+            if _hash_from_name(item.name) is not None and self._unlink(item.path):
+                count += 1
+        return count
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer. Later puts are refused; gets still work."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.flush()
+        self._queue.put(None)
+        self._writer.join()
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"num_blocks": len(self._index), "bytes": self._bytes, "max_bytes": self.max_bytes,
+                    "pending_writes": len(self._pending), **self._counts}
+
+    # -- reading -------------------------------------------------------------
+
+    def _read_block(self, path: Path, block_hash: bytes, tokens: tuple[int, ...]) -> BlockData:
+        with open(path, "rb") as f:
+            metadata, spans = _read_header(f, self.meta, os.fstat(f.fileno()).st_size)
+            try:
+                if metadata["block_hash"] != block_hash.hex():
+                    raise _BadFile("file holds another block hash")
+                stored = tuple(json.loads(metadata["token_ids"]))
+                if stored != tokens:
+                    raise _TokenMismatch("stored token ids differ from the request's")
+                shapes = json.loads(metadata["shapes"])
+                if [s[0] for s in shapes] != [name for name, _, _ in spans]:
+                    raise _BadFile("shapes do not match the tensors")
+                expected_sum = metadata["sha256"]
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
+                raise _BadFile(f"unreadable metadata: {exc!r}") from None
+            buffers = [f.read(end - begin) for _, begin, end in spans]
+        if any(len(buf) != end - begin for buf, (_, begin, end) in zip(buffers, spans)):
+            raise _BadFile("truncated while reading")
+        if _checksum(block_hash, stored, shapes, buffers) != expected_sum:
+            raise _BadFile("checksum mismatch")
+        tensors = {name: (buf, tuple(shape)) for (name, shape), buf in zip(shapes, buffers)}
+        return BlockData(stored, tensors)
+
+    def _on_bad_read(self, block_hash: bytes, entry: _Entry, path: Path, exc: Exception) -> None:
+        with self._lock:
+            # Only drop what we read: the writer may have evicted or rewritten it meanwhile.
+            ours = self._index.get(block_hash) is entry
+            if ours:
+                del self._index[block_hash]
+                self._bytes -= entry.size
+            self._counts["misses"] += 1
+            if isinstance(exc, _TokenMismatch):
+                self._counts["collisions"] += 1
+            elif isinstance(exc, _BadFile):
+                self._counts["corrupt_removed"] += 1
+        if isinstance(exc, FileNotFoundError):
+            self._log.debug("ssd tier: block %s vanished", disk_key(block_hash))
+            return
+        self._log.warning("ssd tier: dropping block %s: %s", disk_key(block_hash), exc)
+        if ours:
+            self._unlink(path)
+
+    def _scan(self) -> None:
+        """Rebuild the index from the directory, dropping crash leftovers and foreign files."""
+        found = []
+        for item in os.scandir(self.directory):
+            if item.name.endswith(TMP_SUFFIX):  # a write cut short by a crash
+                self._log.info("ssd tier: removing leftover temp file %s", item.name)
+                self._unlink(item.path)
+                continue
+            block_hash = _hash_from_name(item.name)
+            if block_hash is None:
+                continue
+            try:
+                st = item.stat()
+                with open(item.path, "rb") as f:  # headers only: checksums are verified on read
+                    _read_header(f, self.meta, st.st_size)
+            except (_BadFile, OSError) as exc:
+                kind = "incompatible_removed" if isinstance(exc, _Incompatible) else "corrupt_removed"
+                self._counts[kind] += 1
+                self._log.info("ssd tier: removing %s (%s)", item.name, exc)
+                self._unlink(item.path)
+                continue
+            found.append((st.st_mtime_ns, block_hash, st.st_size))
+        for _, block_hash, size in sorted(found):
+            self._index[block_hash] = _Entry(size)
+            self._bytes += size
+        for block_hash in self._pick_victims(keep=None):  # the cap may have been lowered
+            self._unlink(self._path(block_hash))
+        self._log.info("ssd tier: %d blocks, %d bytes in %s", len(self._index), self._bytes, self.directory)
+
+    # -- writing (the writer thread) -----------------------------------------
+
+    def _run_writer(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            block_hash, block = item
+            size = error = None
+            try:
+                size = self._write_block(block_hash, block)
+            # Anything (disk full, a bad buffer) costs this block only: the thread must live on.
+            except Exception as exc:  # noqa: BLE001
+                error = exc
+            victims = []
+            with self._lock:
+                if error is not None:
+                    self._counts["write_errors"] += 1
+                    num_errors = self._counts["write_errors"]
+                else:
+                    old = self._index.pop(block_hash, None)
+                    self._bytes += size - (old.size if old else 0)
+                    self._index[block_hash] = _Entry(size)
+                    self._counts["writes"] += 1
+                    victims = self._pick_victims(keep=block_hash)
+            # A full disk fails every write: log the first failure and every 100th, not each.
+            if error is not None and (num_errors == 1 or num_errors % 100 == 0):
+                self._log.warning("ssd tier: writing %s failed (%d failures so far): %r",
+                                  disk_key(block_hash), num_errors, error)
+            for victim in victims:
+                self._unlink(self._path(victim))
+            with self._lock:
+                self._pending.pop(block_hash, None)
+                self._idle.notify_all()
+
+    def _write_block(self, block_hash: bytes, block: BlockData) -> int:
+        """Write atomically: a reader or a crash sees the whole file or none of it."""
+        prefix, buffers = _encode(self.meta, block_hash, block)
+        final = self._path(block_hash)
+        tmp = final.with_name(f"{final.name}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(prefix)
+                for buf in buffers:
+                    f.write(buf)
+                f.flush()
+                os.fsync(f.fileno())
+                size = f.tell()
+            os.replace(tmp, final)
+        except BaseException:
+            self._unlink(tmp)
+            raise
+        self._fsync_directory()
+        return size
+
+    def _fsync_directory(self) -> None:
+        # Makes the rename itself durable across power loss; not every platform allows it.
+        try:
+            fd = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+
+    # -- helpers -------------------------------------------------------------
+
+    def _pick_victims(self, keep: bytes | None) -> list[bytes]:
+        """Drop LRU entries until under the cap, sparing `keep`; caller holds the lock."""
+        victims = []
+        while self._bytes > self.max_bytes and self._index:
+            block_hash, entry = next(iter(self._index.items()))
+            if block_hash == keep:  # only the newest block is left
+                break
+            del self._index[block_hash]
+            self._bytes -= entry.size
+            self._counts["evictions"] += 1
+            victims.append(block_hash)
+        return victims
+
+    def _path(self, block_hash: bytes) -> Path:
+        return self.directory / (disk_key(block_hash) + BLOCK_SUFFIX)
+
+    def _unlink(self, path) -> bool:
+        try:
+            os.unlink(path)
+            return True
+        except OSError:
+            return False
