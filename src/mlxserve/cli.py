@@ -86,6 +86,12 @@ def _bench_compare(args) -> int:
     return compare.run(args)
 
 
+def _bench_prefix(args) -> int:
+    from mlxserve.bench import prefix
+
+    return prefix.run(args)
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxserve", description="MLX-native OpenAI-compatible server")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -112,6 +118,7 @@ def make_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     from mlxserve.bench import compare as bench_compare
     from mlxserve.bench import engine as bench_engine
+    from mlxserve.bench import prefix as bench_prefix
     from mlxserve.bench import serve as bench_serve
 
     bs = bench.add_parser("serve", help="streaming HTTP load against an OpenAI-compatible server")
@@ -123,6 +130,9 @@ def make_parser() -> argparse.ArgumentParser:
     bc = bench.add_parser("compare", help="mlxserve vs mlx_lm.server, same model and load, one run")
     bench_compare.add_arguments(bc)
     bc.set_defaults(func=_bench_compare)
+    bp = bench.add_parser("prefix", help="TTFT with a shared prefix: cold vs prefix-cache hit")
+    bench_prefix.add_arguments(bp)
+    bp.set_defaults(func=_bench_prefix)
     return parser
 
 

@@ -1,0 +1,121 @@
+"""`mlxserve bench prefix`: what the prefix cache saves, in-process on the engine core.
+
+For each shared-prefix length: TTFT of a request whose prefix was never seen (cold) against one
+whose prefix an earlier request left in the cache (hit), plus decode speed with the cache on and
+off. Requests run one at a time so the numbers are the cache's, not the batcher's.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import random
+import statistics
+import time
+
+from mlxserve.bench.report import format_table, write_json
+from mlxserve.bench.serve import _default_json_path, int_list
+from mlxserve.config import EngineConfig
+from mlxserve.engine.request import Request, SamplingParams
+
+_COLUMNS = [
+    ("block_size", "block", "d"), ("prefix_tokens", "prefix", "d"), ("ttft_cold_ms", "ttft cold", ".1f"),
+    ("ttft_hit_ms", "ttft hit", ".1f"), ("speedup", "speed-up", ".1f"), ("hit_tokens", "hit tok", "d"),
+    ("ttft_ssd_ms", "ttft ssd", ".1f"), ("ssd_speedup", "ssd speed-up", ".1f"),
+]
+
+
+def _run_one(core, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
+    """(ttft s, decode tokens/s, cached tokens) of one request run alone."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    rid = f"bench-{time.monotonic_ns()}"
+    start = time.perf_counter()
+    core.add_request(Request(rid, prompt, params))
+    first = last = None
+    n = cached = 0
+    while core.has_work:
+        for out in core.step():
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            n += len(out.new_token_ids)
+            cached = out.num_cached_tokens
+    rate = (n - 1) / (last - first) if n > 1 and last > first else 0.0
+    return first - start, rate, cached
+
+
+def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def run_prefix_bench(args) -> dict:
+    from mlxserve.engine.engine_core import EngineCore
+    from mlxserve.models.demo import ensure_demo_model
+    from mlxserve.models.loader import load_model
+    from mlxserve.server import model_key, resolve_max_model_len
+
+    loaded = load_model(args.model or str(ensure_demo_model()))
+    vocab = min(len(loaded.tokenizer), 2000)
+    rows = []
+    for block_size in args.block_size:
+        config = EngineConfig(block_size=block_size, prefill_step_size=args.prefill_step_size,
+                              cache_memory_bytes=int(args.cache_gb * (1 << 30)))
+        max_len = resolve_max_model_len(loaded, config)
+        core = EngineCore(loaded.model, loaded.tokenizer, config, max_len, model_key=model_key(loaded))
+        rng = random.Random(0)
+        _run_one(core, _prompt(rng, 64, vocab), 4)  # warm-up
+        for p in args.prefix_tokens:
+            cold, hit, hit_tokens = [], [], 0
+            for _ in range(args.repeats):
+                prefix = _prompt(rng, p, vocab)
+                cold.append(_run_one(core, prefix + _prompt(rng, args.suffix_tokens, vocab), 1)[0])
+                ttft, _, hit_tokens = _run_one(core, prefix + _prompt(rng, args.suffix_tokens, vocab), 1)
+                hit.append(ttft)
+            c, h = statistics.median(cold), statistics.median(hit)
+            rows.append({"block_size": block_size, "prefix_tokens": p, "ttft_cold_ms": c * 1000,
+                         "ttft_hit_ms": h * 1000, "speedup": c / h, "hit_tokens": hit_tokens})
+            print(format_table(rows[-1:], _COLUMNS), flush=True)
+    decode = _decode_on_off(loaded, args, vocab)
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    return {"config": config, "rows": rows, "decode": decode}
+
+
+def _decode_on_off(loaded, args, vocab: int) -> dict:
+    """Decode tokens/s of the same requests with the cache on and off (alternating, median)."""
+    from mlxserve.engine.engine_core import EngineCore
+    from mlxserve.server import model_key, resolve_max_model_len
+
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    for rep in range(args.repeats):
+        for enabled in (True, False):
+            config = EngineConfig(enable_prefix_cache=enabled, block_size=args.block_size[0])
+            core = EngineCore(loaded.model, loaded.tokenizer, config, resolve_max_model_len(loaded, config),
+                              model_key=model_key(loaded))
+            rng = random.Random(rep)
+            rates[enabled].append(_run_one(core, _prompt(rng, 64, vocab), args.decode_tokens)[1])
+    on, off = statistics.median(rates[True]), statistics.median(rates[False])
+    print(f"decode tok/s: cache on {on:.1f}, off {off:.1f} ({(on / off - 1) * 100:+.1f}%)", flush=True)
+    return {"on_tok_s": on, "off_tok_s": off, "ratio": on / off}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model folder (default: the demo model)")
+    parser.add_argument("--prefix-tokens", type=int_list, default=[512, 4096])
+    parser.add_argument("--suffix-tokens", type=int, default=32)
+    parser.add_argument("--block-size", type=int_list, default=[256])
+    parser.add_argument("--prefill-step-size", type=int, default=EngineConfig().prefill_step_size)
+    parser.add_argument("--cache-gb", type=float, default=2.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode-tokens", type=int, default=256)
+    parser.add_argument("--output-json", default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = run_prefix_bench(args)
+    print(format_table(result["rows"], _COLUMNS))
+    path = write_json(args.output_json or _default_json_path("prefix"), result)
+    print(f"wrote {path}")
+    return 0
+
+
+
