@@ -21,6 +21,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="run every batch size once at start-up (auto: on for CUDA, which compiles per shape)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="prefix-cache block size in tokens")
     p.add_argument("--cache-memory", default="2GB", help="prefix-cache memory: bytes (2GB, 512MiB) or a percent of RAM (20%%)")
+    p.add_argument("--ssd-cache-dir", default=None, help="SSD tier of the prefix cache (survives restarts)")
+    p.add_argument("--ssd-cache-max-size", default="50GB", help="size cap of the SSD tier")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
     p.add_argument("--decode-buckets", choices=["on", "off"], default=d.decode_buckets,
                    help="pad the decode batch to a few fixed sizes")
@@ -35,6 +37,8 @@ def _total_ram() -> int:
 def _engine_config(args) -> EngineConfig:
     return EngineConfig(enable_prefix_cache=not args.no_prefix_cache, block_size=args.block_size,
                         cache_memory_bytes=parse_memory(args.cache_memory, _total_ram()),
+                        ssd_cache_dir=args.ssd_cache_dir,
+                        ssd_cache_max_bytes=parse_memory(args.ssd_cache_max_size, _total_ram()),
                         max_num_seqs=args.max_num_seqs, prefill_step_size=args.prefill_step_size,
                         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
                         warmup=args.warmup, decode_buckets=args.decode_buckets)

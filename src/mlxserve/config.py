@@ -25,8 +25,11 @@ class EngineConfig:
     decode_buckets: str = "off"
     # Prefix cache: KV of full blocks of `block_size` tokens, reused by later prompts with the same start.
     enable_prefix_cache: bool = True
-    block_size: int = 256
+    block_size: int = 128
     cache_memory_bytes: int = 2 << 30
+    # SSD tier: blocks written behind to one file each, found again after a restart.
+    ssd_cache_dir: str | None = None
+    ssd_cache_max_bytes: int = 50 * 10**9
 
     def __post_init__(self) -> None:
         if self.warmup not in ("auto", "on", "off"):

@@ -28,6 +28,7 @@ class StoreOp:
     block_id: int
     start: int
     block_hash: bytes
+    token_ids: tuple[int, ...]
 
 
 class PrefixCacheManager:
@@ -103,7 +104,7 @@ class PrefixCacheManager:
             (block,) = self.pool.allocate(1)
             self.pool.cache_full_block(block, h, tokens)
             self._writing.append(block)
-            ops.append(StoreOp(block.block_id, i * bs, h))
+            ops.append(StoreOp(block.block_id, i * bs, h, tuple(tokens)))
         return ops
 
     def finish_stores(self) -> None:

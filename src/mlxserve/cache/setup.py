@@ -9,19 +9,22 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxserve.cache.kv_store import KVBlockStore
 from mlxserve.cache.prefix_cache import PrefixCacheManager
+from mlxserve.cache.ssd_tier import BlockMeta, SSDTier
 from mlxserve.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
 
-def kv_bytes_per_token(model: Any) -> int:
-    """Bytes one token's keys and values take over all layers, read off a one-token forward."""
+def probe_kv(model: Any) -> tuple[int, Any, int]:
+    """(bytes one token's keys and values take over all layers, their dtype, number of layers),
+    read off a one-token forward: the dtype is what the model really writes, whatever its weights."""
     import mlx.core as mx
 
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
-    return sum((c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in cache)
+    per_token = sum((c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in cache)
+    return per_token, cache[0].keys.dtype, len(cache)
 
 
 def make_prefix_cache(model: Any, config: EngineConfig, model_key: str):
@@ -33,13 +36,20 @@ def make_prefix_cache(model: Any, config: EngineConfig, model_key: str):
         # Sliding-window (rotating) and recurrent caches are not plain prefixes of a sequence.
         log.info("prefix cache off: this model's caches are %s, not plain KVCache", sorted(k.__name__ for k in kinds))
         return None, None
-    block_bytes = kv_bytes_per_token(model) * config.block_size
+    per_token, dtype, num_layers = probe_kv(model)
+    block_bytes = per_token * config.block_size
     num_blocks = config.cache_memory_bytes // block_bytes
     if num_blocks < 1:
         log.info("prefix cache off: %d bytes hold no block of %d bytes", config.cache_memory_bytes, block_bytes)
         return None, None
-    store = KVBlockStore()
-    manager = PrefixCacheManager(num_blocks, config.block_size, model_key, on_evict=lambda h, b: store.drop(b))
+    ssd = None
+    if config.ssd_cache_dir:
+        meta = BlockMeta(model_key, config.block_size, num_layers, str(dtype).rsplit(".", 1)[-1])
+        ssd = SSDTier(config.ssd_cache_dir, config.ssd_cache_max_bytes, meta, logger=log)
+        log.info("SSD tier at %s: %d blocks found", config.ssd_cache_dir, ssd.stats()["num_blocks"])
+    store = KVBlockStore(ssd, dtype)
+    manager = PrefixCacheManager(num_blocks, config.block_size, model_key, on_evict=lambda h, b: store.drop(b),
+                                 lookup_cold=store.load_from_ssd if ssd else None)
     log.info("prefix cache: %d blocks of %d tokens (%.1f MB each, %.2f GB in all)", num_blocks,
              config.block_size, block_bytes / 1e6, num_blocks * block_bytes / 1e9)
     return manager, store

@@ -1,31 +1,29 @@
 """The SSD cold tier of the prefix cache: one safetensors file per KV block.
 
-A file is named by its block's chained hash (`hashing.disk_key`), so blocks survive restarts
-and serve every request with that prefix. Each file carries a compatibility header (model,
-block size, layers, dtype, format version), the block's token ids and a sha256; a file that
-fails any check is a cache miss and is deleted, never an error for the caller.
+Files are named by the block's chained hash (`hashing.disk_key`), so they survive restarts.
+Each carries a compatibility header (model, block size, layers, dtype, format version), the
+block's token ids and a sha256; a file failing any check is a miss and is deleted, never an
+error. No MLX here: blocks arrive as raw little-endian bytes (bfloat16 has no numpy dtype),
+stored as 1-D uint8 tensors that any safetensors reader opens; the real shapes are in the header.
 
-No MLX here: the engine thread hands over raw little-endian bytes (bfloat16 has no numpy
-dtype) and each tensor is stored as a 1-D uint8 array of them, so any safetensors reader
-can open the files. The real shapes live in the header.
-
-Threads: `put` only enqueues; one writer thread writes (temp file, fsync, rename) and keeps
-the size cap. `get` reads on the caller's thread. The index (hash -> file size, in LRU
-order) is shared by both and guarded by one lock; file I/O stays outside it.
-The directory belongs to the tier: `*.tmp` files in it are deleted at start-up.
+Threads: `put` only enqueues; one writer thread writes (temp file, fsync, rename) and keeps the
+size cap; `get` reads on the caller's thread. The index (hash -> size, LRU order) is shared and
+guarded by one lock; file I/O stays outside it. The directory belongs to the tier.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import queue
+import re
 import threading
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -34,8 +32,8 @@ from mlxserve.cache.hashing import disk_key
 FORMAT_VERSION = 1
 BLOCK_SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
-# Far above any real header (a block's token ids + a few hundred tensor entries); bounds
-# what a corrupt length prefix can make us allocate.
+_BLOCK_NAME = re.compile(r"(?:[0-9a-f]{2})+" + re.escape(BLOCK_SUFFIX))  # what disk_key() makes
+# Far above any real header; bounds what a corrupt length prefix can make us allocate.
 _MAX_HEADER_BYTES = 16 << 20
 _METADATA = "__metadata__"
 
@@ -51,30 +49,16 @@ class BlockMeta:
     format_version: int = FORMAT_VERSION
 
     def header_fields(self) -> dict[str, str]:
-        # safetensors metadata is a str -> str map.
-        return {
-            "format_version": str(self.format_version),
-            "model_key": self.model_key,
-            "block_size": str(self.block_size),
-            "num_layers": str(self.num_layers),
-            "dtype": self.dtype,
-        }
+        return {k: str(v) for k, v in asdict(self).items()}  # safetensors metadata is str -> str
 
 
 @dataclass
 class BlockData:
-    """One block's KV: tensor name (e.g. "l0.k") -> (raw little-endian bytes, shape).
-
-    On `put` the buffers may be any C-contiguous bytes-like objects; they are written later
-    by another thread, so they must not change after the call (`bytes` never do).
-    """
+    """One block's KV: tensor name (e.g. "l0.k") -> (raw little-endian bytes, shape). On `put`
+    any C-contiguous buffer will do, but another thread writes it later: it must not change."""
 
     token_ids: tuple[int, ...]
     tensors: dict[str, tuple[bytes, tuple[int, ...]]]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(memoryview(buf).nbytes for buf, _ in self.tensors.values())
 
 
 class _BadFile(Exception):
@@ -114,26 +98,19 @@ def _encode(meta: BlockMeta, block_hash: bytes, block: BlockData) -> tuple[bytes
         shapes.append([name, [int(d) for d in shape]])
         buffers.append(buf)
         offset += size
-    metadata = meta.header_fields()
-    metadata["block_hash"] = block_hash.hex()
-    metadata["token_ids"] = json.dumps([int(t) for t in block.token_ids], separators=(",", ":"))
-    metadata["shapes"] = json.dumps(shapes, separators=(",", ":"))
-    metadata["sha256"] = _checksum(block_hash, block.token_ids, shapes, buffers)
+    metadata = {**meta.header_fields(), "block_hash": block_hash.hex(),
+                "token_ids": json.dumps([int(t) for t in block.token_ids], separators=(",", ":")),
+                "shapes": json.dumps(shapes, separators=(",", ":")),
+                "sha256": _checksum(block_hash, block.token_ids, shapes, buffers)}
     header = json.dumps({_METADATA: metadata, **entries}, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)  # the format pads so tensor data starts 8-byte aligned
     return len(header).to_bytes(8, "little") + header, buffers
 
 
 def _read_header(f, meta: BlockMeta, file_size: int) -> tuple[dict, list[tuple[str, int, int]]]:
-    """Parse and check the header; leaves `f` at the start of the data.
-
-    Returns the metadata and the tensors as (name, begin, end) in file order.
-    """
-    prefix = f.read(8)
-    if len(prefix) < 8:
-        raise _BadFile("truncated before the header")
-    header_len = int.from_bytes(prefix, "little")
-    if header_len > _MAX_HEADER_BYTES or 8 + header_len > file_size:
+    """Check the header; return its metadata and tensors as (name, begin, end) in file order."""
+    header_len = int.from_bytes(f.read(8), "little")
+    if header_len > _MAX_HEADER_BYTES or 8 + header_len > file_size:  # also: shorter than 8 bytes
         raise _BadFile(f"header length {header_len} out of range")
     try:
         header = json.loads(f.read(header_len))
@@ -141,45 +118,27 @@ def _read_header(f, meta: BlockMeta, file_size: int) -> tuple[dict, list[tuple[s
         for key, expected in meta.header_fields().items():
             if metadata.get(key) != expected:
                 raise _Incompatible(f"{key}={metadata.get(key)!r}, expected {expected!r}")
-        spans = sorted(
-            ((name, int(e["data_offsets"][0]), int(e["data_offsets"][1])) for name, e in header.items()),
-            key=lambda span: span[1],
-        )
+        spans = sorted(((n, int(e["data_offsets"][0]), int(e["data_offsets"][1]))
+                        for n, e in header.items()), key=lambda span: span[1])
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
         raise _BadFile(f"unreadable header: {exc!r}") from None
-    pos = 0
-    for name, begin, end in spans:  # the data must be tiled exactly, as the format requires
-        if begin != pos or end < begin:
-            raise _BadFile(f"tensor {name!r} has bad offsets")
-        pos = end
-    if 8 + header_len + pos != file_size:
-        raise _BadFile(f"file has {file_size} bytes, header says {8 + header_len + pos}")
+    ends = [0] + [end for _, _, end in spans]  # the format wants the data tiled exactly
+    tiled = all(b == ends[i] and e >= b for i, (_, b, e) in enumerate(spans))
+    if not tiled or 8 + header_len + ends[-1] != file_size:
+        raise _BadFile(f"tensor offsets do not tile the {file_size}-byte file (truncated?)")
     return metadata, spans
 
 
 def _hash_from_name(name: str) -> bytes | None:
     """The block hash a file name stands for, or None for files that are not blocks."""
-    if not name.endswith(BLOCK_SUFFIX):
-        return None
-    try:
-        block_hash = bytes.fromhex(name[: -len(BLOCK_SUFFIX)])
-    except ValueError:
-        return None
-    return block_hash if block_hash and disk_key(block_hash) + BLOCK_SUFFIX == name else None
+    return bytes.fromhex(name[: -len(BLOCK_SUFFIX)]) if _BLOCK_NAME.fullmatch(name) else None
 
 
 class SSDTier:
     """Content-addressed KV blocks on disk, bounded by `max_bytes`, LRU-evicted."""
 
-    def __init__(
-        self,
-        directory: str | os.PathLike,
-        max_bytes: int,
-        meta: BlockMeta,
-        *,
-        writer_queue_size: int = 256,
-        logger: logging.Logger | None = None,
-    ) -> None:
+    def __init__(self, directory: str | os.PathLike, max_bytes: int, meta: BlockMeta, *,
+                 writer_queue_size: int = 256, logger: logging.Logger | None = None) -> None:
         if max_bytes <= 0 or writer_queue_size <= 0:
             raise ValueError(f"need positive sizes, got {max_bytes=} {writer_queue_size=}")
         self.directory = Path(directory)
@@ -195,14 +154,12 @@ class SSDTier:
         self._queue: queue.Queue = queue.Queue(maxsize=writer_queue_size)
         self._bytes = 0
         self._closed = False
-        self._counts = dict.fromkeys(
-            ("writes", "dropped_writes", "write_errors", "reads", "hits", "misses",
-             "collisions", "corrupt_removed", "incompatible_removed", "evictions"), 0)
+        names = ("writes", "dropped_writes", "write_errors", "reads", "hits", "misses", "collisions",
+                 "corrupt_removed", "incompatible_removed", "evictions")
+        self._counts = dict.fromkeys(names, 0)
         self._scan()
         self._writer = threading.Thread(target=self._run_writer, name="ssd-tier-writer", daemon=True)
         self._writer.start()
-
-    # -- the caller's side ---------------------------------------------------
 
     def contains(self, block_hash: bytes) -> bool:
         with self._lock:
@@ -212,23 +169,21 @@ class SSDTier:
         """Queue a block for writing; never waits. False if dropped or already stored."""
         if len(block.token_ids) != self.meta.block_size:
             raise ValueError(f"a block has {self.meta.block_size} tokens, got {len(block.token_ids)}")
-        for name, (buf, _) in block.tensors.items():
-            if not isinstance(name, str) or name == _METADATA or not memoryview(buf).c_contiguous:
-                raise ValueError(f"bad tensor {name!r}: need a str name and a C-contiguous buffer")
+        views = [memoryview(buf) for buf, _ in block.tensors.values()]
+        if _METADATA in block.tensors or not all(v.c_contiguous for v in views):
+            raise ValueError("tensor buffers must be C-contiguous and not named __metadata__")
+        nbytes = sum(v.nbytes for v in views)
         with self._lock:
             if self._closed or block_hash in self._pending:
                 return False
             if block_hash in self._index:
                 self._index.move_to_end(block_hash)  # it just left the GPU pool: it is hot
                 return False
-            if block.nbytes > self.max_bytes:  # it would evict everything and still not fit
+            # Too big to ever fit, or the disk is behind: losing a cache write beats a stalled step.
+            if nbytes > self.max_bytes or self._queue.full():  # only we fill it, under this lock
                 self._counts["dropped_writes"] += 1
                 return False
-            try:
-                self._queue.put_nowait((block_hash, block))
-            except queue.Full:  # the disk is behind: losing a cache write beats stalling a step
-                self._counts["dropped_writes"] += 1
-                return False
+            self._queue.put_nowait((block_hash, block))
             self._pending[block_hash] = block
             return True
 
@@ -253,10 +208,8 @@ class SSDTier:
         except (_BadFile, OSError) as exc:
             self._on_bad_read(block_hash, entry, path, exc)
             return None
-        try:
+        with contextlib.suppress(OSError):
             os.utime(path)  # the mtime carries the LRU order across restarts
-        except OSError:
-            pass
         with self._lock:
             if self._index.get(block_hash) is entry:
                 self._index.move_to_end(block_hash)
@@ -269,16 +222,8 @@ class SSDTier:
             return self._idle.wait_for(lambda: not self._pending, timeout)
 
     def clear(self) -> int:
-        """Delete every block file (queued writes are dropped); returns how many."""
-        with self._lock:
-            while not self._closed:  # after close the queue may hold the writer's stop sentinel
-                try:
-                    block_hash, _ = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                self._pending.pop(block_hash, None)
-            self._idle.notify_all()
-        self.flush()  # the write in flight, if any, lands before we delete
+        """Delete every block file, queued ones included; returns how many."""
+        self.flush()  # else a queued write would land after the sweep
         with self._lock:
             self._index.clear()
             self._bytes = 0
@@ -303,8 +248,6 @@ class SSDTier:
             return {"num_blocks": len(self._index), "bytes": self._bytes, "max_bytes": self.max_bytes,
                     "pending_writes": len(self._pending), **self._counts}
 
-    # -- reading -------------------------------------------------------------
-
     def _read_block(self, path: Path, block_hash: bytes, tokens: tuple[int, ...]) -> BlockData:
         with open(path, "rb") as f:
             metadata, spans = _read_header(f, self.meta, os.fstat(f.fileno()).st_size)
@@ -321,9 +264,7 @@ class SSDTier:
             except (ValueError, KeyError, TypeError, IndexError) as exc:
                 raise _BadFile(f"unreadable metadata: {exc!r}") from None
             buffers = [f.read(end - begin) for _, begin, end in spans]
-        if any(len(buf) != end - begin for buf, (_, begin, end) in zip(buffers, spans)):
-            raise _BadFile("truncated while reading")
-        if _checksum(block_hash, stored, shapes, buffers) != expected_sum:
+        if _checksum(block_hash, stored, shapes, buffers) != expected_sum:  # also catches short reads
             raise _BadFile("checksum mismatch")
         tensors = {name: (buf, tuple(shape)) for (name, shape), buf in zip(shapes, buffers)}
         return BlockData(stored, tensors)
@@ -336,14 +277,11 @@ class SSDTier:
                 del self._index[block_hash]
                 self._bytes -= entry.size
             self._counts["misses"] += 1
-            if isinstance(exc, _TokenMismatch):
-                self._counts["collisions"] += 1
-            elif isinstance(exc, _BadFile):
-                self._counts["corrupt_removed"] += 1
-        if isinstance(exc, FileNotFoundError):
-            self._log.debug("ssd tier: block %s vanished", disk_key(block_hash))
-            return
-        self._log.warning("ssd tier: dropping block %s: %s", disk_key(block_hash), exc)
+            if isinstance(exc, _BadFile):
+                self._counts["collisions" if isinstance(exc, _TokenMismatch) else "corrupt_removed"] += 1
+        # A vanished file is a race with eviction, not damage.
+        level = logging.DEBUG if isinstance(exc, FileNotFoundError) else logging.WARNING
+        self._log.log(level, "ssd tier: dropping block %s: %s", disk_key(block_hash), exc)
         if ours:
             self._unlink(path)
 
@@ -376,9 +314,8 @@ class SSDTier:
             self._unlink(self._path(block_hash))
         self._log.info("ssd tier: %d blocks, %d bytes in %s", len(self._index), self._bytes, self.directory)
 
-    # -- writing (the writer thread) -----------------------------------------
-
     def _run_writer(self) -> None:
+        """The writer thread: write each queued block, index it, evict down to the cap."""
         while True:
             item = self._queue.get()
             if item is None:
@@ -395,10 +332,9 @@ class SSDTier:
                 if error is not None:
                     self._counts["write_errors"] += 1
                     num_errors = self._counts["write_errors"]
-                else:
-                    old = self._index.pop(block_hash, None)
-                    self._bytes += size - (old.size if old else 0)
+                else:  # a new entry: put refuses hashes already indexed
                     self._index[block_hash] = _Entry(size)
+                    self._bytes += size
                     self._counts["writes"] += 1
                     victims = self._pick_victims(keep=block_hash)
             # A full disk fails every write: log the first failure and every 100th, not each.
@@ -428,21 +364,14 @@ class SSDTier:
         except BaseException:
             self._unlink(tmp)
             raise
-        self._fsync_directory()
-        return size
-
-    def _fsync_directory(self) -> None:
         # Makes the rename itself durable across power loss; not every platform allows it.
-        try:
+        with contextlib.suppress(OSError):
             fd = os.open(self.directory, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        except OSError:
-            pass
-
-    # -- helpers -------------------------------------------------------------
+        return size
 
     def _pick_victims(self, keep: bytes | None) -> list[bytes]:
         """Drop LRU entries until under the cap, sparing `keep`; caller holds the lock."""

@@ -132,6 +132,7 @@ class AsyncEngine:
                         cmd, arg = self._inbox.get(block=block)
                         block = False
                         if cmd == "stop":
+                            core.close()
                             return
                         if cmd == "add":
                             self._add(core, arg)

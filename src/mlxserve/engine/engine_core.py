@@ -145,7 +145,21 @@ class EngineCore:
     def cache_stats(self) -> dict:
         if self.prefix is None:
             return {"enabled": False}
-        return {"enabled": True, **self.prefix.stats(), "memory_bytes": self.runner.store.nbytes}
+        store = self.runner.store
+        ssd = store.ssd.stats() if store.ssd is not None else None
+        return {"enabled": True, **self.prefix.stats(), "memory_bytes": store.nbytes, "ssd": ssd}
 
     def clear_cache(self) -> int:
-        return self.prefix.clear() if self.prefix is not None else 0
+        """Both tiers; blocks held by running requests stay until those finish."""
+        if self.prefix is None:
+            return 0
+        n = self.prefix.clear()
+        if self.runner.store.ssd is not None:
+            n += self.runner.store.ssd.clear()
+        return n
+
+    def close(self) -> None:
+        """Lets queued SSD writes reach the disk."""
+        if self.prefix is not None and self.runner.store.ssd is not None:
+            self.runner.store.spill_pending()
+            self.runner.store.ssd.close()

@@ -54,6 +54,8 @@ class ModelRunner:
         return len(self._batch)
 
     def execute(self, sched: SchedulerOutput, requests: dict[str, Request]) -> StepTokens:
+        if self.store is not None and self.store.ssd is not None:
+            self.store.spill_pending()
         if sched.store_ops:
             self._store_blocks(sched.store_ops)
         self._drop(sched.finished_request_ids)
@@ -86,6 +88,7 @@ class ModelRunner:
             for op in ops:
                 kv = self.store.copy_from(cache, op.start, self.block_size)
                 self.store.put(op.block_id, kv)
+                self.store.queue_spill(op.block_hash, op.token_ids, kv)
                 new.extend(a for pair in kv for a in pair)
         mx.async_eval(new)
 
