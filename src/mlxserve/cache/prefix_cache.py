@@ -16,6 +16,8 @@ EvictCallback = Callable[[bytes, int], None]
 # Asked on a memory miss (a second tier, e.g. SSD): fill block `block_id` with the data stored under
 # this hash and these tokens, and say whether it could.
 ColdLookup = Callable[[bytes, Sequence[int], int], bool]
+# Cheap "does the second tier hold this hash?", asked before a block is taken for a cold load.
+ColdContains = Callable[[bytes], bool]
 
 from mlxserve.cache.block_pool import Block, BlockPool
 from mlxserve.cache.hashing import block_hashes
@@ -39,6 +41,7 @@ class PrefixCacheManager:
         model_key: str,
         on_evict: EvictCallback | None = None,
         lookup_cold: ColdLookup | None = None,
+        has_cold: ColdContains | None = None,
     ) -> None:
         self.block_size = block_size
         self.model_key = model_key
@@ -46,6 +49,7 @@ class PrefixCacheManager:
         # physical store can free (or spill) the data in time.
         self.pool = BlockPool(num_blocks, block_size, on_evict=on_evict)
         self._lookup_cold = lookup_cold
+        self._has_cold = has_cold
         self._held: dict[str, list[Block]] = {}
         self._writing: list[Block] = []  # planned stores, held until the runner has copied them
         self.num_queried_tokens = 0
@@ -74,6 +78,10 @@ class PrefixCacheManager:
 
     def _load_cold(self, block_hash: bytes, tokens: Sequence[int]) -> Block | None:
         if self.pool.num_free == 0:
+            return None
+        # Taking a block may evict the LRU cached one: without this check every cold miss (any new
+        # prompt's first uncached block) cost a memory block that later prompts could have hit.
+        if self._has_cold is not None and not self._has_cold(block_hash):
             return None
         (block,) = self.pool.allocate(1)
         if not self._lookup_cold(block_hash, tokens, block.block_id):
@@ -117,6 +125,10 @@ class PrefixCacheManager:
         return self.pool.evict_unreferenced(max(0, self.pool.num_cached - num_blocks))
 
     def clear(self) -> int:
+        """Drops every unreferenced block. Call between steps only: the blocks planned in the last
+        step are then copied, but stay held until the next `schedule()`, which never comes while
+        the engine is idle; without finishing them here DELETE /v1/cache left them cached."""
+        self.finish_stores()
         return self.pool.evict_unreferenced(self.pool.num_cached)
 
     def stats(self) -> dict:
