@@ -83,13 +83,13 @@ class ModelRunner:
         for rid, ops in store_ops.items():
             if rid not in self._batch.row_ids:
                 continue
-            row = self._batch.row_ids.index(rid)
-            cache = [c.extract(row) for c in self._batch.cache]
+            row_index = self._batch.row_ids.index(rid)
+            row = self.store.stack_row([c.extract(row_index) for c in self._batch.cache])
             for op in ops:
-                kv = self.store.copy_from(cache, op.start, self.block_size)
-                self.store.put(op.block_id, kv)
-                self.store.queue_spill(op.block_hash, op.token_ids, kv)
-                new.extend(a for pair in kv for a in pair)
+                block = self.store.cut(row, op.start, self.block_size)
+                self.store.put(op.block_id, block)
+                self.store.queue_spill(op.block_hash, op.token_ids, block)
+                new.append(block)
         mx.async_eval(new)
 
     # -- prefill -------------------------------------------------------------------------------
