@@ -20,12 +20,8 @@ from mlxserve.cache.ssd_tier import BlockData, SSDTier
 log = logging.getLogger(__name__)
 
 
-def _to_bytes(a: mx.array) -> tuple[bytes, tuple[int, ...]]:
-    # bfloat16 has no numpy dtype: ship the raw bytes, the shape and (in the tier's header) the dtype.
-    return np.array(a.view(mx.uint8)).tobytes(), tuple(a.shape)
-
-
 def _from_bytes(raw: bytes, shape: Sequence[int], dtype: mx.Dtype) -> mx.array:
+    # bfloat16 has no numpy dtype: blocks travel as raw bytes, the shape and (in the header) the dtype.
     return mx.array(np.frombuffer(raw, dtype=np.uint8)).view(dtype).reshape(shape)
 
 
@@ -82,11 +78,20 @@ class KVBlockStore:
             self._to_spill.append((block_hash, token_ids, block))
 
     def spill_pending(self) -> None:
-        """Hands last step's new blocks to the SSD tier's writer thread (which never blocks us)."""
-        pending, self._to_spill = self._to_spill, []
-        for block_hash, token_ids, block in pending:
-            if not self.ssd.contains(block_hash):
-                self.ssd.put(block_hash, BlockData(token_ids, {"kv": _to_bytes(block)}))
+        """Hands last step's new blocks to the SSD tier's writer thread (which never blocks us).
+
+        One device-to-host copy for all of them: on MLX-CUDA a copy per block cost more than
+        recomputing the prefix (0.6B model on an H200: 32 blocks, ~400 ms)."""
+        pending = [p for p in self._to_spill if not self.ssd.contains(p[0])]
+        self._to_spill = []
+        if not pending:
+            return
+        flat = mx.concatenate([block.reshape(-1) for _, _, block in pending])
+        raw = np.array(flat.view(mx.uint8))
+        size = raw.nbytes // len(pending)  # every block has the same shape and dtype
+        for i, (block_hash, token_ids, block) in enumerate(pending):
+            data = raw[i * size : (i + 1) * size].tobytes()
+            self.ssd.put(block_hash, BlockData(token_ids, {"kv": (data, tuple(block.shape))}))
 
     def load_from_ssd(self, block_hash: bytes, token_ids: Sequence[int], block_id: int) -> bool:
         """Read-through on a memory miss: the block's data from disk into `block_id`, if it is there."""
