@@ -56,14 +56,12 @@ class KVBlockStore:
         self.nbytes = 0
 
     @staticmethod
-    def stack_row(cache: list[Any]) -> mx.array:
-        """A batch-1 cache as one array [layers, 2, kv_heads, tokens, head_dim] to cut blocks from."""
-        return mx.stack([mx.stack([c.keys[0], c.values[0]]) for c in cache])
-
-    @staticmethod
-    def cut(row: mx.array, start: int, block_size: int) -> mx.array:
-        # A copy: a slice would keep the request's whole buffer alive.
-        return mx.contiguous(row[..., start : start + block_size, :])
+    def stack_row(batch_cache: list[Any], row: int, start: int, end: int) -> mx.array:
+        """Positions [start, end) of one row of mlx-lm batch caches, as one array [layers, 2, kv_heads,
+        end - start, head_dim]. Rows are left-padded; all layers share the row's padding."""
+        pad = batch_cache[0].left_padding[row].item()
+        lo, hi = pad + start, pad + end
+        return mx.stack([mx.stack([c.keys[row, :, lo:hi], c.values[row, :, lo:hi]]) for c in batch_cache])
 
     def make_cache(self, block_ids: list[int], cache: list[KVCache]) -> None:
         """Fills a fresh per-request cache with the given blocks, in order: the one copy a hit costs."""

@@ -84,9 +84,11 @@ class ModelRunner:
             if rid not in self._batch.row_ids:
                 continue
             row_index = self._batch.row_ids.index(rid)
-            row = self.store.stack_row([c.extract(row_index) for c in self._batch.cache])
+            first, end = ops[0].start, ops[-1].start + self.block_size
+            span = self.store.stack_row(self._batch.cache, row_index, first, end)
             for op in ops:
-                block = self.store.cut(row, op.start, self.block_size)
+                # Each block its own copy: a slice would keep the whole span alive while any block is.
+                block = mx.contiguous(span[..., op.start - first : op.start - first + self.block_size, :])
                 self.store.put(op.block_id, block)
                 self.store.queue_spill(op.block_hash, op.token_ids, block)
                 new.append(block)

@@ -53,6 +53,7 @@ class Scheduler:
         self.running: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self._finished: list[Request] = []
+        self._at_boundary: list[Request] = []
 
     # -- queue -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -134,6 +135,10 @@ class Scheduler:
             if status is not None:
                 self._finish(request, status)
                 finished.append(request)
+            elif self.prefix is not None and request.num_tokens % self.prefix.block_size == 0:
+                # A block just filled while decoding: cache it now, so a long generation is reusable
+                # (and survives an abort) without waiting for the request to end.
+                self._at_boundary.append(request)
         return finished
 
     def finish(self, request_id: str, status: RequestStatus) -> None:
@@ -157,6 +162,7 @@ class Scheduler:
     def reset_after_failure(self) -> None:
         """After a failed step: every request was aborted; drop the bookkeeping for them."""
         self._finished_ids = []
+        self._at_boundary = []
         if self.prefix is not None:
             for request in self._finished:
                 self.prefix.release(request.request_id)
@@ -166,6 +172,12 @@ class Scheduler:
 
     def _plan_stores(self, out: SchedulerOutput) -> None:
         self.prefix.finish_stores()  # the last step's planned copies were made
+        for request in self._at_boundary:
+            if request.status is RequestStatus.RUNNING:
+                ops = self.prefix.plan_store(request.prompt_token_ids + request.output_token_ids)
+                if ops:
+                    out.store_ops[request.request_id] = ops
+        self._at_boundary = []
         for request in self._finished:
             # A request that got its first token has a decode row holding KV for its prompt and
             # every output token (each emitted token was fed in the step that emitted it).
