@@ -1,0 +1,189 @@
+"""The memory budget: one formula that splits what this process may hold into its parts.
+
+Every limit applies to the same quantity, the bytes this process may hold in total (the ceiling):
+
+    capacity  = working_set_hint or pool_total       (Metal working set / CUDA device memory / RAM)
+    desktop:    ceiling = min(capacity, obtainable - reserve)
+                obtainable = available now + held by this process already
+                reserve    = max(desktop_reserve_min_bytes, desktop_reserve_fraction * pool_total)
+    dedicated:  ceiling = memory_utilization * capacity   (available memory is ignored)
+    rest        = ceiling - weights - activations        (MemoryBudgetError if negative)
+    prefix      = prefix_cache_fraction * rest
+    vision      = min(vision_cache_bytes, vision_cache_max_fraction * rest)
+    kv          = rest - prefix - vision
+so weights + activations + kv + prefix + vision == ceiling exactly: nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from mlxserve.memory.device import MemoryReadings
+
+_GIB = 1 << 30
+
+
+class MemoryBudgetError(RuntimeError):
+    """The model itself does not fit: no KV budget can make it run."""
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    # "desktop": share the Mac with other apps, follow what is free now.
+    # "dedicated": the machine serves only this model, take a fixed share of it.
+    mode: str = "desktop"
+    # Dedicated: vLLM's gpu_memory_utilization. 10% stays for the OS, the allocator's slack and
+    # fragmentation, which the budget does not model.
+    memory_utilization: float = 0.9
+    # Desktop: memory left free, beyond what other apps hold now, so they can grow (a browser tab,
+    # an IDE build) without pushing macOS into compression and swap. It scales with the machine
+    # (bigger Macs run bigger apps) but never drops below 1 GiB, the order of a few busy tabs.
+    # Kept small because `available` already excludes everything other apps hold: a 16 GB Mac with
+    # 6 GB free still fits an 8B 4-bit model.
+    desktop_reserve_fraction: float = 0.05
+    desktop_reserve_min_bytes: int = 1 * _GIB
+    # Share of the memory left after weights and activations that keeps finished prompts' KV for
+    # reuse. A quarter holds several long system prompts / agent contexts while three quarters stay
+    # for running sequences; it is also the first thing given back under pressure.
+    prefix_cache_fraction: float = 0.25
+    # Image embeddings cache (0 for text-only models). Capped at a share of the remainder because it
+    # only saves re-encoding an image, while KV is what lets a request run at all.
+    vision_cache_bytes: int = 512 * (1 << 20)
+    vision_cache_max_fraction: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("desktop", "dedicated"):
+            raise ValueError(f"mode must be desktop or dedicated, got {self.mode!r}")
+        if not 0.0 < self.memory_utilization <= 1.0:
+            raise ValueError("memory_utilization must be in (0, 1]")
+        for name in ("desktop_reserve_fraction", "prefix_cache_fraction", "vision_cache_max_fraction"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1)")
+        if self.prefix_cache_fraction + self.vision_cache_max_fraction >= 1.0:
+            raise ValueError("prefix_cache_fraction + vision_cache_max_fraction must leave room for KV")
+        if self.desktop_reserve_min_bytes < 0 or self.vision_cache_bytes < 0:
+            raise ValueError("byte sizes must be >= 0")
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Bytes. weights + activations + kv + prefix_cache + vision_cache == ceiling."""
+
+    ceiling: int
+    weights: int
+    activations: int  # headroom for everything transient: activations, logits, allocator slack
+    kv: int
+    prefix_cache: int
+    vision_cache: int
+    # What stays free for other processes when this one sits at its ceiling, given what they hold
+    # now. Negative only in dedicated mode: the budget claims memory that others hold today.
+    free_for_others: int
+    # Kept so shrink_for_pressure can recompute with the same rules.
+    config: BudgetConfig = field(default_factory=BudgetConfig)
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+
+def _capacity(readings: MemoryReadings) -> int:
+    return readings.working_set_hint or readings.pool_total
+
+
+def desktop_reserve(readings: MemoryReadings, cfg: BudgetConfig) -> int:
+    return max(cfg.desktop_reserve_min_bytes, int(cfg.desktop_reserve_fraction * readings.pool_total))
+
+
+def compute_ceiling(readings: MemoryReadings, cfg: BudgetConfig) -> int:
+    """Bytes this process may hold in total. The only place a ceiling is computed."""
+    if cfg.mode == "dedicated":
+        return int(cfg.memory_utilization * _capacity(readings))
+    return min(_capacity(readings), readings.obtainable - desktop_reserve(readings, cfg))
+
+
+def compute_budget(
+    readings: MemoryReadings, weights_bytes: int, activation_bytes: int, cfg: BudgetConfig
+) -> MemoryBudget:
+    if weights_bytes < 0 or activation_bytes < 0:
+        raise ValueError("weights_bytes and activation_bytes must be >= 0")
+    ceiling = compute_ceiling(readings, cfg)
+    fixed = weights_bytes + activation_bytes
+    if fixed > ceiling:
+        raise MemoryBudgetError(_does_not_fit(readings, cfg, ceiling, weights_bytes, activation_bytes))
+    rest = ceiling - fixed
+    prefix = int(cfg.prefix_cache_fraction * rest)
+    vision = min(cfg.vision_cache_bytes, int(cfg.vision_cache_max_fraction * rest))
+    return MemoryBudget(
+        ceiling=ceiling,
+        weights=weights_bytes,
+        activations=activation_bytes,
+        kv=rest - prefix - vision,
+        prefix_cache=prefix,
+        vision_cache=vision,
+        free_for_others=readings.obtainable - ceiling,
+        config=cfg,
+    )
+
+
+def shrink_for_pressure(budget: MemoryBudget, new_readings: MemoryReadings) -> MemoryBudget:
+    """The budget under today's memory: pass the start-up budget, get one no larger in any field.
+
+    Desktop mode recomputes the ceiling from the new readings and gives back the difference from the
+    prefix cache first, then the vision cache, then KV (caches only save recomputation; KV holds
+    running requests). When pressure passes, calling again with the start-up budget regrows the caches
+    up to their start-up sizes. Weights and activations are never taken: at worst kv is 0 and the
+    server should admit no new requests, but it does not raise mid-service. Dedicated mode ignores
+    available memory and only refreshes free_for_others.
+    """
+    if budget.mode == "dedicated":
+        return replace(budget, free_for_others=new_readings.obtainable - budget.ceiling)
+    fixed = budget.weights + budget.activations
+    ceiling = max(fixed, min(budget.ceiling, compute_ceiling(new_readings, budget.config)))
+    deficit = budget.ceiling - ceiling
+    parts = {}
+    for name in ("prefix_cache", "vision_cache", "kv"):
+        taken = min(deficit, getattr(budget, name))
+        parts[name] = getattr(budget, name) - taken
+        deficit -= taken
+    return replace(budget, ceiling=ceiling, free_for_others=new_readings.obtainable - ceiling, **parts)
+
+
+def kv_tokens(budget: MemoryBudget, kv_bytes_per_token: int) -> int:
+    """Tokens of KV that fit in the KV budget (all layers, keys and values: bytes per token)."""
+    if kv_bytes_per_token <= 0:
+        raise ValueError("kv_bytes_per_token must be > 0")
+    return budget.kv // kv_bytes_per_token
+
+
+def _gib(n: int) -> str:
+    return f"{n / _GIB:.2f} GiB"
+
+
+def format_budget(b: MemoryBudget) -> str:
+    """One start-up log line. GiB, as macOS reports memory; parse_memory reads "5.30GiB" back."""
+    line = (
+        f"memory budget ({b.mode}): ceiling {_gib(b.ceiling)} = weights {_gib(b.weights)}"
+        f" + activations {_gib(b.activations)} + KV {_gib(b.kv)}"
+        f" + prefix cache {_gib(b.prefix_cache)} + vision cache {_gib(b.vision_cache)}; "
+    )
+    if b.free_for_others >= 0:
+        return line + f"{_gib(b.free_for_others)} stays free for other apps"
+    return line + f"claims {_gib(-b.free_for_others)} more than is free now (other apps will be swapped)"
+
+
+def _does_not_fit(
+    readings: MemoryReadings, cfg: BudgetConfig, ceiling: int, weights: int, activations: int
+) -> str:
+    if cfg.mode == "dedicated":
+        how = f"{cfg.memory_utilization:.2f} x capacity {_gib(_capacity(readings))}"
+    else:
+        how = (
+            f"min(capacity {_gib(_capacity(readings))}, available {_gib(readings.available_now)}"
+            f" + held {_gib(readings.held_by_process)} - reserve {_gib(desktop_reserve(readings, cfg))})"
+        )
+    return (
+        f"model does not fit in memory: weights {_gib(weights)} + activations {_gib(activations)}"
+        f" = {_gib(weights + activations)} > ceiling {_gib(max(0, ceiling))} ({cfg.mode} mode: {how}). "
+        "Close other apps, use a smaller or more quantized model, or dedicated mode on a machine"
+        " that serves only this model."
+    )
