@@ -114,6 +114,18 @@ def test_planned_blocks_cannot_be_evicted_before_finish_stores():
     assert len(evicted) == 1 and evicted[0][1] in {op.block_id for op in ops}
 
 
+def test_plan_store_does_not_evict_the_head_its_new_blocks_extend():
+    mgr, evicted = make(num_blocks=3)
+    head = toks(1, 2 * BS)
+    store(mgr, head)  # another request stored the first two blocks; they are the least recently used
+    (other,) = store(mgr, toks(2, BS))  # the pool is full
+    ops = store(mgr, head + toks(3, BS + 1))
+    assert [op.start for op in ops] == [2 * BS]
+    # The room came from the unrelated block, not from the head the new block hangs off.
+    assert evicted == [(other.block_hash, other.block_id)]
+    assert len(mgr.lookup("r", head + toks(3, BS + 1))) == 3
+
+
 def test_release_frees_tail_first():
     mgr, evicted = make(num_blocks=3)
     ops = store(mgr, toks(1, 3 * BS))

@@ -75,6 +75,9 @@ class KVBlockStore:
         if self.ssd is not None:
             self._to_spill.append((block_hash, token_ids, block))
 
+    def drop_pending_spills(self) -> None:
+        self._to_spill = []
+
     def spill_pending(self) -> None:
         """Hands last step's new blocks to the SSD tier's writer thread (which never blocks us).
 

@@ -103,16 +103,23 @@ class PrefixCacheManager:
         step cannot evict a block before the runner has written it."""
         bs = self.block_size
         ops = []
+        kept: list[Block] = []
         for i, h in enumerate(block_hashes(token_ids, bs, model_key=self.model_key)):
             tokens = token_ids[i * bs : (i + 1) * bs]
-            if h in self.pool.cached:
-                continue  # this request's own hit, or another request stored it first
+            cached = self.pool.cached.get(h)
+            if cached is not None:  # this request's own hit, or another request stored it first
+                # Held while we allocate: else the allocation for the next block could evict this one
+                # and store that block unreachable (a chain is only found from its head).
+                self.pool.touch([cached])
+                kept.append(cached)
+                continue
             if self.pool.num_free == 0:
                 break
             (block,) = self.pool.allocate(1)
             self.pool.cache_full_block(block, h, tokens)
             self._writing.append(block)
             ops.append(StoreOp(block.block_id, i * bs, h, tuple(tokens)))
+        self.pool.free(reversed(kept))
         return ops
 
     def finish_stores(self) -> None:

@@ -49,7 +49,8 @@ def make_prefix_cache(model: Any, config: EngineConfig, model_key: str):
         log.info("SSD tier at %s: %d blocks found", config.ssd_cache_dir, ssd.stats()["num_blocks"])
     store = KVBlockStore(ssd, dtype)
     manager = PrefixCacheManager(num_blocks, config.block_size, model_key, on_evict=lambda h, b: store.drop(b),
-                                 lookup_cold=store.load_from_ssd if ssd else None)
+                                 lookup_cold=store.load_from_ssd if ssd else None,
+                                 has_cold=ssd.contains if ssd else None)
     log.info("prefix cache: %d blocks of %d tokens (%.1f MB each, %.2f GB in all)", num_blocks,
              config.block_size, block_bytes / 1e6, num_blocks * block_bytes / 1e9)
     return manager, store

@@ -155,6 +155,7 @@ class EngineCore:
             return 0
         n = self.prefix.clear()
         if self.runner.store.ssd is not None:
+            self.runner.store.drop_pending_spills()  # else they reach the disk after the clear
             n += self.runner.store.ssd.clear()
         return n
 
