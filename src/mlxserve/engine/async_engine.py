@@ -127,6 +127,8 @@ class AsyncEngine:
             self._ready.set()
             while True:
                 block = not core.has_work
+                if block:
+                    core.on_idle()
                 try:
                     while True:
                         cmd, arg = self._inbox.get(block=block)

@@ -159,6 +159,12 @@ class EngineCore:
             n += self.runner.store.ssd.clear()
         return n
 
+    def on_idle(self) -> None:
+        """Nothing to run: hand blocks still queued for the SSD tier to its writer now, so a crash
+        while idle loses nothing that was computed."""
+        if self.prefix is not None and self.runner.store.ssd is not None:
+            self.runner.store.spill_pending()
+
     def close(self) -> None:
         """Lets queued SSD writes reach the disk."""
         if self.prefix is not None and self.runner.store.ssd is not None:
