@@ -102,6 +102,10 @@ def create_app(model: ServedModel, engine: AsyncEngine) -> FastAPI:
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    @app.get("/v1/status")
+    async def status():
+        return await engine.call(lambda core: core.status())
+
     @app.get("/v1/cache/stats")
     async def cache_stats():
         return await engine.call(lambda core: core.cache_stats())

@@ -16,6 +16,7 @@ from mlxserve.engine.request import Request, RequestOutput, RequestStatus, Sampl
 from mlxserve.engine.runner import ModelRunner
 from mlxserve.engine.scheduler import Scheduler
 from mlxserve.cache.setup import make_prefix_cache
+from mlxserve.memory.profile import startup_budget
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class EngineCore:
     ) -> None:
         self.tokenizer = tokenizer
         self._make_detokenizer = make_detokenizer_factory(tokenizer)
+        self.budget = startup_budget(model, config.prefill_step_size)
         self.prefix, store = make_prefix_cache(model, config, model_key)
         self.scheduler = Scheduler(config, max_model_len, self.prefix)
         self.runner = ModelRunner(model, buckets, store, config.block_size)
@@ -148,6 +150,23 @@ class EngineCore:
         store = self.runner.store
         ssd = store.ssd.stats() if store.ssd is not None else None
         return {"enabled": True, **self.prefix.stats(), "memory_bytes": store.nbytes, "ssd": ssd}
+
+    def status(self) -> dict:
+        """The start-up budget next to live readings, for `GET /v1/status`."""
+        import dataclasses
+
+        from mlxserve.memory.device import read_memory
+
+        budget = dataclasses.asdict(self.budget) if self.budget is not None else None
+        if budget is not None:
+            budget.pop("config", None)
+        return {
+            "budget": budget,
+            "memory": dataclasses.asdict(read_memory()),
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "prefix_cache": self.cache_stats(),
+        }
 
     def clear_cache(self) -> int:
         """Both tiers; blocks held by running requests stay until those finish."""
