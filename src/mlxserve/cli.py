@@ -47,11 +47,16 @@ def _engine_config(args) -> EngineConfig:
 def _serve(args) -> int:
     import uvicorn
 
+    from mlxserve.models.loader import ModelLoadError
     from mlxserve.server import build_app
 
     config = ServerConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
                           port=args.port, log_level=args.log_level, engine=_engine_config(args))
-    app = build_app(config)
+    try:
+        app = build_app(config)
+    except ModelLoadError as e:
+        print(f"mlxserve serve: {e}", file=sys.stderr)
+        return 2
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
     return 0
 
@@ -70,6 +75,12 @@ def _demo_model(args) -> int:
                                  quantize_with_converter=args.shape == "tiny")
     print(build_model_folder(args.path, config))
     return 0
+
+
+def _convert(args) -> int:
+    from mlxserve.models import convert
+
+    return convert.run(args)
 
 
 def _bench_serve(args) -> int:
@@ -118,6 +129,15 @@ def make_parser() -> argparse.ArgumentParser:
     demo.add_argument("--bits", type=int, default=None, help="quantize to this many bits")
     demo.add_argument("--group-size", type=int, default=64)
     demo.set_defaults(func=_demo_model)
+
+    conv = sub.add_parser("convert", help="quantize a Hugging Face model folder (block-wise, via mlx-lm)")
+    conv.add_argument("hf_path", metavar="HF_FOLDER", help="Hugging Face model folder or hub id")
+    conv.add_argument("out", metavar="OUT", help="output folder (must not exist, or be empty)")
+    conv.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8])
+    conv.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
+    conv.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
+                      help="dtype of the unquantized weights (default: the model's)")
+    conv.set_defaults(func=_convert)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     from mlxserve.bench import compare as bench_compare
