@@ -18,7 +18,7 @@ import time
 import httpx
 
 from mlxserve.bench.report import format_table, write_json
-from mlxserve.bench.serve import TABLE_COLUMNS, ServeBenchConfig, _default_json_path, int_list, run_serve_bench
+from mlxserve.bench.serve import TABLE_COLUMNS, ServeBenchConfig, default_json_path, int_list, run_serve_bench
 
 _SERVERS = ("mlxserve", "mlx_lm")
 
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(format_table(ratios, [("concurrency", "conc", "d"), ("agg_ratio", "mlxserve/mlx_lm agg tok/s", ".2f"),
                                     ("ttft_p50_ratio", "ttft p50 speed-up", ".2f")]))
-    path = write_json(args.output_json or _default_json_path("compare"),
+    path = write_json(args.output_json or default_json_path("compare"),
                       {"model": model, "levels": levels, "ratios": ratios})
     print(f"wrote {path}")
     return 0 if errors == 0 else 1

@@ -15,7 +15,7 @@ from mlxserve.bench.serve import (
     TABLE_COLUMNS,
     RequestResult,
     ServeBenchConfig,
-    _default_json_path,
+    default_json_path,
     int_list,
     make_prompt,
     summarize_level,
@@ -99,6 +99,6 @@ def run(args: argparse.Namespace) -> int:
     engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, prefill_step_size=args.prefill_step_size)
     result = asyncio.run(run_engine_bench(cfg, args.model, engine_config))
     print(format_table(result["levels"], TABLE_COLUMNS))
-    path = write_json(args.output_json or _default_json_path(args.label), result)
+    path = write_json(args.output_json or default_json_path(args.label), result)
     print(f"wrote {path}")
     return 0 if all(lv["num_errors"] == 0 for lv in result["levels"]) else 1

@@ -15,7 +15,7 @@ import tempfile
 import time
 
 from mlxserve.bench.report import format_table, write_json
-from mlxserve.bench.serve import _default_json_path, int_list
+from mlxserve.bench.serve import default_json_path, int_list
 from mlxserve.config import EngineConfig
 from mlxserve.engine.request import Request, SamplingParams
 
@@ -130,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     result = run_prefix_bench(args)
     print(format_table(result["rows"], _COLUMNS))
-    path = write_json(args.output_json or _default_json_path("prefix"), result)
+    path = write_json(args.output_json or default_json_path("prefix"), result)
     print(f"wrote {path}")
     return 0
 

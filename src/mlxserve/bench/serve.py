@@ -360,7 +360,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-json", action="store_true", help="print the table only")
 
 
-def _default_json_path(label: str) -> str:
+def default_json_path(label: str) -> str:
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_") or "server"
     return f"bench-results/serve-{slug}-{datetime.now():%Y%m%d-%H%M%S}.json"
 
@@ -372,7 +372,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
     if getattr(args, "no_json", False):
         cfg.output_json = None
     elif cfg.output_json is None:
-        cfg.output_json = _default_json_path(cfg.display_label)
+        cfg.output_json = default_json_path(cfg.display_label)
     return cfg
 
 
