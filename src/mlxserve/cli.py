@@ -19,6 +19,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="max_tokens when a request names none")
     p.add_argument("--warmup", choices=["auto", "on", "off"], default=d.warmup,
                    help="run every batch size once at start-up (auto: on for CUDA, which compiles per shape)")
+    p.add_argument("--kv-budget-tokens", type=int, default=None,
+                   help="KV tokens running requests may hold at once (default: from the memory budget)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="prefix-cache block size in tokens")
     p.add_argument("--cache-memory", default="2GB", help="prefix-cache memory: bytes (2GB, 512MiB) or a percent of RAM (20%%)")
     p.add_argument("--ssd-cache-dir", default=None, help="SSD tier of the prefix cache (survives restarts)")
@@ -36,6 +38,7 @@ def _total_ram() -> int:
 
 def _engine_config(args) -> EngineConfig:
     return EngineConfig(enable_prefix_cache=not args.no_prefix_cache, block_size=args.block_size,
+                        kv_budget_tokens=args.kv_budget_tokens,
                         cache_memory_bytes=parse_memory(args.cache_memory, _total_ram()),
                         ssd_cache_dir=args.ssd_cache_dir,
                         ssd_cache_max_bytes=parse_memory(args.ssd_cache_max_size, _total_ram()),

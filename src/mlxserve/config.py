@@ -15,8 +15,11 @@ class EngineConfig:
     prefill_step_size: int = 512
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     default_max_tokens: int = 2048
-    # Requests allowed to wait for a slot; beyond this the server answers 503 instead of queueing forever.
+    # Requests allowed to wait for a slot; beyond this the server answers 429 instead of queueing forever.
     max_num_waiting: int = 1024
+    # KV tokens the running requests may hold at once (admission control); None: what the memory budget
+    # measured at start-up leaves for KV.
+    kv_budget_tokens: int | None = None
     # Run the batch through every size at start-up, so kernels a backend compiles per shape at first
     # use are ready before traffic: "auto" does so on MLX's CUDA backend. Off by default: on the
     # engine thread's default stream, cold traffic on an H200 already saw no multi-second stalls.

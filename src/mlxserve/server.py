@@ -53,7 +53,7 @@ def make_engine(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -
             core.warmup(config.max_num_seqs)
         return core
 
-    return AsyncEngine(make_core, max_num_requests=config.max_num_seqs + config.max_num_waiting)
+    return AsyncEngine(make_core, max_num_waiting=config.max_num_waiting)
 
 
 def _compiles_per_shape() -> bool:

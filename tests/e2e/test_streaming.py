@@ -237,7 +237,7 @@ def test_waiting_request_runs_after_the_slot_frees(one_slot_server):
     wait_until(lambda: live.num_running() == 0, "the running gauge to return to 0")
 
 
-def test_full_queue_answers_503(make_server, qwen3_model_dir):
+def test_full_queue_answers_429(make_server, qwen3_model_dir):
     live = make_server(qwen3_model_dir, max_num_seqs=1, max_num_waiting=1, max_model_len=LONG_CONTEXT)
     body = {"model": "tiny", "prompt": "go", "max_tokens": LONG_MAX_TOKENS, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=_BOUND_S) as c1, httpx.Client(timeout=_BOUND_S) as c2:
@@ -247,9 +247,9 @@ def test_full_queue_answers_503(make_server, qwen3_model_dir):
             with c2.stream("POST", live.base_url + "/completions", json=body) as waiting:
                 wait_until(lambda: live.metrics()["mlxserve_num_requests_waiting"] == 1, "the second to wait")
                 r = httpx.post(live.base_url + "/completions", json=body, timeout=_BOUND_S)
-                assert r.status_code == 503
+                assert r.status_code == 429
                 assert r.headers["retry-after"]
-                assert r.json()["error"]["type"] == "service_unavailable"
+                assert r.json()["error"]["type"] == "rate_limit_error"
                 assert r.json()["error"]["code"] == "server_busy"
                 assert waiting.status_code == 200
     short_request_completes(live)

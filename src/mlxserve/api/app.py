@@ -131,10 +131,17 @@ def create_app(model: ServedModel, engine: AsyncEngine) -> FastAPI:
 
     async def _complete(body: SamplingFields, raw: Request, chat: bool):
         request = make_request(model, body)
+        need, cap = request.num_prompt_tokens + request.sampling.max_tokens, engine.kv_capacity_tokens
+        if cap is not None and need > cap:
+            raise APIError(429, f"this request needs KV for {request.num_prompt_tokens} prompt + "
+                           f"{request.sampling.max_tokens} completion tokens = {need}; the memory budget holds "
+                           f"{cap} tokens: lower max_tokens or the prompt", "max_tokens", "kv_budget_exceeded",
+                           headers={"Retry-After": _RETRY_AFTER_S})
         try:
             outputs = engine.generate(request)
         except QueueFullError as exc:
-            raise APIError(503, str(exc), code="server_busy", headers={"Retry-After": _RETRY_AFTER_S}) from exc
+            # Too many requests for the slots and the memory budget right now: come back shortly.
+            raise APIError(429, str(exc), code="server_busy", headers={"Retry-After": _RETRY_AFTER_S}) from exc
         builder = ResponseBuilder(request.request_id, body.model, chat, model.tokenizer)
         timer = _Timer(metrics)
         if body.stream:

@@ -34,10 +34,10 @@ class EngineStats:
 
 
 class AsyncEngine:
-    def __init__(self, make_core: Callable[[], "EngineCore"], max_num_requests: int) -> None:  # noqa: F821
+    def __init__(self, make_core: Callable[[], "EngineCore"], max_num_waiting: int) -> None:  # noqa: F821
         # The core (and with it the model's MLX stream) is built on the engine thread itself.
         self._make_core = make_core
-        self._max_num_requests = max_num_requests
+        self._max_num_waiting = max_num_waiting
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -45,6 +45,7 @@ class AsyncEngine:
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self.stats = EngineStats()
+        self.kv_capacity_tokens: int | None = None  # set once the core exists
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -72,9 +73,13 @@ class AsyncEngine:
         Iterate the stream to the end or close it: leaving it early (a disconnect cancels the
         handler) aborts the request, which frees its slot and KV in the next engine step.
         """
-        if len(self._streams) >= self._max_num_requests:
+        # Everything not running is waiting (or on its way to the queue). The running count may lag a
+        # step behind, which only ever overstates the queue: the scheduler's own limit is never hit.
+        num_waiting = len(self._streams) - self.stats.num_running
+        if num_waiting >= self._max_num_waiting:
             raise QueueFullError(
-                f"the server is at its limit of {self._max_num_requests} running and waiting requests"
+                f"{num_waiting} requests are already waiting (limit {self._max_num_waiting}) behind "
+                f"{self.stats.num_running} running"
             )
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = stream
@@ -124,6 +129,7 @@ class AsyncEngine:
                 self._startup_error = exc
                 self._ready.set()
                 return
+            self.kv_capacity_tokens = core.kv_capacity_tokens
             self._ready.set()
             while True:
                 block = not core.has_work

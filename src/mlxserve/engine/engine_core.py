@@ -15,7 +15,8 @@ from mlxserve.engine.detokenizer import StopStringMatcher, make_detokenizer_fact
 from mlxserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from mlxserve.engine.runner import ModelRunner
 from mlxserve.engine.scheduler import Scheduler
-from mlxserve.cache.setup import make_prefix_cache
+from mlxserve.cache.setup import make_prefix_cache, probe_kv
+from mlxserve.memory.budget import kv_tokens
 from mlxserve.memory.profile import startup_budget
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,11 @@ class EngineCore:
         self.tokenizer = tokenizer
         self._make_detokenizer = make_detokenizer_factory(tokenizer)
         self.budget = startup_budget(model, config.prefill_step_size)
+        self.kv_capacity_tokens = config.kv_budget_tokens
+        if self.kv_capacity_tokens is None and self.budget is not None:
+            self.kv_capacity_tokens = kv_tokens(self.budget, probe_kv(model)[0])
         self.prefix, store = make_prefix_cache(model, config, model_key)
-        self.scheduler = Scheduler(config, max_model_len, self.prefix)
+        self.scheduler = Scheduler(config, max_model_len, self.prefix, self.kv_capacity_tokens)
         self.runner = ModelRunner(model, buckets, store, config.block_size)
         self._requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
@@ -163,6 +167,7 @@ class EngineCore:
         return {
             "budget": budget,
             "memory": dataclasses.asdict(read_memory()),
+            "kv_capacity_tokens": self.kv_capacity_tokens,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "prefix_cache": self.cache_stats(),

@@ -17,7 +17,7 @@ from mlxserve.engine.request import Request, RequestStatus
 
 
 class QueueFullError(Exception):
-    """The waiting queue is at its limit; the API answers 503 with Retry-After."""
+    """The waiting queue is at its limit; the API answers 429 with Retry-After."""
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, max_model_len: int, prefix: PrefixCacheManager | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        max_model_len: int,
+        prefix: PrefixCacheManager | None = None,
+        kv_capacity_tokens: int | None = None,
+    ) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.prefix = prefix
+        self.kv_capacity_tokens = kv_capacity_tokens
         self.waiting: deque[Request] = deque()
         # Insertion order is admission order: prefill work goes to the oldest request first.
         self.running: dict[str, Request] = {}
@@ -99,7 +106,7 @@ class Scheduler:
         # Requests whose prompt finished in an earlier step decode now.
         out.decode_request_ids = [r.request_id for r in self.running.values() if r.is_prefill_done]
 
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and len(self.running) < self.config.max_num_seqs and self.can_admit(self.waiting[0]):
             request = self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running[request.request_id] = request
@@ -122,6 +129,18 @@ class Scheduler:
                 PrefillChunk(request.request_id, start, n, is_last=request.is_prefill_done)
             )
         return out
+
+    def can_admit(self, request: Request) -> bool:
+        """Whether the KV budget holds `request` next to the running ones at their longest.
+
+        mlx-lm's batch cache is rectangular (rows left-padded to the longest), so the bound is rows ×
+        the longest prompt + max_tokens, not a sum. With nothing running a request is always admitted
+        (the API already refused those that can never fit), so the queue cannot stall."""
+        if self.kv_capacity_tokens is None or not self.running:
+            return True
+        longest = max(r.num_prompt_tokens + r.sampling.max_tokens for r in self.running.values())
+        longest = max(longest, request.num_prompt_tokens + request.sampling.max_tokens)
+        return (len(self.running) + 1) * longest <= self.kv_capacity_tokens
 
     def update(self, new_tokens: dict[str, int]) -> list[Request]:
         """Appends one sampled token per request; returns the requests that this token finished."""
