@@ -26,7 +26,6 @@ log = logging.getLogger(__name__)
 class _TextState:
     detok: Any  # IncrementalDetokenizer or ByteLevelDetokenizer
     stop: StopStringMatcher
-    num_sent_tokens: int = 0
 
 
 class EngineCore:
