@@ -30,18 +30,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="pad the decode batch to a few fixed sizes")
 
 
-def _total_ram() -> int:
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def _engine_config(args) -> EngineConfig:
+    from mlxserve.memory.device import total_ram
+
     return EngineConfig(enable_prefix_cache=not args.no_prefix_cache, block_size=args.block_size,
                         kv_budget_tokens=args.kv_budget_tokens,
-                        cache_memory_bytes=parse_memory(args.cache_memory, _total_ram()),
+                        cache_memory_bytes=parse_memory(args.cache_memory, total_ram()),
                         ssd_cache_dir=args.ssd_cache_dir,
-                        ssd_cache_max_bytes=parse_memory(args.ssd_cache_max_size, _total_ram()),
+                        ssd_cache_max_bytes=parse_memory(args.ssd_cache_max_size, total_ram()),
                         max_num_seqs=args.max_num_seqs, prefill_step_size=args.prefill_step_size,
                         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
                         warmup=args.warmup, decode_buckets=args.decode_buckets)

@@ -35,12 +35,6 @@ class KVBlockStore:
         # so reading them back costs a copy and never a wait.
         self._to_spill: list[tuple[bytes, tuple[int, ...], mx.array]] = []
 
-    def __contains__(self, block_id: int) -> bool:
-        return block_id in self._blocks
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
     def put(self, block_id: int, block: mx.array) -> None:
         self.drop(block_id)
         self._blocks[block_id] = block

@@ -27,8 +27,9 @@ def probe_kv(model: Any) -> tuple[int, Any, int]:
     return per_token, cache[0].keys.dtype, len(cache)
 
 
-def make_prefix_cache(model: Any, config: EngineConfig, model_key: str):
-    """(manager, store), or (None, None) when disabled or when the model's caches cannot be shared."""
+def make_prefix_cache(model: Any, config: EngineConfig, model_key: str, probe: tuple[int, Any, int]):
+    """(manager, store), or (None, None) when disabled or when the model's caches cannot be shared.
+    `probe` is `probe_kv(model)`, measured once by the caller."""
     if not config.enable_prefix_cache or config.cache_memory_bytes == 0:
         return None, None
     kinds = {type(c) for c in make_prompt_cache(model)}
@@ -36,7 +37,7 @@ def make_prefix_cache(model: Any, config: EngineConfig, model_key: str):
         # Sliding-window (rotating) and recurrent caches are not plain prefixes of a sequence.
         log.info("prefix cache off: this model's caches are %s, not plain KVCache", sorted(k.__name__ for k in kinds))
         return None, None
-    per_token, dtype, num_layers = probe_kv(model)
+    per_token, dtype, num_layers = probe
     block_bytes = per_token * config.block_size
     num_blocks = config.cache_memory_bytes // block_bytes
     if num_blocks < 1:

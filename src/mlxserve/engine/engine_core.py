@@ -41,10 +41,11 @@ class EngineCore:
         self.tokenizer = tokenizer
         self._make_detokenizer = make_detokenizer_factory(tokenizer)
         self.budget = startup_budget(model, config.prefill_step_size)
+        probe = probe_kv(model)
         self.kv_capacity_tokens = config.kv_budget_tokens
         if self.kv_capacity_tokens is None and self.budget is not None:
-            self.kv_capacity_tokens = kv_tokens(self.budget, probe_kv(model)[0])
-        self.prefix, store = make_prefix_cache(model, config, model_key)
+            self.kv_capacity_tokens = kv_tokens(self.budget, probe[0])
+        self.prefix, store = make_prefix_cache(model, config, model_key, probe)
         self.scheduler = Scheduler(config, max_model_len, self.prefix, self.kv_capacity_tokens)
         self.runner = ModelRunner(model, buckets, store, config.block_size)
         self._requests: dict[str, Request] = {}

@@ -125,7 +125,7 @@ def _run(args: list[str]) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
-def _total_ram() -> int:
+def total_ram() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -229,7 +229,7 @@ def _as_int(value) -> int | None:
 
 def read_memory() -> MemoryReadings:
     """Read the machine and this process now. Never raises; unknown numbers fall back safely."""
-    total = _total_ram()
+    total = total_ram()
     rss = _process_rss()
     available = _available_ram(total, rss)
     if total:
