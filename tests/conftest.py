@@ -21,3 +21,17 @@ def qwen3_4bit_model_dir(tmp_path_factory):
     # hidden 128 / intermediate 256 are multiples of 64, so every linear layer gets quantized.
     config = DemoModelConfig(quantize_bits=4, group_size=64)
     return build_model_folder(tmp_path_factory.mktemp("qwen3-4bit"), config)
+
+
+@pytest.fixture(scope="session")
+def qwen25vl_dir(tmp_path_factory):
+    from mlxserve.models.vlm_demo import build_vlm_folder
+
+    return build_vlm_folder(tmp_path_factory.mktemp("qwen2_5_vl"), family="qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
+def qwen3vl_dir(tmp_path_factory):
+    from mlxserve.models.vlm_demo import build_vlm_folder
+
+    return build_vlm_folder(tmp_path_factory.mktemp("qwen3_vl"), family="qwen3_vl")

@@ -22,7 +22,18 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget-tokens", type=int, default=None,
                    help="KV tokens running requests may hold at once (default: from the memory budget)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="prefix-cache block size in tokens")
-    p.add_argument("--cache-memory", default="2GB", help="prefix-cache memory: bytes (2GB, 512MiB) or a percent of RAM (20%%)")
+    p.add_argument("--cache-memory", default=None,
+                   help="prefix-cache memory: bytes (2GB, 512MiB) or a percent of RAM (20%%); default: the memory"
+                        " budget's prefix share, a quarter of what weights and activations leave (512MiB when no"
+                        " budget can be computed); desktop mode shrinks it first under memory pressure")
+    p.add_argument("--memory-mode", choices=["desktop", "dedicated"], default=d.memory_mode,
+                   help="desktop: leave room for other apps, follow free memory while running; dedicated: a"
+                        " server box, take --memory-utilization of the GPU working set (RAM on CPU)")
+    p.add_argument("--memory-utilization", type=float, default=d.memory_utilization,
+                   help="dedicated mode: share of the memory capacity this server may use")
+    p.add_argument("--kv-prealloc", type=int, default=d.kv_prealloc_tokens, metavar="TOKENS",
+                   help="reserve KV for this many positions per decode batch up front, so memory stays flat while"
+                        " sequences grow (0: off; past it the cache grows in 256-token steps)")
     p.add_argument("--ssd-cache-dir", default=None, help="SSD tier of the prefix cache (survives restarts)")
     p.add_argument("--ssd-cache-max-size", default="50GB", help="size cap of the SSD tier")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
@@ -35,7 +46,10 @@ def _engine_config(args) -> EngineConfig:
 
     return EngineConfig(enable_prefix_cache=not args.no_prefix_cache, block_size=args.block_size,
                         kv_budget_tokens=args.kv_budget_tokens,
-                        cache_memory_bytes=parse_memory(args.cache_memory, total_ram()),
+                        cache_memory_bytes=(parse_memory(args.cache_memory, total_ram())
+                                            if args.cache_memory is not None else None),
+                        memory_mode=args.memory_mode, memory_utilization=args.memory_utilization,
+                        kv_prealloc_tokens=args.kv_prealloc,
                         ssd_cache_dir=args.ssd_cache_dir,
                         ssd_cache_max_bytes=parse_memory(args.ssd_cache_max_size, total_ram()),
                         max_num_seqs=args.max_num_seqs, prefill_step_size=args.prefill_step_size,
@@ -64,7 +78,13 @@ def _demo_model(args) -> int:
     import dataclasses
 
     from mlxserve.models.demo import SHAPES, build_model_folder, ensure_demo_model
+    from mlxserve.models.vlm_demo import CLI_SHAPES as VLM_SHAPES, build_vlm_folder
 
+    if args.shape in VLM_SHAPES:
+        if args.path is None or args.bits is not None:
+            raise SystemExit("VLM shapes need a PATH and take no --bits")
+        print(build_vlm_folder(args.path, shape=args.shape))
+        return 0
     if args.shape == "tiny" and args.bits is None:
         print(ensure_demo_model(args.path))
         return 0
@@ -106,6 +126,12 @@ def _bench_prefix(args) -> int:
     return prefix.run(args)
 
 
+def _bench_load(args) -> int:
+    from mlxserve.bench import load
+
+    return load.run(args)
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxserve", description="MLX-native OpenAI-compatible server")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -123,8 +149,10 @@ def make_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo-model", help="build the offline demo model (tiny, random weights)")
     demo.add_argument("path", nargs="?", default=None, help="output folder (default: the user cache dir)")
-    demo.add_argument("--shape", default="tiny", choices=["tiny", "qwen3-0.6b", "qwen3-8b"],
-                      help="a real model's shape with random weights (for benchmarks)")
+    demo.add_argument("--shape", default="tiny",
+                      choices=["tiny", "qwen3-0.6b", "qwen3-8b", "qwen2-vl-tiny", "qwen2.5-vl-tiny", "qwen3-vl-tiny",
+                               "qwen2.5-vl-3b", "qwen3-vl-2b"],
+                      help="a real model's shape with random weights (for benchmarks); *-vl-*: vision-language")
     demo.add_argument("--bits", type=int, default=None, help="quantize to this many bits")
     demo.add_argument("--group-size", type=int, default=64)
     demo.set_defaults(func=_demo_model)
@@ -141,6 +169,7 @@ def make_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     from mlxserve.bench import compare as bench_compare
     from mlxserve.bench import engine as bench_engine
+    from mlxserve.bench import load as bench_load
     from mlxserve.bench import prefix as bench_prefix
     from mlxserve.bench import serve as bench_serve
 
@@ -156,6 +185,9 @@ def make_parser() -> argparse.ArgumentParser:
     bp = bench.add_parser("prefix", help="TTFT with a shared prefix: cold vs prefix-cache hit")
     bench_prefix.add_arguments(bp)
     bp.set_defaults(func=_bench_prefix)
+    bl = bench.add_parser("load", help="weight-loading strategies: load time and peak RSS, cold/warm page cache")
+    bench_load.add_arguments(bl)
+    bl.set_defaults(func=_bench_load)
     return parser
 
 

@@ -29,7 +29,17 @@ class EngineConfig:
     # Prefix cache: KV of full blocks of `block_size` tokens, reused by later prompts with the same start.
     enable_prefix_cache: bool = True
     block_size: int = 128
-    cache_memory_bytes: int = 2 << 30
+    # None: the memory budget's prefix share (a quarter of what weights and activations leave).
+    cache_memory_bytes: int | None = None
+    # "desktop" follows free memory (re-read while running, caches give way first); "dedicated"
+    # takes `memory_utilization` of the device's capacity once.
+    memory_mode: str = "desktop"
+    memory_utilization: float = 0.9
+    # Desktop mode: seconds between re-reads of free memory while steps run (0: start-up only).
+    memory_refresh_s: float = 2.0
+    # KV positions reserved per decode batch up front, so memory stays flat while sequences grow
+    # (0: off, the cache grows in mlx-lm's 256-token steps).
+    kv_prealloc_tokens: int = 0
     # SSD tier: blocks written behind to one file each, found again after a restart.
     ssd_cache_dir: str | None = None
     ssd_cache_max_bytes: int = 50 * 10**9
@@ -47,10 +57,48 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 2")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
-        if self.cache_memory_bytes < 0:
+        if self.cache_memory_bytes is not None and self.cache_memory_bytes < 0:
             raise ValueError("cache_memory_bytes must be >= 0")
+        if self.memory_mode not in ("desktop", "dedicated"):
+            raise ValueError("memory_mode must be desktop or dedicated")
+        if not 0.0 < self.memory_utilization <= 1.0:
+            raise ValueError("memory_utilization must be in (0, 1]")
+        if self.memory_refresh_s < 0 or self.kv_prealloc_tokens < 0:
+            raise ValueError("memory_refresh_s and kv_prealloc_tokens must be >= 0")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class MediaConfig:
+    """Limits for images and videos named in requests (URLs, data: URIs, local files)."""
+
+    # Local paths and file:// URLs are refused unless they resolve (symlinks followed) inside one of these.
+    allowed_local_media_paths: tuple[str, ...] = ()
+    # Off: URLs whose host resolves to a private/loopback/link-local/reserved address are refused (SSRF).
+    allow_private_media_urls: bool = False
+    fetch_timeout_s: float = 10.0  # per connect / per read
+    fetch_deadline_s: float = 30.0  # whole download, so a slow-drip server cannot hold a worker
+    max_redirects: int = 5
+    max_media_bytes: int = 50 * 10**6  # encoded bytes, checked while streaming
+    # Checked from the header before decoding (decompression bombs). 50 MP admits 48 MP phone photos;
+    # a decoded RGB image of that size is ~150 MB. Pillow's own guard still refuses > ~179 MP.
+    max_image_pixels: int = 50_000_000
+    video_fps: float = 2.0
+    video_max_frames: int = 32
+    video_max_frames_cap: int = 128  # a request asking for more frames is refused
+
+    def __post_init__(self) -> None:
+        if self.fetch_timeout_s <= 0 or self.fetch_deadline_s <= 0:
+            raise ValueError("fetch_timeout_s and fetch_deadline_s must be > 0")
+        if self.max_redirects < 0:
+            raise ValueError("max_redirects must be >= 0")
+        if self.max_media_bytes < 1 or self.max_image_pixels < 1:
+            raise ValueError("max_media_bytes and max_image_pixels must be >= 1")
+        if self.video_fps <= 0:
+            raise ValueError("video_fps must be > 0")
+        if not 1 <= self.video_max_frames <= self.video_max_frames_cap:
+            raise ValueError("video_max_frames must be in 1..video_max_frames_cap")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
 
@@ -14,19 +14,71 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    url: str
+    detail: Optional[Literal["auto", "low", "high"]] = None
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: Union[str, ImageURL]
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+class VideoURL(BaseModel):
+    url: str
+    # Sampling: frames per second of video time, and at most this many frames (server caps apply).
+    fps: Optional[Annotated[float, Field(gt=0.0, le=60.0)]] = None
+    max_frames: Optional[Annotated[int, Field(ge=1)]] = None
+
+
+class VideoPart(BaseModel):
+    """`{"type": "video_url", "video_url": {...}}` (vLLM's form) or `{"type": "video", "video": ...}`;
+    fps / max_frames may sit in the part itself or next to the url."""
+
+    type: Literal["video_url", "video"]
+    video_url: Optional[Union[str, VideoURL]] = None
+    video: Optional[Union[str, VideoURL]] = None
+    fps: Optional[Annotated[float, Field(gt=0.0, le=60.0)]] = None
+    max_frames: Optional[Annotated[int, Field(ge=1)]] = None
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        src = self.video_url if self.type == "video_url" else self.video
+        if src is None:
+            raise ValueError(f"a {self.type!r} part needs its {self.type!r} field")
+        return self
+
+    def source(self) -> tuple[str, Optional[float], Optional[int]]:
+        src = self.video_url if self.type == "video_url" else self.video
+        if isinstance(src, str):
+            return src, self.fps, self.max_frames
+        return src.url, src.fps or self.fps, src.max_frames or self.max_frames
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart, VideoPart], Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, list[TextPart]]] = None
+    content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
+
+    @property
+    def has_media(self) -> bool:
+        return isinstance(self.content, list) and any(not isinstance(p, TextPart) for p in self.content)
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
 
 class StreamOptions(BaseModel):
@@ -86,6 +138,10 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def num_top_logprobs(self) -> int:
         return (self.top_logprobs or 0) if self.logprobs else 0
+
+    @property
+    def has_media(self) -> bool:
+        return any(m.has_media for m in self.messages)
 
 
 class CompletionRequest(SamplingFields):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxserve.api.errors import APIError
-from mlxserve.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from mlxserve.api.schemas import ChatCompletionRequest, CompletionRequest, ImagePart, SamplingFields, TextPart
 from mlxserve.engine.request import Request, SamplingParams
 
 
@@ -23,10 +23,42 @@ class ServedModel:
     eos_token_ids: frozenset[int]
     default_max_tokens: int
     created: int
+    # Vision-language models: builds prompts with images/videos (multimodal.prompt); None: text only.
+    multimodal: Any = None
 
     def check_name(self, requested: str) -> None:
         if requested != self.name and requested not in self.aliases:
             raise APIError(404, f"The model `{requested}` does not exist; this server serves `{self.name}`.", "model", "model_not_found")
+
+
+def _render_multimodal(model: ServedModel, body: ChatCompletionRequest) -> tuple[list[int], tuple]:
+    """Fetches and decodes the media (blocking: the caller runs this off the event loop)."""
+    from mlxserve.multimodal.media import MediaError
+    from mlxserve.multimodal.prompt import MediaPart
+
+    if model.multimodal is None:
+        raise APIError(400, f"`{model.name}` is a text-only model: image and video parts need a "
+                       "vision-language model", "messages")
+    messages, parts = [], []
+    for m in body.messages:
+        if not isinstance(m.content, list):
+            messages.append({"role": m.role, "content": m.content or ""})
+            continue
+        content = []
+        for p in m.content:
+            if isinstance(p, TextPart):
+                content.append({"type": "text", "text": p.text})
+            elif isinstance(p, ImagePart):
+                content.append({"type": "image"})
+                parts.append(MediaPart("image", p.url))
+            else:
+                content.append({"type": "video"})
+                parts.append(MediaPart("video", *p.source()))
+        messages.append({"role": m.role, "content": content})
+    try:
+        return model.multimodal.build(messages, parts)
+    except MediaError as exc:
+        raise APIError(400, str(exc), exc.param or "messages", "invalid_media") from exc
 
 
 def _render_chat(model: ServedModel, body: ChatCompletionRequest) -> list[int]:
@@ -107,7 +139,10 @@ def make_request(model: ServedModel, body: SamplingFields) -> Request:
         raise APIError(400, "n > 1 is not supported yet; send n=1 (or several requests)", "n")
     if isinstance(body, CompletionRequest) and body.echo:
         raise APIError(400, "echo is not supported", "echo")
-    if isinstance(body, ChatCompletionRequest):
+    media = ()
+    if isinstance(body, ChatCompletionRequest) and body.has_media:
+        (prompt_ids, media), prefix = _render_multimodal(model, body), "chatcmpl"
+    elif isinstance(body, ChatCompletionRequest):
         prompt_ids, prefix = _render_chat(model, body), "chatcmpl"
     else:
         prompt_ids, prefix = _completion_prompt(model, body), "cmpl"
@@ -132,4 +167,4 @@ def make_request(model: ServedModel, body: SamplingFields) -> Request:
         logprobs=body.logprobs is not None if isinstance(body, CompletionRequest) else body.logprobs,
         top_logprobs=body.num_top_logprobs,
     )
-    return Request(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, model.eos_token_ids)
+    return Request(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, model.eos_token_ids, media=media)

@@ -80,11 +80,15 @@ def extend_block_hashes(
     extra_keys: tuple = (),
     model_key: str = "",
     max_num_blocks: int | None = None,
+    media_spans: Sequence[tuple[int, int, str]] = (),
 ) -> list[bytes]:
     """Append to `hashes` the hashes of the full blocks of `token_ids` it does not cover yet.
 
     Lets a caller hash a growing sequence (decode) incrementally instead of from the start;
     `hashes` must have been built from the same token prefix and keys. Returns `hashes`.
+    `media_spans` are (start, end, content hash) of image/video placeholder runs: every block that
+    overlaps one also carries that hash, since its tokens alone (all the same placeholder id) say
+    nothing about which picture they stand for.
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
@@ -95,16 +99,24 @@ def extend_block_hashes(
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), num_full):
         start = i * block_size
-        parent = hash_block(parent, token_ids[start : start + block_size], extra)
+        keys = extra
+        if media_spans:
+            end = start + block_size
+            keys = extra + tuple(h for s, e, h in media_spans if s < end and e > start)
+        parent = hash_block(parent, token_ids[start : start + block_size], keys)
         hashes.append(parent)
     return hashes
 
 
 def block_hashes(
-    token_ids: Sequence[int], block_size: int, extra_keys: tuple = (), model_key: str = ""
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: tuple = (),
+    model_key: str = "",
+    media_spans: Sequence[tuple[int, int, str]] = (),
 ) -> list[bytes]:
     """Chained hashes of every full block of a sequence; a partial tail is not hashed."""
-    return extend_block_hashes([], token_ids, block_size, extra_keys, model_key)
+    return extend_block_hashes([], token_ids, block_size, extra_keys, model_key, media_spans=media_spans)
 
 
 def disk_key(h: bytes) -> str:

@@ -18,6 +18,8 @@ EvictCallback = Callable[[bytes, int], None]
 ColdLookup = Callable[[bytes, Sequence[int], int], bool]
 # Cheap "does the second tier hold this hash?", asked before a block is taken for a cold load.
 ColdContains = Callable[[bytes], bool]
+# (start, end, content hash) of a prompt's image/video placeholder runs; see hashing.extend_block_hashes.
+MediaSpans = Sequence[tuple[int, int, str]]
 
 from mlxserve.cache.block_pool import Block, BlockPool
 from mlxserve.cache.hashing import block_hashes
@@ -52,15 +54,16 @@ class PrefixCacheManager:
         self._has_cold = has_cold
         self._held: dict[str, list[Block]] = {}
         self._writing: list[Block] = []  # planned stores, held until the runner has copied them
+        self.max_cached_blocks = num_blocks  # lowered under memory pressure, see set_max_cached_blocks
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
     # -- admission -----------------------------------------------------------------------------
-    def lookup(self, request_id: str, token_ids: Sequence[int]) -> list[int]:
+    def lookup(self, request_id: str, token_ids: Sequence[int], media_spans: MediaSpans = ()) -> list[int]:
         """Ids of the longest run of cached full blocks at the start of the prompt, now held by
         `request_id`. At least one prompt token is always left to compute (it yields the logits)."""
         bs = self.block_size
-        hashes = block_hashes(token_ids[:-1], bs, model_key=self.model_key)
+        hashes = block_hashes(token_ids[:-1], bs, model_key=self.model_key, media_spans=media_spans)
         hits: list[Block] = []
         for i, h in enumerate(hashes):
             tokens = token_ids[i * bs : (i + 1) * bs]
@@ -83,6 +86,8 @@ class PrefixCacheManager:
         # prompt's first uncached block) cost a memory block that later prompts could have hit.
         if self._has_cold is not None and not self._has_cold(block_hash):
             return None
+        if not self._make_room():
+            return None
         (block,) = self.pool.allocate(1)
         if not self._lookup_cold(block_hash, tokens, block.block_id):
             self.pool.free([block])
@@ -96,7 +101,7 @@ class PrefixCacheManager:
         self.pool.free(reversed(self._held.pop(request_id, [])))
 
     # -- insertion -----------------------------------------------------------------------------
-    def plan_store(self, token_ids: Sequence[int]) -> list[StoreOp]:
+    def plan_store(self, token_ids: Sequence[int], media_spans: MediaSpans = ()) -> list[StoreOp]:
         """Blocks of `token_ids` (tokens whose KV exists) not cached yet, each given a block id.
 
         Planned blocks stay referenced until `finish_stores`, so an allocation later in the same
@@ -104,7 +109,7 @@ class PrefixCacheManager:
         bs = self.block_size
         ops = []
         kept: list[Block] = []
-        for i, h in enumerate(block_hashes(token_ids, bs, model_key=self.model_key)):
+        for i, h in enumerate(block_hashes(token_ids, bs, model_key=self.model_key, media_spans=media_spans)):
             tokens = token_ids[i * bs : (i + 1) * bs]
             cached = self.pool.cached.get(h)
             if cached is not None:  # this request's own hit, or another request stored it first
@@ -113,7 +118,7 @@ class PrefixCacheManager:
                 self.pool.touch([cached])
                 kept.append(cached)
                 continue
-            if self.pool.num_free == 0:
+            if not self._make_room():
                 break
             (block,) = self.pool.allocate(1)
             self.pool.cache_full_block(block, h, tokens)
@@ -131,6 +136,21 @@ class PrefixCacheManager:
         """Shrinks the cached, unreferenced set so at most `num_blocks` are cached."""
         return self.pool.evict_unreferenced(max(0, self.pool.num_cached - num_blocks))
 
+    def set_max_cached_blocks(self, num_blocks: int) -> int:
+        """Caps the blocks holding data (memory pressure): evicts LRU unreferenced blocks down to the
+        cap now and keeps later stores under it; raising it again lets the cache regrow, up to the
+        pool's size. Blocks running requests hold stay, so the cap is soft until they finish.
+        Returns how many blocks were evicted."""
+        self.max_cached_blocks = max(0, min(num_blocks, self.pool.num_blocks))
+        return self.evict_to(self.max_cached_blocks)
+
+    def _make_room(self) -> bool:
+        """Whether one more block may hold data: a free block exists, and under the cap, if need be
+        by evicting the least recently used unreferenced block."""
+        if self.pool.num_free == 0:
+            return False
+        return self.pool.num_cached < self.max_cached_blocks or self.pool.evict_unreferenced(1) == 1
+
     def clear(self) -> int:
         """Drops every unreferenced block. Call between steps only: the blocks planned in the last
         step are then copied, but stay held until the next `schedule()`, which never comes while
@@ -143,6 +163,7 @@ class PrefixCacheManager:
         return {
             "block_size": self.block_size,
             "num_blocks": self.pool.num_blocks,
+            "max_cached_blocks": self.max_cached_blocks,
             "num_cached_blocks": self.pool.num_cached,
             "num_used_blocks": self.pool.num_used,
             "queried_tokens": q,

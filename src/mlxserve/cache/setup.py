@@ -27,21 +27,38 @@ def probe_kv(model: Any) -> tuple[int, Any, int]:
     return per_token, cache[0].keys.dtype, len(cache)
 
 
-def make_prefix_cache(model: Any, config: EngineConfig, model_key: str, probe: tuple[int, Any, int]):
+# Prefix-cache size when --cache-memory is not given and no memory budget could be computed (the
+# weights alone exceed it): memory is tight, so modest.
+FALLBACK_CACHE_MEMORY_BYTES = 512 << 20
+
+
+def can_share_prefix(model: Any) -> bool:
+    """Whether the model's caches are plain KV that a prefix cache can reuse. Sliding-window (rotating)
+    and recurrent caches are not plain prefixes of a sequence."""
+    return {type(c) for c in make_prompt_cache(model)} == {KVCache}
+
+
+def make_prefix_cache(
+    model: Any, config: EngineConfig, model_key: str, probe: tuple[int, Any, int], memory_bytes: int | None = None
+):
     """(manager, store), or (None, None) when disabled or when the model's caches cannot be shared.
-    `probe` is `probe_kv(model)`, measured once by the caller."""
-    if not config.enable_prefix_cache or config.cache_memory_bytes == 0:
+    `probe` is `probe_kv(model)`, measured once by the caller. The size is `memory_bytes` (the memory
+    budget's prefix share), else `config.cache_memory_bytes`, else FALLBACK_CACHE_MEMORY_BYTES."""
+    if memory_bytes is None:
+        memory_bytes = config.cache_memory_bytes
+    if memory_bytes is None:
+        memory_bytes = FALLBACK_CACHE_MEMORY_BYTES
+    if not config.enable_prefix_cache or memory_bytes == 0:
         return None, None
-    kinds = {type(c) for c in make_prompt_cache(model)}
-    if kinds != {KVCache}:
-        # Sliding-window (rotating) and recurrent caches are not plain prefixes of a sequence.
-        log.info("prefix cache off: this model's caches are %s, not plain KVCache", sorted(k.__name__ for k in kinds))
+    if not can_share_prefix(model):
+        kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)})
+        log.info("prefix cache off: this model's caches are %s, not plain KVCache", kinds)
         return None, None
     per_token, dtype, num_layers = probe
     block_bytes = per_token * config.block_size
-    num_blocks = config.cache_memory_bytes // block_bytes
+    num_blocks = memory_bytes // block_bytes
     if num_blocks < 1:
-        log.info("prefix cache off: %d bytes hold no block of %d bytes", config.cache_memory_bytes, block_bytes)
+        log.info("prefix cache off: %d bytes hold no block of %d bytes", memory_bytes, block_bytes)
         return None, None
     ssd = None
     if config.ssd_cache_dir:

@@ -12,6 +12,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxserve.engine.kv_prealloc import reserve
+
 
 def make_buckets(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then steps of about 1.5x (12, 16, 24, 32, 48, 64, ...), ending at max_num_seqs."""
@@ -31,11 +33,15 @@ def _merge(caches: list[list[Any]]) -> list[Any]:
 class DecodeBatch:
     """Owns the rows' caches and next tokens; every reindexing goes through `_take`."""
 
-    def __init__(self, buckets: list[int] | None = None) -> None:
+    def __init__(self, buckets: list[int] | None = None, kv_prealloc_tokens: int = 0) -> None:
         self.buckets = buckets
+        self.kv_prealloc_tokens = kv_prealloc_tokens  # KV width reserved after each join (0: off)
         self.row_ids: list[str | None] = []  # None: a filler row
         self.cache: list[Any] = []
         self.tokens: mx.array | None = None  # [B] sampled, not yet fed (lazy)
+        # [B] position each row's next fed token takes (rope delta included); kept only for models that
+        # take explicit positions (VLMs: a row's position is not its cache length after an image).
+        self.positions: mx.array | None = None
 
     @property
     def num_live(self) -> int:
@@ -51,7 +57,7 @@ class DecodeBatch:
 
     def _take(self, idx: list[int]) -> None:
         if not idx:
-            self.row_ids, self.cache, self.tokens = [], [], None
+            self.row_ids, self.cache, self.tokens, self.positions = [], [], None, None
             return
         if idx == list(range(len(self.row_ids))):
             return
@@ -59,6 +65,8 @@ class DecodeBatch:
         for c in self.cache:
             c.filter(index)
         self.tokens = self.tokens[index]
+        if self.positions is not None:
+            self.positions = self.positions[index]
         self.row_ids = [self.row_ids[i] for i in idx]
 
     def _layout(self, live: list[int]) -> list[int]:
@@ -76,8 +84,11 @@ class DecodeBatch:
             self._take(self._layout(live))
             self.row_ids[len(live):] = [None] * (len(self.row_ids) - len(live))
 
-    def join(self, request_ids: list[str], caches: list[list[Any]], tokens: mx.array) -> None:
-        """Adds requests whose prefill just finished, with their first sampled tokens [k]."""
+    def join(
+        self, request_ids: list[str], caches: list[list[Any]], tokens: mx.array, positions: mx.array | None = None
+    ) -> None:
+        """Adds requests whose prefill just finished, with their first sampled tokens [k] (and the
+        positions those tokens take, for models that need them)."""
         live = [i for i, rid in enumerate(self.row_ids) if rid is not None]
         num_live = len(live) + len(request_ids)
         if self.row_ids and len(live) < len(self.row_ids):
@@ -87,8 +98,12 @@ class DecodeBatch:
             for c, n in zip(self.cache, new):
                 c.extend(n)
             self.tokens = mx.concatenate([self.tokens, tokens])
+            if positions is not None:
+                self.positions = mx.concatenate([self.positions, positions])
         else:
-            self.cache, self.tokens = new, tokens
+            self.cache, self.tokens, self.positions = new, tokens, positions
+        if self.kv_prealloc_tokens:
+            reserve(self.cache, self.kv_prealloc_tokens)
         self.row_ids = self.row_ids + list(request_ids)
         target = self._bucket(num_live)
         if target > num_live:

@@ -15,9 +15,10 @@ from mlxserve.engine.detokenizer import StopStringMatcher, make_detokenizer_fact
 from mlxserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from mlxserve.engine.runner import ModelRunner
 from mlxserve.engine.scheduler import Scheduler
-from mlxserve.cache.setup import make_prefix_cache, probe_kv
+from mlxserve.cache.setup import can_share_prefix, make_prefix_cache, probe_kv
 from mlxserve.memory.budget import kv_tokens
-from mlxserve.memory.profile import startup_budget
+from mlxserve.memory.pressure import MemoryGovernor
+from mlxserve.memory.profile import budget_config, startup_budget
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +41,28 @@ class EngineCore:
     ) -> None:
         self.tokenizer = tokenizer
         self._make_detokenizer = make_detokenizer_factory(tokenizer)
-        self.budget = startup_budget(model, config.prefill_step_size)
+        self.config = config
+        prefix_on = config.enable_prefix_cache and config.cache_memory_bytes != 0 and can_share_prefix(model)
+        # The start-up budget; `self.governor.live` is the one in force (desktop mode follows free memory).
+        self.budget = startup_budget(model, config.prefill_step_size, budget_config(config, prefix_on))
         probe = probe_kv(model)
-        self.kv_capacity_tokens = config.kv_budget_tokens
+        self._block_bytes = probe[0] * config.block_size
+        self.kv_capacity_tokens = config.kv_budget_tokens  # at start-up; the scheduler holds the live one
         if self.kv_capacity_tokens is None and self.budget is not None:
             self.kv_capacity_tokens = kv_tokens(self.budget, probe[0])
-        self.prefix, store = make_prefix_cache(model, config, model_key, probe)
+        prefix_bytes = self.budget.prefix_cache if self.budget is not None and prefix_on else None
+        self.prefix, store = make_prefix_cache(model, config, model_key, probe, prefix_bytes)
         self.scheduler = Scheduler(config, max_model_len, self.prefix, self.kv_capacity_tokens)
-        self.runner = ModelRunner(model, buckets, store, config.block_size)
+        self.runner = ModelRunner(model, buckets, store, config.block_size,
+                                  kv_prealloc_tokens=config.kv_prealloc_tokens)
+        self.governor = None
+        if self.budget is not None:
+            self.governor = MemoryGovernor(self.budget, probe[0], self.prefix, self.scheduler,
+                                           block_bytes=self._block_bytes,
+                                           kv_tokens_override=config.kv_budget_tokens,
+                                           refresh_s=config.memory_refresh_s)
+        log.info("KV for running requests: %s tokens%s", self.kv_capacity_tokens,
+                 f", {config.kv_prealloc_tokens} reserved per batch up front" if config.kv_prealloc_tokens else "")
         self._requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
 
@@ -68,6 +83,8 @@ class EngineCore:
         self._forget(request_id)
 
     def step(self) -> list[RequestOutput]:
+        if self.governor is not None:
+            self.governor.maybe_refresh()  # desktop mode: a clock read, memory read every few seconds
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -139,7 +156,8 @@ class EngineCore:
         # Rebuild the runner's state from scratch: its caches may be half-updated, and so may the
         # prefix cache's planned blocks, so that starts empty too.
         old = self.runner
-        self.runner = ModelRunner(old.model, old.buckets, old.store, old.block_size)
+        self.runner = ModelRunner(old.model, old.buckets, old.store, old.block_size,
+                                  kv_prealloc_tokens=self.config.kv_prealloc_tokens)
         self.scheduler.reset_after_failure()
         # mlx-lm's samplers are mx.compile'd over mx.random.state; one that raised mid-trace leaves a
         # placeholder array there and every later unseeded sample would fail. Start a fresh key.
@@ -153,21 +171,33 @@ class EngineCore:
             return {"enabled": False}
         store = self.runner.store
         ssd = store.ssd.stats() if store.ssd is not None else None
-        return {"enabled": True, **self.prefix.stats(), "memory_bytes": store.nbytes, "ssd": ssd}
+        budget_bytes = self.prefix.max_cached_blocks * self._block_bytes
+        return {"enabled": True, **self.prefix.stats(), "memory_bytes": store.nbytes, "budget_bytes": budget_bytes,
+                "ssd": ssd}
 
     def status(self) -> dict:
-        """The start-up budget next to live readings, for `GET /v1/status`."""
+        """The budget in force (desktop mode: after pressure) next to the start-up one and live
+        readings, for `GET /v1/status`."""
         import dataclasses
 
         from mlxserve.memory.device import read_memory
 
-        budget = dataclasses.asdict(self.budget) if self.budget is not None else None
-        if budget is not None:
-            budget.pop("config", None)
+        def as_dict(budget):
+            if budget is None:
+                return None
+            d = dataclasses.asdict(budget)
+            d.pop("config", None)
+            return d
+
+        governor = self.governor
         return {
-            "budget": budget,
+            "memory_mode": self.config.memory_mode,
+            "budget": as_dict(governor.live if governor is not None else self.budget),
+            "startup_budget": as_dict(self.budget),
+            "pressure": governor.status() if governor is not None else None,
             "memory": dataclasses.asdict(read_memory()),
-            "kv_capacity_tokens": self.kv_capacity_tokens,
+            "kv_capacity_tokens": self.scheduler.kv_capacity_tokens,
+            "kv_prealloc_tokens": self.config.kv_prealloc_tokens,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "prefix_cache": self.cache_stats(),
@@ -185,7 +215,9 @@ class EngineCore:
 
     def on_idle(self) -> None:
         """Nothing to run: hand blocks still queued for the SSD tier to its writer now, so a crash
-        while idle loses nothing that was computed."""
+        while idle loses nothing that was computed; desktop mode re-reads memory if it is time."""
+        if self.governor is not None:
+            self.governor.maybe_refresh()
         if self.prefix is not None and self.runner.store.ssd is not None:
             self.runner.store.spill_pending()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,28 @@ class RequestStatus(enum.Enum):
         )
 
 
+@dataclass(frozen=True)
+class MediaItem:
+    """One image or video inside a prompt: where its placeholder tokens sit and what encodes it.
+
+    `spans` are (first position, number of tokens) of its placeholder runs in the prompt, in order (a
+    Qwen3-VL video has one run per frame group, timestamps between them). The vision features fill
+    those positions row by row. `pixel_values` is None when the HTTP side knew the grid already (a
+    repeated image): the engine then takes the features from its vision cache, or runs the processor
+    on `image` if the cache dropped them meanwhile."""
+
+    content_hash: str
+    kind: str  # "image" | "video"
+    spans: tuple[tuple[int, int], ...]
+    grid_thw: tuple[int, int, int]
+    pixel_values: Any = None  # numpy array from the model's processor
+    image: Any = None  # the decoded picture, kept for a late re-processing
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.spans)
+
+
 @dataclass
 class Request:
     request_id: str
@@ -69,6 +92,8 @@ class Request:
     # Prefix-cache hit at admission: these blocks hold the first num_cached_tokens prompt tokens.
     cached_block_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # Images and videos in the prompt, in order of position (empty for text).
+    media: tuple[MediaItem, ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -77,6 +102,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def media_spans(self) -> tuple[tuple[int, int, str], ...]:
+        """(start, end, content hash) of every placeholder run: extra keys of the blocks they touch."""
+        return tuple((s, s + n, m.content_hash) for m in self.media for s, n in m.spans)
 
     @property
     def num_tokens(self) -> int:

@@ -17,6 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxserve.cache.kv_store import KVBlockStore
 from mlxserve.engine.batch import DecodeBatch
+from mlxserve.engine.mm_prefill import MultimodalPrefill
 from mlxserve.engine.request import Request, SamplingParams, TokenLogprob
 from mlxserve.engine.sampling import RowSampler, gather_logprobs, sample_batch
 from mlxserve.engine.scheduler import PrefillChunk, SchedulerOutput
@@ -36,7 +37,13 @@ class StepTokens:
 
 class ModelRunner:
     def __init__(
-        self, model: Any, buckets: list[int] | None = None, store: KVBlockStore | None = None, block_size: int = 0
+        self,
+        model: Any,
+        buckets: list[int] | None = None,
+        store: KVBlockStore | None = None,
+        block_size: int = 0,
+        vision_cache: Any = None,
+        kv_prealloc_tokens: int = 0,
     ) -> None:
         self.model = model
         self.buckets = buckets
@@ -44,7 +51,10 @@ class ModelRunner:
         self.block_size = block_size
         self._prefill_caches: dict[str, list[Any]] = {}
         self._samplers: dict[str, RowSampler] = {}
-        self._batch = DecodeBatch(buckets)
+        self._batch = DecodeBatch(buckets, kv_prealloc_tokens)
+        # Vision-language models: multimodal prefill, and decode positions carried per row.
+        self.mm = MultimodalPrefill(model, vision_cache) if getattr(model, "is_vlm", False) else None
+        self._deltas: dict[str, int] = {}
         # Per request that asked for logprobs: lazy (chosen logprob, top ids, top logprobs) of its
         # next token to feed, read back when that token is emitted.
         self._pending_lp: dict[str, tuple] = {}
@@ -66,7 +76,10 @@ class ModelRunner:
                 joined.append(done)
         if joined:
             rids, caches, tokens = zip(*joined)
-            self._batch.join(list(rids), list(caches), mx.concatenate(tokens))
+            positions = None
+            if self.mm is not None:
+                positions = mx.array([requests[r].num_prompt_tokens + self._deltas.pop(r, 0) for r in rids])
+            self._batch.join(list(rids), list(caches), mx.concatenate(tokens), positions)
         return self._decode()
 
     def _drop(self, request_ids: list[str]) -> None:
@@ -74,6 +87,9 @@ class ModelRunner:
             self._prefill_caches.pop(rid, None)
             self._samplers.pop(rid, None)
             self._pending_lp.pop(rid, None)
+            if self.mm is not None:
+                self.mm.finish(rid)
+                self._deltas.pop(rid, None)
         if request_ids:
             self._batch.drop(set(request_ids))
 
@@ -104,18 +120,28 @@ class ModelRunner:
                 self.store.make_cache(request.cached_block_ids, cache)
             self._prefill_caches[rid] = cache
             self._samplers[rid] = RowSampler.make(request.sampling, request.prompt_token_ids)
-        ids = request.prompt_token_ids[chunk.start : chunk.start + chunk.num_tokens]
+            if request.media:
+                self._deltas[rid] = self.mm.start(request)
+        if request.media:
+            def forward(start: int, end: int):
+                return self.mm.forward(request, start, end, cache)
+        else:
+            def forward(start: int, end: int):
+                return self.model(mx.array(request.prompt_token_ids[start:end])[None], cache=cache)
+        start, end = chunk.start, chunk.start + chunk.num_tokens
         if not chunk.is_last:
-            self.model(mx.array(ids)[None], cache=cache)
+            forward(start, end)
             # Bound the lazy graph: a chunk is evaluated before the next is built. Only the cache is
             # evaluated, so the LM head never runs on these positions.
             mx.eval([c.state for c in cache])
             return None
-        if len(ids) > 1:
+        if end - start > 1:
             # Same reason: the last position alone gets logits (what mlx-lm's generate_step does).
-            self.model(mx.array(ids[:-1])[None], cache=cache)
-        logits = self.model(mx.array(ids[-1:])[None], cache=cache)
+            forward(start, end - 1)
+        logits = forward(end - 1, end)
         del self._prefill_caches[rid]
+        if self.mm is not None:
+            self.mm.finish(rid)
         sampler = self._samplers[rid]
         tokens, logprobs = sample_batch(logits[:, -1, :], [sampler])
         self._keep_logprobs([rid], [sampler], tokens, logprobs)
@@ -141,7 +167,11 @@ class ModelRunner:
         fed_lp = {rid: self._pending_lp.pop(rid) for rid in rids if rid in self._pending_lp}
         rows = [self._samplers[rid] if rid is not None else _FILLER for rid in rids]
 
-        logits = self.model(fed[:, None], cache=batch.cache)
+        if batch.positions is not None:
+            logits = self.model(fed[:, None], cache=batch.cache, positions=batch.positions[:, None])
+            batch.positions = batch.positions + 1
+        else:
+            logits = self.model(fed[:, None], cache=batch.cache)
         nxt, logprobs = sample_batch(logits[:, -1, :], rows)
         self._keep_logprobs(rids, rows, nxt, logprobs)
         batch.tokens = nxt

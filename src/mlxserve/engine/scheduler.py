@@ -111,7 +111,9 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running[request.request_id] = request
             if self.prefix is not None:
-                request.cached_block_ids = self.prefix.lookup(request.request_id, request.prompt_token_ids)
+                request.cached_block_ids = self.prefix.lookup(
+                    request.request_id, request.prompt_token_ids, request.media_spans
+                )
                 request.num_cached_tokens = len(request.cached_block_ids) * self.prefix.block_size
                 request.num_computed_tokens = request.num_cached_tokens
 
@@ -140,6 +142,7 @@ class Scheduler:
             return True
         longest = max(r.num_prompt_tokens + r.sampling.max_tokens for r in self.running.values())
         longest = max(longest, request.num_prompt_tokens + request.sampling.max_tokens)
+        longest = max(longest, self.config.kv_prealloc_tokens)  # a reserved row holds that much anyway
         return (len(self.running) + 1) * longest <= self.kv_capacity_tokens
 
     def update(self, new_tokens: dict[str, int]) -> list[Request]:
@@ -193,7 +196,7 @@ class Scheduler:
         self.prefix.finish_stores()  # the last step's planned copies were made
         for request in self._at_boundary:
             if request.status is RequestStatus.RUNNING:
-                ops = self.prefix.plan_store(request.prompt_token_ids + request.output_token_ids)
+                ops = self.prefix.plan_store(request.prompt_token_ids + request.output_token_ids, request.media_spans)
                 if ops:
                     out.store_ops[request.request_id] = ops
         self._at_boundary = []
@@ -201,7 +204,7 @@ class Scheduler:
             # A request that got its first token has a decode row holding KV for its prompt and
             # every output token (each emitted token was fed in the step that emitted it).
             if request.num_output_tokens > 0:
-                ops = self.prefix.plan_store(request.prompt_token_ids + request.output_token_ids)
+                ops = self.prefix.plan_store(request.prompt_token_ids + request.output_token_ids, request.media_spans)
                 if ops:
                     out.store_ops[request.request_id] = ops
             self.prefix.release(request.request_id)

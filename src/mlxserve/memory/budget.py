@@ -8,8 +8,8 @@ Every limit applies to the same quantity, the bytes this process may hold in tot
                 reserve    = max(desktop_reserve_min_bytes, desktop_reserve_fraction * pool_total)
     dedicated:  ceiling = memory_utilization * capacity   (available memory is ignored)
     rest        = ceiling - weights - activations        (MemoryBudgetError if negative)
-    prefix      = prefix_cache_fraction * rest
     vision      = min(vision_cache_bytes, vision_cache_max_fraction * rest)
+    prefix      = prefix_cache_fraction * rest, or min(prefix_cache_bytes, rest - vision) when given
     kv          = rest - prefix - vision
 so weights + activations + kv + prefix + vision == ceiling exactly: nothing is counted twice.
 """
@@ -46,6 +46,9 @@ class BudgetConfig:
     # reuse. A quarter holds several long system prompts / agent contexts while three quarters stay
     # for running sequences; it is also the first thing given back under pressure.
     prefix_cache_fraction: float = 0.25
+    # A fixed prefix-cache size instead of the fraction (`--cache-memory`; 0 with the cache off), so
+    # what the prefix cache does not take is KV's, never counted twice.
+    prefix_cache_bytes: int | None = None
     # Image embeddings cache (0 for text-only models). Capped at a share of the remainder because it
     # only saves re-encoding an image, while KV is what lets a request run at all.
     vision_cache_bytes: int = 512 * (1 << 20)
@@ -61,6 +64,8 @@ class BudgetConfig:
                 raise ValueError(f"{name} must be in [0, 1)")
         if self.prefix_cache_fraction + self.vision_cache_max_fraction >= 1.0:
             raise ValueError("prefix_cache_fraction + vision_cache_max_fraction must leave room for KV")
+        if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
+            raise ValueError("prefix_cache_bytes must be >= 0")
         if self.desktop_reserve_min_bytes < 0 or self.vision_cache_bytes < 0:
             raise ValueError("byte sizes must be >= 0")
 
@@ -111,8 +116,11 @@ def compute_budget(
     if fixed > ceiling:
         raise MemoryBudgetError(_does_not_fit(readings, cfg, ceiling, weights_bytes, activation_bytes))
     rest = ceiling - fixed
-    prefix = int(cfg.prefix_cache_fraction * rest)
     vision = min(cfg.vision_cache_bytes, int(cfg.vision_cache_max_fraction * rest))
+    if cfg.prefix_cache_bytes is None:
+        prefix = int(cfg.prefix_cache_fraction * rest)
+    else:
+        prefix = min(cfg.prefix_cache_bytes, rest - vision)
     return MemoryBudget(
         ceiling=ceiling,
         weights=weights_bytes,

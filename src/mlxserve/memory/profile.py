@@ -35,6 +35,14 @@ def activation_bytes(model: Any, chunk_tokens: int) -> int:
     return max(0, peak - before)
 
 
+def budget_config(config: Any, prefix_cache: bool) -> BudgetConfig:
+    """The budget's rules from an `EngineConfig`: its mode and utilization, and the prefix cache's
+    share fixed by `--cache-memory` (or 0 when there is no prefix cache, so KV gets it all)."""
+    prefix_bytes = config.cache_memory_bytes if prefix_cache else 0
+    return BudgetConfig(mode=config.memory_mode, memory_utilization=config.memory_utilization,
+                        prefix_cache_bytes=prefix_bytes)
+
+
 def startup_budget(model: Any, chunk_tokens: int, cfg: BudgetConfig | None = None) -> MemoryBudget | None:
     """The budget from real readings, logged; None (and a warning) when the weights cannot fit, since
     nothing enforces the budget yet."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import struct
 import time
 from dataclasses import dataclass
@@ -13,6 +14,15 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 _DEFAULT_MAX_MODEL_LEN = 4096
+
+# How the weights get from disk into MLX arrays (see choose_load_strategy for the measured rule):
+# "mlx-lm": mlx-lm's load: lazy mx.load per file, one mx.eval of all parameters; MLX reads each
+#           tensor with pread on a small thread pool straight into its own buffer.
+# "chunked": the same lazy load, evaluated a few hundred MB at a time in model order.
+# "mmap":   the files memory-mapped, each tensor copied from the mapping into an MLX array, its
+#           pages dropped from our address space as soon as it is copied.
+LOAD_STRATEGIES = ("mlx-lm", "chunked", "mmap")
+_CHUNK_BYTES = 256 << 20
 
 
 class ModelLoadError(Exception):
@@ -25,6 +35,10 @@ class LoadedModel:
     tokenizer: Any  # mlx-lm's TokenizerWrapper
     config: dict
     source: str  # what the user named: a folder or a hub id
+
+    @property
+    def is_vlm(self) -> bool:
+        return getattr(self.model, "is_vlm", False)
 
     @property
     def max_position_embeddings(self) -> int:
@@ -44,17 +58,142 @@ class LoadedModel:
         return path.name if path.exists() else self.source
 
 
-def load_model(source: str) -> LoadedModel:
-    """Loads weights and tokenizer; a hub id is fetched by mlx-lm's loader (snapshot_download)."""
+def load_model(source: str, strategy: str = "auto") -> LoadedModel:
+    """Loads weights and tokenizer; a hub id is fetched by mlx-lm's loader (snapshot_download).
+    `strategy` is "auto" (choose_load_strategy by the weights' size) or one of LOAD_STRATEGIES."""
+    if strategy != "auto" and strategy not in LOAD_STRATEGIES:
+        raise ValueError(f"load strategy must be auto or one of {LOAD_STRATEGIES}, got {strategy!r}")
+    from mlxserve.models.vlm import is_vlm_config, load_vlm, read_config
+
+    folder = Path(source)
+    config = read_config(source)
+    if config is not None and is_vlm_config(config):
+        # Vision-language models load through mlx-vlm (its own weight layout and processor).
+        for path in sorted(folder.glob("*.safetensors")):
+            check_safetensors(path)
+        model, tokenizer = load_vlm(source, config)
+        return LoadedModel(model, tokenizer, config, source)
+    if not folder.is_dir():
+        # A hub id: only mlx-lm's loader knows how to download it.
+        return _timed(source, "mlx-lm", lambda: _load_mlx_lm(source))
+    files = weight_files(folder)
+    for path in sorted(folder.glob("*.safetensors")):
+        check_safetensors(path)
+    if strategy == "auto":
+        strategy = choose_load_strategy(sum(p.stat().st_size for p in files))
+    loaders = {"mlx-lm": _load_mlx_lm, "chunked": _load_chunked, "mmap": _load_mmap}
+    return _timed(source, strategy, lambda: loaders[strategy](source))
+
+
+def choose_load_strategy(weight_bytes: int) -> str:
+    """The strategy "auto" picks for a model whose weight files hold `weight_bytes` in all."""
+    return "mlx-lm"
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The files mlx-lm reads weights from (its glob, so every strategy sees the same tensors)."""
+    return sorted(Path(folder).glob("model*.safetensors"))
+
+
+def _timed(source: str, strategy: str, load) -> LoadedModel:
+    start = time.perf_counter()
+    model, tokenizer, config = load()
+    log.info("loaded %s in %.2f s (%s)", source, time.perf_counter() - start, strategy)
+    return LoadedModel(model, tokenizer, config, source)
+
+
+def _load_mlx_lm(source: str):
     from mlx_lm import load
 
-    if Path(source).is_dir():
-        for path in sorted(Path(source).glob("*.safetensors")):
-            check_safetensors(path)
-    start = time.perf_counter()
-    model, tokenizer, config = load(source, return_config=True)
-    log.info("loaded %s in %.2f s", source, time.perf_counter() - start)
-    return LoadedModel(model, tokenizer, config, source)
+    return load(source, return_config=True)
+
+
+def _load_lazy(source: str):
+    """mlx-lm builds, sanitizes and quantizes the model; its parameters stay unevaluated file reads."""
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+    from mlx_lm.utils import load_tokenizer
+
+    model, config = mlx_lm_load_model(Path(source), lazy=True)
+    return model, load_tokenizer(Path(source), eos_token_ids=config.get("eos_token_id")), config
+
+
+def _load_chunked(source: str):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    model, tokenizer, config = _load_lazy(source)
+    chunk, chunk_bytes = [], 0
+    for _, value in tree_flatten(model.parameters()):
+        chunk.append(value)
+        chunk_bytes += value.nbytes
+        if chunk_bytes >= _CHUNK_BYTES:
+            mx.eval(chunk)
+            chunk, chunk_bytes = [], 0
+    mx.eval(chunk)
+    return model, tokenizer, config
+
+
+def _load_mmap(source: str):
+    import mlx.core as mx
+
+    model, tokenizer, config = _load_lazy(source)
+    weights = {}
+    for path in weight_files(Path(source)):
+        weights.update(read_safetensors_mmap(path))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    # strict: a model whose sanitize is not a plain rename/drop fails loudly here instead of serving
+    # half-replaced weights.
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    return model, tokenizer, config
+
+
+# safetensors dtype -> (numpy dtype to read the bytes as, mlx dtype to view them as, or None)
+_ST_DTYPES = {
+    "F32": ("float32", None), "F16": ("float16", None), "BF16": ("uint16", "bfloat16"),
+    "I64": ("int64", None), "I32": ("int32", None), "I16": ("int16", None), "I8": ("int8", None),
+    "U64": ("uint64", None), "U32": ("uint32", None), "U16": ("uint16", None), "U8": ("uint8", None),
+    "BOOL": ("bool", None),
+}
+
+
+def read_safetensors_mmap(path: Path) -> dict:
+    """Every tensor of one safetensors file as an evaluated MLX array, read through a memory map.
+    numpy has no bfloat16: BF16 bytes are copied as uint16 and viewed as bfloat16 (no conversion)."""
+    import mlx.core as mx
+    import numpy as np
+
+    header_len, header = _read_header(path)
+    tensors = sorted(((name, t) for name, t in header.items() if name != "__metadata__"),
+                     key=lambda item: item[1]["data_offsets"][0])
+    out = {}
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        if hasattr(mm, "madvise"):
+            mm.madvise(mmap.MADV_SEQUENTIAL)  # deeper kernel read-ahead on a cold page cache
+        for name, t in tensors:
+            if t["dtype"] not in _ST_DTYPES:
+                raise ModelLoadError(f"{path}: tensor {name}: unsupported dtype {t['dtype']}")
+            np_dtype, view_dtype = _ST_DTYPES[t["dtype"]]
+            begin, end = (8 + header_len + int(o) for o in t["data_offsets"])
+            host = np.frombuffer(mm, dtype=np_dtype, count=(end - begin) // np.dtype(np_dtype).itemsize,
+                                 offset=begin).reshape(t["shape"])
+            value = mx.array(host)  # a copy: the mapping can go
+            del host
+            out[name] = value.view(getattr(mx, view_dtype)) if view_dtype else value
+            if hasattr(mmap, "MADV_DONTNEED"):
+                # Unmap the copied pages (the page cache keeps them): resident memory stays at about
+                # one copy of the weights instead of two.
+                first = begin - begin % mmap.PAGESIZE
+                mm.madvise(mmap.MADV_DONTNEED, first, end - first)
+    mx.eval(list(out.values()))
+    return out
+
+
+def _read_header(path: Path) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        return header_len, json.loads(f.read(header_len))
 
 
 def check_safetensors(path: Path) -> None:

@@ -1,0 +1,105 @@
+"""Prefill of prompts with images or videos: the engine-thread half of multimodal serving.
+
+A chunk's input embeddings are the token embeddings with the vision features written over the
+placeholder positions the chunk covers. Features come from the vision cache by content hash, so a
+repeated image skips the tower; a prompt whose image lies inside prefix-cache blocks needs no
+features at all (those positions are never recomputed). The tower runs in the step of the first
+chunk that reaches the image, so it delays running streams by about one prefill chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from mlxserve.engine.request import MediaItem, Request
+from mlxserve.models.vlm import VisionFeatures, VisionLanguageModel
+
+
+class MultimodalPrefill:
+    def __init__(self, model: VisionLanguageModel, vision_cache: Any) -> None:
+        self.model = model
+        self.vision_cache = vision_cache  # multimodal.vision_cache.VisionCache, engine thread only
+        # Per request in prefill: positions [3, 1, L] of the whole prompt, and the features it uses,
+        # held here so an eviction from the vision cache between two chunks cannot cost a re-encode.
+        self._positions: dict[str, mx.array] = {}
+        self._features: dict[str, dict[str, VisionFeatures]] = {}
+        self.num_encoded = 0
+        self.num_cache_hits = 0
+
+    def start(self, request: Request) -> int:
+        """Plans a request's prefill; returns its decode position delta."""
+        positions, delta = self.model.rope_index(request.prompt_token_ids, request.media)
+        self._positions[request.request_id] = positions
+        self._features[request.request_id] = {}
+        return delta
+
+    def finish(self, request_id: str) -> None:
+        self._positions.pop(request_id, None)
+        self._features.pop(request_id, None)
+
+    def forward(self, request: Request, start: int, end: int, cache: list[Any]) -> mx.array:
+        """Runs prompt positions [start, end) through the language model; returns the logits."""
+        rid = request.request_id
+        ids = mx.array(request.prompt_token_ids[start:end])[None]
+        embeds, visual_mask, deepstack = self._embed(request, start, end, ids)
+        positions = self._positions[rid][:, :, start:end]
+        return self.model.forward(ids, cache, positions, embeds, visual_mask, deepstack)
+
+    # -- embeddings --------------------------------------------------------------------------------
+    def _embed(self, request: Request, start: int, end: int, ids: mx.array):
+        text = self.model.embed_tokens(ids)[0]  # [L, H]
+        pieces, deep_pieces, cursor = [], [], start
+        mask = None
+        for item in request.media:
+            offset = 0  # feature rows of this item before the current span
+            for span_start, span_len in item.spans:
+                lo, hi = max(span_start, start), min(span_start + span_len, end)
+                if lo < hi:
+                    feats = self._get(request.request_id, item)
+                    if lo > cursor:
+                        pieces.append(text[cursor - start : lo - start])
+                    rows = slice(offset + lo - span_start, offset + hi - span_start)
+                    pieces.append(feats.features[rows].astype(text.dtype))
+                    if feats.deepstack:
+                        deep_pieces.append([d[rows] for d in feats.deepstack])
+                        if mask is None:
+                            mask = [False] * (end - start)
+                        mask[lo - start : hi - start] = [True] * (hi - lo)
+                    cursor = hi
+                offset += span_len
+        if not pieces:
+            return text[None], None, None
+        if cursor < end:
+            pieces.append(text[cursor - start :])
+        embeds = mx.concatenate(pieces, axis=0)[None]
+        if not deep_pieces:
+            return embeds, None, None
+        # One [rows in this chunk, H] per deepstack layer, rows in position order (what the model's
+        # deepstack step expects next to the mask).
+        deepstack = [mx.concatenate(layer, axis=0) for layer in zip(*deep_pieces)]
+        return embeds, mx.array(mask)[None], deepstack
+
+    def _get(self, request_id: str, item: MediaItem) -> VisionFeatures:
+        held = self._features[request_id]
+        feats = held.get(item.content_hash)
+        if feats is not None:
+            return feats
+        feats = self.vision_cache.get(item.content_hash) if self.vision_cache is not None else None
+        if feats is None:
+            pixels, grid = item.pixel_values, item.grid_thw
+            if pixels is None:  # the HTTP side relied on a cached entry that is gone now
+                pixels, grid = self.model.preprocess_image(item.image)
+            feats = self.model.encode(pixels, grid)
+            if feats.features.shape[0] != item.num_tokens:
+                raise ValueError(f"the vision tower gave {feats.features.shape[0]} features for "
+                                 f"{item.num_tokens} placeholder tokens")
+            mx.eval(feats.features, *feats.deepstack)
+            self.num_encoded += 1
+            if self.vision_cache is not None:
+                self.vision_cache.put(item.content_hash, feats)
+        else:
+            self.num_cache_hits += 1
+        held[item.content_hash] = feats
+        return feats

@@ -1,0 +1,137 @@
+"""The budget while running: desktop mode re-reads free memory now and then and gives memory back in
+order — the prefix cache first, then the KV that admission may hand to new requests — and takes it
+back when the pressure passes. Running requests are never touched: they finish with what they hold.
+
+No MLX here. The governor acts on the prefix cache and the scheduler only through their public
+handles (`set_max_cached_blocks`, `kv_capacity_tokens`), so tests drive it with fake readings.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from mlxserve.memory.budget import MemoryBudget, kv_tokens, shrink_for_pressure
+from mlxserve.memory.device import MemoryReadings, read_memory
+
+log = logging.getLogger(__name__)
+
+_MIB = 1 << 20
+# A new ceiling closer than this to the one in force is noise (a browser tab, the page cache) and
+# is not applied: no evict/regrow flapping and no log line every refresh.
+_MIN_CHANGE_BYTES = 64 * _MIB
+_MIN_CHANGE_FRACTION = 0.01
+
+
+@dataclass(frozen=True)
+class MemoryLimits:
+    """What the engine enforces for a budget: a cap on cached prefix blocks and the KV tokens that
+    admission may hand out (None: no prefix cache / no KV limit)."""
+
+    prefix_blocks: int | None
+    kv_tokens: int | None
+
+
+def limits_for(
+    budget: MemoryBudget, kv_bytes_per_token: int, block_bytes: int | None, kv_tokens_override: int | None
+) -> MemoryLimits:
+    """An explicit `--kv-budget-tokens` is the operator's number and stays fixed."""
+    prefix = budget.prefix_cache // block_bytes if block_bytes else None
+    kv = kv_tokens_override if kv_tokens_override is not None else kv_tokens(budget, kv_bytes_per_token)
+    return MemoryLimits(prefix, kv)
+
+
+class MemoryGovernor:
+    """Owns the live budget. `maybe_refresh()` is cheap (a clock read) between refreshes; a refresh
+    reads memory (/proc on Linux, `vm_stat` on macOS) and applies the new limits if they moved."""
+
+    def __init__(
+        self,
+        budget: MemoryBudget,
+        kv_bytes_per_token: int,
+        prefix: Any = None,
+        scheduler: Any = None,
+        *,
+        block_bytes: int | None = None,
+        kv_tokens_override: int | None = None,
+        refresh_s: float = 2.0,
+        read: Callable[[], MemoryReadings] = read_memory,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.startup = budget
+        self.live = budget
+        self.prefix = prefix
+        self.scheduler = scheduler
+        self._per_token = kv_bytes_per_token
+        self._block_bytes = block_bytes if prefix is not None else None
+        self._kv_override = kv_tokens_override
+        self._read = read
+        self._clock = clock
+        # Dedicated mode takes a fixed share and ignores what others hold: nothing to follow.
+        self.refresh_s = refresh_s if budget.mode == "desktop" else 0.0
+        self._next = clock() + self.refresh_s
+        self.num_refreshes = 0
+        self.num_changes = 0
+        self.limits = limits_for(budget, kv_bytes_per_token, self._block_bytes, kv_tokens_override)
+
+    def maybe_refresh(self) -> bool:
+        """Refreshes when `refresh_s` has passed since the last one; True when the limits changed."""
+        if not self.refresh_s:
+            return False
+        now = self._clock()
+        if now < self._next:
+            return False
+        self._next = now + self.refresh_s
+        return self.refresh()
+
+    def refresh(self, readings: MemoryReadings | None = None) -> bool:
+        readings = readings if readings is not None else self._read()
+        self.num_refreshes += 1
+        new = shrink_for_pressure(self.startup, readings)
+        if not self._worth_applying(new):
+            self.live = _with_ceiling_of(self.live, new)
+            return False
+        old = self.live
+        self.live = new
+        self.num_changes += 1
+        evicted = self._apply(limits_for(new, self._per_token, self._block_bytes, self._kv_override))
+        log.info(
+            "memory %s: ceiling %.2f -> %.2f GiB; prefix cache <= %s blocks (%d evicted), KV %s tokens for new"
+            " requests", "pressure" if new.ceiling < old.ceiling else "freed", old.ceiling / (1 << 30),
+            new.ceiling / (1 << 30), self.limits.prefix_blocks, evicted, self.limits.kv_tokens,
+        )
+        return True
+
+    def _worth_applying(self, new: MemoryBudget) -> bool:
+        if new.ceiling == self.live.ceiling:
+            return False
+        if new.ceiling == self.startup.ceiling:
+            return True  # back to full: always restore exactly
+        step = max(_MIN_CHANGE_BYTES, int(_MIN_CHANGE_FRACTION * self.startup.ceiling))
+        return abs(new.ceiling - self.live.ceiling) >= step
+
+    def _apply(self, limits: MemoryLimits) -> int:
+        """Prefix cache first (its blocks are only saved recompute), then new admissions' KV."""
+        evicted = 0
+        if self.prefix is not None and limits.prefix_blocks is not None:
+            evicted = self.prefix.set_max_cached_blocks(limits.prefix_blocks)
+        if self.scheduler is not None:
+            self.scheduler.kv_capacity_tokens = limits.kv_tokens
+        self.limits = limits
+        return evicted
+
+    def status(self) -> dict:
+        return {
+            "refresh_s": self.refresh_s,
+            "num_refreshes": self.num_refreshes,
+            "num_changes": self.num_changes,
+            "prefix_cache_max_blocks": self.limits.prefix_blocks,
+            "kv_capacity_tokens": self.limits.kv_tokens,
+        }
+
+
+def _with_ceiling_of(live: MemoryBudget, new: MemoryBudget) -> MemoryBudget:
+    """The budget in force, with the freshest free_for_others (a number for display only)."""
+    return replace(live, free_for_others=new.free_for_others + new.ceiling - live.ceiling)

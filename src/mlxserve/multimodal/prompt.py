@@ -1,0 +1,167 @@
+"""Chat messages with image and video parts -> prompt token ids and the engine's `MediaItem`s.
+
+Runs on the HTTP side, in a worker thread (media fetching and pixel preprocessing block). It does
+what the model's processor does to the text — each placeholder becomes one token per feature row,
+Qwen3-VL videos get a "<t seconds>" marker per frame group — then tokenizes once, so the ids equal
+mlx-vlm's. A picture seen before skips the pixel preprocessing: its grid is remembered by content
+hash and the engine takes its features from the vision cache.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mlxserve.config import MediaConfig
+from mlxserve.engine.request import MediaItem
+from mlxserve.multimodal.hashing import image_hash, video_hash
+from mlxserve.multimodal.media import MediaError, load_image, load_video
+
+_VISION_START, _VISION_END = "<|vision_start|>", "<|vision_end|>"
+_IMAGE_PAD, _VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
+_PLACEHOLDER = "\x00mlxserve-placeholder\x00"
+# Grids remembered for repeated images; a tuple each, so thousands cost well under a megabyte.
+_MAX_KNOWN_GRIDS = 4096
+
+
+@dataclass(frozen=True)
+class MediaPart:
+    """One image or video content part as the client sent it."""
+
+    kind: str  # "image" | "video"
+    url: str
+    fps: float | None = None
+    max_frames: int | None = None
+
+
+@dataclass
+class _Loaded:
+    part: MediaPart
+    content_hash: str
+    grid_thw: tuple[int, int, int]
+    pixel_values: Any
+    image: Any
+    timestamps: tuple[float, ...] = ()
+
+
+class MultimodalPromptBuilder:
+    def __init__(self, model: Any, tokenizer: Any, config: MediaConfig) -> None:
+        self.model = model  # models.vlm.VisionLanguageModel: processor, family, token ids
+        self.tokenizer = tokenizer
+        self.config = config
+        # Requests are built in parallel worker threads: the grid memo is shared, so it has a lock.
+        self._grids: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def build(self, messages: list[dict], parts: list[MediaPart]) -> tuple[list[int], tuple[MediaItem, ...]]:
+        """`messages` already hold {"type": "image"} / {"type": "video"} parts where the media go,
+        and `parts` lists the media in that order."""
+        loaded = [self._load(p) for p in parts]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self._expand(text, loaded)
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        return ids, self._items(ids, loaded)
+
+    # -- media -----------------------------------------------------------------------------------
+    def _load(self, part: MediaPart) -> _Loaded:
+        if part.kind == "image":
+            image = load_image(part.url, self.config)
+            digest = image_hash(image)
+            with self._lock:
+                grid = self._grids.get(digest)
+                if grid is not None:
+                    self._grids.move_to_end(digest)
+            if grid is not None:
+                return _Loaded(part, digest, grid, None, image)
+            pixels, grid = self.model.preprocess_image(image)
+            self._remember(digest, grid)
+            return _Loaded(part, digest, grid, pixels, image)
+        video = load_video(part.url, self.config, fps=part.fps, max_frames=part.max_frames)
+        frames = np.stack([np.asarray(f) for f in video.frames])
+        out = self.model.processor.video_processor(videos=[frames])
+        grid = tuple(int(x) for x in np.asarray(out["video_grid_thw"])[0])
+        return _Loaded(part, video_hash(video), grid, np.asarray(out["pixel_values_videos"]), None,
+                       tuple(video.timestamps))
+
+    def _remember(self, digest: str, grid: tuple[int, int, int]) -> None:
+        with self._lock:
+            self._grids[digest] = grid
+            if len(self._grids) > _MAX_KNOWN_GRIDS:
+                self._grids.popitem(last=False)
+
+    # -- text ------------------------------------------------------------------------------------
+    def _expand(self, text: str, loaded: list[_Loaded]) -> str:
+        """Each placeholder of the rendered template -> one placeholder token per feature row."""
+        merge = self.model.merge_size**2
+        images = [m for m in loaded if m.part.kind == "image"]
+        videos = [m for m in loaded if m.part.kind == "video"]
+        if text.count(_IMAGE_PAD) != len(images) or text.count(_VIDEO_PAD) != len(videos):
+            raise MediaError(f"the chat template placed {text.count(_IMAGE_PAD)} images and "
+                             f"{text.count(_VIDEO_PAD)} videos, the request has {len(images)} and "
+                             f"{len(videos)}", "messages")
+        for m in images:
+            t, h, w = m.grid_thw
+            text = text.replace(_IMAGE_PAD, _PLACEHOLDER * (t * h * w // merge), 1)
+        text = text.replace(_PLACEHOLDER, _IMAGE_PAD)
+        wrapped = _VISION_START + _VIDEO_PAD + _VISION_END
+        for m in videos:
+            t, h, w = m.grid_thw
+            per_frame = h * w // merge
+            if self.model.family == "qwen3_vl" and wrapped in text:
+                groups = "".join(f"<{s:.1f} seconds>{_VISION_START}{_PLACEHOLDER * per_frame}{_VISION_END}"
+                                 for s in _group_times(m.timestamps, t, m.part.fps))
+                text = text.replace(wrapped, groups, 1)
+            else:
+                text = text.replace(_VIDEO_PAD, _PLACEHOLDER * (t * per_frame), 1)
+        return text.replace(_PLACEHOLDER, _VIDEO_PAD)
+
+    def _items(self, ids: list[int], loaded: list[_Loaded]) -> tuple[MediaItem, ...]:
+        """Placeholder runs in the ids, handed to the media in order (a video may take several)."""
+        runs = _runs(ids, {self.model.image_token_id, self.model.video_token_id})
+        merge = self.model.merge_size**2
+        items, r = [], 0
+        for m in loaded:
+            token = self.model.image_token_id if m.part.kind == "image" else self.model.video_token_id
+            t, h, w = m.grid_thw
+            need, spans = t * h * w // merge, []
+            while need > 0 and r < len(runs):
+                start, length, run_token = runs[r]
+                if run_token != token or length > need:
+                    break
+                spans.append((start, length))
+                need -= length
+                r += 1
+            if need:
+                raise MediaError("the prompt's image/video placeholders do not line up with the media "
+                                 "(a placeholder token typed in the text?)", "messages")
+            items.append(MediaItem(m.content_hash, m.part.kind, tuple(spans), m.grid_thw, m.pixel_values,
+                                   m.image))
+        if r != len(runs):
+            raise MediaError("the prompt contains image/video placeholder tokens without media", "messages")
+        return tuple(items)
+
+
+def _runs(ids: list[int], tokens: set[int]) -> list[tuple[int, int, int]]:
+    runs, i, n = [], 0, len(ids)
+    while i < n:
+        if ids[i] in tokens:
+            j = i
+            while j < n and ids[j] == ids[i]:
+                j += 1
+            runs.append((i, j - i, ids[i]))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+def _group_times(timestamps: tuple[float, ...], grid_t: int, fps: float | None, temporal: int = 2) -> list[float]:
+    """Seconds of each temporal patch group: the mean of its first and last frame (the reference
+    Qwen3-VL processor's rule); the processor repeats the last frame to fill the final group."""
+    times = list(timestamps) or [i / (fps or 2.0) for i in range(grid_t * temporal)]
+    times += times[-1:] * (grid_t * temporal - len(times))
+    return [(times[g * temporal] + times[g * temporal + temporal - 1]) / 2 for g in range(grid_t)]
