@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from mlxserve.config import EngineConfig, ServerConfig, parse_memory
+from mlxserve.config import EngineConfig, MediaConfig, ServerConfig, parse_memory
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -39,6 +39,29 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
     p.add_argument("--decode-buckets", choices=["on", "off"], default=d.decode_buckets,
                    help="pad the decode batch to a few fixed sizes")
+    p.add_argument("--vision-cache-memory", default="512MB",
+                   help="vision-language models: encoder outputs kept by image hash (bytes or %% of RAM)")
+
+
+def _add_media_flags(p: argparse.ArgumentParser) -> None:
+    d = MediaConfig()
+    p.add_argument("--allowed-local-media-path", action="append", default=[], metavar="DIR",
+                   help="allow image/video parts to name local files (paths, file://) under DIR; repeatable")
+    p.add_argument("--allow-private-media-urls", action="store_true",
+                   help="allow media URLs on private, loopback and link-local addresses (off: SSRF guard)")
+    p.add_argument("--media-fetch-timeout", type=float, default=d.fetch_timeout_s, metavar="SECONDS",
+                   help="connect/read timeout of a media download")
+    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
+                   help="refuse images above this many pixels (checked before decoding)")
+    p.add_argument("--video-max-frames-cap", type=int, default=d.video_max_frames_cap,
+                   help="most frames a video part may ask for (max_frames default %d)" % d.video_max_frames)
+
+
+def _media_config(args) -> MediaConfig:
+    return MediaConfig(allowed_local_media_paths=tuple(args.allowed_local_media_path),
+                       allow_private_media_urls=args.allow_private_media_urls,
+                       fetch_timeout_s=args.media_fetch_timeout, max_image_pixels=args.max_image_pixels,
+                       video_max_frames_cap=args.video_max_frames_cap)
 
 
 def _engine_config(args) -> EngineConfig:
@@ -54,7 +77,8 @@ def _engine_config(args) -> EngineConfig:
                         ssd_cache_max_bytes=parse_memory(args.ssd_cache_max_size, total_ram()),
                         max_num_seqs=args.max_num_seqs, prefill_step_size=args.prefill_step_size,
                         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
-                        warmup=args.warmup, decode_buckets=args.decode_buckets)
+                        warmup=args.warmup, decode_buckets=args.decode_buckets,
+                        vision_cache_bytes=parse_memory(args.vision_cache_memory, total_ram()))
 
 
 def _serve(args) -> int:
@@ -64,9 +88,17 @@ def _serve(args) -> int:
     from mlxserve.server import build_app
 
     config = ServerConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
-                          port=args.port, log_level=args.log_level, engine=_engine_config(args))
+                          port=args.port, log_level=args.log_level, engine=_engine_config(args),
+                          load_strategy=args.load_strategy, media=_media_config(args))
     try:
-        app = build_app(config)
+        loaded = None
+        if config.load_strategy != "auto":
+            # build_app loads with "auto"; a named strategy loads here and hands the model over.
+            from mlxserve.models.demo import ensure_demo_model
+            from mlxserve.models.loader import load_model
+
+            loaded = load_model(config.model or str(ensure_demo_model()), config.load_strategy)
+        app = build_app(config, loaded)
     except ModelLoadError as e:
         print(f"mlxserve serve: {e}", file=sys.stderr)
         return 2
@@ -144,7 +176,12 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None, help="name clients use (default: folder name or id)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from mlxserve.models.loader import LOAD_STRATEGIES
+
+    serve.add_argument("--load-strategy", default="auto", choices=("auto",) + LOAD_STRATEGIES,
+                       help="how weights are read (auto: by total weight size, see models/loader.py)")
     _add_engine_flags(serve)
+    _add_media_flags(serve)
     serve.set_defaults(func=_serve)
 
     demo = sub.add_parser("demo-model", help="build the offline demo model (tiny, random weights)")

@@ -40,6 +40,8 @@ class EngineConfig:
     # KV positions reserved per decode batch up front, so memory stays flat while sequences grow
     # (0: off, the cache grows in mlx-lm's 256-token steps).
     kv_prealloc_tokens: int = 0
+    # Vision-language models: encoder outputs kept by image hash (capped by the memory budget's share).
+    vision_cache_bytes: int = 512 * (1 << 20)
     # SSD tier: blocks written behind to one file each, found again after a restart.
     ssd_cache_dir: str | None = None
     ssd_cache_max_bytes: int = 50 * 10**9
@@ -109,10 +111,17 @@ class ServerConfig:
     port: int = 8000
     log_level: str = "info"
     engine: EngineConfig = field(default_factory=EngineConfig)
+    media: MediaConfig = field(default_factory=MediaConfig)  # images and videos in requests (VLMs)
+    # How weights are read: "auto" (models/loader.py's measured rule by size) or a strategy name.
+    load_strategy: str = "auto"
 
     def __post_init__(self) -> None:
+        from mlxserve.models.loader import LOAD_STRATEGIES
+
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.load_strategy != "auto" and self.load_strategy not in LOAD_STRATEGIES:
+            raise ValueError(f"load_strategy must be auto or one of {LOAD_STRATEGIES}, got {self.load_strategy!r}")
 
 
 def parse_memory(text: str, total_bytes: int) -> int:

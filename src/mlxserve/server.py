@@ -83,10 +83,20 @@ def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAP
         eos_token_ids=loaded.eos_token_ids,
         default_max_tokens=config.engine.default_max_tokens,
         created=int(time.time()),
+        multimodal=_prompt_builder(loaded, config),
     )
     log.info("serving %s as %r (context %d tokens, up to %d sequences)", loaded.source, name, max_model_len,
              config.engine.max_num_seqs)
     return create_app(served, make_engine(loaded, config.engine, max_model_len))
+
+
+def _prompt_builder(loaded: LoadedModel, config: ServerConfig):
+    """Vision-language models: what turns image/video parts into prompt tokens; None for text models."""
+    if not loaded.is_vlm:
+        return None
+    from mlxserve.multimodal.prompt import MultimodalPromptBuilder
+
+    return MultimodalPromptBuilder(loaded.model, loaded.tokenizer, config.media)
 
 
 def _vocab_size(loaded: LoadedModel) -> int:

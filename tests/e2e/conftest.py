@@ -16,7 +16,7 @@ import openai
 import pytest
 import uvicorn
 
-from mlxserve.config import EngineConfig, ServerConfig
+from mlxserve.config import EngineConfig, MediaConfig, ServerConfig
 from mlxserve.server import build_app
 
 SERVED_NAME = "tiny"
@@ -53,8 +53,9 @@ class LiveServer:
         self.thread.join(timeout=60)
 
 
-def start_server(model_dir, **engine_kwargs) -> LiveServer:
-    config = ServerConfig(model=str(model_dir), served_model_name=SERVED_NAME, engine=EngineConfig(**engine_kwargs))
+def start_server(model_dir, media: MediaConfig | None = None, **engine_kwargs) -> LiveServer:
+    config = ServerConfig(model=str(model_dir), served_model_name=SERVED_NAME, engine=EngineConfig(**engine_kwargs),
+                          media=media or MediaConfig())
     app = build_app(config)
     # Port 0: the OS picks a free port; we read it back from the listening socket.
     uv_config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5)

@@ -130,7 +130,11 @@ def create_app(model: ServedModel, engine: AsyncEngine) -> FastAPI:
         return await _complete(body, raw, chat=False)
 
     async def _complete(body: SamplingFields, raw: Request, chat: bool):
-        request = make_request(model, body)
+        if getattr(body, "has_media", False):
+            # Fetching and decoding media blocks: a worker thread, so other streams keep flowing.
+            request = await asyncio.to_thread(make_request, model, body)
+        else:
+            request = make_request(model, body)
         need, cap = request.num_prompt_tokens + request.sampling.max_tokens, engine.kv_capacity_tokens
         if cap is not None and need > cap:
             raise APIError(429, f"this request needs KV for {request.num_prompt_tokens} prompt + "

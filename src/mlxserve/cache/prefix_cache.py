@@ -99,6 +99,8 @@ class PrefixCacheManager:
     def release(self, request_id: str) -> None:
         # Tail first: a prompt's last blocks are evicted before the head other requests share.
         self.pool.free(reversed(self._held.pop(request_id, [])))
+        if self.pool.num_cached > self.max_cached_blocks:  # held past a lowered cap: give them back now
+            self.evict_to(self.max_cached_blocks)
 
     # -- insertion -----------------------------------------------------------------------------
     def plan_store(self, token_ids: Sequence[int], media_spans: MediaSpans = ()) -> list[StoreOp]:

@@ -44,7 +44,8 @@ class EngineCore:
         self.config = config
         prefix_on = config.enable_prefix_cache and config.cache_memory_bytes != 0 and can_share_prefix(model)
         # The start-up budget; `self.governor.live` is the one in force (desktop mode follows free memory).
-        self.budget = startup_budget(model, config.prefill_step_size, budget_config(config, prefix_on))
+        is_vlm = getattr(model, "is_vlm", False)
+        self.budget = startup_budget(model, config.prefill_step_size, budget_config(config, prefix_on, is_vlm))
         probe = probe_kv(model)
         self._block_bytes = probe[0] * config.block_size
         self.kv_capacity_tokens = config.kv_budget_tokens  # at start-up; the scheduler holds the live one
@@ -53,7 +54,15 @@ class EngineCore:
         prefix_bytes = self.budget.prefix_cache if self.budget is not None and prefix_on else None
         self.prefix, store = make_prefix_cache(model, config, model_key, probe, prefix_bytes)
         self.scheduler = Scheduler(config, max_model_len, self.prefix, self.kv_capacity_tokens)
-        self.runner = ModelRunner(model, buckets, store, config.block_size,
+        # Vision features by image hash (VLMs only): the budget's vision share, or the flag without one.
+        self.vision_cache = None
+        if is_vlm and config.vision_cache_bytes:
+            from mlxserve.multimodal.vision_cache import VisionCache
+
+            vision_bytes = self.budget.vision_cache if self.budget is not None else config.vision_cache_bytes
+            self.vision_cache = VisionCache(vision_bytes)
+            log.info("vision cache: %.0f MB", vision_bytes / 1e6)
+        self.runner = ModelRunner(model, buckets, store, config.block_size, self.vision_cache,
                                   kv_prealloc_tokens=config.kv_prealloc_tokens)
         self.governor = None
         if self.budget is not None:
@@ -156,7 +165,7 @@ class EngineCore:
         # Rebuild the runner's state from scratch: its caches may be half-updated, and so may the
         # prefix cache's planned blocks, so that starts empty too.
         old = self.runner
-        self.runner = ModelRunner(old.model, old.buckets, old.store, old.block_size,
+        self.runner = ModelRunner(old.model, old.buckets, old.store, old.block_size, self.vision_cache,
                                   kv_prealloc_tokens=self.config.kv_prealloc_tokens)
         self.scheduler.reset_after_failure()
         # mlx-lm's samplers are mx.compile'd over mx.random.state; one that raised mid-trace leaves a
@@ -168,12 +177,12 @@ class EngineCore:
 
     def cache_stats(self) -> dict:
         if self.prefix is None:
-            return {"enabled": False}
+            return {"enabled": False, "vision": self.vision_stats()}
         store = self.runner.store
         ssd = store.ssd.stats() if store.ssd is not None else None
         budget_bytes = self.prefix.max_cached_blocks * self._block_bytes
         return {"enabled": True, **self.prefix.stats(), "memory_bytes": store.nbytes, "budget_bytes": budget_bytes,
-                "ssd": ssd}
+                "ssd": ssd, "vision": self.vision_stats()}
 
     def status(self) -> dict:
         """The budget in force (desktop mode: after pressure) next to the start-up one and live
@@ -203,8 +212,16 @@ class EngineCore:
             "prefix_cache": self.cache_stats(),
         }
 
+    def vision_stats(self) -> dict | None:
+        if self.vision_cache is None:
+            return None
+        mm = self.runner.mm
+        return {**self.vision_cache.stats(), "num_encoded": mm.num_encoded, "num_reused": mm.num_cache_hits}
+
     def clear_cache(self) -> int:
-        """Both tiers; blocks held by running requests stay until those finish."""
+        """Both tiers (and the vision cache); blocks held by running requests stay until those finish."""
+        if self.vision_cache is not None:
+            self.vision_cache.clear()
         if self.prefix is None:
             return 0
         n = self.prefix.clear()

@@ -15,12 +15,13 @@ import mlx.core as mx
 
 from mlxserve.engine.request import MediaItem, Request
 from mlxserve.models.vlm import VisionFeatures, VisionLanguageModel
+from mlxserve.multimodal.vision_cache import VisionCacheEntry
 
 
 class MultimodalPrefill:
     def __init__(self, model: VisionLanguageModel, vision_cache: Any) -> None:
         self.model = model
-        self.vision_cache = vision_cache  # multimodal.vision_cache.VisionCache, engine thread only
+        self.vision_cache = vision_cache  # VisionCache or None (off); engine thread only
         # Per request in prefill: positions [3, 1, L] of the whole prompt, and the features it uses,
         # held here so an eviction from the vision cache between two chunks cannot cost a re-encode.
         self._positions: dict[str, mx.array] = {}
@@ -86,8 +87,11 @@ class MultimodalPrefill:
         feats = held.get(item.content_hash)
         if feats is not None:
             return feats
-        feats = self.vision_cache.get(item.content_hash) if self.vision_cache is not None else None
-        if feats is None:
+        entry = self.vision_cache.get(item.content_hash) if self.vision_cache is not None else None
+        if entry is not None:
+            feats = VisionFeatures(entry.arrays["features"], tuple(entry.arrays.get("deepstack", ())))
+            self.num_cache_hits += 1
+        else:
             pixels, grid = item.pixel_values, item.grid_thw
             if pixels is None:  # the HTTP side relied on a cached entry that is gone now
                 pixels, grid = self.model.preprocess_image(item.image)
@@ -98,8 +102,7 @@ class MultimodalPrefill:
             mx.eval(feats.features, *feats.deepstack)
             self.num_encoded += 1
             if self.vision_cache is not None:
-                self.vision_cache.put(item.content_hash, feats)
-        else:
-            self.num_cache_hits += 1
+                arrays = {"features": feats.features, "deepstack": list(feats.deepstack)}
+                self.vision_cache.put(item.content_hash, VisionCacheEntry(arrays, {"grid_thw": item.grid_thw}))
         held[item.content_hash] = feats
         return feats

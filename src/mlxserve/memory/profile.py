@@ -35,12 +35,14 @@ def activation_bytes(model: Any, chunk_tokens: int) -> int:
     return max(0, peak - before)
 
 
-def budget_config(config: Any, prefix_cache: bool) -> BudgetConfig:
+def budget_config(config: Any, prefix_cache: bool, vision_cache: bool = False) -> BudgetConfig:
     """The budget's rules from an `EngineConfig`: its mode and utilization, and the prefix cache's
-    share fixed by `--cache-memory` (or 0 when there is no prefix cache, so KV gets it all)."""
+    share fixed by `--cache-memory` (or 0 when there is no prefix cache, so KV gets it all); the
+    vision cache's `--vision-cache-memory` counts only for vision-language models."""
     prefix_bytes = config.cache_memory_bytes if prefix_cache else 0
     return BudgetConfig(mode=config.memory_mode, memory_utilization=config.memory_utilization,
-                        prefix_cache_bytes=prefix_bytes)
+                        prefix_cache_bytes=prefix_bytes,
+                        vision_cache_bytes=config.vision_cache_bytes if vision_cache else 0)
 
 
 def startup_budget(model: Any, chunk_tokens: int, cfg: BudgetConfig | None = None) -> MemoryBudget | None:

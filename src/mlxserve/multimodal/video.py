@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 import av
+from av.error import FFmpegError
 from PIL import Image
 
 from mlxserve.config import MediaConfig
@@ -62,7 +63,7 @@ def decode_video(data: bytes, config: MediaConfig, fps: float, max_frames: int, 
                  param: str | None = "video_url") -> VideoFrames:
     try:
         container = av.open(io.BytesIO(data), mode="r", options={"format_whitelist": VIDEO_DEMUXERS})
-    except av.FFmpegError as exc:
+    except FFmpegError as exc:
         raise MediaError(f"media is not a video in a supported container (mp4/mov, mkv/webm, avi, "
                          f"mpeg-ts, ogg): {exc}", param) from None
     with container:
@@ -78,7 +79,7 @@ def decode_video(data: bytes, config: MediaConfig, fps: float, max_frames: int, 
         stream.thread_type = "AUTO"
         try:
             picked = _pick_frames(container.decode(stream), targets, rate, config, param)
-        except av.FFmpegError as exc:
+        except FFmpegError as exc:
             raise MediaError(f"cannot decode video: {exc}", param) from None
     if not picked:
         raise MediaError("video has no decodable frames", param)

@@ -1,0 +1,147 @@
+"""Desktop mode under pressure, with fake readings and no model: the prefix cache gives way first (LRU
+blocks evicted down to the new share), then the KV that new admissions get; running requests are
+never touched; the caches regrow when the pressure passes; dedicated mode does not follow."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from mlxserve.cache.prefix_cache import PrefixCacheManager
+from mlxserve.config import EngineConfig
+from mlxserve.engine.request import Request, SamplingParams
+from mlxserve.engine.scheduler import Scheduler
+from mlxserve.memory.budget import BudgetConfig, compute_budget
+from mlxserve.memory.device import MemoryReadings
+from mlxserve.memory.pressure import MemoryGovernor, limits_for
+
+MIB = 1 << 20
+GIB = 1 << 30
+BS = 4
+PER_TOKEN = 1 * MIB  # KV bytes per token: 1 MiB, so a block is 4 MiB
+BLOCK = BS * PER_TOKEN
+
+
+def readings(available: int) -> MemoryReadings:
+    return MemoryReadings(total_ram=16 * GIB, available_ram=available, process_rss=1 * GIB,
+                          working_set_hint=None, backend="cpu")
+
+
+START = readings(4 * GIB)  # ceiling = 4 + 1 - 1 (reserve) = 4 GiB
+
+
+def make(mode: str = "desktop", kv_override=None):
+    cfg = BudgetConfig(mode=mode, vision_cache_bytes=0, memory_utilization=0.25)
+    budget = compute_budget(START, 1 * GIB, 1 * GIB, cfg)  # rest 2 GiB: prefix 512 MiB, KV 1.5 GiB
+    prefix = PrefixCacheManager(budget.prefix_cache // BLOCK, BS, "m")
+    sched = Scheduler(EngineConfig(max_num_seqs=8, block_size=BS), 10_000, prefix,
+                      limits_for(budget, PER_TOKEN, BLOCK, kv_override).kv_tokens)
+    clock = [0.0]
+    gov = MemoryGovernor(budget, PER_TOKEN, prefix, sched, block_bytes=BLOCK, kv_tokens_override=kv_override,
+                         refresh_s=2.0, read=lambda: START, clock=lambda: clock[0])
+    return budget, prefix, sched, gov, clock
+
+
+def fill(prefix: PrefixCacheManager, num_blocks: int) -> list[tuple[int, ...]]:
+    """Caches `num_blocks` one-block prompts, oldest first; returns their tokens."""
+    prompts = []
+    for i in range(num_blocks):
+        tokens = tuple(range(i * BS, (i + 1) * BS))
+        assert prefix.plan_store(tokens)
+        prefix.finish_stores()
+        prompts.append(tokens)
+    return prompts
+
+
+def cached(prefix: PrefixCacheManager, tokens) -> bool:
+    return prefix.pool.cached.get(next(iter(prefix_hashes(prefix, tokens)))) is not None
+
+
+def prefix_hashes(prefix, tokens):
+    from mlxserve.cache.hashing import block_hashes
+
+    return block_hashes(list(tokens), BS, model_key=prefix.model_key)
+
+
+def request(rid: str, prompt_len: int, max_tokens: int) -> Request:
+    return Request(rid, list(range(1000, 1000 + prompt_len)), SamplingParams(max_tokens=max_tokens))
+
+
+def test_small_drop_takes_the_prefix_cache_only_lru_first():
+    budget, prefix, sched, gov, _ = make()
+    assert (prefix.pool.num_blocks, sched.kv_capacity_tokens) == (128, 1536)
+    prompts = fill(prefix, 128)
+    # Another app takes 256 MiB: the prefix share halves, KV is untouched.
+    assert gov.refresh(readings(4 * GIB - 256 * MIB))
+    assert gov.live.prefix_cache == budget.prefix_cache - 256 * MIB and gov.live.kv == budget.kv
+    assert prefix.pool.num_cached == 64 and prefix.max_cached_blocks == 64
+    assert not cached(prefix, prompts[0]) and not cached(prefix, prompts[63])  # least recently used went
+    assert cached(prefix, prompts[64]) and cached(prefix, prompts[-1])
+    assert sched.kv_capacity_tokens == 1536
+    # New stores stay under the cap: each evicts the LRU block instead of growing the cache.
+    fill_more = tuple(range(10_000, 10_000 + BS))
+    assert prefix.plan_store(fill_more)
+    prefix.finish_stores()
+    assert prefix.pool.num_cached == 64 and not cached(prefix, prompts[64]) and cached(prefix, fill_more)
+
+
+def test_big_drop_empties_the_prefix_cache_then_lowers_kv_for_new_admissions_only():
+    _, prefix, sched, gov, _ = make()
+    fill(prefix, 10)
+    running = request("running", 100, 600)  # 700 tokens
+    sched.add_request(running)
+    sched.schedule()
+    assert sched.num_running == 1
+    # 1 GiB gone: the whole prefix share (512 MiB) and 512 MiB of KV.
+    gov.refresh(readings(3 * GIB))
+    assert gov.live.prefix_cache == 0 and prefix.pool.num_cached == 0
+    assert sched.kv_capacity_tokens == 1024
+    assert sched.running == {"running": running}  # never killed
+    sched.add_request(request("new", 100, 600))
+    sched.schedule()
+    assert sched.num_running == 1 and sched.num_waiting == 1  # 2 x 700 > 1024: the newcomer waits
+    # Memory comes back: KV and the prefix cache regrow to their start-up sizes.
+    gov.refresh(START)
+    assert sched.kv_capacity_tokens == 1536 and prefix.max_cached_blocks == 128
+    sched.schedule()
+    assert sched.num_running == 2  # 2 x 700 <= 1536
+    assert len(fill(prefix, 128)) == 128 and prefix.pool.num_cached == 128
+
+
+def test_blocks_held_by_running_requests_stay_the_cap_is_soft():
+    _, prefix, sched, gov, _ = make()
+    (tokens,) = fill(prefix, 1)
+    held = prefix.lookup("r", list(tokens) + [7])  # a running request attached the block
+    assert len(held) == 1
+    gov.refresh(readings(3 * GIB))
+    assert prefix.pool.num_cached == 1  # still referenced: kept until the request releases it
+    assert not prefix.plan_store(tuple(range(500, 500 + BS)))  # but nothing new is stored
+    prefix.release("r")
+    assert prefix.pool.num_cached == 0  # released past the cap: given back at once
+
+
+def test_refresh_is_periodic_and_ignores_noise():
+    _, prefix, sched, gov, clock = make()
+    seen = []
+    gov._read = lambda: seen.append(1) or readings(4 * GIB - 512 * MIB)
+    assert not gov.maybe_refresh() and not seen  # not yet due
+    clock[0] = 2.0
+    assert gov.maybe_refresh() and len(seen) == 1
+    assert not gov.maybe_refresh() and len(seen) == 1  # due again only 2 s later
+    assert not gov.refresh(readings(4 * GIB - 512 * MIB - 10 * MIB))  # 10 MiB: noise
+    assert gov.live.prefix_cache == 0
+    assert gov.status()["num_refreshes"] == 2 and gov.status()["num_changes"] == 1
+
+
+def test_explicit_kv_budget_stays_fixed():
+    _, prefix, sched, gov, _ = make(kv_override=600)
+    gov.refresh(readings(2 * GIB))
+    assert sched.kv_capacity_tokens == 600 and prefix.max_cached_blocks == 0
+
+
+def test_dedicated_mode_does_not_follow_free_memory():
+    budget, prefix, sched, gov, clock = make(mode="dedicated")
+    clock[0] = 100.0
+    assert gov.refresh_s == 0 and not gov.maybe_refresh()
+    assert not gov.refresh(readings(1 * GIB))
+    assert replace(gov.live, free_for_others=0) == replace(budget, free_for_others=0)
+    assert sched.kv_capacity_tokens == budget.kv // PER_TOKEN
