@@ -158,6 +158,12 @@ def _bench_prefix(args) -> int:
     return prefix.run(args)
 
 
+def _bench_multimodal(args) -> int:
+    from mlxserve.bench import multimodal
+
+    return multimodal.run(args)
+
+
 def _bench_load(args) -> int:
     from mlxserve.bench import load
 
@@ -222,9 +228,20 @@ def make_parser() -> argparse.ArgumentParser:
     bp = bench.add_parser("prefix", help="TTFT with a shared prefix: cold vs prefix-cache hit")
     bench_prefix.add_arguments(bp)
     bp.set_defaults(func=_bench_prefix)
+    from mlxserve.bench import memory as bench_memory
+
+    bm = bench.add_parser("memory", help="memory over a long generation with/without --kv-prealloc; peak of a burst"
+                                         " with admission on/off")
+    bench_memory.add_arguments(bm)
+    bm.set_defaults(func=bench_memory.run)
     bl = bench.add_parser("load", help="weight-loading strategies: load time and peak RSS, cold/warm page cache")
     bench_load.add_arguments(bl)
     bl.set_defaults(func=_bench_load)
+    from mlxserve.bench import multimodal as bench_multimodal
+
+    bm = bench.add_parser("multimodal", help="multi-turn TTFT about one image/video: vision cache, KV cache, both")
+    bench_multimodal.add_arguments(bm)
+    bm.set_defaults(func=_bench_multimodal)
     return parser
 
 

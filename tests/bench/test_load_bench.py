@@ -24,7 +24,8 @@ def test_bench_writes_every_cell(qwen3_model_dir, tmp_path, capsys):
         assert cells == {("mlx-lm", "cold"), ("mlx-lm", "warm"), ("mmap", "cold"), ("mmap", "warm")}
     for row in result["rows"]:
         assert row["model"] == qwen3_model_dir.name and row["weights_gb"] > 0
-        assert row["load_s"] >= 0 and row["forward_s"] >= 0
+        assert row["weights_s"] >= 0 and row["tokenizer_s"] >= 0 and row["forward_s"] >= 0
+        assert row["load_s"] >= row["weights_s"]
         # The child loaded the weights: its peak RSS exceeds what it had before the load.
         assert row["peak_rss_gb"] > row["base_rss_gb"] > 0
         assert 0 <= row["resident_pct"] <= 100

@@ -1,6 +1,7 @@
-"""Desktop mode under pressure, with fake readings and no model: the prefix cache gives way first (LRU
-blocks evicted down to the new share), then the KV that new admissions get; running requests are
-never touched; the caches regrow when the pressure passes; dedicated mode does not follow."""
+"""Desktop mode under pressure, with fake readings and no model: budget nobody holds goes first, then
+the prefix cache's blocks (LRU first, down to the new share), then the KV that new admissions get;
+running requests are never touched; the caches regrow when the pressure passes; dedicated mode does
+not follow."""
 
 from __future__ import annotations
 
@@ -66,11 +67,36 @@ def request(rid: str, prompt_len: int, max_tokens: int) -> Request:
     return Request(rid, list(range(1000, 1000 + prompt_len)), SamplingParams(max_tokens=max_tokens))
 
 
-def test_small_drop_takes_the_prefix_cache_only_lru_first():
+def commit(sched: Scheduler, rid: str, num_tokens: int) -> Request:
+    """Admits a running request that commits `num_tokens` of KV (prompt 36 + the rest as max_tokens)."""
+    r = request(rid, 36, num_tokens - 36)
+    sched.add_request(r)
+    sched.schedule()
+    assert rid in sched.running
+    return r
+
+
+def test_idle_budget_goes_first_and_costs_nothing():
     budget, prefix, sched, gov, _ = make()
     assert (prefix.pool.num_blocks, sched.kv_capacity_tokens) == (128, 1536)
+    prompts = fill(prefix, 64)  # half the prefix share holds blocks
+    commit(sched, "running", 200)
+    # Another app takes 1 GiB of a roomy machine: idle KV headroom absorbs it, the cache is untouched.
+    assert gov.refresh(readings(3 * GIB))
+    assert gov.live.kv == budget.kv - GIB and gov.live.prefix_cache == budget.prefix_cache
+    assert sched.kv_capacity_tokens == 512 and prefix.max_cached_blocks == 128
+    # A bigger drop: all idle KV (1336 MiB above the 200 committed tokens), then 128 MiB of the
+    # cache's empty room; its 64 blocks stay, but it may grow to 96 only.
+    assert gov.refresh(readings(4 * GIB - 1336 * MIB - 128 * MIB))
+    assert sched.kv_capacity_tokens == 200 and prefix.max_cached_blocks == 96
+    assert prefix.pool.num_cached == 64 and all(cached(prefix, t) for t in prompts)
+
+
+def test_under_real_pressure_prefix_blocks_go_first_lru_first():
+    budget, prefix, sched, gov, _ = make()
     prompts = fill(prefix, 128)
-    # Another app takes 256 MiB: the prefix share halves, KV is untouched.
+    commit(sched, "running", 1536)  # every KV token committed, the cache full: nothing idle
+    # Another app takes 256 MiB: the prefix cache halves, KV is untouched.
     assert gov.refresh(readings(4 * GIB - 256 * MIB))
     assert gov.live.prefix_cache == budget.prefix_cache - 256 * MIB and gov.live.kv == budget.kv
     assert prefix.pool.num_cached == 64 and prefix.max_cached_blocks == 64
@@ -86,19 +112,16 @@ def test_small_drop_takes_the_prefix_cache_only_lru_first():
 
 def test_big_drop_empties_the_prefix_cache_then_lowers_kv_for_new_admissions_only():
     _, prefix, sched, gov, _ = make()
-    fill(prefix, 10)
-    running = request("running", 100, 600)  # 700 tokens
-    sched.add_request(running)
-    sched.schedule()
-    assert sched.num_running == 1
-    # 1 GiB gone: the whole prefix share (512 MiB) and 512 MiB of KV.
-    gov.refresh(readings(3 * GIB))
+    fill(prefix, 128)
+    running = commit(sched, "running", 700)
+    # 1.5 GiB gone: idle KV (836 MiB), then the whole prefix cache (512 MiB), then 188 MiB of committed KV.
+    gov.refresh(readings(4 * GIB - 1536 * MIB))
     assert gov.live.prefix_cache == 0 and prefix.pool.num_cached == 0
-    assert sched.kv_capacity_tokens == 1024
+    assert sched.kv_capacity_tokens == 512
     assert sched.running == {"running": running}  # never killed
     sched.add_request(request("new", 100, 600))
     sched.schedule()
-    assert sched.num_running == 1 and sched.num_waiting == 1  # 2 x 700 > 1024: the newcomer waits
+    assert sched.num_running == 1 and sched.num_waiting == 1  # 2 x 700 > 512: the newcomer waits
     # Memory comes back: KV and the prefix cache regrow to their start-up sizes.
     gov.refresh(START)
     assert sched.kv_capacity_tokens == 1536 and prefix.max_cached_blocks == 128
@@ -110,9 +133,11 @@ def test_big_drop_empties_the_prefix_cache_then_lowers_kv_for_new_admissions_onl
 def test_blocks_held_by_running_requests_stay_the_cap_is_soft():
     _, prefix, sched, gov, _ = make()
     (tokens,) = fill(prefix, 1)
+    commit(sched, "running", 1536)
     held = prefix.lookup("r", list(tokens) + [7])  # a running request attached the block
     assert len(held) == 1
     gov.refresh(readings(3 * GIB))
+    assert prefix.max_cached_blocks == 0
     assert prefix.pool.num_cached == 1  # still referenced: kept until the request releases it
     assert not prefix.plan_store(tuple(range(500, 500 + BS)))  # but nothing new is stored
     prefix.release("r")
@@ -128,7 +153,7 @@ def test_refresh_is_periodic_and_ignores_noise():
     assert gov.maybe_refresh() and len(seen) == 1
     assert not gov.maybe_refresh() and len(seen) == 1  # due again only 2 s later
     assert not gov.refresh(readings(4 * GIB - 512 * MIB - 10 * MIB))  # 10 MiB: noise
-    assert gov.live.prefix_cache == 0
+    assert gov.live.kv == gov.startup.kv - 512 * MIB  # nothing committed: idle KV gave it
     assert gov.status()["num_refreshes"] == 2 and gov.status()["num_changes"] == 1
 
 

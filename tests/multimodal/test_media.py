@@ -146,8 +146,12 @@ def test_private_urls_refused_by_default(media_server):
 
 def test_peer_address_checked_after_dns(media_server, monkeypatch):
     # DNS rebinding: the name looked public when checked, the connection went to loopback.
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo",
+                        lambda host, *a, **k: real("127.0.0.1" if host == "rebind.test" else host, *a, **k))
     monkeypatch.setattr(fetch, "_resolve_addresses", lambda host, port: ["93.184.216.34"])
-    refused(f"{media_server}/img.png", MediaConfig(), "connected to a private", "127.0.0.1")
+    err = refused(f"http://rebind.test:{media_server.rsplit(':', 1)[1]}/img.png", MediaConfig(), "connected to a private")
+    assert "127.0.0.1" not in str(err)  # the client learns nothing about internal addresses
 
 
 def test_every_redirect_hop_is_checked(media_server, routes, monkeypatch):

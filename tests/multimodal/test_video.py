@@ -17,16 +17,18 @@ from tests.multimodal.conftest import png_bytes, sample_image
 FPS, SECONDS, SIZE = 10, 3, 64
 
 
-def make_mp4() -> bytes:
-    """3 s at 10 fps, 64x64; frame i is a flat colour with red = 8 * i, so a frame tells its index."""
+def make_mp4(seconds: int = SECONDS, size: int = SIZE, gop: int | None = None) -> bytes:
+    """10 fps; frame i is a flat colour with red = 8 * i (mod 256), so a frame tells its index."""
     buf = io.BytesIO()
     with av.open(buf, "w", format="mp4") as container:
         stream = container.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=FPS)
-        stream.width = stream.height = SIZE
+        stream.width = stream.height = size
         stream.pix_fmt = "yuv420p"
-        for i in range(FPS * SECONDS):
-            rgb = np.empty((SIZE, SIZE, 3), np.uint8)
-            rgb[...] = (8 * i, 255 - 8 * i, 128)
+        if gop is not None:
+            stream.codec_context.gop_size = gop
+        for i in range(FPS * seconds):
+            rgb = np.empty((size, size, 3), np.uint8)
+            rgb[...] = (8 * i % 256, 255 - 8 * i % 256, 128)
             for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
@@ -73,6 +75,13 @@ def test_fps_above_the_video_rate_gives_each_frame_once(mp4):
 def test_one_frame(mp4):
     video = load_video(uri(mp4), MediaConfig(), fps=0.1)
     assert frame_indices(video) == [0] and video.timestamps == (0.0,)
+
+
+@pytest.mark.parametrize("gop", [10, None])  # keyframe every second / only the first (seek lands behind)
+def test_sparse_sampling_seeks_to_the_right_frames(gop):
+    video = load_video(uri(make_mp4(seconds=12, size=32, gop=gop)), MediaConfig(), fps=0.25)
+    assert video.timestamps == pytest.approx([0.0, 4.0, 8.0])
+    assert frame_indices(video) == [0, 40 % 32, 80 % 32]
 
 
 def test_frame_limits(mp4):

@@ -94,7 +94,7 @@ class MultimodalPrefill:
         else:
             pixels, grid = item.pixel_values, item.grid_thw
             if pixels is None:  # the HTTP side relied on a cached entry that is gone now
-                pixels, grid = self.model.preprocess_image(item.image)
+                pixels, grid = _preprocess(self.model, item)
             feats = self.model.encode(pixels, grid)
             if feats.features.shape[0] != item.num_tokens:
                 raise ValueError(f"the vision tower gave {feats.features.shape[0]} features for "
@@ -106,3 +106,16 @@ class MultimodalPrefill:
                 self.vision_cache.put(item.content_hash, VisionCacheEntry(arrays, {"grid_thw": item.grid_thw}))
         held[item.content_hash] = feats
         return feats
+
+
+def _preprocess(model: VisionLanguageModel, item: MediaItem):
+    """Pixels of an item the HTTP side did not preprocess: decoded again from the bytes it sent."""
+    from mlxserve.config import MediaConfig
+    from mlxserve.multimodal.media import decode_image
+    from mlxserve.multimodal.video import decode_video
+
+    # These bytes passed the request's limits when first decoded; decoding them again needs none.
+    relaxed = MediaConfig(max_image_pixels=1 << 62, video_max_frames_cap=1 << 30)
+    if item.kind == "image":
+        return model.preprocess_image(item.image if item.image is not None else decode_image(item.encoded, relaxed))
+    return model.preprocess_video(decode_video(item.encoded, relaxed, *item.sampling).frames)

@@ -93,6 +93,14 @@ class Scheduler:
         return len(self.running)
 
     @property
+    def num_committed_kv_tokens(self) -> int:
+        """KV tokens admission set aside for the running requests (the bound `can_admit` checks)."""
+        if not self.running:
+            return 0
+        longest = max(r.num_prompt_tokens + r.sampling.max_tokens for r in self.running.values())
+        return len(self.running) * max(longest, self.config.kv_prealloc_tokens)
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._finished_ids)
 

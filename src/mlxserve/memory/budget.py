@@ -133,7 +133,9 @@ def compute_budget(
     )
 
 
-def shrink_for_pressure(budget: MemoryBudget, new_readings: MemoryReadings) -> MemoryBudget:
+def shrink_for_pressure(
+    budget: MemoryBudget, new_readings: MemoryReadings, prefix_in_use: int | None = None, kv_in_use: int | None = None
+) -> MemoryBudget:
     """The budget under today's memory: pass the start-up budget, get one no larger in any field.
 
     Desktop mode recomputes the ceiling from the new readings and gives back the difference from the
@@ -142,16 +144,27 @@ def shrink_for_pressure(budget: MemoryBudget, new_readings: MemoryReadings) -> M
     up to their start-up sizes. Weights and activations are never taken: at worst kv is 0 and the
     server should admit no new requests, but it does not raise mid-service. Dedicated mode ignores
     available memory and only refreshes free_for_others.
+
+    With the bytes in use given (the prefix cache's blocks, the KV committed to running requests),
+    budget nobody holds yet goes before any of that order: first idle KV headroom, then the prefix
+    cache's empty room. Giving those up frees nothing and costs nothing now, so another app growing
+    into a roomy machine's idle KV budget no longer wipes a prefix cache it never touched; under real
+    pressure (KV committed, cache full) the order above applies unchanged.
     """
     if budget.mode == "dedicated":
         return replace(budget, free_for_others=new_readings.obtainable - budget.ceiling)
     fixed = budget.weights + budget.activations
     ceiling = max(fixed, min(budget.ceiling, compute_ceiling(new_readings, budget.config)))
     deficit = budget.ceiling - ceiling
-    parts = {}
-    for name in ("prefix_cache", "vision_cache", "kv"):
-        taken = min(deficit, getattr(budget, name))
-        parts[name] = getattr(budget, name) - taken
+    parts = {name: getattr(budget, name) for name in ("prefix_cache", "vision_cache", "kv")}
+    unheld = {
+        "kv": parts["kv"] - min(parts["kv"], kv_in_use) if kv_in_use is not None else 0,
+        "prefix_cache": parts["prefix_cache"] - min(parts["prefix_cache"], prefix_in_use)
+        if prefix_in_use is not None else 0,
+    }
+    for name, room in [*unheld.items(), ("prefix_cache", None), ("vision_cache", None), ("kv", None)]:
+        taken = min(deficit, parts[name] if room is None else room)
+        parts[name] -= taken
         deficit -= taken
     return replace(budget, ceiling=ceiling, free_for_others=new_readings.obtainable - ceiling, **parts)
 

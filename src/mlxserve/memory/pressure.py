@@ -1,6 +1,7 @@
 """The budget while running: desktop mode re-reads free memory now and then and gives memory back in
-order — the prefix cache first, then the KV that admission may hand to new requests — and takes it
-back when the pressure passes. Running requests are never touched: they finish with what they hold.
+order — budget nobody holds yet (idle KV headroom, the prefix cache's empty room), then the prefix
+cache's blocks (LRU first), then the KV that admission may hand to new requests — and takes it back
+when the pressure passes. Running requests are never touched: they finish with what they hold.
 
 No MLX here. The governor acts on the prefix cache and the scheduler only through their public
 handles (`set_max_cached_blocks`, `kv_capacity_tokens`), so tests drive it with fake readings.
@@ -89,7 +90,7 @@ class MemoryGovernor:
     def refresh(self, readings: MemoryReadings | None = None) -> bool:
         readings = readings if readings is not None else self._read()
         self.num_refreshes += 1
-        new = shrink_for_pressure(self.startup, readings)
+        new = shrink_for_pressure(self.startup, readings, *self._in_use())
         if not self._worth_applying(new):
             self.live = _with_ceiling_of(self.live, new)
             return False
@@ -103,6 +104,13 @@ class MemoryGovernor:
             new.ceiling / (1 << 30), self.limits.prefix_blocks, evicted, self.limits.kv_tokens,
         )
         return True
+
+    def _in_use(self) -> tuple[int | None, int | None]:
+        """(prefix-cache bytes held, KV bytes committed to running requests): budget beyond these is
+        given up first, at no cost."""
+        prefix = self.prefix.pool.num_cached * self._block_bytes if self._block_bytes else None
+        kv = self.scheduler.num_committed_kv_tokens * self._per_token if self.scheduler is not None else None
+        return prefix, kv
 
     def _worth_applying(self, new: MemoryBudget) -> bool:
         if new.ceiling == self.live.ceiling:

@@ -7,7 +7,7 @@ import logging
 import mmap
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,9 @@ class LoadedModel:
     tokenizer: Any  # mlx-lm's TokenizerWrapper
     config: dict
     source: str  # what the user named: a folder or a hub id
+    strategy: str = "mlx-lm"  # how the weights were read (LOAD_STRATEGIES)
+    # Seconds per stage ("weights": files to evaluated parameters, "tokenizer"), for logs and benchmarks.
+    timings: dict = field(default_factory=dict)
 
     @property
     def is_vlm(self) -> bool:
@@ -75,14 +78,28 @@ def load_model(source: str, strategy: str = "auto") -> LoadedModel:
         return LoadedModel(model, tokenizer, config, source)
     if not folder.is_dir():
         # A hub id: only mlx-lm's loader knows how to download it.
-        return _timed(source, "mlx-lm", lambda: _load_mlx_lm(source))
+        from mlx_lm import load
+
+        start = time.perf_counter()
+        model, tokenizer, config = load(source, return_config=True)
+        log.info("loaded %s in %.2f s", source, time.perf_counter() - start)
+        return LoadedModel(model, tokenizer, config, source)
     files = weight_files(folder)
     for path in sorted(folder.glob("*.safetensors")):
         check_safetensors(path)
     if strategy == "auto":
         strategy = choose_load_strategy(sum(p.stat().st_size for p in files))
+    from mlx_lm.utils import load_tokenizer
+
     loaders = {"mlx-lm": _load_mlx_lm, "chunked": _load_chunked, "mmap": _load_mmap}
-    return _timed(source, strategy, lambda: loaders[strategy](source))
+    start = time.perf_counter()
+    model, config = loaders[strategy](folder)
+    weights_s = time.perf_counter() - start
+    tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+    tokenizer_s = time.perf_counter() - start - weights_s
+    log.info("loaded %s: weights %.2f s (%s), tokenizer %.2f s", source, weights_s, strategy, tokenizer_s)
+    return LoadedModel(model, tokenizer, config, source, strategy,
+                       {"weights": weights_s, "tokenizer": tokenizer_s})
 
 
 def choose_load_strategy(weight_bytes: int) -> str:
@@ -95,33 +112,22 @@ def weight_files(folder: Path) -> list[Path]:
     return sorted(Path(folder).glob("model*.safetensors"))
 
 
-def _timed(source: str, strategy: str, load) -> LoadedModel:
-    start = time.perf_counter()
-    model, tokenizer, config = load()
-    log.info("loaded %s in %.2f s (%s)", source, time.perf_counter() - start, strategy)
-    return LoadedModel(model, tokenizer, config, source)
+# Each strategy: folder -> (model with evaluated parameters, config). mlx-lm builds, sanitizes and
+# quantizes the model in all three, so they differ only in how the bytes reach the arrays.
 
 
-def _load_mlx_lm(source: str):
-    from mlx_lm import load
-
-    return load(source, return_config=True)
-
-
-def _load_lazy(source: str):
-    """mlx-lm builds, sanitizes and quantizes the model; its parameters stay unevaluated file reads."""
+def _load_mlx_lm(folder: Path):
     from mlx_lm.utils import load_model as mlx_lm_load_model
-    from mlx_lm.utils import load_tokenizer
 
-    model, config = mlx_lm_load_model(Path(source), lazy=True)
-    return model, load_tokenizer(Path(source), eos_token_ids=config.get("eos_token_id")), config
+    return mlx_lm_load_model(folder)
 
 
-def _load_chunked(source: str):
+def _load_chunked(folder: Path):
     import mlx.core as mx
     from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model as mlx_lm_load_model
 
-    model, tokenizer, config = _load_lazy(source)
+    model, config = mlx_lm_load_model(folder, lazy=True)
     chunk, chunk_bytes = [], 0
     for _, value in tree_flatten(model.parameters()):
         chunk.append(value)
@@ -130,15 +136,17 @@ def _load_chunked(source: str):
             mx.eval(chunk)
             chunk, chunk_bytes = [], 0
     mx.eval(chunk)
-    return model, tokenizer, config
+    return model, config
 
 
-def _load_mmap(source: str):
+def _load_mmap(folder: Path):
     import mlx.core as mx
+    from mlx_lm.utils import load_model as mlx_lm_load_model
 
-    model, tokenizer, config = _load_lazy(source)
+    # lazy: mlx-lm's own file reads are never evaluated, our arrays replace them.
+    model, config = mlx_lm_load_model(folder, lazy=True)
     weights = {}
-    for path in weight_files(Path(source)):
+    for path in weight_files(folder):
         weights.update(read_safetensors_mmap(path))
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
@@ -146,7 +154,7 @@ def _load_mmap(source: str):
     # half-replaced weights.
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
-    return model, tokenizer, config
+    return model, config
 
 
 # safetensors dtype -> (numpy dtype to read the bytes as, mlx dtype to view them as, or None)

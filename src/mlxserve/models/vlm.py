@@ -135,6 +135,13 @@ class VisionLanguageModel:
         out = self.processor.image_processor(images=[image])
         return _numpy(out["pixel_values"]), tuple(int(x) for x in _numpy(out["image_grid_thw"])[0])
 
+    def preprocess_video(self, frames) -> tuple[Any, tuple[int, int, int]]:
+        """(pixel_values, grid_thw) of sampled RGB frames, through the model's video processor."""
+        import numpy as np
+
+        out = self.processor.video_processor(videos=[np.stack([np.asarray(f) for f in frames])])
+        return _numpy(out["pixel_values_videos"]), tuple(int(x) for x in _numpy(out["video_grid_thw"])[0])
+
     @property
     def merge_size(self) -> int:
         return int(self.processor.image_processor.merge_size)

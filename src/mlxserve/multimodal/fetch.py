@@ -135,7 +135,8 @@ def _resolve_addresses(host: str, port: int) -> list[str]:
 
 
 def _check_host(url: httpx.URL, param: str | None) -> None:
-    """Refuse a hop whose host resolves to any non-public address (checked before connecting)."""
+    """Refuse a hop whose host resolves to any non-public address (checked before connecting).
+    Messages do not name the address: they would map the server's internal DNS for the client."""
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
         addrs = _resolve_addresses(url.host, port)
@@ -144,7 +145,7 @@ def _check_host(url: httpx.URL, param: str | None) -> None:
     for addr in addrs:
         if not is_public_address(addr):
             raise MediaError(
-                f"media URL host '{url.host}' resolves to a private or local address ({addr}); "
+                f"media URL host '{url.host}' resolves to a private or local address; "
                 "such URLs are refused (see --allow-private-media-urls)", param)
 
 
@@ -155,7 +156,7 @@ def _check_peer(response: httpx.Response, host: str, param: str | None) -> None:
     if peer is None:
         raise MediaError(f"cannot verify the address of media URL host '{host}'", param)
     if not is_public_address(peer[0]):
-        raise MediaError(f"media URL host '{host}' connected to a private or local address ({peer[0]}); "
+        raise MediaError(f"media URL host '{host}' connected to a private or local address; "
                          "such URLs are refused (see --allow-private-media-urls)", param)
 
 

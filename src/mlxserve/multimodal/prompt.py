@@ -4,28 +4,30 @@ Runs on the HTTP side, in a worker thread (media fetching and pixel preprocessin
 what the model's processor does to the text — each placeholder becomes one token per feature row,
 Qwen3-VL videos get a "<t seconds>" marker per frame group — then tokenizes once, so the ids equal
 mlx-vlm's. A picture seen before skips the pixel preprocessing: its grid is remembered by content
-hash and the engine takes its features from the vision cache.
+hash and the engine takes its features from the vision cache; the same encoded bytes again are
+not even decoded.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from mlxserve.config import MediaConfig
 from mlxserve.engine.request import MediaItem
 from mlxserve.multimodal.hashing import image_hash, video_hash
-from mlxserve.multimodal.media import MediaError, load_image, load_video
+from mlxserve.multimodal.fetch import read_media_bytes
+from mlxserve.multimodal.media import MediaError, decode_image
+from mlxserve.multimodal.video import check_sampling, decode_video
 
 _VISION_START, _VISION_END = "<|vision_start|>", "<|vision_end|>"
 _IMAGE_PAD, _VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 _PLACEHOLDER = "\x00mlxserve-placeholder\x00"
-# Grids remembered for repeated images; a tuple each, so thousands cost well under a megabyte.
-_MAX_KNOWN_GRIDS = 4096
+# Media remembered by their encoded bytes; a few short tuples each, so thousands cost about a megabyte.
+_MAX_KNOWN = 4096
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class _Loaded:
     pixel_values: Any
     image: Any
     timestamps: tuple[float, ...] = ()
+    encoded: bytes | None = None
+    sampling: tuple[float, int] | None = None  # videos: (fps, max_frames)
 
 
 class MultimodalPromptBuilder:
@@ -53,8 +57,10 @@ class MultimodalPromptBuilder:
         self.model = model  # models.vlm.VisionLanguageModel: processor, family, token ids
         self.tokenizer = tokenizer
         self.config = config
-        # Requests are built in parallel worker threads: the grid memo is shared, so it has a lock.
-        self._grids: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
+        # Digest of (kind, sampling, encoded bytes) -> (content hash, grid, frame times) of media seen
+        # before. Requests are built in
+        # parallel worker threads, so the memo has a lock.
+        self._known: OrderedDict[str, tuple] = OrderedDict()
         self._lock = threading.Lock()
 
     def build(self, messages: list[dict], parts: list[MediaPart]) -> tuple[list[int], tuple[MediaItem, ...]]:
@@ -68,30 +74,34 @@ class MultimodalPromptBuilder:
 
     # -- media -----------------------------------------------------------------------------------
     def _load(self, part: MediaPart) -> _Loaded:
-        if part.kind == "image":
-            image = load_image(part.url, self.config)
-            digest = image_hash(image)
-            with self._lock:
-                grid = self._grids.get(digest)
-                if grid is not None:
-                    self._grids.move_to_end(digest)
-            if grid is not None:
-                return _Loaded(part, digest, grid, None, image)
-            pixels, grid = self.model.preprocess_image(image)
-            self._remember(digest, grid)
-            return _Loaded(part, digest, grid, pixels, image)
-        video = load_video(part.url, self.config, fps=part.fps, max_frames=part.max_frames)
-        frames = np.stack([np.asarray(f) for f in video.frames])
-        out = self.model.processor.video_processor(videos=[frames])
-        grid = tuple(int(x) for x in np.asarray(out["video_grid_thw"])[0])
-        return _Loaded(part, video_hash(video), grid, np.asarray(out["pixel_values_videos"]), None,
-                       tuple(video.timestamps))
-
-    def _remember(self, digest: str, grid: tuple[int, int, int]) -> None:
+        param = "image_url" if part.kind == "image" else "video_url"
+        sampling = None
+        if part.kind == "video":  # limits checked before anything is downloaded
+            sampling = check_sampling(self.config, part.fps, part.max_frames, param)
+        media = read_media_bytes(part.url, self.config, param)
+        # The same bytes again (a client resending its conversation): no decoding, hashing or pixel
+        # preprocessing; all of it was done, and checked, the first time.
+        key = hashlib.blake2b(repr((part.kind, sampling)).encode() + media.data, digest_size=16).hexdigest()
         with self._lock:
-            self._grids[digest] = grid
-            if len(self._grids) > _MAX_KNOWN_GRIDS:
-                self._grids.popitem(last=False)
+            known = self._known.get(key)
+            if known is not None:
+                self._known.move_to_end(key)
+        if known is not None:
+            digest, grid, times = known
+            return _Loaded(part, digest, grid, None, None, times, media.data, sampling)
+        if part.kind == "image":
+            image = decode_image(media.data, self.config, content_type=media.content_type)
+            digest, times = image_hash(image), ()
+            pixels, grid = self.model.preprocess_image(image)
+        else:
+            video = decode_video(media.data, self.config, *sampling, param=param)
+            digest, times, image = video_hash(video), tuple(video.timestamps), None
+            pixels, grid = self.model.preprocess_video(video.frames)
+        with self._lock:
+            self._known[key] = (digest, grid, times)
+            if len(self._known) > _MAX_KNOWN:
+                self._known.popitem(last=False)
+        return _Loaded(part, digest, grid, pixels, image, times, media.data, sampling)
 
     # -- text ------------------------------------------------------------------------------------
     def _expand(self, text: str, loaded: list[_Loaded]) -> str:
@@ -139,7 +149,7 @@ class MultimodalPromptBuilder:
                 raise MediaError("the prompt's image/video placeholders do not line up with the media "
                                  "(a placeholder token typed in the text?)", "messages")
             items.append(MediaItem(m.content_hash, m.part.kind, tuple(spans), m.grid_thw, m.pixel_values,
-                                   m.image))
+                                   m.image, m.encoded, m.sampling))
         if r != len(runs):
             raise MediaError("the prompt contains image/video placeholder tokens without media", "messages")
         return tuple(items)

@@ -24,6 +24,8 @@ from mlxserve.multimodal.fetch import MediaError, read_media_bytes
 # Demuxers ffmpeg may pick while probing client bytes. Without this list it would also try playlist
 # and concat formats (hls, concat), which open further URLs or files on their own.
 VIDEO_DEMUXERS = "mov,matroska,avi,mpegts,ogg"
+# Decoding in order is cheaper than a seek (which restarts at a keyframe) only for short gaps.
+_SEEK_GAP_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ def decode_video(data: bytes, config: MediaConfig, fps: float, max_frames: int, 
         targets = [i * interval for i in range(n)]
         stream.thread_type = "AUTO"
         try:
-            picked = _pick_frames(container.decode(stream), targets, rate, config, param)
+            picked = _pick_frames(container, stream, targets, rate, config, param)
         except FFmpegError as exc:
             raise MediaError(f"cannot decode video: {exc}", param) from None
     if not picked:
@@ -89,9 +91,10 @@ def decode_video(data: bytes, config: MediaConfig, fps: float, max_frames: int, 
         fps=fps, max_frames=max_frames, sample_fps=1.0 / interval, duration=duration)
 
 
-def _pick_frames(frames, targets: list[float], rate: float, config: MediaConfig,
+def _pick_frames(container, stream, targets: list[float], rate: float, config: MediaConfig,
                  param: str | None) -> list[tuple[Image.Image, float]]:
-    """Nearest decoded frame to each target time; one pass, stops once the last target is served."""
+    """Nearest decoded frame to each target time, in one forward pass that skips long gaps by seeking
+    and stops once the last target is served."""
     picked: list[tuple[Image.Image, float]] = []
     last_t: float | None = None  # time of the last picked frame, so one frame is never taken twice
 
@@ -103,12 +106,17 @@ def _pick_frames(frames, targets: list[float], rate: float, config: MediaConfig,
         picked.append((frame.to_image(), t))  # to_image converts to RGB24
         last_t = t
 
-    k, prev, t0 = 0, None, None
-    for index, frame in enumerate(frames):
+    frames = container.decode(stream)
+    k, index, prev, t0, seeked_for = 0, 0, None, None, -1
+    while k < len(targets):
+        frame = next(frames, None)
+        if frame is None:
+            break
         if frame.time is not None:
             raw_t = frame.time
         else:  # no timestamps in the stream: count frames at the declared rate
             raw_t = index / rate if rate > 0 else float(index)
+        index += 1
         t0 = raw_t if t0 is None else t0
         t = raw_t - t0
         while k < len(targets) and t >= targets[k]:
@@ -117,10 +125,17 @@ def _pick_frames(frames, targets: list[float], rate: float, config: MediaConfig,
             else:
                 take(frame, t)
             k += 1
-        if k == len(targets):
-            return picked
         prev = (frame, t)
-    if prev is not None:  # the stream ended before the last targets: its last frame is the nearest
+        # Far from the next target: jump to the keyframe before it instead of decoding every frame
+        # in between. Once per target, so a seek landing behind us cannot loop.
+        if k < len(targets) and k != seeked_for and frame.time is not None and targets[k] - t > _SEEK_GAP_S:
+            seeked_for = k
+            try:
+                container.seek(int((targets[k] + t0) / stream.time_base), stream=stream, backward=True)
+            except FFmpegError:
+                continue  # not seekable: keep decoding in order
+            frames, prev = container.decode(stream), None
+    if prev is not None and k < len(targets):  # the stream ended first: its last frame is the nearest
         take(*prev)
     return picked
 
