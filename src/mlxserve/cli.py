@@ -81,25 +81,39 @@ def _engine_config(args) -> EngineConfig:
                         vision_cache_bytes=parse_memory(args.vision_cache_memory, total_ram()))
 
 
+def _models_fields(args) -> dict:
+    """ServerConfig's multi-model fields from --model / --models-config (flags win over the file)."""
+    from mlxserve.memory.device import total_ram
+    from mlxserve.models.specs import load_models_file, parse_model_flag
+
+    specs, max_models, max_bytes = [], None, None
+    if args.models_config:
+        spec_file = load_models_file(args.models_config, _engine_config(args))
+        specs, max_models, max_bytes = list(spec_file.models), spec_file.max_loaded_models, spec_file.max_loaded_bytes
+    specs += [parse_model_flag(text) for text in args.extra_models]
+    if specs and args.served_model_name:
+        raise ValueError("--served-model-name names a single model; name several with --model NAME=PATH")
+    if args.max_loaded_models is not None:
+        max_models = args.max_loaded_models
+    if args.max_loaded_memory is not None:
+        max_bytes = parse_memory(args.max_loaded_memory, total_ram())
+    return {"models": tuple(specs), "max_loaded_models": max_models, "max_loaded_bytes": max_bytes}
+
+
 def _serve(args) -> int:
     import uvicorn
 
     from mlxserve.models.loader import ModelLoadError
     from mlxserve.server import build_app
 
-    config = ServerConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
-                          port=args.port, log_level=args.log_level, engine=_engine_config(args),
-                          load_strategy=args.load_strategy, media=_media_config(args))
     try:
-        loaded = None
-        if config.load_strategy != "auto":
-            # build_app loads with "auto"; a named strategy loads here and hands the model over.
-            from mlxserve.models.demo import ensure_demo_model
-            from mlxserve.models.loader import load_model
-
-            loaded = load_model(config.model or str(ensure_demo_model()), config.load_strategy)
-        app = build_app(config, loaded)
-    except ModelLoadError as e:
+        config = ServerConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
+                              port=args.port, log_level=args.log_level, engine=_engine_config(args),
+                              load_strategy=args.load_strategy, media=_media_config(args),
+                              **_models_fields(args))
+        # build_app loads every pinned model (a single one always) with config.load_strategy.
+        app = build_app(config)
+    except (ModelLoadError, ValueError, OSError) as e:
         print(f"mlxserve serve: {e}", file=sys.stderr)
         return 2
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
@@ -181,6 +195,14 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None, help="name clients use (default: folder name or id)")
+    serve.add_argument("--model", dest="extra_models", action="append", default=[], metavar="[NAME=]PATH",
+                       help="serve several models, each loaded on first use (repeatable; instead of MODEL)")
+    serve.add_argument("--models-config", default=None, metavar="YAML",
+                       help="models to serve: name, path, pinned, ttl, aliases, engine settings (models/specs.py)")
+    serve.add_argument("--max-loaded-models", type=int, default=None,
+                       help="most models loaded at once; the least recently used idle unpinned one is unloaded")
+    serve.add_argument("--max-loaded-memory", default=None,
+                       help="most weight bytes loaded at once (8GB, 50%%); default: what the memory budget leaves")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     from mlxserve.models.loader import LOAD_STRATEGIES
 

@@ -104,9 +104,33 @@ class MediaConfig:
 
 
 @dataclass(frozen=True)
+class ModelSpec:
+    """One model of a multi-model server (`--models-config`, repeated `--model`)."""
+
+    name: str  # what requests put in `model`
+    source: str  # local folder or hub id
+    pinned: bool = False  # loaded at start-up and never unloaded
+    ttl_s: float | None = None  # unloaded after this long idle; None: only when another model needs room
+    aliases: tuple[str, ...] = ()  # other names requests may use
+    engine: EngineConfig | None = None  # this model's engine settings; None: the server's
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.source:
+            raise ValueError("a model needs a name and a path")
+        if self.ttl_s is not None and self.ttl_s <= 0:
+            raise ValueError(f"ttl of {self.name!r} must be > 0 seconds")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     model: str | None = None  # local folder or hub id; None serves the embedded demo model
     served_model_name: str | None = None
+    # Several models in one server, loaded on first use (pinned ones at start-up); empty: `model` alone.
+    models: tuple[ModelSpec, ...] = ()
+    # Room for loaded models; the least recently used idle unpinned one is unloaded to make more.
+    # None for both: a model loads when its weights fit in what the memory budget leaves free.
+    max_loaded_models: int | None = None
+    max_loaded_bytes: int | None = None  # weight bytes (file sizes on disk) of all loaded models
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"
@@ -122,6 +146,15 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.load_strategy != "auto" and self.load_strategy not in LOAD_STRATEGIES:
             raise ValueError(f"load_strategy must be auto or one of {LOAD_STRATEGIES}, got {self.load_strategy!r}")
+        if self.models and self.model is not None:
+            raise ValueError("name one model (positional) or several (--model / --models-config), not both")
+        names = [n for spec in self.models for n in (spec.name, *spec.aliases)]
+        if len(names) != len(set(names)):
+            raise ValueError(f"model names and aliases must be unique, got {names}")
+        if self.max_loaded_models is not None and self.max_loaded_models < 1:
+            raise ValueError("max_loaded_models must be >= 1")
+        if self.max_loaded_bytes is not None and self.max_loaded_bytes < 1:
+            raise ValueError("max_loaded_bytes must be >= 1")
 
 
 def parse_memory(text: str, total_bytes: int) -> int:

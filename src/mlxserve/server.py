@@ -1,4 +1,4 @@
-"""Wires a loaded model, the engine and the HTTP app together."""
+"""Wires the served models (each with its own engine) and the HTTP app together."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from fastapi import FastAPI
 
 from mlxserve.api.app import create_app
 from mlxserve.api.serving import ServedModel
-from mlxserve.config import EngineConfig, ServerConfig
+from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
 from mlxserve.engine.async_engine import AsyncEngine
 from mlxserve.models.loader import LoadedModel, load_model
+from mlxserve.models.manager import ModelManager
+from mlxserve.models.specs import default_name, with_source_aliases
 
 log = logging.getLogger(__name__)
 
@@ -64,30 +66,79 @@ def _compiles_per_shape() -> bool:
 
 
 def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAPI:
-    if loaded is None:
-        source = config.model
-        if source is None:
-            from mlxserve.models.demo import ensure_demo_model
+    """The app for `config`'s models; pinned ones (a single model always) load here, the others on
+    first use. `loaded`: a single model the caller loaded already."""
+    specs = model_specs(config, loaded)
+    preloaded = {specs[0].name: loaded} if loaded is not None else {}
+    manager = ModelManager(
+        specs,
+        lambda spec: load_served(spec, config, preloaded.pop(spec.name, None)),
+        max_loaded_models=config.max_loaded_models,
+        max_loaded_bytes=config.max_loaded_bytes,
+        free_bytes=lambda: free_for_weights(config.engine),
+        release=release_memory,
+    )
+    manager.load_pinned()
+    return create_app(manager)
 
-            source = str(ensure_demo_model())
-            log.info("no model named: serving the demo model at %s", source)
-        loaded = load_model(source)
-    max_model_len = resolve_max_model_len(loaded, config.engine)
-    name = config.served_model_name or loaded.default_name
+
+def model_specs(config: ServerConfig, loaded: LoadedModel | None = None) -> tuple[ModelSpec, ...]:
+    """The configured models; a single-model server is one pinned spec (loaded at start-up) that
+    answers to its served name, its path and its folder's name."""
+    if config.models:
+        return with_source_aliases(config.models)
+    source = loaded.source if loaded is not None else config.model
+    if source is None:
+        from mlxserve.models.demo import ensure_demo_model
+
+        source = str(ensure_demo_model())
+        log.info("no model named: serving the demo model at %s", source)
+    name = config.served_model_name or default_name(source)
+    aliases = tuple(sorted({source, default_name(source)} - {name}))
+    return (ModelSpec(name=name, source=source, pinned=True, aliases=aliases),)
+
+
+def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | None = None):
+    """Loads one model: `(ServedModel, AsyncEngine)`, the engine not yet started."""
+    if loaded is None:
+        loaded = load_model(spec.source, config.load_strategy)
+    engine_config = spec.engine or config.engine
+    max_model_len = resolve_max_model_len(loaded, engine_config)
     served = ServedModel(
-        name=name,
-        aliases=frozenset({loaded.source, loaded.default_name}),
+        name=spec.name,
+        aliases=frozenset(spec.aliases),
         tokenizer=loaded.tokenizer,
         max_model_len=max_model_len,
         vocab_size=_vocab_size(loaded),
         eos_token_ids=loaded.eos_token_ids,
-        default_max_tokens=config.engine.default_max_tokens,
+        default_max_tokens=engine_config.default_max_tokens,
         created=int(time.time()),
         multimodal=_prompt_builder(loaded, config),
     )
-    log.info("serving %s as %r (context %d tokens, up to %d sequences)", loaded.source, name, max_model_len,
-             config.engine.max_num_seqs)
-    return create_app(served, make_engine(loaded, config.engine, max_model_len))
+    log.info("serving %s as %r (context %d tokens, up to %d sequences)", loaded.source, spec.name, max_model_len,
+             engine_config.max_num_seqs)
+    return served, make_engine(loaded, engine_config, max_model_len)
+
+
+def free_for_weights(config: EngineConfig) -> int:
+    """Bytes this process may still take under the memory budget's ceiling (memory/budget.py)."""
+    from mlxserve.memory.budget import BudgetConfig, compute_ceiling
+    from mlxserve.memory.device import read_memory
+
+    readings = read_memory()
+    rules = BudgetConfig(mode=config.memory_mode, memory_utilization=config.memory_utilization)
+    return compute_ceiling(readings, rules) - readings.held_by_process
+
+
+def release_memory() -> None:
+    """After an unload dropped every reference: collect cycles and hand MLX's freed buffers back (its
+    allocator keeps them cached otherwise, so the memory would not come back to the system)."""
+    import gc
+
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()
 
 
 def _prompt_builder(loaded: LoadedModel, config: ServerConfig):

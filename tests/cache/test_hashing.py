@@ -92,3 +92,59 @@ def test_disk_key_is_hex_round_trip():
     key = disk_key(h)
     assert key == h.hex() and len(key) == 2 * HASH_SIZE
     assert bytes.fromhex(key) == h
+
+
+# --- media spans: image hashes as extra keys of the blocks their placeholder tokens touch -------------
+
+PAD = 7  # an image placeholder id: every image of one size gives the same run of it
+
+
+def _image_prompt(start: int = 20, num_image_tokens: int = 30, total: int = 80) -> list[int]:
+    tokens = [100 + i for i in range(total)]
+    tokens[start:start + num_image_tokens] = [PAD] * num_image_tokens
+    return tokens
+
+
+def test_different_image_changes_blocks_from_the_first_one_touching_it():
+    tokens = _image_prompt(start=20, num_image_tokens=30)  # placeholders at 20..49
+    a = block_hashes(tokens, 16, model_key="m", media_spans=[(20, 50, "image-a")])
+    b = block_hashes(tokens, 16, model_key="m", media_spans=[(20, 50, "image-b")])
+    assert len(a) == len(b) == 5
+    assert a[0] == b[0]  # block 0 (0..15) holds only text before the image
+    assert all(x != y for x, y in zip(a[1:], b[1:]))  # 1..3 hold image tokens, 4 follows them (chain)
+    assert a == block_hashes(tokens, 16, model_key="m", media_spans=[(20, 50, "image-a")])
+    # Without the hash the same tokens would share every block whatever the picture.
+    plain = block_hashes(tokens, 16, model_key="m")
+    assert plain[0] == a[0] and plain[1] != a[1]
+
+
+def test_media_hash_is_an_extra_key_of_exactly_the_blocks_it_overlaps():
+    tokens = _image_prompt(start=16, num_image_tokens=16)  # placeholders fill block 1 exactly
+    spans = [(16, 32, "img")]
+    hashes = block_hashes(tokens, 16, model_key="m", media_spans=spans)
+    extra = block_extra_keys("m")
+    h0 = hash_block(None, tokens[0:16], extra)
+    h1 = hash_block(h0, tokens[16:32], extra + ("img",))
+    h2 = hash_block(h1, tokens[32:48], extra)  # the span ends at 32: block 2 does not carry it
+    assert hashes[:3] == [h0, h1, h2]
+
+
+def test_two_images_in_one_block_both_count_in_order():
+    tokens = _image_prompt(start=2, num_image_tokens=4, total=16)
+    tokens[8:12] = [PAD] * 4
+    ab = block_hashes(tokens, 16, media_spans=[(2, 6, "a"), (8, 12, "b")])
+    ba = block_hashes(tokens, 16, media_spans=[(2, 6, "b"), (8, 12, "a")])
+    only_a = block_hashes(tokens, 16, media_spans=[(2, 6, "a")])
+    assert ab == [hash_block(None, tokens, ("a", "b"))]
+    assert len({ab[0], ba[0], only_a[0]}) == 3
+
+
+def test_extend_block_hashes_with_media_is_incremental():
+    tokens = _image_prompt(start=20, num_image_tokens=30, total=70)
+    spans = [(20, 50, "img")]
+    full = block_hashes(tokens, 16, model_key="m", media_spans=spans)
+    acc: list[bytes] = []
+    for n in range(0, len(tokens) + 1, 5):
+        extend_block_hashes(acc, tokens[:n], 16, model_key="m", media_spans=spans)
+    extend_block_hashes(acc, tokens, 16, model_key="m", media_spans=spans)
+    assert acc == full

@@ -56,7 +56,11 @@ class LiveServer:
 def start_server(model_dir, media: MediaConfig | None = None, **engine_kwargs) -> LiveServer:
     config = ServerConfig(model=str(model_dir), served_model_name=SERVED_NAME, engine=EngineConfig(**engine_kwargs),
                           media=media or MediaConfig())
-    app = build_app(config)
+    return start_app(build_app(config))
+
+
+def start_app(app) -> LiveServer:
+    """Serves `app` (e.g. `build_app(ServerConfig(models=...))`) on a free port of 127.0.0.1."""
     # Port 0: the OS picks a free port; we read it back from the listening socket.
     uv_config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5)
     server = uvicorn.Server(uv_config)
@@ -104,6 +108,21 @@ def make_server():
 def make_module_server():
     """The same, for module-scoped fixtures: the servers stop when the module ends."""
     yield from _server_factory()
+
+
+@pytest.fixture(scope="module")
+def serve_module_app():
+    """`serve_module_app(app)`: serves an app the test built (e.g. several models) until the module ends."""
+    started: list[LiveServer] = []
+
+    def serve(app) -> LiveServer:
+        live = start_app(app)
+        started.append(live)
+        return live
+
+    yield serve
+    for live in started:
+        live.stop()
 
 
 @pytest.fixture(scope="module")

@@ -187,6 +187,19 @@ def test_pressure_passes_and_more_memory_never_grows_past_start():
     assert replace(grown, free_for_others=start.free_for_others) == start
 
 
+def test_pressure_takes_idle_budget_before_anything_held():
+    readings, start = start_budget()  # kv 3.325, prefix 1.275, vision 0.5
+    two_gib_taken = replace(readings, available_ram=gib(10))
+    roomy = shrink_for_pressure(start, two_gib_taken, prefix_in_use=GIB, kv_in_use=GIB)
+    assert roomy.kv == start.kv - gib(2)  # idle KV headroom absorbs it all
+    assert (roomy.prefix_cache, roomy.vision_cache) == (start.prefix_cache, start.vision_cache)
+    # KV all committed, the cache holding 0.275 GiB: its empty room, then its blocks, then vision, then KV.
+    busy = shrink_for_pressure(start, two_gib_taken, prefix_in_use=gib(0.275), kv_in_use=start.kv)
+    assert (busy.prefix_cache, busy.vision_cache) == (0, 0)
+    assert busy.kv == pytest.approx(start.kv - gib(0.225), abs=8)
+    assert parts_sum(roomy) == roomy.ceiling == parts_sum(busy) == busy.ceiling
+
+
 def test_pressure_leaves_dedicated_budgets_alone():
     readings = mac(192, 144, 180)
     start = compute_budget(readings, gib(40), gib(2), DEDICATED)

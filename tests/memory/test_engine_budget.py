@@ -74,13 +74,14 @@ def test_pressure_reaches_the_running_engine(loaded):
     core = core_for(loaded, cache_memory_bytes=4 * BS * 1024 * 8)  # a few blocks of the fixture
     start = core.status()
     now = read_memory()
-    # Free memory such that the ceiling falls by the prefix share plus 1 GiB: prefix cache off, KV lowered.
-    target = core.budget.ceiling - core.budget.prefix_cache - (1 << 30)
+    # Free memory such that the ceiling leaves nothing past weights and activations: idle KV goes first,
+    # then the (empty) prefix cache's room; KV is then 0, so only a lone request is admitted.
+    target = core.budget.weights + core.budget.activations
     squeezed = replace(now, available_ram=now.available_ram - (compute_ceiling(now, core.budget.config) - target))
     assert core.governor.refresh(squeezed)
     status = core.status()
     assert status["budget"]["prefix_cache"] == 0 and status["prefix_cache"]["max_cached_blocks"] == 0
-    assert status["kv_capacity_tokens"] < start["kv_capacity_tokens"]
+    assert status["kv_capacity_tokens"] == 0 < start["kv_capacity_tokens"]
     assert status["startup_budget"] == start["startup_budget"]
     assert status["budget"]["ceiling"] < start["budget"]["ceiling"]
     assert core.governor.refresh(replace(now, available_ram=now.available_ram + (4 << 30)))  # pressure passed

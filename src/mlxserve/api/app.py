@@ -1,9 +1,10 @@
-"""The FastAPI app: OpenAI routes over the async engine. Imports no MLX."""
+"""The FastAPI app: OpenAI routes over the served models' async engines. Imports no MLX."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import time
@@ -12,14 +13,15 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from mlxserve.api.errors import APIError, error_body, install_error_handlers
+from mlxserve.api.errors import APIError, error_body, error_response, install_error_handlers
 from mlxserve.api.metrics import Metrics
 from mlxserve.api.responses import SSE_DONE, ResponseBuilder, sse
 from mlxserve.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from mlxserve.api.serving import ServedModel, make_request
-from mlxserve.engine.async_engine import AsyncEngine
+from mlxserve.api.serving import make_request
+from mlxserve.engine.async_engine import EngineStats
 from mlxserve.engine.request import RequestOutput
 from mlxserve.engine.scheduler import QueueFullError
+from mlxserve.models.manager import ModelManager, ModelUnavailableError, UnknownModelError
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +76,13 @@ class _CountRequests:
             self.metrics.requests.labels(scope["path"], str(status)).inc()
 
 
-def create_app(model: ServedModel, engine: AsyncEngine) -> FastAPI:
-    metrics = Metrics(lambda: engine.stats)
+def create_app(models: ModelManager) -> FastAPI:
+    """The routes over `models`: requests go to the model their `model` field names."""
+    metrics = Metrics(lambda: _sum_stats(models.loaded_engines()))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
-        engine.start(asyncio.get_running_loop())
+        models.start(asyncio.get_running_loop())
         # Everything loaded so far (model code, tokenizer, FastAPI) lives as long as the server: move it
         # out of the collector's sight, or each full collection walks it all and stalls the streams.
         gc.collect()
@@ -87,12 +90,39 @@ def create_app(model: ServedModel, engine: AsyncEngine) -> FastAPI:
         try:
             yield
         finally:
-            engine.stop()
+            models.close()
 
     app = FastAPI(title="mlxserve", lifespan=lifespan)
     install_error_handlers(app)
 
+    @app.exception_handler(UnknownModelError)
+    async def _unknown_model(_: Request, exc: UnknownModelError):
+        return error_response(APIError(404, str(exc), "model", "model_not_found"))
+
+    @app.exception_handler(ModelUnavailableError)
+    async def _unavailable(_: Request, exc: ModelUnavailableError):
+        return error_response(APIError(503, str(exc), "model", "model_unavailable",
+                                       headers={"Retry-After": _RETRY_AFTER_S}))
+
     app.add_middleware(_CountRequests, metrics=metrics)
+
+    async def per_model(requested: str | None, fn) -> dict[str, object]:
+        """`fn(core)` on each named (or every) model's engine; None for a model not loaded."""
+        out = {}
+        for name in [models.resolve(requested)] if requested is not None else models.names:
+            with models.hold(name) as engine:  # keeps it loaded until the call returns
+                out[name] = await engine.call(fn) if engine is not None else None
+        return out
+
+    def one_or_all(requested: str | None, results: dict) -> dict:
+        # One model (named, or the only one): its own answer, as a single-model server gives it.
+        if requested is not None or len(results) == 1:
+            (name, result), = results.items()
+            return result if result is not None else not_loaded(name)
+        return {"models": {name: r if r is not None else not_loaded(name) for name, r in results.items()}}
+
+    def not_loaded(name: str) -> dict:
+        return {"model": name, "status": models.state(name).value}
 
     @app.get("/health")
     async def health():
@@ -103,23 +133,23 @@ def create_app(model: ServedModel, engine: AsyncEngine) -> FastAPI:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/status")
-    async def status():
-        return await engine.call(lambda core: core.status())
+    async def status(model: str | None = None):
+        return one_or_all(model, await per_model(model, lambda core: core.status()))
 
     @app.get("/v1/cache/stats")
-    async def cache_stats():
-        return await engine.call(lambda core: core.cache_stats())
+    async def cache_stats(model: str | None = None):
+        return one_or_all(model, await per_model(model, lambda core: core.cache_stats()))
 
     @app.delete("/v1/cache")
-    async def clear_cache():
-        n = await engine.call(lambda core: core.clear_cache())
-        return {"cleared_blocks": n}
+    async def clear_cache(model: str | None = None):
+        cleared = {name: n or 0 for name, n in (await per_model(model, lambda core: core.clear_cache())).items()}
+        if model is not None or len(cleared) == 1:
+            return {"cleared_blocks": sum(cleared.values())}
+        return {"cleared_blocks": sum(cleared.values()), "models": cleared}
 
     @app.get("/v1/models")
-    async def models():
-        card = {"id": model.name, "object": "model", "created": model.created, "owned_by": "mlxserve",
-                "max_model_len": model.max_model_len}
-        return {"object": "list", "data": [card]}
+    async def list_models():
+        return {"object": "list", "data": models.cards()}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
@@ -130,22 +160,25 @@ def create_app(model: ServedModel, engine: AsyncEngine) -> FastAPI:
         return await _complete(body, raw, chat=False)
 
     async def _complete(body: SamplingFields, raw: Request, chat: bool):
-        if getattr(body, "has_media", False):
-            # Fetching and decoding media blocks: a worker thread, so other streams keep flowing.
-            request = await asyncio.to_thread(make_request, model, body)
-        else:
-            request = make_request(model, body)
-        need, cap = request.num_prompt_tokens + request.sampling.max_tokens, engine.kv_capacity_tokens
-        if cap is not None and need > cap:
-            raise APIError(429, f"this request needs KV for {request.num_prompt_tokens} prompt + "
-                           f"{request.sampling.max_tokens} completion tokens = {need}; the memory budget holds "
-                           f"{cap} tokens: lower max_tokens or the prompt", "max_tokens", "kv_budget_exceeded",
-                           headers={"Retry-After": _RETRY_AFTER_S})
-        try:
-            outputs = engine.generate(request)
-        except QueueFullError as exc:
-            # Too many requests for the slots and the memory budget right now: come back shortly.
-            raise APIError(429, str(exc), code="server_busy", headers={"Retry-After": _RETRY_AFTER_S}) from exc
+        # The lease loads the model on first use and keeps it loaded until generate() has queued the
+        # request; from then on the request's stream keeps it busy (never unloaded) until it ends.
+        async with models.lease(body.model) as (model, engine):
+            if getattr(body, "has_media", False):
+                # Fetching and decoding media blocks: a worker thread, so other streams keep flowing.
+                request = await asyncio.to_thread(make_request, model, body)
+            else:
+                request = make_request(model, body)
+            need, cap = request.num_prompt_tokens + request.sampling.max_tokens, engine.kv_capacity_tokens
+            if cap is not None and need > cap:
+                raise APIError(429, f"this request needs KV for {request.num_prompt_tokens} prompt + "
+                               f"{request.sampling.max_tokens} completion tokens = {need}; the memory budget holds "
+                               f"{cap} tokens: lower max_tokens or the prompt", "max_tokens", "kv_budget_exceeded",
+                               headers={"Retry-After": _RETRY_AFTER_S})
+            try:
+                outputs = engine.generate(request)
+            except QueueFullError as exc:
+                # Too many requests for the slots and the memory budget right now: come back shortly.
+                raise APIError(429, str(exc), code="server_busy", headers={"Retry-After": _RETRY_AFTER_S}) from exc
         builder = ResponseBuilder(request.request_id, body.model, chat, model.tokenizer)
         timer = _Timer(metrics)
         if body.stream:
@@ -156,6 +189,12 @@ def create_app(model: ServedModel, engine: AsyncEngine) -> FastAPI:
         return await _whole(builder, outputs, timer, raw)
 
     return app
+
+
+def _sum_stats(engines) -> EngineStats:
+    """The engines' counters added up: /metrics shows the server, whichever models are loaded."""
+    stats = [e.stats for e in engines]
+    return EngineStats(*(sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(EngineStats)))
 
 
 async def _stream(builder: ResponseBuilder, outputs: AsyncIterator[RequestOutput], include_usage: bool, timer: _Timer):

@@ -39,7 +39,8 @@ def error_response(exc: APIError) -> JSONResponse:
 
 
 def _describe(err: dict) -> tuple[str, str | None]:
-    loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
+    # Pydantic puts the union branch it tried into loc ("list[tagged-union[TextPart,...]]"): not a field.
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("body",) and "[" not in str(p)]
     param = ".".join(loc) or None
     msg = err.get("msg", "invalid value")
     if err.get("type") == "json_invalid":
@@ -56,7 +57,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError):
         # FastAPI answers 422; OpenAI clients expect 400 with one readable message.
         errors = exc.errors()
-        message, param = _describe(errors[0]) if errors else ("invalid request", None)
+        # The deepest error is the specific one: for a bad content part pydantic first reports that the
+        # content is not a plain string ("content.str"), which says nothing about what to fix.
+        deepest = max(errors, key=lambda e: len(e.get("loc", ())), default=None)
+        message, param = _describe(deepest) if deepest else ("invalid request", None)
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
         return error_response(APIError(400, message, param))

@@ -137,26 +137,31 @@ def run_multimodal_bench(args) -> dict:
         server, thread, url = _start_server(model, prefix, vision, args)
         try:
             with httpx.Client(timeout=600) as client:
-                # Warm-up: first-use costs (kernel compilation, allocator growth) are not a cache's.
-                _conversation(client, url, "bench", {"type": "image_url", "image_url": {
-                    "url": _image_uri(np.random.default_rng(999), 224)}}, args.max_tokens)
+                # Warm-up, one conversation per media shape with a picture not used again: first-use
+                # costs (MLX-CUDA compiles kernels per shape, the allocator grows) are not a cache's.
+                for kind, size in media:
+                    _conversation(client, url, "bench", _part(kind, size, -1, args), args.max_tokens)
                 for kind, size in media:
                     for rep in range(args.repeats):
-                        rng = np.random.default_rng(hash((name, kind, size, rep)) % 2**32)
-                        if kind == "image":
-                            part = {"type": "image_url", "image_url": {"url": _image_uri(rng, size)}}
-                            label = f"image {size}x{size}"
-                        else:
-                            uri = _video_uri(rng, size, args.video_size, args.video_fps)
-                            part = {"type": "video_url", "video_url": {"url": uri, "fps": args.video_fps,
-                                                                       "max_frames": size}}
-                            label = f"video {size} frames"
-                        times, tokens = _conversation(client, url, "bench", part, args.max_tokens)
+                        times, tokens = _conversation(client, url, "bench", _part(kind, size, rep, args),
+                                                      args.max_tokens)
+                        label = f"image {size}x{size}" if kind == "image" else f"video {size} frames"
                         rows.append({"media": label, "cache": name, "tokens": tokens, "times": times})
+                        print(f"{label:>16}  {name:>6}  {tokens:>5} tok  turns (ms): "
+                              + "  ".join(f"{t * 1000:.1f}" for t in times), flush=True)
         finally:
             server.should_exit = True
             thread.join(timeout=60)
     return {"model": model, "rows": _summarize(rows), "raw": rows}
+
+
+def _part(kind: str, size: int, rep: int, args) -> dict:
+    """A content part with a picture (or video) of its own: no two runs share one."""
+    rng = np.random.default_rng([abs(hash(tuple(args.caches))) % 2**32, size, rep + 1, kind == "video"])
+    if kind == "image":
+        return {"type": "image_url", "image_url": {"url": _image_uri(rng, size)}}
+    uri = _video_uri(rng, size, args.video_size, args.video_fps)
+    return {"type": "video_url", "video_url": {"url": uri, "fps": args.video_fps, "max_frames": size}}
 
 
 def _summarize(raw: list[dict]) -> list[dict]:

@@ -135,9 +135,11 @@ class AsyncEngine:
                 block = not core.has_work
                 if block:
                     core.on_idle()
+                # Idle, it still wakes now and then: desktop mode re-reads free memory in on_idle().
+                timeout = getattr(core.config, "memory_refresh_s", 0) or None
                 try:
                     while True:
-                        cmd, arg = self._inbox.get(block=block)
+                        cmd, arg = self._inbox.get(block=block, timeout=timeout if block else None)
                         block = False
                         if cmd == "stop":
                             core.close()

@@ -176,13 +176,14 @@ class EngineCore:
         return outputs
 
     def cache_stats(self) -> dict:
+        vision = {"vision": self.vision_stats()} if self.vision_cache is not None else {}
         if self.prefix is None:
-            return {"enabled": False, "vision": self.vision_stats()}
+            return {"enabled": False, **vision}
         store = self.runner.store
         ssd = store.ssd.stats() if store.ssd is not None else None
         budget_bytes = self.prefix.max_cached_blocks * self._block_bytes
         return {"enabled": True, **self.prefix.stats(), "memory_bytes": store.nbytes, "budget_bytes": budget_bytes,
-                "ssd": ssd, "vision": self.vision_stats()}
+                "ssd": ssd, **vision}
 
     def status(self) -> dict:
         """The budget in force (desktop mode: after pressure) next to the start-up one and live

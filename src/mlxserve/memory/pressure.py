@@ -98,10 +98,15 @@ class MemoryGovernor:
         self.live = new
         self.num_changes += 1
         evicted = self._apply(limits_for(new, self._per_token, self._block_bytes, self._kv_override))
-        log.info(
+        # Info only when it bites (blocks evicted, new requests may wait); idle budget moving is routine.
+        kv = self.limits.kv_tokens
+        bites = evicted or (kv is not None and self.scheduler is not None
+                            and kv < self.scheduler.num_committed_kv_tokens)
+        log.log(
+            logging.INFO if bites else logging.DEBUG,
             "memory %s: ceiling %.2f -> %.2f GiB; prefix cache <= %s blocks (%d evicted), KV %s tokens for new"
             " requests", "pressure" if new.ceiling < old.ceiling else "freed", old.ceiling / (1 << 30),
-            new.ceiling / (1 << 30), self.limits.prefix_blocks, evicted, self.limits.kv_tokens,
+            new.ceiling / (1 << 30), self.limits.prefix_blocks, evicted, kv,
         )
         return True
 

@@ -154,16 +154,19 @@ def _build_tokenizer(out: pathlib.Path, config: VlmDemoConfig) -> dict:
     from tokenizers import AddedToken, Tokenizer
 
     demo.build_tokenizer(out)
+    if config.vocab_size:
+        # A benchmark-sized vocabulary: pad the text ids first, so the vision tokens come right after a
+        # gapless vocabulary (the tokenizers library renumbers added tokens that sit after a gap).
+        with open(out / "tokenizer.json", encoding="utf-8") as f:
+            tokenizer_json = json.load(f)
+        start, stop = demo._vocab_size(tokenizer_json), config.vocab_size - len(VISION_TOKENS)
+        if stop > start:
+            demo._pad_vocab(out, tokenizer_json, start, stop)
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
     tokenizer.save(str(out / "tokenizer.json"))
     ids = {t: tokenizer.token_to_id(t) for t in demo.SPECIAL_TOKENS + VISION_TOKENS}
-
-    with open(out / "tokenizer.json", encoding="utf-8") as f:
-        tokenizer_json = json.load(f)
-    vocab_size = demo._vocab_size(tokenizer_json)
-    if config.vocab_size and config.vocab_size > vocab_size:
-        demo._pad_vocab(out, tokenizer_json, vocab_size, config.vocab_size)
+    vocab_size = max(tokenizer.get_vocab_size(), max(ids.values()) + 1)
 
     tokenizer_config = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
     for token in VISION_TOKENS:
