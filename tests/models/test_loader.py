@@ -103,6 +103,8 @@ def test_mmap_reader_keeps_bfloat16_bits(tmp_path):
 def test_auto_picks_by_total_weight_size():
     small, large = choose_load_strategy(300 << 20), choose_load_strategy(16 << 30)
     assert small in LOAD_STRATEGIES and large in LOAD_STRATEGIES
+    # What `mlxserve bench load` measured (see choose_load_strategy): mlx-lm's own load at both ends.
+    assert small == large == "mlx-lm"
     # The rule is monotone in size: one switch point at most.
     picks = [choose_load_strategy(n << 20) for n in (1, 100, 1000, 4000, 8000, 16000, 64000)]
     assert len([i for i in range(1, len(picks)) if picks[i] != picks[i - 1]]) <= 1
