@@ -40,6 +40,9 @@ class EngineConfig:
     # KV positions reserved per decode batch up front, so memory stays flat while sequences grow
     # (0: off, the cache grows in mlx-lm's 256-token steps).
     kv_prealloc_tokens: int = 0
+    # Set per model by a multi-model server (memory/budget.py BudgetConfig.reserved_bytes / share).
+    memory_reserved_bytes: int = 0
+    memory_share: float = 1.0
     # Vision-language models: encoder outputs kept by image hash (capped by the memory budget's share).
     vision_cache_bytes: int = 512 * (1 << 20)
     # SSD tier: blocks written behind to one file each, found again after a restart.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -100,9 +101,10 @@ def model_specs(config: ServerConfig, loaded: LoadedModel | None = None) -> tupl
 
 def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | None = None):
     """Loads one model: `(ServedModel, AsyncEngine)`, the engine not yet started."""
+    held_before = _held_by_process() if len(config.models) > 1 else 0
     if loaded is None:
         loaded = load_model(spec.source, config.load_strategy)
-    engine_config = spec.engine or config.engine
+    engine_config = shared_engine_config(spec.engine or config.engine, config, held_before)
     max_model_len = resolve_max_model_len(loaded, engine_config)
     served = ServedModel(
         name=spec.name,
@@ -118,6 +120,22 @@ def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | Non
     log.info("serving %s as %r (context %d tokens, up to %d sequences)", loaded.source, spec.name, max_model_len,
              engine_config.max_num_seqs)
     return served, make_engine(loaded, engine_config, max_model_len)
+
+
+def shared_engine_config(engine: EngineConfig, config: ServerConfig, held_before: int) -> EngineConfig:
+    """A model among several: its budget leaves out what the process held before it loaded (the other
+    models) and takes 1/N of the rest, N the models that may be loaded at once; else `engine` as is.
+    Without this each model budgeted the whole machine and their KV budgets overlapped."""
+    if len(config.models) <= 1:
+        return engine
+    slots = min(config.max_loaded_models or len(config.models), len(config.models))
+    return dataclasses.replace(engine, memory_reserved_bytes=held_before, memory_share=1.0 / slots)
+
+
+def _held_by_process() -> int:
+    from mlxserve.memory.device import read_memory
+
+    return read_memory().held_by_process
 
 
 def free_for_weights(config: EngineConfig) -> int:

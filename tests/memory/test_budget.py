@@ -11,6 +11,7 @@ from mlxserve.memory.budget import (
     MemoryBudget,
     MemoryBudgetError,
     compute_budget,
+    compute_ceiling,
     format_budget,
     kv_tokens,
     shrink_for_pressure,
@@ -228,3 +229,26 @@ def test_format_budget():
 def test_config_rejects_nonsense(kwargs):
     with pytest.raises(ValueError):
         BudgetConfig(**kwargs)
+
+
+def test_two_models_in_one_process_never_budget_the_same_bytes():
+    """A second model leaves out what the first holds and takes half of the rest: the caches' and KV
+    budgets of both together stay inside what one model alone would get."""
+    readings = mac(total=48, hint=36, available=30)
+    alone = compute_budget(readings, gib(4), gib(1), BudgetConfig(mode="dedicated"))
+    first = compute_budget(readings, gib(4), gib(1), BudgetConfig(mode="dedicated", share=0.5))
+    second = compute_budget(readings, gib(2), gib(1),
+                            BudgetConfig(mode="dedicated", share=0.5, reserved_bytes=first.weights + first.kv))
+    assert parts_sum(first) == first.ceiling and parts_sum(second) == second.ceiling
+    assert first.kv + first.prefix_cache < alone.kv + alone.prefix_cache
+    # Both models' weights, activations, KV and caches fit in what one model alone was given.
+    assert parts_sum(first) + parts_sum(second) <= alone.ceiling
+    # Half of the room after weights and activations, exactly.
+    assert first.ceiling - gib(5) == (alone.ceiling - gib(5)) // 2
+
+
+def test_reserved_bytes_lower_the_ceiling_in_both_modes():
+    readings = mac(total=16, hint=12, available=8)
+    for mode in ("desktop", "dedicated"):
+        base = compute_ceiling(readings, BudgetConfig(mode=mode))
+        assert compute_ceiling(readings, BudgetConfig(mode=mode, reserved_bytes=gib(2))) == base - gib(2)

@@ -392,3 +392,17 @@ def test_cli_flags_and_file(tmp_path):
     assert _models_fields(make_parser().parse_args(["serve", "/x/a"]))["models"] == ()
     with pytest.raises(ValueError, match="served-model-name"):
         _models_fields(make_parser().parse_args(["serve", "--model", "/x/a", "--served-model-name", "z"]))
+
+
+def test_models_of_a_multi_model_server_share_the_memory_budget():
+    from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
+    from mlxserve.server import shared_engine_config
+
+    engine = EngineConfig()
+    one = ServerConfig(model="x")
+    assert shared_engine_config(engine, one, 123) is engine  # alone: the whole budget
+    three = ServerConfig(models=tuple(ModelSpec(name=n, source=n) for n in "abc"), max_loaded_models=2)
+    cfg = shared_engine_config(engine, three, 5 << 30)
+    assert (cfg.memory_share, cfg.memory_reserved_bytes) == (0.5, 5 << 30)
+    cfg = shared_engine_config(engine, ServerConfig(models=three.models), 0)
+    assert cfg.memory_share == 1 / 3

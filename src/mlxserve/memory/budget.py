@@ -53,8 +53,15 @@ class BudgetConfig:
     # only saves re-encoding an image, while KV is what lets a request run at all.
     vision_cache_bytes: int = 512 * (1 << 20)
     vision_cache_max_fraction: float = 0.25
+    # Several models in one process: memory the others held when this one loaded is not this one's
+    # to budget, and of what is left after its weights and activations it takes `share` (1/N when N
+    # models may be loaded at once), so their KV and cache budgets never overlap.
+    reserved_bytes: int = 0
+    share: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.reserved_bytes < 0 or not 0.0 < self.share <= 1.0:
+            raise ValueError("reserved_bytes must be >= 0 and share in (0, 1]")
         if self.mode not in ("desktop", "dedicated"):
             raise ValueError(f"mode must be desktop or dedicated, got {self.mode!r}")
         if not 0.0 < self.memory_utilization <= 1.0:
@@ -102,8 +109,8 @@ def desktop_reserve(readings: MemoryReadings, cfg: BudgetConfig) -> int:
 def compute_ceiling(readings: MemoryReadings, cfg: BudgetConfig) -> int:
     """Bytes this process may hold in total. The only place a ceiling is computed."""
     if cfg.mode == "dedicated":
-        return int(cfg.memory_utilization * _capacity(readings))
-    return min(_capacity(readings), readings.obtainable - desktop_reserve(readings, cfg))
+        return int(cfg.memory_utilization * _capacity(readings)) - cfg.reserved_bytes
+    return min(_capacity(readings), readings.obtainable - desktop_reserve(readings, cfg)) - cfg.reserved_bytes
 
 
 def compute_budget(
@@ -115,6 +122,7 @@ def compute_budget(
     fixed = weights_bytes + activation_bytes
     if fixed > ceiling:
         raise MemoryBudgetError(_does_not_fit(readings, cfg, ceiling, weights_bytes, activation_bytes))
+    ceiling = fixed + int(cfg.share * (ceiling - fixed))  # this model's part (all of it when alone)
     rest = ceiling - fixed
     vision = min(cfg.vision_cache_bytes, int(cfg.vision_cache_max_fraction * rest))
     if cfg.prefix_cache_bytes is None:

@@ -42,7 +42,8 @@ def budget_config(config: Any, prefix_cache: bool, vision_cache: bool = False) -
     prefix_bytes = config.cache_memory_bytes if prefix_cache else 0
     return BudgetConfig(mode=config.memory_mode, memory_utilization=config.memory_utilization,
                         prefix_cache_bytes=prefix_bytes,
-                        vision_cache_bytes=config.vision_cache_bytes if vision_cache else 0)
+                        vision_cache_bytes=config.vision_cache_bytes if vision_cache else 0,
+                        reserved_bytes=config.memory_reserved_bytes, share=config.memory_share)
 
 
 def startup_budget(model: Any, chunk_tokens: int, cfg: BudgetConfig | None = None) -> MemoryBudget | None:
