@@ -35,3 +35,10 @@ def qwen3vl_dir(tmp_path_factory):
     from mlxserve.models.vlm_demo import build_vlm_folder
 
     return build_vlm_folder(tmp_path_factory.mktemp("qwen3_vl"), family="qwen3_vl")
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(tmp_path_factory):
+    from mlxserve.models.vlm_demo import build_vlm_folder
+
+    return build_vlm_folder(tmp_path_factory.mktemp("gemma3"), family="gemma3")

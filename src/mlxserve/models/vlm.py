@@ -5,7 +5,8 @@ more than mlx-vlm's one-shot `generate`: the vision tower alone (features go to 
 the input embeddings of one prefill chunk, and positions it passes in explicitly. Qwen's language
 models keep rope state on the module between calls (`_rope_deltas`); with many requests in one
 batch that state belongs to none of them, so every call here passes `position_ids` and the state is
-never read.
+never read. Gemma 3 (`Gemma3Model`) differs in a few hooks: plain rope from the cache offsets,
+features from its tower plus projector, sliding-window caches, and its own image markup.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ log = logging.getLogger(__name__)
 # Families whose language model takes 3-D multimodal rope positions and whose tower maps
 # (pixel_values, grid_thw) to one feature row per placeholder token.
 QWEN_VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VLM_FAMILIES = QWEN_VL_FAMILIES + ("gemma3",)
 
 
 def is_vlm_config(config: dict) -> bool:
-    return "vision_config" in config and config.get("model_type") in QWEN_VL_FAMILIES
+    return "vision_config" in config and config.get("model_type") in VLM_FAMILIES
 
 
 def read_config(source: str) -> dict | None:
@@ -63,6 +65,8 @@ class VisionLanguageModel:
     logits, plus `encode`, `embed` and `rope_index` for multimodal prefill."""
 
     is_vlm = True
+    supports_video = True
+    image_marker = "<|image_pad|>"  # what the chat template writes for one image
 
     def __init__(self, model: Any, processor: Any, config: dict) -> None:
         self.vlm = model
@@ -79,6 +83,12 @@ class VisionLanguageModel:
 
     def parameters(self):
         return self.vlm.parameters()
+
+    def make_cache(self) -> list:
+        """mlx-lm's caches (what its batch caches merge and extend), one per language-model layer."""
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache() for _ in self.layers]
 
     # -- text ------------------------------------------------------------------------------------
     def __call__(self, inputs, cache=None, positions=None):
@@ -146,6 +156,72 @@ class VisionLanguageModel:
     def merge_size(self) -> int:
         return int(self.processor.image_processor.merge_size)
 
+    def expand_image(self, num_tokens: int) -> str:
+        """The text one image marker becomes: one placeholder token per feature row."""
+        return self.image_marker * num_tokens
+
+
+class Gemma3Model(VisionLanguageModel):
+    """Gemma 3: rope positions are the cache offsets (no multimodal rope, delta 0), so `positions`
+    are not passed on; a fixed-size image gives mm_tokens_per_image features (tower, then the
+    projector's pooling), reported as the grid (1, side, side) with merge size 1. mlx-vlm's own
+    forward uses the plain causal mask over image tokens too, so nothing bidirectional here."""
+
+    supports_video = False
+
+    def __init__(self, model: Any, processor: Any, config: dict) -> None:
+        super().__init__(model, processor, config)
+        self.image_marker = processor.boi_token
+        self._side = round(model.config.text_config.mm_tokens_per_image**0.5)
+
+    def make_cache(self) -> list:
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+        # The layout of mlx-vlm's `make_cache`, in mlx-lm's classes: a global layer ends each pattern.
+        text = self.lm.config
+        pattern = text.sliding_window_pattern
+        return [KVCache() if i % pattern == pattern - 1 else RotatingKVCache(max_size=text.sliding_window, keep=0)
+                for i in range(text.num_hidden_layers)]
+
+    def __call__(self, inputs, cache=None, positions=None):
+        return self.lm(inputs, cache=cache).logits
+
+    def forward(self, inputs, cache, position_ids, embeds=None, visual_mask=None, deepstack=None):
+        return self.lm(inputs, inputs_embeds=embeds, cache=cache).logits
+
+    def encode(self, pixel_values, grid_thw: tuple[int, int, int]) -> VisionFeatures:
+        import mlx.core as mx
+
+        dtype = self.lm.model.embed_tokens.weight.dtype
+        pixels = mx.array(pixel_values).transpose(0, 2, 3, 1).astype(dtype)  # NCHW -> NHWC
+        hidden, _, _ = self.vlm.vision_tower(pixels, output_hidden_states=True)
+        # Divided by sqrt(hidden_size) as mlx-vlm does: its language model scales every input
+        # embedding up by that, and image features must come out unscaled.
+        features = self.vlm.multi_modal_projector(hidden) / (self.vlm.config.hidden_size**0.5)
+        return VisionFeatures(features[0])
+
+    def rope_index(self, prompt_ids: list[int], media) -> tuple[Any, int]:
+        import mlx.core as mx
+
+        return _mrope(mx.arange(len(prompt_ids))[None]), 0
+
+    def preprocess_image(self, image) -> tuple[Any, tuple[int, int, int]]:
+        # Pan-and-scan crops would add images to the prompt; served images are always one crop.
+        out = self.processor.image_processor(images=[image], do_pan_and_scan=False)
+        return _numpy(out["pixel_values"]), (1, self._side, self._side)
+
+    def preprocess_video(self, frames):
+        raise ValueError("Gemma 3 takes no video")
+
+    @property
+    def merge_size(self) -> int:
+        return 1
+
+    def expand_image(self, num_tokens: int) -> str:
+        # Gemma3Processor's full_image_sequence, for num_tokens soft tokens.
+        tokenizer = self.processor.tokenizer
+        return f"\n\n{tokenizer.boi_token}{tokenizer.image_token * num_tokens}{tokenizer.eoi_token}\n\n"
+
 
 def _mrope(positions):
     import mlx.core as mx
@@ -173,4 +249,5 @@ def load_vlm(source: str, config: dict):
     tokenizer = load_tokenizer(Path(path), eos_token_ids=[eos] if isinstance(eos, int) else eos)
     log.info("loaded vision-language model %s (%s) in %.2f s", source, config["model_type"],
              time.perf_counter() - start)
-    return VisionLanguageModel(model, processor, config), tokenizer
+    adapter = Gemma3Model if config["model_type"] == "gemma3" else VisionLanguageModel
+    return adapter(model, processor, config), tokenizer

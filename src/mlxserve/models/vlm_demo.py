@@ -1,4 +1,5 @@
-"""Offline builder of tiny random-weight vision-language model folders (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
+"""Offline builder of tiny random-weight vision-language model folders (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+Gemma 3; Gemma's own parts live in models/vlm_demo_gemma3.py).
 
 The folders load with `mlx_vlm.load(path)` and no network: config.json written the way mlx-vlm 0.7.10
 reads it, random weights saved from mlx-vlm's own Model class (so they load back exactly), the text
@@ -15,8 +16,9 @@ import pathlib
 from dataclasses import dataclass
 
 from mlxserve.models import demo
+from mlxserve.models import vlm_demo_gemma3 as gemma3
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3")
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
 IMAGE_TOKEN = "<|image_pad|>"
 VIDEO_TOKEN = "<|video_pad|>"
@@ -80,6 +82,12 @@ class VlmDemoConfig:
     fullatt_block_indexes: tuple = (1,)  # Qwen2.5-VL: the rest use window attention
     deepstack_visual_indexes: tuple = ()  # Qwen3-VL: vision blocks whose output feeds text layers 0, 1, ...
     num_position_embeddings: int = 2304  # Qwen3-VL: learned 48x48 position grid
+    # Gemma 3: a fixed square input, average-pooled to mm_tokens_per_image features; its text model
+    # alternates sliding_window_pattern - 1 sliding-window layers with one global layer.
+    image_size: int = 112
+    mm_tokens_per_image: int = 16
+    sliding_window: int = 32
+    sliding_window_pattern: int = 2
     # Processor (pixels are totals: height * width for images, frames * height * width for videos).
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 16384
@@ -106,10 +114,17 @@ class VlmDemoConfig:
             raise ValueError("Qwen2-VL's vision MLP width is an integer mlp_ratio times its hidden size")
         if len(self.deepstack_visual_indexes) > self.num_hidden_layers:
             raise ValueError("each deepstack level feeds one text layer: too many deepstack_visual_indexes")
+        side, per_side = self.image_size // self.patch_size, round(self.mm_tokens_per_image**0.5)
+        if self.family == "gemma3" and (per_side**2 != self.mm_tokens_per_image or side % per_side):
+            raise ValueError("Gemma 3 pools the patch grid to a square of mm_tokens_per_image: its side must "
+                             "divide image_size // patch_size")
 
     @property
     def merge_size(self) -> int:
         return 2
+
+
+_GEMMA3_TINY = dict(family="gemma3", image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5))
 
 
 _QWEN3_VL_TINY = dict(family="qwen3_vl", patch_size=16, mrope_section=(6, 5, 5), vision_depth=3,
@@ -121,6 +136,8 @@ VLM_SHAPES = {
     ("qwen2_5_vl", "tiny"): VlmDemoConfig(),
     ("qwen2_vl", "tiny"): VlmDemoConfig(family="qwen2_vl", fullatt_block_indexes=()),
     ("qwen3_vl", "tiny"): VlmDemoConfig(**_QWEN3_VL_TINY),
+    # A 32-token window: test prompts (about 40 tokens) wrap the sliding-window layers' caches.
+    ("gemma3", "tiny"): VlmDemoConfig(**_GEMMA3_TINY),
     ("qwen2_5_vl", "3b"): VlmDemoConfig(
         hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2, head_dim=128,
         intermediate_size=11008, max_position_embeddings=128000, mrope_section=(16, 24, 24), vocab_size=151936,
@@ -139,6 +156,7 @@ CLI_SHAPES = {
     "qwen2-vl-tiny": ("qwen2_vl", "tiny"),
     "qwen2.5-vl-tiny": ("qwen2_5_vl", "tiny"),
     "qwen3-vl-tiny": ("qwen3_vl", "tiny"),
+    "gemma3-tiny": ("gemma3", "tiny"),
     "qwen2.5-vl-3b": ("qwen2_5_vl", "3b"),
     "qwen3-vl-2b": ("qwen3_vl", "2b"),
 }
@@ -148,9 +166,10 @@ CLI_SHAPES = {
 # Tokenizer
 
 
-def _build_tokenizer(out: pathlib.Path, config: VlmDemoConfig) -> dict:
-    """The text demo's tokenizer (same ids for the same text) plus the vision tokens after its vocabulary.
-    Returns {token: id} for the special tokens."""
+def _build_tokenizer(out: pathlib.Path, config: VlmDemoConfig, extra_tokens: tuple = VISION_TOKENS,
+                     chat_template: str = CHAT_TEMPLATE, overrides: dict | None = None) -> dict:
+    """The text demo's tokenizer (same ids for the same text) plus `extra_tokens` (special) after its
+    vocabulary; `overrides` go into tokenizer_config.json. Returns {token: id} for the special tokens."""
     from tokenizers import AddedToken, Tokenizer
 
     demo.build_tokenizer(out)
@@ -159,27 +178,28 @@ def _build_tokenizer(out: pathlib.Path, config: VlmDemoConfig) -> dict:
         # gapless vocabulary (the tokenizers library renumbers added tokens that sit after a gap).
         with open(out / "tokenizer.json", encoding="utf-8") as f:
             tokenizer_json = json.load(f)
-        start, stop = demo._vocab_size(tokenizer_json), config.vocab_size - len(VISION_TOKENS)
+        start, stop = demo._vocab_size(tokenizer_json), config.vocab_size - len(extra_tokens)
         if stop > start:
             demo._pad_vocab(out, tokenizer_json, start, stop)
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in extra_tokens])
     tokenizer.save(str(out / "tokenizer.json"))
-    ids = {t: tokenizer.token_to_id(t) for t in demo.SPECIAL_TOKENS + VISION_TOKENS}
+    ids = {t: tokenizer.token_to_id(t) for t in demo.SPECIAL_TOKENS + tuple(extra_tokens)}
     vocab_size = max(tokenizer.get_vocab_size(), max(ids.values()) + 1)
 
     tokenizer_config = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
-    for token in VISION_TOKENS:
+    for token in extra_tokens:
         tokenizer_config["added_tokens_decoder"][str(ids[token])] = {
             "content": token, "lstrip": False, "normalized": False, "rstrip": False,
             "single_word": False, "special": True,
         }
-    extra = tokenizer_config["additional_special_tokens"] + list(VISION_TOKENS)
+    extra = tokenizer_config["additional_special_tokens"] + list(extra_tokens)
     tokenizer_config["additional_special_tokens"] = extra
-    tokenizer_config["chat_template"] = CHAT_TEMPLATE
+    tokenizer_config.update(chat_template=chat_template, **(overrides or {}))
     demo._write_json(out / "tokenizer_config.json", tokenizer_config)
     special_tokens_map = json.loads((out / "special_tokens_map.json").read_text(encoding="utf-8"))
     special_tokens_map["additional_special_tokens"] = extra
+    special_tokens_map.update({k: v for k, v in (overrides or {}).items() if k.endswith("_token")})
     demo._write_json(out / "special_tokens_map.json", special_tokens_map)
     return {"vocab_size": config.vocab_size or vocab_size, **ids}
 
@@ -351,18 +371,25 @@ def build_vlm_folder_from_config(out_dir, config: VlmDemoConfig) -> pathlib.Path
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ids = _build_tokenizer(out, config)
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
-    hf_config = make_hf_config(config, ids)
+    gemma = config.family == "gemma3"
+    if gemma:
+        ids = _build_tokenizer(out, config, gemma3.TOKENS, gemma3.CHAT_TEMPLATE, gemma3.TOKENIZER_OVERRIDES)
+        hf_config, files = gemma3.make_hf_config(config, ids), gemma3.processor_files(config)
+    else:
+        ids = _build_tokenizer(out, config)
+        hf_config, files = make_hf_config(config, ids), _processor_files(config)
+    (out / "chat_template.jinja").write_text(gemma3.CHAT_TEMPLATE if gemma else CHAT_TEMPLATE, encoding="utf-8")
     model = make_random_vlm(config, hf_config)
     # Parameter names are already mlx-vlm's (what its sanitize() produces), so they load back as saved.
     save_weights(out, model)
     del model
     demo._write_json(out / "config.json", hf_config)
-    for name, obj in _processor_files(config).items():
+    for name, obj in files.items():
         demo._write_json(out / name, obj)
     eos_ids = [ids[demo.EOS_TOKEN], ids[demo.PAD_TOKEN]]  # like Qwen's: <|im_end|> and <|endoftext|>
     generation_config = {"bos_token_id": None, "eos_token_id": eos_ids, "pad_token_id": ids[demo.PAD_TOKEN],
                          "do_sample": False}
+    if gemma:
+        generation_config = gemma3.generation_config(ids)
     demo._write_json(out / "generation_config.json", generation_config)
     return out

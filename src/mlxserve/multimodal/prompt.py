@@ -11,6 +11,7 @@ not even decoded.
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from mlxserve.multimodal.media import MediaError, decode_image
 from mlxserve.multimodal.video import check_sampling, decode_video
 
 _VISION_START, _VISION_END = "<|vision_start|>", "<|vision_end|>"
-_IMAGE_PAD, _VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
+_VIDEO_PAD = "<|video_pad|>"  # image markers come from the model (`image_marker`, `expand_image`)
 _PLACEHOLDER = "\x00mlxserve-placeholder\x00"
 # Media remembered by their encoded bytes; a few short tuples each, so thousands cost about a megabyte.
 _MAX_KNOWN = 4096
@@ -76,6 +77,8 @@ class MultimodalPromptBuilder:
     def _load(self, part: MediaPart) -> _Loaded:
         param = "image_url" if part.kind == "image" else "video_url"
         sampling = None
+        if part.kind == "video" and not self.model.supports_video:
+            raise MediaError("this model takes no video input", param)
         if part.kind == "video":  # limits checked before anything is downloaded
             sampling = check_sampling(self.config, part.fps, part.max_frames, param)
         media = read_media_bytes(part.url, self.config, param)
@@ -109,14 +112,15 @@ class MultimodalPromptBuilder:
         merge = self.model.merge_size**2
         images = [m for m in loaded if m.part.kind == "image"]
         videos = [m for m in loaded if m.part.kind == "video"]
-        if text.count(_IMAGE_PAD) != len(images) or text.count(_VIDEO_PAD) != len(videos):
-            raise MediaError(f"the chat template placed {text.count(_IMAGE_PAD)} images and "
+        marker = self.model.image_marker  # Qwen: <|image_pad|>; Gemma 3: <start_of_image>
+        if text.count(marker) != len(images) or text.count(_VIDEO_PAD) != len(videos):
+            raise MediaError(f"the chat template placed {text.count(marker)} images and "
                              f"{text.count(_VIDEO_PAD)} videos, the request has {len(images)} and "
                              f"{len(videos)}", "messages")
-        for m in images:
-            t, h, w = m.grid_thw
-            text = text.replace(_IMAGE_PAD, _PLACEHOLDER * (t * h * w // merge), 1)
-        text = text.replace(_PLACEHOLDER, _IMAGE_PAD)
+        # Split first: an image's expansion may hold the marker again (Gemma's starts with it).
+        pieces = text.split(marker)
+        text = pieces[0] + "".join(self.model.expand_image(math.prod(m.grid_thw) // merge) + rest
+                                   for m, rest in zip(images, pieces[1:]))
         wrapped = _VISION_START + _VIDEO_PAD + _VISION_END
         for m in videos:
             t, h, w = m.grid_thw
