@@ -216,8 +216,9 @@ def make_parser() -> argparse.ArgumentParser:
     demo.add_argument("path", nargs="?", default=None, help="output folder (default: the user cache dir)")
     demo.add_argument("--shape", default="tiny",
                       choices=["tiny", "qwen3-0.6b", "qwen3-8b", "qwen2-vl-tiny", "qwen2.5-vl-tiny", "qwen3-vl-tiny",
-                               "qwen2.5-vl-3b", "qwen3-vl-2b"],
-                      help="a real model's shape with random weights (for benchmarks); *-vl-*: vision-language")
+                               "qwen2.5-vl-3b", "qwen3-vl-2b", "gemma3-tiny"],
+                      help="a real model's shape with random weights (for benchmarks); *-vl-*, gemma3-*: "
+                           "vision-language")
     demo.add_argument("--bits", type=int, default=None, help="quantize to this many bits")
     demo.add_argument("--group-size", type=int, default=64)
     demo.set_defaults(func=_demo_model)

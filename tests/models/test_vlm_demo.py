@@ -214,3 +214,75 @@ def test_rejects_unknown_shapes():
         vlm_config_for("qwen3_vl", "3b")
     with pytest.raises(ValueError):
         vlm_config_for("llava", "tiny")
+
+
+# --- Gemma 3 ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gemma3(gemma3_dir):
+    return mlx_vlm.load(str(gemma3_dir))
+
+
+def test_gemma3_config_and_weights_load_back(gemma3_dir, gemma3):
+    model, processor = gemma3
+    config = _config(gemma3_dir)
+    tokenizer = Tokenizer.from_file(str(gemma3_dir / "tokenizer.json"))
+    ids = {t: tokenizer.token_to_id(t) for t in vlm_demo.gemma3.TOKENS}
+    assert None not in ids.values() and min(ids.values()) == 2048  # after the text demo's vocabulary
+    assert config["image_token_index"] == ids["<image_soft_token>"] == model.config.image_token_index
+    assert config["eos_token_id"] == [ids["<eos>"], ids["<end_of_turn>"]]
+    assert config["hidden_size"] == config["text_config"]["hidden_size"] == 128
+    assert type(processor).__name__ == "Gemma3Processor"
+    assert (processor.boi_token, processor.image_token, processor.tokenizer.eoi_token) == (
+        "<start_of_image>", "<image_soft_token>", "<end_of_image>")
+    # Gemma's head is tied on load; the fixture saves it tied, so every saved weight loads back as is.
+    saved = mx.load(str(gemma3_dir / "model.safetensors"))
+    params = dict(tree_flatten(model.parameters()))
+    assert set(params) == set(saved)
+    assert all(mx.array_equal(params[k], v) for k, v in saved.items())
+    # Sliding-window layers alternate with global ones, so the tiny model has both cache kinds.
+    kinds = [type(c).__name__ for c in model.language_model.make_cache()]
+    assert kinds == ["RotatingKVCache", "KVCache"]
+
+
+def test_gemma3_chat_template_and_image_expansion(gemma3):
+    model, processor = gemma3
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " What is this? "}]},
+                {"role": "assistant", "content": "A cat."}, {"role": "user", "content": "Sure?"}]
+    prompt = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt == ("<bos><start_of_turn>user\nBe brief.\n\n<start_of_image>What is this?<end_of_turn>\n"
+                      "<start_of_turn>model\nA cat.<end_of_turn>\n<start_of_turn>user\nSure?<end_of_turn>\n"
+                      "<start_of_turn>model\n")
+    inputs = processor(text=[prompt], images=[_image(0, 300)], return_tensors="np")
+    ids = np.array(inputs["input_ids"])[0].tolist()
+    assert np.array(inputs["pixel_values"]).shape == (1, 3, 112, 112)
+    soft = model.config.image_token_index
+    first = ids.index(soft)
+    assert ids.count(soft) == 16 and ids[first:first + 16] == [soft] * 16
+    assert processor.tokenizer.decode(ids[first - 3:first + 19]) == (
+        "\n\n<start_of_image>" + "<image_soft_token>" * 16 + "<end_of_image>\n\n")
+    assert ids[0] == processor.tokenizer.convert_tokens_to_ids("<bos>") and ids.count(ids[0]) == 1
+
+
+def test_gemma3_generate_with_image_and_text(gemma3):
+    model, processor = gemma3
+    prompt = apply_chat_template(processor, model.config, "Describe the picture.", num_images=1)
+    runs = [mlx_vlm.generate(model, processor, prompt, image=[_image(seed)], max_tokens=6, temperature=0.0)
+            for seed in (0, 0)]
+    assert runs[0].text and runs[0].text == runs[1].text and runs[0].generation_tokens == 6
+    text_only = apply_chat_template(processor, model.config, "Hello there", num_images=0)
+    assert "<start_of_image>" not in text_only
+    assert mlx_vlm.generate(model, processor, text_only, max_tokens=4, temperature=0.0).generation_tokens == 4
+
+
+def test_gemma3_cli_shape_and_pooling_check(tmp_path, capsys):
+    out = tmp_path / "gemma3"
+    assert main(["demo-model", str(out), "--shape", "gemma3-tiny"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert _config(out)["model_type"] == "gemma3" and (out / "processor_config.json").is_file()
+    # The projector pools the patch grid (112 / 14 = 8 per side) to a square: 16 fits, 15 and 9 do not.
+    with pytest.raises(ValueError):
+        vlm_demo.VlmDemoConfig(family="gemma3", mm_tokens_per_image=15)
+    with pytest.raises(ValueError):
+        vlm_demo.VlmDemoConfig(family="gemma3", mm_tokens_per_image=9)

@@ -192,7 +192,9 @@ class Gemma3Model(VisionLanguageModel):
     def encode(self, pixel_values, grid_thw: tuple[int, int, int]) -> VisionFeatures:
         import mlx.core as mx
 
-        dtype = self.lm.model.embed_tokens.weight.dtype
+        embed = self.lm.model.embed_tokens
+        # The token embeddings' dtype, as mlx-vlm casts the pixels (a quantized table: its scales').
+        dtype = getattr(embed, "scales", embed.weight).dtype
         pixels = mx.array(pixel_values).transpose(0, 2, 3, 1).astype(dtype)  # NCHW -> NHWC
         hidden, _, _ = self.vlm.vision_tower(pixels, output_hidden_states=True)
         # Divided by sqrt(hidden_size) as mlx-vlm does: its language model scales every input

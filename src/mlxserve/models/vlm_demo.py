@@ -380,6 +380,8 @@ def build_vlm_folder_from_config(out_dir, config: VlmDemoConfig) -> pathlib.Path
         hf_config, files = make_hf_config(config, ids), _processor_files(config)
     (out / "chat_template.jinja").write_text(gemma3.CHAT_TEMPLATE if gemma else CHAT_TEMPLATE, encoding="utf-8")
     model = make_random_vlm(config, hf_config)
+    if gemma:  # mlx-vlm's Gemma 3 ties its LM head to the embeddings on load: save what will load
+        model.language_model.lm_head.weight = model.language_model.model.embed_tokens.weight
     # Parameter names are already mlx-vlm's (what its sanitize() produces), so they load back as saved.
     save_weights(out, model)
     del model
@@ -387,9 +389,7 @@ def build_vlm_folder_from_config(out_dir, config: VlmDemoConfig) -> pathlib.Path
     for name, obj in files.items():
         demo._write_json(out / name, obj)
     eos_ids = [ids[demo.EOS_TOKEN], ids[demo.PAD_TOKEN]]  # like Qwen's: <|im_end|> and <|endoftext|>
-    generation_config = {"bos_token_id": None, "eos_token_id": eos_ids, "pad_token_id": ids[demo.PAD_TOKEN],
-                         "do_sample": False}
-    if gemma:
-        generation_config = gemma3.generation_config(ids)
+    generation_config = gemma3.generation_config(ids) if gemma else {
+        "bos_token_id": None, "eos_token_id": eos_ids, "pad_token_id": ids[demo.PAD_TOKEN], "do_sample": False}
     demo._write_json(out / "generation_config.json", generation_config)
     return out
