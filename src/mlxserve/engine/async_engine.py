@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
@@ -84,7 +85,7 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = stream
         self._inbox.put(("add", request))
-        return self._iterate(request.request_id, stream)
+        return _OutputStream(self, request.request_id, stream)
 
     async def _iterate(self, rid: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -97,9 +98,15 @@ class AsyncEngine:
                 finished = out.finished
                 yield out
         finally:
-            self._streams.pop(rid, None)
-            if not finished:
-                self._inbox.put(("abort", rid))
+            if finished:
+                self._streams.pop(rid, None)
+            else:
+                self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        """A stream left early: its request is aborted (once, whoever gets here first)."""
+        if self._streams.pop(rid, None) is not None:
+            self._inbox.put(("abort", rid))
 
     async def call(self, fn: Callable[["EngineCore"], object]) -> object:  # noqa: F821
         """Runs `fn(core)` on the engine thread between two steps (state the engine owns, e.g. the
@@ -158,6 +165,8 @@ class AsyncEngine:
                 if elapsed > _SLOW_STEP_S:
                     log.warning("slow engine step: %.2f s with %d running, %d waiting", elapsed,
                                 core.scheduler.num_running, core.scheduler.num_waiting)
+                # Live: desktop mode lowers it under memory pressure (the API's "can never fit" check).
+                self.kv_capacity_tokens = core.scheduler.kv_capacity_tokens
                 prefix = core.prefix
                 self.stats = EngineStats(
                     core.scheduler.num_running,
@@ -180,3 +189,23 @@ class AsyncEngine:
         except Exception as exc:
             out = RequestOutput(request.request_id, [], "", request.num_prompt_tokens, 0, error=str(exc))
             self._loop.call_soon_threadsafe(self._dispatch, [out])
+
+
+class _OutputStream:
+    """One request's outputs. Leaving it early aborts the request, and so does never iterating it at
+    all: a client gone before the response started leaves an async generator whose `finally` never
+    runs, so without the finalizer here its request ran to max_tokens and its stream stayed counted
+    (the model looked busy for good and could never be unloaded)."""
+
+    def __init__(self, engine: AsyncEngine, rid: str, stream: asyncio.Queue) -> None:
+        self._outputs = engine._iterate(rid, stream)
+        weakref.finalize(self, engine._forget, rid)
+
+    def __aiter__(self) -> "_OutputStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return await self._outputs.__anext__()
+
+    async def aclose(self) -> None:
+        await self._outputs.aclose()

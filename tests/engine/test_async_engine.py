@@ -1,0 +1,102 @@
+"""AsyncEngine with a fake core: no model, just the queue plumbing between asyncio and the engine thread."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+from types import SimpleNamespace
+
+from mlxserve.engine.async_engine import AsyncEngine
+from mlxserve.engine.request import Request, RequestOutput, SamplingParams
+
+
+class _Core:
+    """Emits one token per step for every request it holds, forever, until aborted."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, Request] = {}
+        self.aborted: list[str] = []
+        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, kv_capacity_tokens=1000)
+        self.prefix = None
+        self.kv_capacity_tokens = 1000
+        self.config = SimpleNamespace(memory_refresh_s=0.05)
+        self.lock = threading.Lock()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+
+    def abort(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.aborted.append(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(0.001)
+        self.scheduler.kv_capacity_tokens = 500  # as if memory pressure lowered it
+        return [RequestOutput(rid, [1], "x", 1, 1) for rid in self.requests]
+
+    def on_idle(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _request(rid: str) -> Request:
+    return Request(rid, [1, 2, 3], SamplingParams(max_tokens=10**6))
+
+
+def test_a_stream_never_iterated_aborts_its_request_and_is_forgotten():
+    core = _Core()
+    engine = AsyncEngine(lambda: core, max_num_waiting=10)
+
+    async def main():
+        engine.start(asyncio.get_running_loop())
+        outputs = engine.generate(_request("gone"))  # e.g. the client left before the response started
+        assert engine.num_active == 1
+        del outputs
+        gc.collect()
+        for _ in range(200):
+            if "gone" in core.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.num_active == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+    assert core.aborted == ["gone"]
+
+
+def test_a_stream_left_early_aborts_once_and_a_finished_one_not_at_all():
+    core = _Core()
+    engine = AsyncEngine(lambda: core, max_num_waiting=10)
+
+    async def main():
+        engine.start(asyncio.get_running_loop())
+        outputs = engine.generate(_request("early"))
+        async for _ in outputs:
+            break
+        await outputs.aclose()
+        del outputs
+        gc.collect()
+        for _ in range(200):
+            if core.aborted:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert engine.num_active == 0
+        # The live KV capacity follows the scheduler's (lowered under pressure), not the start-up one.
+        assert engine.kv_capacity_tokens == 500
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+    assert core.aborted == ["early"]
