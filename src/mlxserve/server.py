@@ -15,7 +15,7 @@ from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
 from mlxserve.engine.async_engine import AsyncEngine
 from mlxserve.models.loader import LoadedModel, load_model
 from mlxserve.models.manager import ModelManager
-from mlxserve.models.specs import default_name, with_source_aliases
+from mlxserve.models.specs import default_name, weights_on_disk, with_source_aliases
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +101,9 @@ def model_specs(config: ServerConfig, loaded: LoadedModel | None = None) -> tupl
 
 def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | None = None):
     """Loads one model: `(ServedModel, AsyncEngine)`, the engine not yet started."""
-    held_before = _held_by_process() if len(config.models) > 1 else 0
     if loaded is None:
         loaded = load_model(spec.source, config.load_strategy)
-    engine_config = shared_engine_config(spec.engine or config.engine, config, held_before)
+    engine_config = shared_engine_config(spec.engine or config.engine, config, spec.name)
     max_model_len = resolve_max_model_len(loaded, engine_config)
     served = ServedModel(
         name=spec.name,
@@ -122,20 +121,16 @@ def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | Non
     return served, make_engine(loaded, engine_config, max_model_len)
 
 
-def shared_engine_config(engine: EngineConfig, config: ServerConfig, held_before: int) -> EngineConfig:
-    """A model among several: its budget leaves out what the process held before it loaded (the other
-    models) and takes 1/N of the rest, N the models that may be loaded at once; else `engine` as is.
-    Without this each model budgeted the whole machine and their KV budgets overlapped."""
+def shared_engine_config(engine: EngineConfig, config: ServerConfig, name: str, weights_of=None) -> EngineConfig:
+    """A model among N that may be loaded at once: its budget leaves out the weights of the N - 1
+    largest other models and takes 1/N of the rest; alone, `engine` as is. Then every set of N loaded
+    models fits one process ceiling (without this each budgeted the whole machine: KV overlapped)."""
     if len(config.models) <= 1:
         return engine
+    weights_of = weights_of or weights_on_disk
     slots = min(config.max_loaded_models or len(config.models), len(config.models))
-    return dataclasses.replace(engine, memory_reserved_bytes=held_before, memory_share=1.0 / slots)
-
-
-def _held_by_process() -> int:
-    from mlxserve.memory.device import read_memory
-
-    return read_memory().held_by_process
+    others = sorted((weights_of(s.source) for s in config.models if s.name != name), reverse=True)
+    return dataclasses.replace(engine, memory_reserved_bytes=sum(others[: slots - 1]), memory_share=1.0 / slots)
 
 
 def free_for_weights(config: EngineConfig) -> int:

@@ -399,10 +399,11 @@ def test_models_of_a_multi_model_server_share_the_memory_budget():
     from mlxserve.server import shared_engine_config
 
     engine = EngineConfig()
-    one = ServerConfig(model="x")
-    assert shared_engine_config(engine, one, 123) is engine  # alone: the whole budget
+    assert shared_engine_config(engine, ServerConfig(model="x"), "x") is engine  # alone: the whole budget
+    sizes = {"a": 4 << 30, "b": 2 << 30, "c": 1 << 30}
     three = ServerConfig(models=tuple(ModelSpec(name=n, source=n) for n in "abc"), max_loaded_models=2)
-    cfg = shared_engine_config(engine, three, 5 << 30)
-    assert (cfg.memory_share, cfg.memory_reserved_bytes) == (0.5, 5 << 30)
-    cfg = shared_engine_config(engine, ServerConfig(models=three.models), 0)
-    assert cfg.memory_share == 1 / 3
+    cfg = shared_engine_config(engine, three, "c", sizes.get)
+    # Two may be loaded at once: c leaves out the largest other model's weights, takes half the rest.
+    assert (cfg.memory_share, cfg.memory_reserved_bytes) == (0.5, 4 << 30)
+    cfg = shared_engine_config(engine, ServerConfig(models=three.models), "a", sizes.get)
+    assert (cfg.memory_share, cfg.memory_reserved_bytes) == (1 / 3, 3 << 30)

@@ -12,6 +12,9 @@ Every limit applies to the same quantity, the bytes this process may hold in tot
     prefix      = prefix_cache_fraction * rest, or min(prefix_cache_bytes, rest - vision) when given
     kv          = rest - prefix - vision
 so weights + activations + kv + prefix + vision == ceiling exactly: nothing is counted twice.
+Several models in one process (N may be loaded at once): each ceiling above first loses the N - 1
+largest other models' weights (reserved_bytes), then the model keeps its own weights + activations and
+1/N of what is left (model_ceiling), so any N loaded models together stay inside one process ceiling.
 """
 
 from __future__ import annotations
@@ -53,9 +56,9 @@ class BudgetConfig:
     # only saves re-encoding an image, while KV is what lets a request run at all.
     vision_cache_bytes: int = 512 * (1 << 20)
     vision_cache_max_fraction: float = 0.25
-    # Several models in one process: memory the others held when this one loaded is not this one's
-    # to budget, and of what is left after its weights and activations it takes `share` (1/N when N
-    # models may be loaded at once), so their KV and cache budgets never overlap.
+    # Several models in one process: the other models' weights (those that may be loaded next to this
+    # one) are not this one's to budget, and of what is left after its own weights and activations it
+    # takes `share` (1/N when N models may be loaded at once), so their budgets never overlap.
     reserved_bytes: int = 0
     share: float = 1.0
 
@@ -113,6 +116,17 @@ def compute_ceiling(readings: MemoryReadings, cfg: BudgetConfig) -> int:
     return min(_capacity(readings), readings.obtainable - desktop_reserve(readings, cfg)) - cfg.reserved_bytes
 
 
+def model_ceiling(process_ceiling: int, weights: int, activations: int, cfg: BudgetConfig) -> int:
+    """One model's part of the process ceiling (`reserved_bytes`, the other models' weights, already
+    taken out): its weights and activations, and `share` of the rest, all of it when alone. The other
+    models' activation headroom is taken to be this one's size. Start-up and pressure both use this."""
+    fixed = weights + activations
+    room = process_ceiling - fixed - int((1.0 / cfg.share - 1.0) * activations)
+    if room <= 0:
+        return min(process_ceiling, fixed)
+    return fixed + int(cfg.share * room)
+
+
 def compute_budget(
     readings: MemoryReadings, weights_bytes: int, activation_bytes: int, cfg: BudgetConfig
 ) -> MemoryBudget:
@@ -122,7 +136,7 @@ def compute_budget(
     fixed = weights_bytes + activation_bytes
     if fixed > ceiling:
         raise MemoryBudgetError(_does_not_fit(readings, cfg, ceiling, weights_bytes, activation_bytes))
-    ceiling = fixed + int(cfg.share * (ceiling - fixed))  # this model's part (all of it when alone)
+    ceiling = model_ceiling(ceiling, weights_bytes, activation_bytes, cfg)
     rest = ceiling - fixed
     vision = min(cfg.vision_cache_bytes, int(cfg.vision_cache_max_fraction * rest))
     if cfg.prefix_cache_bytes is None:
@@ -162,7 +176,8 @@ def shrink_for_pressure(
     if budget.mode == "dedicated":
         return replace(budget, free_for_others=new_readings.obtainable - budget.ceiling)
     fixed = budget.weights + budget.activations
-    ceiling = max(fixed, min(budget.ceiling, compute_ceiling(new_readings, budget.config)))
+    process = compute_ceiling(new_readings, budget.config)
+    ceiling = max(fixed, min(budget.ceiling, model_ceiling(process, budget.weights, budget.activations, budget.config)))
     deficit = budget.ceiling - ceiling
     parts = {name: getattr(budget, name) for name in ("prefix_cache", "vision_cache", "kv")}
     unheld = {
