@@ -92,10 +92,14 @@ class MediaConfig:
     video_fps: float = 2.0
     video_max_frames: int = 32
     video_max_frames_cap: int = 128  # a request asking for more frames is refused
+    video_decode_deadline_s: float = 30.0  # decoding one video's sampled frames (a worker thread's time)
+    max_media_per_request: int = 32  # images + videos in one request, checked before any is fetched
 
     def __post_init__(self) -> None:
-        if self.fetch_timeout_s <= 0 or self.fetch_deadline_s <= 0:
-            raise ValueError("fetch_timeout_s and fetch_deadline_s must be > 0")
+        if self.fetch_timeout_s <= 0 or self.fetch_deadline_s <= 0 or self.video_decode_deadline_s <= 0:
+            raise ValueError("fetch_timeout_s, fetch_deadline_s and video_decode_deadline_s must be > 0")
+        if self.max_media_per_request < 1:
+            raise ValueError("max_media_per_request must be >= 1")
         if self.max_redirects < 0:
             raise ValueError("max_redirects must be >= 0")
         if self.max_media_bytes < 1 or self.max_image_pixels < 1:

@@ -114,7 +114,7 @@ def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | Non
         eos_token_ids=loaded.eos_token_ids,
         default_max_tokens=engine_config.default_max_tokens,
         created=int(time.time()),
-        multimodal=_prompt_builder(loaded, config),
+        multimodal=_prompt_builder(loaded, config, engine_config),
     )
     log.info("serving %s as %r (context %d tokens, up to %d sequences)", loaded.source, spec.name, max_model_len,
              engine_config.max_num_seqs)
@@ -154,13 +154,15 @@ def release_memory() -> None:
     mx.clear_cache()
 
 
-def _prompt_builder(loaded: LoadedModel, config: ServerConfig):
+def _prompt_builder(loaded: LoadedModel, config: ServerConfig, engine: EngineConfig):
     """Vision-language models: what turns image/video parts into prompt tokens; None for text models."""
     if not loaded.is_vlm:
         return None
     from mlxserve.multimodal.prompt import MultimodalPromptBuilder
 
-    return MultimodalPromptBuilder(loaded.model, loaded.tokenizer, config.media)
+    # Without a vision cache a resent image must carry its pixels: the engine has nothing to reuse.
+    return MultimodalPromptBuilder(loaded.model, loaded.tokenizer, config.media,
+                                   reuse_known=engine.vision_cache_bytes > 0)
 
 
 def _vocab_size(loaded: LoadedModel) -> int:

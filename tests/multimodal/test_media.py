@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import os
 import socket
 import struct
 import zlib
@@ -228,3 +229,17 @@ def test_decompression_bomb_20000_square():
 def test_truncated_image_is_undecodable():
     data = png_bytes(sample_image())
     refused(data_uri(data[: len(data) // 2]), MediaConfig(), "cannot decode")
+
+
+def test_nul_bytes_and_fifos_in_allowed_folders_are_refused_without_hanging(tmp_path):
+    config = MediaConfig(allowed_local_media_paths=(str(tmp_path),))
+    refused(str(tmp_path / "a\x00b.png"), config, "NUL")
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)  # no writer: a blocking open would never return
+    refused(str(fifo), config, "not a regular file")
+
+
+def test_compressed_bodies_are_refused(media_server, routes):
+    body = zlib.compress(png_bytes(sample_image()))
+    routes["/deflated.png"] = (200, {"Content-Type": "image/png", "Content-Encoding": "deflate"}, body)
+    refused(f"{media_server}/deflated.png", LOCAL, "compressed")

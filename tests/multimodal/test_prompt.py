@@ -142,3 +142,38 @@ def test_qwen3_video_has_one_run_per_frame_group_with_timestamps(qwen3, video_ur
     text = qwen3.tokenizer.decode(ids)
     assert text.count("seconds>") == t and all(m in text for m in marks), (marks, text)
     assert [text.index(m) for m in marks] == sorted(text.index(m) for m in marks)
+
+
+def test_too_many_media_parts_are_refused_before_any_fetch(qwen25vl_dir):
+    from mlxserve.config import MediaConfig
+    from mlxserve.models.loader import load_model
+    from mlxserve.multimodal.media import MediaError
+    from mlxserve.multimodal.prompt import MediaPart, MultimodalPromptBuilder
+
+    loaded = load_model(str(qwen25vl_dir))
+    builder = MultimodalPromptBuilder(loaded.model, loaded.tokenizer, MediaConfig(max_media_per_request=2))
+    parts = [MediaPart("image", "http://10.255.255.1/never-fetched.png")] * 3
+    messages = [{"role": "user", "content": [{"type": "image"}] * 3}]
+    with pytest.raises(MediaError, match="at most 2"):
+        builder.build(messages, parts)
+
+
+def test_a_processor_refusal_is_a_media_error(qwen25vl_dir):
+    import base64
+    import io
+
+    from PIL import Image
+
+    from mlxserve.config import MediaConfig
+    from mlxserve.models.loader import load_model
+    from mlxserve.multimodal.media import MediaError
+    from mlxserve.multimodal.prompt import MediaPart, MultimodalPromptBuilder
+
+    loaded = load_model(str(qwen25vl_dir))
+    builder = MultimodalPromptBuilder(loaded.model, loaded.tokenizer, MediaConfig())
+    buf = io.BytesIO()
+    Image.new("RGB", (1, 400)).save(buf, "PNG")  # aspect ratio 400: Qwen's processor refuses > 200
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image"}]}]
+    with pytest.raises(MediaError, match="cannot take this media"):
+        builder.build(messages, [MediaPart("image", url)])

@@ -124,3 +124,8 @@ def test_not_a_video(mp4):
         load_video(uri(png_bytes(sample_image()), "image/png"), config)
     with pytest.raises(MediaError):
         load_video(uri(mp4[: len(mp4) // 3]), config)  # truncated
+
+
+def test_decoding_has_a_deadline(mp4):
+    with pytest.raises(MediaError, match="decoding the video took"):
+        load_video(uri(mp4), MediaConfig(video_decode_deadline_s=1e-9))

@@ -34,7 +34,7 @@ class ServedModel:
 def _render_multimodal(model: ServedModel, body: ChatCompletionRequest) -> tuple[list[int], tuple]:
     """Fetches and decodes the media (blocking: the caller runs this off the event loop)."""
     from mlxserve.multimodal.media import MediaError
-    from mlxserve.multimodal.prompt import MediaPart
+    from mlxserve.multimodal.prompt import MediaPart, PromptError
 
     if model.multimodal is None:
         raise APIError(400, f"`{model.name}` is a text-only model: image and video parts need a "
@@ -59,6 +59,8 @@ def _render_multimodal(model: ServedModel, body: ChatCompletionRequest) -> tuple
         return model.multimodal.build(messages, parts)
     except MediaError as exc:
         raise APIError(400, str(exc), exc.param or "messages", "invalid_media") from exc
+    except PromptError as exc:
+        raise APIError(400, str(exc), "messages") from exc
 
 
 def _render_chat(model: ServedModel, body: ChatCompletionRequest) -> list[int]:

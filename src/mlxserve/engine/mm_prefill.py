@@ -109,13 +109,12 @@ class MultimodalPrefill:
 
 
 def _preprocess(model: VisionLanguageModel, item: MediaItem):
-    """Pixels of an item the HTTP side did not preprocess: decoded again from the bytes it sent."""
+    """Pixels of an image the HTTP side did not preprocess (it relied on the vision cache, which has
+    dropped the features since): decoded again from the bytes it sent. Videos always carry pixels."""
     from mlxserve.config import MediaConfig
     from mlxserve.multimodal.media import decode_image
-    from mlxserve.multimodal.video import decode_video
 
+    if item.image is not None:
+        return model.preprocess_image(item.image)
     # These bytes passed the request's limits when first decoded; decoding them again needs none.
-    relaxed = MediaConfig(max_image_pixels=1 << 62, video_max_frames_cap=1 << 30)
-    if item.kind == "image":
-        return model.preprocess_image(item.image if item.image is not None else decode_image(item.encoded, relaxed))
-    return model.preprocess_video(decode_video(item.encoded, relaxed, *item.sampling).frames)
+    return model.preprocess_image(decode_image(item.encoded, MediaConfig(max_image_pixels=1 << 62)))

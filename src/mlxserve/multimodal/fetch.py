@@ -95,13 +95,16 @@ def _file_url_path(url: str, param: str | None) -> str:
 def _read_file(path: str, config: MediaConfig, param: str | None) -> bytes:
     if not config.allowed_local_media_paths:
         raise MediaError("local media files are disabled on this server (see --allowed-local-media-path)", param)
+    if "\x00" in path:
+        raise MediaError("media path contains a NUL byte", param)
     real = os.path.realpath(os.path.expanduser(path))
     roots = [os.path.realpath(os.path.expanduser(d)) for d in config.allowed_local_media_paths]
     if not any(os.path.commonpath([real, root]) == root for root in roots):
         raise MediaError(f"media path '{path}' is outside the allowed local media folders", param)
     try:
         # Open the resolved path and check the opened file itself: a FIFO or a device would never end.
-        with open(real, "rb") as f:
+        # O_NONBLOCK: opening a FIFO with no writer would otherwise block before that check.
+        with os.fdopen(os.open(real, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):
                 raise MediaError(f"media path '{path}' is not a regular file", param)
@@ -165,7 +168,7 @@ def _download(url: str, config: MediaConfig, param: str | None) -> MediaBytes:
     t = config.fetch_timeout_s
     # trust_env=False: an environment proxy would hide the peer address that the private-address check reads.
     with httpx.Client(timeout=httpx.Timeout(t, connect=t), follow_redirects=False, trust_env=False,
-                      headers={"User-Agent": _USER_AGENT}) as client:
+                      headers={"User-Agent": _USER_AGENT, "Accept-Encoding": "identity"}) as client:
         for _ in range(config.max_redirects + 1):
             try:
                 target = httpx.URL(url)
@@ -188,6 +191,11 @@ def _download(url: str, config: MediaConfig, param: str | None) -> MediaBytes:
                     if response.status_code >= 400:
                         raise MediaError(f"fetching media URL '{url}' failed: HTTP {response.status_code} "
                                          f"{response.reason_phrase}".rstrip(), param)
+                    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+                    if encoding not in ("", "identity"):
+                        # Decoded in one piece per read, a compressed body could blow far past the size cap.
+                        raise MediaError(f"media URL '{url}' sent a compressed body ({encoding}); "
+                                         "media must be sent uncompressed", param)
                     data = _read_body(response, url, config, deadline, param)
                     ctype = response.headers.get("content-type", "").split(";")[0].strip().lower() or None
                     return MediaBytes(data, ctype, url)

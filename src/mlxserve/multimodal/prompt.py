@@ -31,6 +31,10 @@ _PLACEHOLDER = "\x00mlxserve-placeholder\x00"
 _MAX_KNOWN = 4096
 
 
+class PromptError(ValueError):
+    """The messages cannot become a prompt (the chat template refused them): a 400."""
+
+
 @dataclass(frozen=True)
 class MediaPart:
     """One image or video content part as the client sent it."""
@@ -47,28 +51,34 @@ class _Loaded:
     content_hash: str
     grid_thw: tuple[int, int, int]
     pixel_values: Any
-    image: Any
     timestamps: tuple[float, ...] = ()
     encoded: bytes | None = None
     sampling: tuple[float, int] | None = None  # videos: (fps, max_frames)
 
 
 class MultimodalPromptBuilder:
-    def __init__(self, model: Any, tokenizer: Any, config: MediaConfig) -> None:
+    def __init__(self, model: Any, tokenizer: Any, config: MediaConfig, reuse_known: bool = True) -> None:
         self.model = model  # models.vlm.VisionLanguageModel: processor, family, token ids
         self.tokenizer = tokenizer
         self.config = config
-        # Digest of (kind, sampling, encoded bytes) -> (content hash, grid, frame times) of media seen
-        # before. Requests are built in
-        # parallel worker threads, so the memo has a lock.
+        # Digest of the encoded bytes -> (content hash, grid) of images seen before; only useful with a
+        # vision cache (`reuse_known`), else the engine would decode them again on its own thread.
+        # Requests are built in parallel worker threads, so the memo has a lock.
+        self.reuse_known = reuse_known
         self._known: OrderedDict[str, tuple] = OrderedDict()
         self._lock = threading.Lock()
 
     def build(self, messages: list[dict], parts: list[MediaPart]) -> tuple[list[int], tuple[MediaItem, ...]]:
         """`messages` already hold {"type": "image"} / {"type": "video"} parts where the media go,
         and `parts` lists the media in that order."""
+        if len(parts) > self.config.max_media_per_request:
+            raise MediaError(f"{len(parts)} images/videos in one request; this server takes at most "
+                             f"{self.config.max_media_per_request}", "messages")
         loaded = [self._load(p) for p in parts]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # a template may reject a role order, e.g. two system messages
+            raise PromptError(f"the chat template rejected these messages: {exc}") from exc
         text = self._expand(text, loaded)
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         return ids, self._items(ids, loaded)
@@ -82,29 +92,35 @@ class MultimodalPromptBuilder:
         if part.kind == "video":  # limits checked before anything is downloaded
             sampling = check_sampling(self.config, part.fps, part.max_frames, param)
         media = read_media_bytes(part.url, self.config, param)
-        # The same bytes again (a client resending its conversation): no decoding, hashing or pixel
-        # preprocessing; all of it was done, and checked, the first time.
-        key = hashlib.blake2b(repr((part.kind, sampling)).encode() + media.data, digest_size=16).hexdigest()
+        if part.kind == "video":  # always preprocessed here: decoding one again would stall the engine
+            video = decode_video(media.data, self.config, *sampling, param=param)
+            pixels, grid = self._preprocess(self.model.preprocess_video, video.frames, param)
+            return _Loaded(part, video_hash(video), grid, pixels, tuple(video.timestamps), sampling=sampling)
+        # The same image bytes again (a client resending its conversation): no decoding, hashing or
+        # pixel preprocessing; all of it was done, and checked, the first time. The engine takes the
+        # features from its vision cache, or (evicted meanwhile) decodes `encoded` itself.
+        key = hashlib.blake2b(media.data, digest_size=16).hexdigest()
         with self._lock:
-            known = self._known.get(key)
+            known = self._known.get(key) if self.reuse_known else None
             if known is not None:
                 self._known.move_to_end(key)
         if known is not None:
-            digest, grid, times = known
-            return _Loaded(part, digest, grid, None, None, times, media.data, sampling)
-        if part.kind == "image":
-            image = decode_image(media.data, self.config, content_type=media.content_type)
-            digest, times = image_hash(image), ()
-            pixels, grid = self.model.preprocess_image(image)
-        else:
-            video = decode_video(media.data, self.config, *sampling, param=param)
-            digest, times, image = video_hash(video), tuple(video.timestamps), None
-            pixels, grid = self.model.preprocess_video(video.frames)
+            return _Loaded(part, known[0], known[1], None, encoded=media.data)
+        image = decode_image(media.data, self.config, content_type=media.content_type)
+        digest = image_hash(image)
+        pixels, grid = self._preprocess(self.model.preprocess_image, image, param)
         with self._lock:
-            self._known[key] = (digest, grid, times)
+            self._known[key] = (digest, grid)
             if len(self._known) > _MAX_KNOWN:
                 self._known.popitem(last=False)
-        return _Loaded(part, digest, grid, pixels, image, times, media.data, sampling)
+        return _Loaded(part, digest, grid, pixels)
+
+    @staticmethod
+    def _preprocess(fn, media, param: str):
+        try:
+            return fn(media)
+        except ValueError as exc:  # the processor's own limits: aspect ratio, tiny frames, mixed sizes
+            raise MediaError(f"this model cannot take this media: {exc}", param) from exc
 
     # -- text ------------------------------------------------------------------------------------
     def _expand(self, text: str, loaded: list[_Loaded]) -> str:
@@ -153,7 +169,7 @@ class MultimodalPromptBuilder:
                 raise MediaError("the prompt's image/video placeholders do not line up with the media "
                                  "(a placeholder token typed in the text?)", "messages")
             items.append(MediaItem(m.content_hash, m.part.kind, tuple(spans), m.grid_thw, m.pixel_values,
-                                   m.image, m.encoded, m.sampling))
+                                   encoded=m.encoded, sampling=m.sampling))
         if r != len(runs):
             raise MediaError("the prompt contains image/video placeholder tokens without media", "messages")
         return tuple(items)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import math
+import time
 from dataclasses import dataclass
 
 import av
@@ -107,11 +108,15 @@ def _pick_frames(container, stream, targets: list[float], rate: float, config: M
         last_t = t
 
     frames = container.decode(stream)
-    k, index, prev, t0, seeked_for = 0, 0, None, None, -1
+    k, index, prev, t0, seeked_for, seekable = 0, 0, None, None, -1, True
+    seek_from: float | None = None  # where the last seek left from, to notice one that went backward
+    deadline = time.monotonic() + config.video_decode_deadline_s
     while k < len(targets):
         frame = next(frames, None)
         if frame is None:
             break
+        if time.monotonic() > deadline:
+            raise MediaError(f"decoding the video took over {config.video_decode_deadline_s:g} s", param)
         if frame.time is not None:
             raw_t = frame.time
         else:  # no timestamps in the stream: count frames at the declared rate
@@ -119,6 +124,10 @@ def _pick_frames(container, stream, targets: list[float], rate: float, config: M
         index += 1
         t0 = raw_t if t0 is None else t0
         t = raw_t - t0
+        if seek_from is not None:
+            # A seek that landed at or behind where it left (sparse keyframes) would decode the same
+            # frames again for every later target, quadratic in the video's length: stop seeking.
+            seekable, seek_from = t > seek_from, None
         while k < len(targets) and t >= targets[k]:
             if prev is not None and targets[k] - prev[1] < t - targets[k]:
                 take(*prev)
@@ -128,8 +137,9 @@ def _pick_frames(container, stream, targets: list[float], rate: float, config: M
         prev = (frame, t)
         # Far from the next target: jump to the keyframe before it instead of decoding every frame
         # in between. Once per target, so a seek landing behind us cannot loop.
-        if k < len(targets) and k != seeked_for and frame.time is not None and targets[k] - t > _SEEK_GAP_S:
-            seeked_for = k
+        if (seekable and k < len(targets) and k != seeked_for and frame.time is not None
+                and targets[k] - t > _SEEK_GAP_S):
+            seeked_for, seek_from = k, t
             try:
                 container.seek(int((targets[k] + t0) / stream.time_base), stream=stream, backward=True)
             except FFmpegError:
