@@ -170,3 +170,21 @@ def test_dedicated_mode_does_not_follow_free_memory():
     assert not gov.refresh(readings(1 * GIB))
     assert replace(gov.live, free_for_others=0) == replace(budget, free_for_others=0)
     assert sched.kv_capacity_tokens == budget.kv // PER_TOKEN
+
+
+def test_the_vision_cache_gives_back_what_the_budget_takes():
+    import mlx.core as mx
+
+    from mlxserve.multimodal.vision_cache import VisionCache, VisionCacheEntry
+
+    cfg = BudgetConfig(vision_cache_bytes=256 * MIB)
+    budget = compute_budget(START, 1 * GIB, 1 * GIB, cfg)
+    gov = MemoryGovernor(budget, PER_TOKEN, None, None, block_bytes=BLOCK, refresh_s=2.0, read=lambda: START)
+    gov.vision_cache = VisionCache(budget.vision_cache)
+    for key in "abcd":  # 64 MiB each: the cache is full
+        gov.vision_cache.put(key, VisionCacheEntry({"features": mx.zeros((16 * MIB,), dtype=mx.float32)}))
+    # Everything but weights and activations is needed elsewhere: KV goes first, then the vision cache.
+    gov.refresh(readings(4 * GIB - 2 * GIB))
+    assert gov.live.vision_cache < budget.vision_cache
+    assert gov.vision_cache.max_bytes == gov.live.vision_cache
+    assert gov.vision_cache.num_bytes <= gov.live.vision_cache

@@ -66,3 +66,17 @@ def test_zero_bytes_disables_and_clear():
     assert cache.stats()["hits"] == 1 and cache.stats()["misses"] == 1
     with pytest.raises(ValueError):
         VisionCache(-1)
+
+
+def test_set_max_bytes_evicts_least_recent_down_to_the_new_size():
+    import mlx.core as mx
+
+    from mlxserve.multimodal.vision_cache import VisionCache, VisionCacheEntry
+
+    cache = VisionCache(1 << 20)
+    for key in "abc":
+        cache.put(key, VisionCacheEntry({"features": mx.zeros((256,), dtype=mx.float32)}))  # 1 KiB each
+    cache.get("a")  # a is now the most recent
+    assert cache.set_max_bytes(1024) == 2
+    assert "a" in cache and "b" not in cache and "c" not in cache
+    assert cache.num_bytes == 1024 and cache.max_bytes == 1024

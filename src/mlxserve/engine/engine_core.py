@@ -70,6 +70,7 @@ class EngineCore:
                                            block_bytes=self._block_bytes,
                                            kv_tokens_override=config.kv_budget_tokens,
                                            refresh_s=config.memory_refresh_s)
+            self.governor.vision_cache = self.vision_cache
         log.info("KV for running requests: %s tokens%s", self.kv_capacity_tokens,
                  f", {config.kv_prealloc_tokens} reserved per batch up front" if config.kv_prealloc_tokens else "")
         self._requests: dict[str, Request] = {}

@@ -65,6 +65,7 @@ class MemoryGovernor:
         self.live = budget
         self.prefix = prefix
         self.scheduler = scheduler
+        self.vision_cache = None  # a VLM's VisionCache, set by its owner: shrinks with the budget
         self._per_token = kv_bytes_per_token
         self._block_bytes = block_bytes if prefix is not None else None
         self._kv_override = kv_tokens_override
@@ -98,6 +99,8 @@ class MemoryGovernor:
         self.live = new
         self.num_changes += 1
         evicted = self._apply(limits_for(new, self._per_token, self._block_bytes, self._kv_override))
+        if self.vision_cache is not None:
+            self.vision_cache.set_max_bytes(new.vision_cache)  # what the budget takes, the cache gives back
         # Info only when it bites (blocks evicted, new requests may wait); idle budget moving is routine.
         kv = self.limits.kv_tokens
         bites = evicted or (kv is not None and self.scheduler is not None

@@ -231,11 +231,12 @@ class ModelManager:
             if victim is not None:
                 await self._unload(victim, f"room for {target.spec.name!r} ({reason})")
                 continue
+            if not hard:
+                # Only the memory estimate says no and nothing idle can go: try anyway, the model's own
+                # budget decides (waiting on busy models for an estimate would stall this request).
+                log.warning("loading %r although %s: nothing idle can be unloaded", target.spec.name, reason)
+                return
             if not any(not s.spec.pinned for s in self._loaded(target)):
-                if not hard:
-                    # Only the memory estimate says no: try anyway, the model's own budget decides.
-                    log.warning("loading %r although %s: nothing else can be unloaded", target.spec.name, reason)
-                    return
                 raise ModelUnavailableError(f"cannot load `{target.spec.name}`: {reason}, and the other "
                                             "loaded models are pinned")
             now = self._clock()

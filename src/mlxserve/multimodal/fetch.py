@@ -126,8 +126,11 @@ def _read_file(path: str, config: MediaConfig, param: str | None) -> bytes:
 def is_public_address(addr: str) -> bool:
     """False for private, loopback, link-local, reserved, multicast, unspecified and CGNAT addresses."""
     ip = ipaddress.ip_address(addr.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        # IPv4 reached through IPv6 (mapped ::ffff:a.b.c.d, 6to4 2002:a.b.c.d::, Teredo): judge the IPv4.
+        embedded = ip.ipv4_mapped or ip.sixtofour or (ip.teredo[1] if ip.teredo else None)
+        if embedded is not None:
+            ip = embedded
     return ip.is_global and not (ip.is_multicast or ip.is_reserved or ip.is_unspecified
                                  or ip.is_loopback or ip.is_link_local or ip.is_private)
 

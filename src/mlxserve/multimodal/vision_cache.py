@@ -84,6 +84,18 @@ class VisionCache:
         self._bytes += entry.nbytes
         return True
 
+    def set_max_bytes(self, max_bytes: int) -> int:
+        """New size limit (memory pressure); evicts least recently used entries down to it. Returns
+        how many were evicted."""
+        self.max_bytes = max(0, max_bytes)
+        evicted = 0
+        while self._bytes > self.max_bytes:
+            _, entry = self._entries.popitem(last=False)
+            self._bytes -= entry.nbytes
+            self.evictions += 1
+            evicted += 1
+        return evicted
+
     def clear(self) -> None:
         self._entries.clear()
         self._bytes = 0
