@@ -53,6 +53,8 @@ def _add_media_flags(p: argparse.ArgumentParser) -> None:
                    help="connect/read timeout of a media download")
     p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
                    help="refuse images above this many pixels (checked before decoding)")
+    p.add_argument("--max-media-per-request", type=int, default=d.max_media_per_request,
+                   help="images + videos one request may carry (checked before fetching any)")
     p.add_argument("--video-max-frames-cap", type=int, default=d.video_max_frames_cap,
                    help="most frames a video part may ask for (max_frames default %d)" % d.video_max_frames)
 
@@ -61,7 +63,8 @@ def _media_config(args) -> MediaConfig:
     return MediaConfig(allowed_local_media_paths=tuple(args.allowed_local_media_path),
                        allow_private_media_urls=args.allow_private_media_urls,
                        fetch_timeout_s=args.media_fetch_timeout, max_image_pixels=args.max_image_pixels,
-                       video_max_frames_cap=args.video_max_frames_cap)
+                       video_max_frames_cap=args.video_max_frames_cap,
+                       max_media_per_request=args.max_media_per_request)
 
 
 def _engine_config(args) -> EngineConfig:

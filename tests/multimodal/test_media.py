@@ -243,3 +243,18 @@ def test_compressed_bodies_are_refused(media_server, routes):
     body = zlib.compress(png_bytes(sample_image()))
     routes["/deflated.png"] = (200, {"Content-Type": "image/png", "Content-Encoding": "deflate"}, body)
     refused(f"{media_server}/deflated.png", LOCAL, "compressed")
+
+
+def test_serve_flags_reach_the_media_config(tmp_path):
+    from mlxserve.cli import _engine_config, _media_config, make_parser
+
+    args = make_parser().parse_args([
+        "serve", "--allowed-local-media-path", str(tmp_path), "--allowed-local-media-path", "/srv/media",
+        "--allow-private-media-urls", "--media-fetch-timeout", "3", "--max-image-pixels", "1000",
+        "--video-max-frames-cap", "64", "--max-media-per-request", "4", "--vision-cache-memory", "64MB",
+    ])
+    media = _media_config(args)
+    assert media.allowed_local_media_paths == (str(tmp_path), "/srv/media")
+    assert media.allow_private_media_urls and media.fetch_timeout_s == 3 and media.max_image_pixels == 1000
+    assert media.video_max_frames_cap == 64 and media.max_media_per_request == 4
+    assert _engine_config(args).vision_cache_bytes == 64 * 10**6
