@@ -145,23 +145,34 @@ def test_private_urls_refused_by_default(media_server):
     refused("http://localhost:1/x.png", MediaConfig(), "private")
 
 
-def test_peer_address_checked_after_dns(media_server, monkeypatch):
-    # DNS rebinding: the name looked public when checked, the connection went to loopback.
-    real = socket.getaddrinfo
-    monkeypatch.setattr(socket, "getaddrinfo",
-                        lambda host, *a, **k: real("127.0.0.1" if host == "rebind.test" else host, *a, **k))
-    monkeypatch.setattr(fetch, "_resolve_addresses", lambda host, port: ["93.184.216.34"])
-    err = refused(f"http://rebind.test:{media_server.rsplit(':', 1)[1]}/img.png", MediaConfig(), "connected to a private")
+def test_the_checked_address_is_the_one_connected_to(media_server, monkeypatch):
+    # DNS rebinding: a second lookup could answer differently from the checked one, so there is none.
+    # "rebind.test" has no DNS at all: the fetch works only if it connects to the address it checked.
+    port = media_server.rsplit(":", 1)[1]
+    monkeypatch.setattr(fetch, "_resolve_addresses", lambda host, p: ["127.0.0.1"])
+    monkeypatch.setattr(fetch, "is_public_address", lambda addr: True)  # pretend loopback is public
+    media = fetch.read_media_bytes(f"http://rebind.test:{port}/img.png", MediaConfig(), "image_url")
+    assert media.data == png_bytes(sample_image())
+
+
+def test_peer_address_is_checked_too(media_server, monkeypatch):
+    # Defence in depth: should a connection still land on a private address, the response is dropped.
+    port = media_server.rsplit(":", 1)[1]
+    monkeypatch.setattr(fetch, "_resolve_addresses", lambda host, p: ["127.0.0.1"])
+    monkeypatch.setattr(fetch, "_check_host", lambda url, param: "127.0.0.1")
+    err = refused(f"http://rebind.test:{port}/img.png", MediaConfig(), "connected to a private")
     assert "127.0.0.1" not in str(err)  # the client learns nothing about internal addresses
 
 
 def test_every_redirect_hop_is_checked(media_server, routes, monkeypatch):
     port = media_server.rsplit(":", 1)[1]
     routes["/to-private"] = (302, {"Location": f"http://127.0.0.1:{port}/img.png"}, b"")
-    real = fetch._resolve_addresses
+    answers = iter([True])  # the first hop passes as public, every later check is real
+    real, real_resolve = fetch.is_public_address, fetch._resolve_addresses
     monkeypatch.setattr(fetch, "_resolve_addresses",
-                        lambda host, p: ["93.184.216.34"] if host == "localhost" else real(host, p))
-    monkeypatch.setattr(fetch, "_check_peer", lambda *args: None)  # pretend the first hop was public
+                        lambda host, p: ["127.0.0.1"] if host == "localhost" else real_resolve(host, p))
+    monkeypatch.setattr(fetch, "is_public_address", lambda addr: next(answers, None) or real(addr))
+    monkeypatch.setattr(fetch, "_check_peer", lambda *args: None)
     refused(f"http://localhost:{port}/to-private", MediaConfig(), "resolves to a private", "127.0.0.1")
 
 

@@ -140,9 +140,10 @@ def _resolve_addresses(host: str, port: int) -> list[str]:
     return [info[4][0] for info in infos]
 
 
-def _check_host(url: httpx.URL, param: str | None) -> None:
-    """Refuse a hop whose host resolves to any non-public address (checked before connecting).
-    Messages do not name the address: they would map the server's internal DNS for the client."""
+def _check_host(url: httpx.URL, param: str | None) -> str:
+    """Refuse a hop whose host resolves to any non-public address (checked before connecting);
+    returns the checked address to connect to, so a second lookup cannot answer differently (DNS
+    rebinding). Messages do not name the address: they would map the server's internal DNS."""
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
         addrs = _resolve_addresses(url.host, port)
@@ -153,6 +154,16 @@ def _check_host(url: httpx.URL, param: str | None) -> None:
             raise MediaError(
                 f"media URL host '{url.host}' resolves to a private or local address; "
                 "such URLs are refused (see --allow-private-media-urls)", param)
+    if not addrs:
+        raise MediaError(f"cannot resolve media URL host '{url.host}'", param)
+    return addrs[0]
+
+
+def _pinned(url: httpx.URL, addr: str) -> tuple[httpx.URL, dict, dict]:
+    """(URL with the checked address as host, headers, extensions): the request goes to that address
+    while the Host header and TLS (SNI and certificate check) still use the name."""
+    host = url.host if url.port is None else f"{url.host}:{url.port}"
+    return url.copy_with(host=addr.split("%", 1)[0]), {"Host": host}, {"sni_hostname": url.host}
 
 
 def _check_peer(response: httpx.Response, host: str, param: str | None) -> None:
@@ -179,13 +190,15 @@ def _download(url: str, config: MediaConfig, param: str | None) -> MediaBytes:
                 raise MediaError(f"invalid media URL '{url}': {exc}", param) from None
             if target.scheme not in ("http", "https") or not target.host:
                 raise MediaError(f"invalid or unsupported media URL '{url}' (http or https only)", param)
+            request_url, headers, extensions = target, {}, {}
             if not config.allow_private_media_urls:
-                _check_host(target, param)
+                request_url, headers, extensions = _pinned(target, _check_host(target, param))
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise MediaError(f"fetching media URL '{url}' timed out (over {config.fetch_deadline_s:g} s)", param)
             try:
-                with client.stream("GET", target, timeout=httpx.Timeout(min(t, remaining))) as response:
+                with client.stream("GET", request_url, headers=headers, extensions=extensions,
+                                   timeout=httpx.Timeout(min(t, remaining))) as response:
                     if not config.allow_private_media_urls:
                         _check_peer(response, target.host, param)
                     if response.status_code in _REDIRECTS and "location" in response.headers:
