@@ -3,8 +3,9 @@
 A chunk's input embeddings are the token embeddings with the vision features written over the
 placeholder positions the chunk covers. Features come from the vision cache by content hash, so a
 repeated image skips the tower; a prompt whose image lies inside prefix-cache blocks needs no
-features at all (those positions are never recomputed). The tower runs in the step of the first
-chunk that reaches the image, so it delays running streams by about one prefill chunk.
+features at all (those positions are never recomputed). The tower runs whole in the step of the
+first chunk that reaches the image: running streams wait for it (a large image on a slow machine can
+take longer than a prefill chunk; splitting a tower across steps is not done).
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 Runs on the HTTP side, in a worker thread (media fetching and pixel preprocessing block). It does
 what the model's processor does to the text — each placeholder becomes one token per feature row,
 Qwen3-VL videos get a "<t seconds>" marker per frame group — then tokenizes once, so the ids equal
-mlx-vlm's. A picture seen before skips the pixel preprocessing: its grid is remembered by content
-hash and the engine takes its features from the vision cache; the same encoded bytes again are
-not even decoded.
+mlx-vlm's. An image whose bytes were seen before is neither decoded nor preprocessed again: its
+hash and grid are remembered by the bytes' digest, and the engine takes its features from the
+vision cache (with no vision cache, every image carries its pixels).
 """
 
 from __future__ import annotations
