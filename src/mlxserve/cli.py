@@ -151,42 +151,6 @@ def _convert(args) -> int:
     return convert.run(args)
 
 
-def _bench_serve(args) -> int:
-    from mlxserve.bench import serve
-
-    return serve.run(args)
-
-
-def _bench_engine(args) -> int:
-    from mlxserve.bench import engine
-
-    return engine.run(args)
-
-
-def _bench_compare(args) -> int:
-    from mlxserve.bench import compare
-
-    return compare.run(args)
-
-
-def _bench_prefix(args) -> int:
-    from mlxserve.bench import prefix
-
-    return prefix.run(args)
-
-
-def _bench_multimodal(args) -> int:
-    from mlxserve.bench import multimodal
-
-    return multimodal.run(args)
-
-
-def _bench_load(args) -> int:
-    from mlxserve.bench import load
-
-    return load.run(args)
-
-
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxserve", description="MLX-native OpenAI-compatible server")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -236,38 +200,22 @@ def make_parser() -> argparse.ArgumentParser:
     conv.set_defaults(func=_convert)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    from mlxserve.bench import compare as bench_compare
-    from mlxserve.bench import engine as bench_engine
-    from mlxserve.bench import load as bench_load
-    from mlxserve.bench import prefix as bench_prefix
-    from mlxserve.bench import serve as bench_serve
+    from mlxserve.bench import compare, engine, load, memory, multimodal, prefix
+    from mlxserve.bench import serve as serve_bench
 
-    bs = bench.add_parser("serve", help="streaming HTTP load against an OpenAI-compatible server")
-    bench_serve.add_arguments(bs)
-    bs.set_defaults(func=_bench_serve)
-    be = bench.add_parser("engine", help="the engine in-process, no HTTP")
-    bench_engine.add_arguments(be)
-    be.set_defaults(func=_bench_engine)
-    bc = bench.add_parser("compare", help="mlxserve vs mlx_lm.server, same model and load, one run")
-    bench_compare.add_arguments(bc)
-    bc.set_defaults(func=_bench_compare)
-    bp = bench.add_parser("prefix", help="TTFT with a shared prefix: cold vs prefix-cache hit")
-    bench_prefix.add_arguments(bp)
-    bp.set_defaults(func=_bench_prefix)
-    from mlxserve.bench import memory as bench_memory
-
-    bm = bench.add_parser("memory", help="memory over a long generation with/without --kv-prealloc; peak of a burst"
-                                         " with admission on/off")
-    bench_memory.add_arguments(bm)
-    bm.set_defaults(func=bench_memory.run)
-    bl = bench.add_parser("load", help="weight-loading strategies: load time and peak RSS, cold/warm page cache")
-    bench_load.add_arguments(bl)
-    bl.set_defaults(func=_bench_load)
-    from mlxserve.bench import multimodal as bench_multimodal
-
-    bm = bench.add_parser("multimodal", help="multi-turn TTFT about one image/video: vision cache, KV cache, both")
-    bench_multimodal.add_arguments(bm)
-    bm.set_defaults(func=_bench_multimodal)
+    for name, module, help_text in (
+        ("serve", serve_bench, "streaming HTTP load against an OpenAI-compatible server"),
+        ("engine", engine, "the engine in-process, no HTTP"),
+        ("compare", compare, "mlxserve vs mlx_lm.server, same model and load, one run"),
+        ("prefix", prefix, "TTFT with a shared prefix: cold vs prefix-cache hit"),
+        ("memory", memory, "memory over a long generation with/without --kv-prealloc; peak of a burst with"
+                           " admission on/off"),
+        ("load", load, "weight-loading strategies: load time and peak RSS, cold/warm page cache"),
+        ("multimodal", multimodal, "multi-turn TTFT about one image/video: vision cache, KV cache, both"),
+    ):
+        command = bench.add_parser(name, help=help_text)
+        module.add_arguments(command)
+        command.set_defaults(func=module.run)
     return parser
 
 

@@ -138,15 +138,15 @@ class AsyncEngine:
                 return
             self.kv_capacity_tokens = core.kv_capacity_tokens
             self._ready.set()
+            # Idle, the loop still wakes now and then: desktop mode re-reads free memory in on_idle().
+            idle_timeout = getattr(core.config, "memory_refresh_s", 0) or None
             while True:
                 block = not core.has_work
                 if block:
                     core.on_idle()
-                # Idle, it still wakes now and then: desktop mode re-reads free memory in on_idle().
-                timeout = getattr(core.config, "memory_refresh_s", 0) or None
                 try:
                     while True:
-                        cmd, arg = self._inbox.get(block=block, timeout=timeout if block else None)
+                        cmd, arg = self._inbox.get(block=block, timeout=idle_timeout if block else None)
                         block = False
                         if cmd == "stop":
                             core.close()

@@ -95,10 +95,12 @@ class Scheduler:
     @property
     def num_committed_kv_tokens(self) -> int:
         """KV tokens admission set aside for the running requests (the bound `can_admit` checks)."""
-        if not self.running:
-            return 0
-        longest = max(r.num_prompt_tokens + r.sampling.max_tokens for r in self.running.values())
-        return len(self.running) * max(longest, self.config.kv_prealloc_tokens)
+        return self._kv_bound(list(self.running.values())) if self.running else 0
+
+    def _kv_bound(self, rows: list[Request]) -> int:
+        # mlx-lm's batch cache is rectangular: rows × the longest (a reserved row holds that much anyway).
+        longest = max(r.num_prompt_tokens + r.sampling.max_tokens for r in rows)
+        return len(rows) * max(longest, self.config.kv_prealloc_tokens)
 
     @property
     def has_work(self) -> bool:
@@ -148,10 +150,7 @@ class Scheduler:
         (the API already refused those that can never fit), so the queue cannot stall."""
         if self.kv_capacity_tokens is None or not self.running:
             return True
-        longest = max(r.num_prompt_tokens + r.sampling.max_tokens for r in self.running.values())
-        longest = max(longest, request.num_prompt_tokens + request.sampling.max_tokens)
-        longest = max(longest, self.config.kv_prealloc_tokens)  # a reserved row holds that much anyway
-        return (len(self.running) + 1) * longest <= self.kv_capacity_tokens
+        return self._kv_bound([*self.running.values(), request]) <= self.kv_capacity_tokens
 
     def update(self, new_tokens: dict[str, int]) -> list[Request]:
         """Appends one sampled token per request; returns the requests that this token finished."""

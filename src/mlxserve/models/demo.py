@@ -162,16 +162,23 @@ def _token_id(out_dir: pathlib.Path, token: str) -> int:
 # Model folder
 
 
-def _hf_config(config: DemoModelConfig, vocab_size: int, eos_token_id: int, pad_token_id: int) -> dict:
+def text_shape(config) -> dict:
+    """The transformer's shape as config.json spells it (shared by the text and the VLM fixtures)."""
     return {
-        "architectures": [_ARCHITECTURES[config.arch]],
-        "model_type": config.arch,
         "hidden_size": config.hidden_size,
         "num_hidden_layers": config.num_hidden_layers,
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "head_dim": config.head_dim,
         "intermediate_size": config.intermediate_size,
+    }
+
+
+def _hf_config(config: DemoModelConfig, vocab_size: int, eos_token_id: int, pad_token_id: int) -> dict:
+    return {
+        "architectures": [_ARCHITECTURES[config.arch]],
+        "model_type": config.arch,
+        **text_shape(config),
         "max_position_embeddings": config.max_position_embeddings,
         # Top level on purpose: mlx-lm's Llama ignores transformers 5's nested rope_parameters.
         "rope_theta": config.rope_theta,

@@ -55,11 +55,6 @@ class LoadedModel:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
 
-    @property
-    def default_name(self) -> str:
-        path = Path(self.source)
-        return path.name if path.exists() else self.source
-
 
 def load_model(source: str, strategy: str = "auto") -> LoadedModel:
     """Loads weights and tokenizer; a hub id is fetched by mlx-lm's loader (snapshot_download).
@@ -69,11 +64,11 @@ def load_model(source: str, strategy: str = "auto") -> LoadedModel:
     from mlxserve.models.vlm import is_vlm_config, load_vlm, read_config
 
     folder = Path(source)
+    for path in sorted(folder.glob("*.safetensors")):  # nothing for a hub id not fetched yet
+        check_safetensors(path)
     config = read_config(source)
     if config is not None and is_vlm_config(config):
         # Vision-language models load through mlx-vlm (its own weight layout and processor).
-        for path in sorted(folder.glob("*.safetensors")):
-            check_safetensors(path)
         model, tokenizer = load_vlm(source, config)
         return LoadedModel(model, tokenizer, config, source)
     if not folder.is_dir():
@@ -85,8 +80,6 @@ def load_model(source: str, strategy: str = "auto") -> LoadedModel:
         log.info("loaded %s in %.2f s", source, time.perf_counter() - start)
         return LoadedModel(model, tokenizer, config, source)
     files = weight_files(folder)
-    for path in sorted(folder.glob("*.safetensors")):
-        check_safetensors(path)
     if strategy == "auto":
         strategy = choose_load_strategy(sum(p.stat().st_size for p in files))
     from mlx_lm.utils import load_tokenizer

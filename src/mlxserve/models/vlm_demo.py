@@ -215,12 +215,7 @@ def _text_config(config: VlmDemoConfig, vocab_size: int) -> dict:
     else:
         rope_scaling = {"type": "mrope", "rope_type": "default", "mrope_section": list(config.mrope_section)}
     return {
-        "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "intermediate_size": config.intermediate_size,
+        **demo.text_shape(config),
         "max_position_embeddings": config.max_position_embeddings,
         "rope_theta": config.rope_theta,
         "rope_scaling": rope_scaling,

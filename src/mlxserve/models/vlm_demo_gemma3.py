@@ -9,6 +9,8 @@ placeholder tokens).
 
 from __future__ import annotations
 
+from mlxserve.models import demo
+
 BOI_TOKEN, EOI_TOKEN, IMAGE_TOKEN = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, END_OF_TURN = "<bos>", "<eos>", "<pad>", "<end_of_turn>"
 TOKENS = (PAD_TOKEN, EOS_TOKEN, BOS_TOKEN, "<start_of_turn>", END_OF_TURN, BOI_TOKEN, EOI_TOKEN, IMAGE_TOKEN)
@@ -51,12 +53,7 @@ def make_hf_config(config, ids: dict) -> dict:
     """config.json of a gemma3 VlmDemoConfig; ids: {token: id} plus "vocab_size"."""
     text = {
         "model_type": "gemma3_text",
-        "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "intermediate_size": config.intermediate_size,
+        **demo.text_shape(config),
         "query_pre_attn_scalar": config.head_dim,
         "max_position_embeddings": config.max_position_embeddings,
         # Transformers names the global base rope_theta, mlx-vlm rope_global_base_freq.
