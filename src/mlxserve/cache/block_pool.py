@@ -255,6 +255,12 @@ class BlockPool:
         self.cached[block_hash] = block
         return block
 
+    def uncache(self, block: Block) -> None:
+        """Forgets a block's hash while it may still be referenced (its data never arrived); once
+        freed it goes back as an empty block."""
+        if block.is_cached:
+            self._drop_hash(block)
+
     def evict_unreferenced(self, n: int) -> int:
         """Drop the hashes of up to n free cached blocks, least recently used first.
 

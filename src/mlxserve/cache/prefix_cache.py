@@ -129,6 +129,13 @@ class PrefixCacheManager:
         self.pool.free(reversed(kept))
         return ops
 
+    def discard_stores(self, block_ids: Sequence[int]) -> None:
+        """Planned blocks the runner could not copy: their hashes go, so no lookup finds them empty."""
+        ids = set(block_ids)
+        for block in self._writing:
+            if block.block_id in ids:
+                self.pool.uncache(block)
+
     def finish_stores(self) -> None:
         """The runner copied every planned block: they become ordinary evictable cache entries."""
         self.pool.free(reversed(self._writing))

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, make_prompt_cache
 
 from mlxserve.cache.kv_store import KVBlockStore
 from mlxserve.cache.prefix_cache import PrefixCacheManager
@@ -15,16 +16,70 @@ from mlxserve.config import EngineConfig
 log = logging.getLogger(__name__)
 
 
-def probe_kv(model: Any) -> tuple[int, Any, int]:
-    """(bytes one token's keys and values take over all layers, their dtype, number of layers),
-    read off a one-token forward: the dtype is what the model really writes, whatever its weights."""
+@dataclass(frozen=True)
+class KVProbe:
+    """What one sequence's caches cost, read off a one-token forward through mlx-lm's own caches."""
+
+    bytes_per_token: int  # keys and values of every layer whose cache grows with the sequence
+    bytes_per_seq: int  # fixed-size state (linear attention, SSM, conv): paid once per running sequence
+    dtype: Any  # what the model really writes, whatever its weights
+    num_layers: int
+    layer_kinds: tuple[str, ...]  # the cache class of each layer, for logs
+    shareable: bool  # plain KV whose keys and values share one shape: what the prefix cache stores
+
+    @property
+    def budget_bytes_per_token(self) -> int:
+        # A pure recurrent model's memory does not grow per token; 1 byte keeps the token arithmetic
+        # of admission and pressure defined (its sequences are bounded by max_num_seqs instead).
+        return max(self.bytes_per_token, 1)
+
+
+def _layer_cost(c: Any) -> tuple[int, int]:
+    """(bytes per token, bytes per sequence) of one layer's cache after a one-token forward."""
+    if isinstance(c, CacheList):
+        costs = [_layer_cost(sub) for sub in c.caches]
+        return sum(t for t, _ in costs), sum(s for _, s in costs)
+    if isinstance(c, ArraysCache):
+        return 0, sum(a.nbytes for a in c.state if a is not None)
+    keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+    if keys is None:
+        # A cache kind we do not know: charge its whole size once per sequence rather than guess.
+        return 0, c.nbytes
+    # Quantized caches keep (packed, scales, biases) tuples; their buffers grow in steps, so divide
+    # by the buffer's width, not by the one token written.
+    parts = [*keys, *values] if isinstance(keys, (tuple, list)) else [keys, values]
+    width = parts[0].shape[2]
+    return sum(p.nbytes for p in parts) // width, 0
+
+
+def _is_plain(c: Any) -> bool:
+    return type(c) is KVCache and c.keys is not None and c.keys.shape == c.values.shape
+
+
+def probe_kv(model: Any) -> KVProbe:
     import mlx.core as mx
 
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
-    per_token = sum((c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in cache)
-    return per_token, cache[0].keys.dtype, len(cache)
+    costs = [_layer_cost(c) for c in cache]
+    dtype = next((c.keys.dtype for c in cache if isinstance(getattr(c, "keys", None), mx.array)), None)
+    if dtype is None:  # recurrent-only models: the state's dtype
+        dtype = next((a.dtype for c in cache for a in _arrays(c)), mx.float32)
+    return KVProbe(
+        bytes_per_token=sum(t for t, _ in costs),
+        bytes_per_seq=sum(s for _, s in costs),
+        dtype=dtype,
+        num_layers=len(cache),
+        layer_kinds=tuple(type(c).__name__ for c in cache),
+        shareable=all(_is_plain(c) for c in cache),
+    )
+
+
+def _arrays(c: Any) -> list:
+    from mlx.utils import tree_flatten
+
+    return [a for _, a in tree_flatten(c.state)]
 
 
 # Prefix-cache size when --cache-memory is not given and no memory budget could be computed (the
@@ -34,12 +89,13 @@ FALLBACK_CACHE_MEMORY_BYTES = 512 << 20
 
 def can_share_prefix(model: Any) -> bool:
     """Whether the model's caches are plain KV that a prefix cache can reuse. Sliding-window (rotating)
-    and recurrent caches are not plain prefixes of a sequence."""
+    and recurrent caches are not plain prefixes of a sequence. (MLA caches are KVCache too, but their
+    keys and values differ in width: `probe_kv(...).shareable` tells those apart.)"""
     return {type(c) for c in make_prompt_cache(model)} == {KVCache}
 
 
 def make_prefix_cache(
-    model: Any, config: EngineConfig, model_key: str, probe: tuple[int, Any, int], memory_bytes: int | None = None
+    model: Any, config: EngineConfig, model_key: str, probe: KVProbe, memory_bytes: int | None = None
 ):
     """(manager, store), or (None, None) when disabled or when the model's caches cannot be shared.
     `probe` is `probe_kv(model)`, measured once by the caller. The size is `memory_bytes` (the memory
@@ -50,12 +106,12 @@ def make_prefix_cache(
         memory_bytes = FALLBACK_CACHE_MEMORY_BYTES
     if not config.enable_prefix_cache or memory_bytes == 0:
         return None, None
-    if not can_share_prefix(model):
-        kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)})
-        log.info("prefix cache off: this model's caches are %s, not plain KVCache", kinds)
+    if not probe.shareable:
+        log.info("prefix cache off: this model's caches are %s, not plain KVCache with keys and values of "
+                 "one shape (the prefix cache cannot store this layout yet)", sorted(set(probe.layer_kinds)))
         return None, None
-    per_token, dtype, num_layers = probe
-    block_bytes = per_token * config.block_size
+    dtype, num_layers = probe.dtype, probe.num_layers
+    block_bytes = probe.bytes_per_token * config.block_size
     num_blocks = memory_bytes // block_bytes
     if num_blocks < 1:
         log.info("prefix cache off: %d bytes hold no block of %d bytes", memory_bytes, block_bytes)

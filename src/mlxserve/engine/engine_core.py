@@ -13,10 +13,10 @@ from typing import Any
 from mlxserve.config import EngineConfig
 from mlxserve.engine.detokenizer import StopStringMatcher, make_detokenizer_factory
 from mlxserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
-from mlxserve.engine.runner import ModelRunner
+from mlxserve.engine.runner import ModelRunner, reseed_after_failure
 from mlxserve.engine.scheduler import Scheduler
-from mlxserve.cache.setup import can_share_prefix, make_prefix_cache, probe_kv
-from mlxserve.memory.budget import kv_tokens
+from mlxserve.cache.setup import make_prefix_cache, probe_kv
+from mlxserve.memory.budget import kv_tokens, reserve_state
 from mlxserve.memory.pressure import MemoryGovernor
 from mlxserve.memory.profile import budget_config, startup_budget
 
@@ -42,15 +42,19 @@ class EngineCore:
         self.tokenizer = tokenizer
         self._make_detokenizer = make_detokenizer_factory(tokenizer)
         self.config = config
-        prefix_on = config.enable_prefix_cache and config.cache_memory_bytes != 0 and can_share_prefix(model)
+        probe = probe_kv(model)
+        self.probe = probe
+        prefix_on = config.enable_prefix_cache and config.cache_memory_bytes != 0 and probe.shareable
         # The start-up budget; `self.governor.live` is the one in force (desktop mode follows free memory).
         is_vlm = getattr(model, "is_vlm", False)
         self.budget = startup_budget(model, config.prefill_step_size, budget_config(config, prefix_on, is_vlm))
-        probe = probe_kv(model)
-        self._block_bytes = probe[0] * config.block_size
+        if self.budget is not None and probe.bytes_per_seq:
+            self.budget = reserve_state(self.budget, probe.bytes_per_seq * config.max_num_seqs)
+        per_token = probe.budget_bytes_per_token
+        self._block_bytes = per_token * config.block_size
         self.kv_capacity_tokens = config.kv_budget_tokens  # at start-up; the scheduler holds the live one
         if self.kv_capacity_tokens is None and self.budget is not None:
-            self.kv_capacity_tokens = kv_tokens(self.budget, probe[0])
+            self.kv_capacity_tokens = kv_tokens(self.budget, per_token)
         prefix_bytes = self.budget.prefix_cache if self.budget is not None and prefix_on else None
         self.prefix, store = make_prefix_cache(model, config, model_key, probe, prefix_bytes)
         self.scheduler = Scheduler(config, max_model_len, self.prefix, self.kv_capacity_tokens)
@@ -66,7 +70,7 @@ class EngineCore:
                                   kv_prealloc_tokens=config.kv_prealloc_tokens)
         self.governor = None
         if self.budget is not None:
-            self.governor = MemoryGovernor(self.budget, probe[0], self.prefix, self.scheduler,
+            self.governor = MemoryGovernor(self.budget, per_token, self.prefix, self.scheduler,
                                            block_bytes=self._block_bytes,
                                            kv_tokens_override=config.kv_budget_tokens,
                                            refresh_s=config.memory_refresh_s)
@@ -100,22 +104,35 @@ class EngineCore:
             return []
         try:
             step = self.runner.execute(sched, self._requests)
-        except Exception as exc:  # a failed step must not take the server down with it
+        except Exception as exc:  # a failure the runner could not pin on requests: the last resort
             log.exception("engine step failed")
             return self._fail_all(f"engine step failed: {exc}")
+        if step.failed_block_ids:
+            self.prefix.discard_stores(step.failed_block_ids)
+        outputs = [self._fail(rid, why) for rid, why in step.failed.items() if rid in self._requests]
         finished = {r.request_id for r in self.scheduler.update(dict(zip(step.request_ids, step.token_ids)))}
-        outputs = []
         for rid, token in zip(step.request_ids, step.token_ids):
             request = self._requests.get(rid)
             if request is None:
                 continue
-            out = self._make_output(request, token, rid in finished)
+            try:
+                out = self._make_output(request, token, rid in finished)
+            except Exception as exc:  # e.g. a detokenizer or parser error: this request only
+                log.exception("output of request %s failed", rid)
+                outputs.append(self._fail(rid, f"output failed: {exc}"))
+                continue
             if rid in step.logprobs:
                 out.logprobs = [step.logprobs[rid]]
             outputs.append(out)
             if out.finished:
                 self._forget(rid)
         return outputs
+
+    def _fail(self, request_id: str, message: str) -> RequestOutput:
+        request = self._requests[request_id]
+        self.scheduler.fail(request_id)
+        self._forget(request_id)
+        return RequestOutput(request_id, [], "", request.num_prompt_tokens, request.num_output_tokens, error=message)
 
     def warmup(self, max_batch: int, prompt_len: int = 16) -> None:
         """Runs the batch through every size from 1 to `max_batch` and back, so the kernels a backend
@@ -169,11 +186,7 @@ class EngineCore:
         self.runner = ModelRunner(old.model, old.buckets, old.store, old.block_size, self.vision_cache,
                                   kv_prealloc_tokens=self.config.kv_prealloc_tokens)
         self.scheduler.reset_after_failure()
-        # mlx-lm's samplers are mx.compile'd over mx.random.state; one that raised mid-trace leaves a
-        # placeholder array there and every later unseeded sample would fail. Start a fresh key.
-        import mlx.core as mx
-
-        mx.random.seed(time.time_ns() % 2**32)
+        reseed_after_failure()
         return outputs
 
     def cache_stats(self) -> dict:

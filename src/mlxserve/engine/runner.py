@@ -9,6 +9,8 @@ start of the step after.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +24,8 @@ from mlxserve.engine.request import Request, SamplingParams, TokenLogprob
 from mlxserve.engine.sampling import RowSampler, gather_logprobs, sample_batch
 from mlxserve.engine.scheduler import PrefillChunk, SchedulerOutput
 
+log = logging.getLogger(__name__)
+
 # Filler rows of a bucketed batch sample greedily; their tokens are never read.
 _FILLER = RowSampler.make(SamplingParams(max_tokens=1, temperature=0.0), [])
 
@@ -33,6 +37,10 @@ class StepTokens:
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # Requests this step failed for (request id -> why); the runner already dropped their state.
+    failed: dict[str, str] = field(default_factory=dict)
+    # Prefix-cache blocks planned this step whose copy failed: their hashes must not be found.
+    failed_block_ids: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -64,23 +72,45 @@ class ModelRunner:
         return len(self._batch)
 
     def execute(self, sched: SchedulerOutput, requests: dict[str, Request]) -> StepTokens:
+        """Runs one step. A failure that belongs to one request (its prefill, its blocks' copy) fails
+        only that request; a failed decode forward fails the rows of the decode batch, which share
+        it. Either way the other requests and the prefix cache carry on."""
+        out = StepTokens()
         if self.store is not None and self.store.ssd is not None:
             self.store.spill_pending()
         if sched.store_ops:
-            self._store_blocks(sched.store_ops)
+            self._store_blocks(sched.store_ops, out)
         self._drop(sched.finished_request_ids)
         joined: list[tuple[str, list[Any], mx.array]] = []
         for chunk in sched.prefill_chunks:
-            done = self._prefill(chunk, requests[chunk.request_id])
+            try:
+                done = self._prefill(chunk, requests[chunk.request_id])
+            except Exception as exc:
+                log.exception("prefill of request %s failed", chunk.request_id)
+                out.failed[chunk.request_id] = f"prefill failed: {exc}"
+                self._drop([chunk.request_id])
+                reseed_after_failure()
+                continue
             if done is not None:
                 joined.append(done)
-        if joined:
-            rids, caches, tokens = zip(*joined)
-            positions = None
-            if self.mm is not None:
-                positions = mx.array([requests[r].num_prompt_tokens + self._deltas.pop(r, 0) for r in rids])
-            self._batch.join(list(rids), list(caches), mx.concatenate(tokens), positions)
-        return self._decode()
+        try:
+            if joined:
+                rids, caches, tokens = zip(*joined)
+                positions = None
+                if self.mm is not None:
+                    positions = mx.array([requests[r].num_prompt_tokens + self._deltas.pop(r, 0) for r in rids])
+                self._batch.join(list(rids), list(caches), mx.concatenate(tokens), positions)
+            self._decode(out)
+        except Exception as exc:
+            log.exception("decode step failed")
+            rows = {rid for rid in self._batch.row_ids if rid is not None} | {j[0] for j in joined}
+            out.failed.update({rid: f"decode step failed: {exc}" for rid in rows})
+            # The batch caches may be half-written: start an empty batch before dropping the rest.
+            self._batch = DecodeBatch(self.buckets, self._batch.kv_prealloc_tokens)
+            self._drop(list(rows))
+            reseed_after_failure()
+            out.request_ids, out.token_ids, out.logprobs = [], [], {}
+        return out
 
     def _drop(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -93,22 +123,35 @@ class ModelRunner:
         if request_ids:
             self._batch.drop(set(request_ids))
 
-    def _store_blocks(self, store_ops: dict) -> None:
+    def _store_blocks(self, store_ops: dict, out: StepTokens) -> None:
         """Copies full blocks of finishing rows into the prefix cache, before the rows are dropped."""
         new = []
         for rid, ops in store_ops.items():
             if rid not in self._batch.row_ids:
+                out.failed_block_ids.extend(op.block_id for op in ops)  # nothing to copy them from
                 continue
-            row_index = self._batch.row_ids.index(rid)
-            first, end = ops[0].start, ops[-1].start + self.block_size
-            span = self.store.stack_row(self._batch.cache, row_index, first, end)
-            for op in ops:
-                # Each block its own copy: a slice would keep the whole span alive while any block is.
-                block = mx.contiguous(span[..., op.start - first : op.start - first + self.block_size, :])
-                self.store.put(op.block_id, block)
-                self.store.queue_spill(op.block_hash, op.token_ids, block)
-                new.append(block)
+            try:
+                new.extend(self._store_row(self._batch.row_ids.index(rid), ops))
+            except Exception:
+                # Only the cache loses these blocks; the request itself is fine.
+                log.exception("caching the blocks of request %s failed", rid)
+                for op in ops:
+                    self.store.drop(op.block_id)
+                out.failed_block_ids.extend(op.block_id for op in ops)
         mx.async_eval(new)
+
+    def _store_row(self, row_index: int, ops: list) -> list[mx.array]:
+        first, end = ops[0].start, ops[-1].start + self.block_size
+        span = self.store.stack_row(self._batch.cache, row_index, first, end)
+        blocks = []
+        for op in ops:
+            # Each block its own copy: a slice would keep the whole span alive while any block is.
+            block = mx.contiguous(span[..., op.start - first : op.start - first + self.block_size, :])
+            blocks.append(block)
+        for op, block in zip(ops, blocks):
+            self.store.put(op.block_id, block)
+            self.store.queue_spill(op.block_hash, op.token_ids, block)
+        return blocks
 
     # -- prefill -------------------------------------------------------------------------------
     def _prefill(self, chunk: PrefillChunk, request: Request):
@@ -158,10 +201,10 @@ class ModelRunner:
             top = (top_ids[i], top_vals[i]) if top_ids is not None else None
             self._pending_lp[rids[i]] = (chosen[i], top)
 
-    def _decode(self) -> StepTokens:
+    def _decode(self, out: StepTokens) -> None:
         batch = self._batch
         if not batch.num_live:
-            return StepTokens()
+            return
         rids = list(batch.row_ids)
         fed = batch.tokens
         fed_lp = {rid: self._pending_lp.pop(rid) for rid in rids if rid in self._pending_lp}
@@ -177,7 +220,6 @@ class ModelRunner:
         batch.tokens = nxt
         mx.async_eval(nxt, *(a for v in self._pending_lp.values() for a in _flat(v)))
 
-        out = StepTokens()
         for rid, token in zip(rids, fed.tolist()):
             if rid is not None:
                 out.request_ids.append(rid)
@@ -186,7 +228,12 @@ class ModelRunner:
             k = self._samplers[rid].params.top_logprobs
             pairs = tuple(zip(top[0][:k].tolist(), top[1][:k].tolist())) if top is not None and k else ()
             out.logprobs[rid] = TokenLogprob(out.token_ids[out.request_ids.index(rid)], chosen.item(), pairs)
-        return out
+
+
+def reseed_after_failure() -> None:
+    """mlx-lm's samplers are mx.compile'd over mx.random.state; one that raised mid-trace leaves a
+    placeholder array there and every later unseeded sample would fail. Start a fresh key."""
+    mx.random.seed(time.time_ns() % 2**32)
 
 
 def _flat(pending: tuple) -> list[mx.array]:

@@ -170,6 +170,20 @@ class Scheduler:
                 self._at_boundary.append(request)
         return finished
 
+    def fail(self, request_id: str) -> None:
+        """Ends a request whose step failed: aborted, and none of its KV is cached (it may be bad)."""
+        request = self.running.get(request_id)
+        if request is None:
+            self.abort(request_id)
+            return
+        request.status = RequestStatus.FINISHED_ABORTED
+        del self.running[request_id]
+        self._finished_ids.append(request_id)
+        if request in self._at_boundary:
+            self._at_boundary.remove(request)
+        if self.prefix is not None:
+            self.prefix.release(request_id)
+
     def finish(self, request_id: str, status: RequestStatus) -> None:
         """Ends a running request for a reason found outside the scheduler (a stop string)."""
         request = self.running.get(request_id)

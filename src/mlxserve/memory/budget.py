@@ -199,6 +199,15 @@ def kv_tokens(budget: MemoryBudget, kv_bytes_per_token: int) -> int:
     return budget.kv // kv_bytes_per_token
 
 
+def reserve_state(budget: MemoryBudget, state_bytes: int) -> MemoryBudget:
+    """Moves the fixed per-sequence state of recurrent layers (linear attention, SSM, conv), for every
+    sequence that may run at once, from KV to the fixed part: it is held whatever the sequences'
+    lengths, so token arithmetic must not count it, and pressure must not take it. At most half of KV
+    goes: past that `max_num_seqs` is the real bound and admission still has tokens to give."""
+    take = min(state_bytes, budget.kv // 2)
+    return replace(budget, activations=budget.activations + take, kv=budget.kv - take)
+
+
 def _gib(n: int) -> str:
     return f"{n / _GIB:.2f} GiB"
 

@@ -58,7 +58,26 @@ class LoadedModel:
 
 def load_model(source: str, strategy: str = "auto") -> LoadedModel:
     """Loads weights and tokenizer; a hub id is fetched by mlx-lm's loader (snapshot_download).
-    `strategy` is "auto" (choose_load_strategy by the weights' size) or one of LOAD_STRATEGIES."""
+    `strategy` is "auto" (choose_load_strategy by the weights' size) or one of LOAD_STRATEGIES.
+    Every array the model holds is evaluated before this returns (`materialize`)."""
+    loaded = _load(source, strategy)
+    materialize(loaded.model)
+    return loaded
+
+
+def materialize(model: Any) -> None:
+    """Evaluates every array the model holds, private ones too (`parameters()` skips names that start
+    with `_`, such as the rope frequency tables mlx-lm builds lazily for llama3 / yarn / longrope
+    scaling). A lazy array belongs to the stream of the thread that made it: left lazy, the engine
+    thread cannot evaluate it ("There is no Stream(cpu, 0) in current thread")."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    # A module is a dict of everything it holds, so this walks private entries too.
+    mx.eval([v for _, v in tree_flatten(model) if isinstance(v, mx.array)])
+
+
+def _load(source: str, strategy: str) -> LoadedModel:
     if strategy != "auto" and strategy not in LOAD_STRATEGIES:
         raise ValueError(f"load strategy must be auto or one of {LOAD_STRATEGIES}, got {strategy!r}")
     from mlxserve.models.vlm import is_vlm_config, load_vlm, read_config
