@@ -127,8 +127,14 @@ def _demo_model(args) -> int:
     import dataclasses
 
     from mlxserve.models.demo import SHAPES, build_model_folder, ensure_demo_model
+    from mlxserve.models.families import FAMILIES, build_family_folder
     from mlxserve.models.vlm_demo import CLI_SHAPES as VLM_SHAPES, build_vlm_folder
 
+    if args.shape in FAMILIES:
+        if args.path is None or args.bits is not None:
+            raise SystemExit("family shapes need a PATH and take no --bits")
+        print(build_family_folder(args.path, args.shape))
+        return 0
     if args.shape in VLM_SHAPES:
         if args.path is None or args.bits is not None:
             raise SystemExit("VLM shapes need a PATH and take no --bits")
@@ -179,13 +185,15 @@ def make_parser() -> argparse.ArgumentParser:
     _add_media_flags(serve)
     serve.set_defaults(func=_serve)
 
+    from mlxserve.models.families import FAMILIES
+
     demo = sub.add_parser("demo-model", help="build the offline demo model (tiny, random weights)")
     demo.add_argument("path", nargs="?", default=None, help="output folder (default: the user cache dir)")
     demo.add_argument("--shape", default="tiny",
                       choices=["tiny", "qwen3-0.6b", "qwen3-8b", "qwen2-vl-tiny", "qwen2.5-vl-tiny", "qwen3-vl-tiny",
-                               "qwen2.5-vl-3b", "qwen3-vl-2b", "gemma3-tiny"],
+                               "qwen2.5-vl-3b", "qwen3-vl-2b", "gemma3-tiny", *FAMILIES],
                       help="a real model's shape with random weights (for benchmarks); *-vl-*, gemma3-*: "
-                           "vision-language")
+                           "vision-language; tiny test fixtures of each mlx-lm family: " + ", ".join(FAMILIES))
     demo.add_argument("--bits", type=int, default=None, help="quantize to this many bits")
     demo.add_argument("--group-size", type=int, default=64)
     demo.set_defaults(func=_demo_model)
