@@ -40,7 +40,7 @@ def _layer_cost(c: Any) -> tuple[int, int]:
         costs = [_layer_cost(sub) for sub in c.caches]
         return sum(t for t, _ in costs), sum(s for _, s in costs)
     if isinstance(c, ArraysCache):
-        return 0, sum(a.nbytes for a in c.state if a is not None)
+        return 0, c.nbytes
     keys, values = getattr(c, "keys", None), getattr(c, "values", None)
     if keys is None:
         # A cache kind we do not know: charge its whole size once per sequence rather than guess.
