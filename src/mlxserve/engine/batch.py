@@ -25,8 +25,17 @@ def make_buckets(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+def can_batch(cache: list[Any]) -> bool:
+    """Whether every layer's cache kind has a batch version (mlx-lm's `merge`). Those that do not
+    (e.g. quantized or chunked KV) are served one sequence at a time."""
+    return all(getattr(type(c), "merge", None) is not None for c in cache)
+
+
 def _merge(caches: list[list[Any]]) -> list[Any]:
-    """Per-request caches (batch 1) -> one batch cache per layer, through mlx-lm's `merge`."""
+    """Per-request caches (batch 1) -> one batch cache per layer, through mlx-lm's `merge`. A single
+    request's own caches serve as they are when their kind has no batch version."""
+    if len(caches) == 1 and not can_batch(caches[0]):
+        return list(caches[0])
     return [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
 
 

@@ -5,12 +5,16 @@ Runs on the engine thread only; the asyncio side talks to it through `AsyncEngin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_lm.models.cache import make_prompt_cache
+
 from mlxserve.config import EngineConfig
+from mlxserve.engine.batch import can_batch
 from mlxserve.engine.detokenizer import StopStringMatcher, make_detokenizer_factory
 from mlxserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from mlxserve.engine.runner import ModelRunner, reseed_after_failure
@@ -44,6 +48,11 @@ class EngineCore:
         self.config = config
         probe = probe_kv(model)
         self.probe = probe
+        if config.max_num_seqs > 1 and not can_batch(make_prompt_cache(model)):
+            log.warning("this model's caches (%s) have no batch version in mlx-lm: serving one request at a "
+                        "time", sorted(set(probe.layer_kinds)))
+            config = dataclasses.replace(config, max_num_seqs=1)
+            self.config = config
         prefix_on = config.enable_prefix_cache and config.cache_memory_bytes != 0 and probe.shareable
         # The start-up budget; `self.governor.live` is the one in force (desktop mode follows free memory).
         is_vlm = getattr(model, "is_vlm", False)
@@ -202,7 +211,6 @@ class EngineCore:
     def status(self) -> dict:
         """The budget in force (desktop mode: after pressure) next to the start-up one and live
         readings, for `GET /v1/status`."""
-        import dataclasses
 
         from mlxserve.memory.device import read_memory
 
