@@ -26,6 +26,7 @@ class KVProbe:
     num_layers: int
     layer_kinds: tuple[str, ...]  # the cache class of each layer, for logs
     shareable: bool  # plain KV whose keys and values share one shape: what the prefix cache stores
+    logits_width: int = 0  # the model's output vocabulary (may exceed the tokenizer's)
 
     @property
     def budget_bytes_per_token(self) -> int:
@@ -60,7 +61,7 @@ def probe_kv(model: Any) -> KVProbe:
     import mlx.core as mx
 
     cache = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=cache)
+    logits = model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
     costs = [_layer_cost(c) for c in cache]
     dtype = next((c.keys.dtype for c in cache if isinstance(getattr(c, "keys", None), mx.array)), None)
@@ -73,6 +74,7 @@ def probe_kv(model: Any) -> KVProbe:
         num_layers=len(cache),
         layer_kinds=tuple(type(c).__name__ for c in cache),
         shareable=all(_is_plain(c) for c in cache),
+        logits_width=logits.shape[-1],
     )
 
 

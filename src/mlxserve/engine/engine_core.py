@@ -15,6 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine.batch import can_batch
+from mlxserve.engine.grammar import GrammarSource
 from mlxserve.engine.detokenizer import StopStringMatcher, make_detokenizer_factory
 from mlxserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from mlxserve.engine.runner import ModelRunner, reseed_after_failure
@@ -75,8 +76,9 @@ class EngineCore:
             vision_bytes = self.budget.vision_cache if self.budget is not None else config.vision_cache_bytes
             self.vision_cache = VisionCache(vision_bytes)
             log.info("vision cache: %.0f MB", vision_bytes / 1e6)
+        self.grammar = GrammarSource(tokenizer, probe.logits_width, _eos_ids(tokenizer))
         self.runner = ModelRunner(model, buckets, store, config.block_size, self.vision_cache,
-                                  kv_prealloc_tokens=config.kv_prealloc_tokens)
+                                  kv_prealloc_tokens=config.kv_prealloc_tokens, grammar=self.grammar)
         self.governor = None
         if self.budget is not None:
             self.governor = MemoryGovernor(self.budget, per_token, self.prefix, self.scheduler,
@@ -193,7 +195,7 @@ class EngineCore:
         # prefix cache's planned blocks, so that starts empty too.
         old = self.runner
         self.runner = ModelRunner(old.model, old.buckets, old.store, old.block_size, self.vision_cache,
-                                  kv_prealloc_tokens=self.config.kv_prealloc_tokens)
+                                  kv_prealloc_tokens=self.config.kv_prealloc_tokens, grammar=self.grammar)
         self.scheduler.reset_after_failure()
         reseed_after_failure()
         return outputs
@@ -231,6 +233,7 @@ class EngineCore:
             "kv_capacity_tokens": self.scheduler.kv_capacity_tokens,
             "kv_prealloc_tokens": self.config.kv_prealloc_tokens,
             "num_running": self.scheduler.num_running,
+            "structured_output": self.grammar.stats(),
             "num_waiting": self.scheduler.num_waiting,
             "prefix_cache": self.cache_stats(),
         }
@@ -266,3 +269,10 @@ class EngineCore:
         if self.prefix is not None and self.runner.store.ssd is not None:
             self.runner.store.spill_pending()
             self.runner.store.ssd.close()
+
+
+def _eos_ids(tokenizer: Any) -> frozenset[int]:
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or ())
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

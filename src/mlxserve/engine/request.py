@@ -25,6 +25,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # A `structured.grammar.Constraint` (plain, hashable data: a serialized llguidance grammar) the
+    # output must match; the runner masks this row's logits with it. None: free text.
+    constraint: Any = None
 
     @property
     def is_greedy(self) -> bool:

@@ -21,6 +21,7 @@ from mlxserve.cache.kv_store import KVBlockStore
 from mlxserve.engine.batch import DecodeBatch
 from mlxserve.engine.mm_prefill import MultimodalPrefill
 from mlxserve.engine.request import Request, SamplingParams, TokenLogprob
+from mlxserve.engine.grammar import GrammarSource
 from mlxserve.engine.sampling import RowSampler, gather_logprobs, sample_batch
 from mlxserve.engine.scheduler import PrefillChunk, SchedulerOutput
 
@@ -52,8 +53,10 @@ class ModelRunner:
         block_size: int = 0,
         vision_cache: Any = None,
         kv_prealloc_tokens: int = 0,
+        grammar: "GrammarSource | None" = None,
     ) -> None:
         self.model = model
+        self.grammar = grammar
         self.buckets = buckets
         self.store = store
         self.block_size = block_size
@@ -162,7 +165,10 @@ class ModelRunner:
             if request.cached_block_ids:
                 self.store.make_cache(request.cached_block_ids, cache)
             self._prefill_caches[rid] = cache
-            self._samplers[rid] = RowSampler.make(request.sampling, request.prompt_token_ids)
+            sampler = RowSampler.make(request.sampling, request.prompt_token_ids)
+            if request.sampling.constraint is not None:
+                sampler.matcher = self.grammar.compiler.compile(request.sampling.constraint)
+            self._samplers[rid] = sampler
             if request.media:
                 self._deltas[rid] = self.mm.start(request)
         if request.media:
@@ -186,7 +192,10 @@ class ModelRunner:
         if self.mm is not None:
             self.mm.finish(rid)
         sampler = self._samplers[rid]
-        tokens, logprobs = sample_batch(logits[:, -1, :], [sampler])
+        logits = logits[:, -1, :]
+        if sampler.matcher is not None:
+            logits = self.grammar.mask(logits, [(0, sampler.matcher)])
+        tokens, logprobs = sample_batch(logits, [sampler])
         self._keep_logprobs([rid], [sampler], tokens, logprobs)
         return rid, cache, tokens
 
@@ -215,16 +224,32 @@ class ModelRunner:
             batch.positions = batch.positions + 1
         else:
             logits = self.model(fed[:, None], cache=batch.cache)
-        nxt, logprobs = sample_batch(logits[:, -1, :], rows)
+        logits = logits[:, -1, :]
+        constrained = [(i, self._samplers[rid].matcher) for i, rid in enumerate(rids)
+                       if rid is not None and self._samplers[rid].matcher is not None]
+        if constrained:
+            # The device runs the forward while the CPU advances each grammar by the token it is
+            # fed and computes the next mask; rows without a grammar pay nothing of this.
+            mx.async_eval(logits)
+            fed_ids = fed.tolist()
+            rejected = self.grammar.advance(constrained, fed_ids)
+            for i in rejected:
+                out.failed[rids[i]] = f"the grammar rejected token {fed_ids[i]}"
+            logits = self.grammar.mask(logits, [c for c in constrained if c[0] not in rejected])
+        else:
+            fed_ids = None
+        nxt, logprobs = sample_batch(logits, rows)
         self._keep_logprobs(rids, rows, nxt, logprobs)
         batch.tokens = nxt
         mx.async_eval(nxt, *(a for v in self._pending_lp.values() for a in _flat(v)))
 
-        for rid, token in zip(rids, fed.tolist()):
-            if rid is not None:
+        for rid, token in zip(rids, fed_ids if fed_ids is not None else fed.tolist()):
+            if rid is not None and rid not in out.failed:
                 out.request_ids.append(rid)
                 out.token_ids.append(token)
         for rid, (chosen, top) in fed_lp.items():
+            if rid in out.failed:
+                continue
             k = self._samplers[rid].params.top_logprobs
             pairs = tuple(zip(top[0][:k].tolist(), top[1][:k].tolist())) if top is not None and k else ()
             out.logprobs[rid] = TokenLogprob(out.token_ids[out.request_ids.index(rid)], chosen.item(), pairs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
@@ -28,6 +29,7 @@ class RowSampler:
     history: mx.array | None = None  # prompt + generated token ids (lazy), only when processors need it
     num_prompt: int = 0
     key: mx.array | None = None
+    matcher: Any = None  # structured.matcher.RowMatcher of a constrained request (engine thread only)
 
     @classmethod
     def make(cls, params: SamplingParams, prompt_ids: list[int]) -> "RowSampler":
