@@ -17,7 +17,7 @@ from mlxserve.api.errors import APIError, error_body, error_response, install_er
 from mlxserve.api.metrics import Metrics
 from mlxserve.api.responses import SSE_DONE, ResponseBuilder, sse
 from mlxserve.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from mlxserve.api.serving import make_request
+from mlxserve.api.serving import prepare
 from mlxserve.engine.async_engine import EngineStats
 from mlxserve.engine.request import RequestOutput
 from mlxserve.engine.scheduler import QueueFullError
@@ -165,9 +165,10 @@ def create_app(models: ModelManager) -> FastAPI:
         async with models.lease(body.model) as (model, engine):
             if getattr(body, "has_media", False):
                 # Fetching and decoding media blocks: a worker thread, so other streams keep flowing.
-                request = await asyncio.to_thread(make_request, model, body)
+                prepared = await asyncio.to_thread(prepare, model, body)
             else:
-                request = make_request(model, body)
+                prepared = prepare(model, body)
+            request = prepared.request
             need, cap = request.num_prompt_tokens + request.sampling.max_tokens, engine.kv_capacity_tokens
             if cap is not None and need > cap:
                 raise APIError(429, f"this request needs KV for {request.num_prompt_tokens} prompt + "
@@ -179,7 +180,7 @@ def create_app(models: ModelManager) -> FastAPI:
             except QueueFullError as exc:
                 # Too many requests for the slots and the memory budget right now: come back shortly.
                 raise APIError(429, str(exc), code="server_busy", headers={"Retry-After": _RETRY_AFTER_S}) from exc
-        builder = ResponseBuilder(request.request_id, body.model, chat, model.tokenizer)
+        builder = ResponseBuilder(request.request_id, body.model, chat, model.tokenizer, prepared.output)
         timer = _Timer(metrics)
         if body.stream:
             return StreamingResponse(

@@ -6,7 +6,9 @@ import json
 import time
 from typing import Any
 
+from mlxserve.api.chat_output import ChatOutput, OutputSpec, ReasoningDelta, collect
 from mlxserve.engine.request import RequestOutput, TokenLogprob
+from mlxserve.structured.tool_parsers import ContentDelta, ToolCallArgsDelta, ToolCallStart
 
 
 def sse(obj: Any) -> str:
@@ -24,8 +26,12 @@ def usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict:
 class ResponseBuilder:
     """Shapes one request's outputs as a chat or text completion (whole or streamed chunk by chunk)."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, tokenizer: Any) -> None:
+    def __init__(self, request_id: str, model: str, chat: bool, tokenizer: Any, output: OutputSpec | None = None) -> None:
         self.id = request_id
+        # Replies that may hold reasoning or tool calls are read through a parser; plain ones stream as is.
+        self.output = output if chat and output is not None and not output.is_plain else None
+        self._parser = ChatOutput(self.output) if self.output is not None else None
+        self._num_calls = 0
         self.model = model
         self.chat = chat
         self.created = int(time.time())
@@ -62,7 +68,16 @@ class ResponseBuilder:
     def full(self, text: str, finish_reason: str, num_prompt: int, num_completion: int, lps: list | None,
              num_cached: int = 0) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason, "logprobs": None}
+            message: dict = {"role": "assistant", "content": text}
+            if self.output is not None:
+                whole = collect(self.output, text)
+                message["content"] = whole.content if whole.content or not whole.tool_calls else None
+                if whole.reasoning:
+                    message["reasoning_content"] = whole.reasoning
+                if whole.tool_calls:
+                    message["tool_calls"] = [_tool_call(c.id, c.name, c.arguments) for c in whole.tool_calls]
+                    finish_reason = _with_calls(finish_reason)
+            choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
@@ -89,6 +104,8 @@ class ResponseBuilder:
         return self._envelope(obj, [choice])
 
     def chunk(self, out: RequestOutput) -> str | None:
+        if self._parser is not None:
+            return self._parsed_chunks(out)
         if not out.text and not out.finish_reason and not out.logprobs:
             return None
         if not out.finish_reason and not out.logprobs:
@@ -102,6 +119,43 @@ class ResponseBuilder:
         body = ({"content": out.text} if out.text else {}) if self.chat else out.text
         return sse(self._chunk(body, out.finish_reason, out.logprobs))
 
+    def _parsed_chunks(self, out: RequestOutput) -> str | None:
+        """One SSE chunk per reasoning / content / tool-call event (OpenAI's delta shapes), the finish
+        reason on the last; tag text never reaches a delta."""
+        events = self._parser.feed(out.text) if out.text else []
+        if out.finished:
+            events += self._parser.finish()
+        deltas = []
+        for e in events:
+            if isinstance(e, ReasoningDelta):
+                deltas.append({"reasoning_content": e.text})
+            elif isinstance(e, ContentDelta):
+                deltas.append({"content": e.text})
+            elif isinstance(e, ToolCallStart):
+                self._num_calls += 1
+                deltas.append({"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
+                                               "function": {"name": e.name, "arguments": ""}}]})
+            elif isinstance(e, ToolCallArgsDelta):
+                deltas.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.fragment}}]})
+        finish = out.finish_reason
+        if finish and self._num_calls:
+            finish = _with_calls(finish)
+        if finish or (out.logprobs and not deltas):
+            deltas.append({})
+        if not deltas:
+            return None
+        return "".join(sse(self._chunk(d, finish if i == len(deltas) - 1 else None, out.logprobs if i == 0 else None))
+                       for i, d in enumerate(deltas))
+
     def usage_chunk(self, num_prompt: int, num_completion: int, num_cached: int = 0) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return sse(self._envelope(obj, [], usage=usage(num_prompt, num_completion, num_cached)))
+
+
+def _tool_call(call_id: str, name: str, arguments: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _with_calls(finish_reason: str) -> str:
+    # A reply that ended on its own after calling tools: "tool_calls"; cut by max_tokens stays "length".
+    return "tool_calls" if finish_reason == "stop" else finish_reason

@@ -62,12 +62,29 @@ class VideoPart(BaseModel):
 ContentPart = Annotated[Union[TextPart, ImagePart, VideoPart], Field(discriminator="type")]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: Union[str, dict]  # OpenAI sends a JSON string; some clients send the object
+
+
+class ToolCallMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
+    # Clients echo back fields of earlier replies (refusal, annotations, audio): harmless, kept.
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallMessage]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
 
     @property
     def has_media(self) -> bool:
@@ -85,8 +102,51 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class FunctionSpec(BaseModel):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+    strict: Optional[bool] = None
+
+
+class ToolSpec(BaseModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(BaseModel):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    # `schema` shadows a BaseModel attribute: stored as schema_, spelled "schema" on the wire.
+    schema_: Optional[dict] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+
 class SamplingFields(BaseModel):
-    """Fields shared by chat and completions requests."""
+    """Fields shared by chat and completions requests. A field we do not know is a 400 naming it:
+    silently dropping one (tools, a format) would change the result without telling the client."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     model: str
     max_tokens: Optional[Annotated[int, Field(ge=1)]] = None
@@ -105,7 +165,14 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
+    response_format: Optional[ResponseFormat] = None
+    # Bookkeeping that changes nothing about the output: accepted and not used.
     user: Optional[str] = None
+    metadata: Optional[dict] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
 
     @field_validator("stop")
     @classmethod
@@ -130,6 +197,13 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[Annotated[int, Field(ge=1)]] = None
     logprobs: bool = False
     top_logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
+    tools: Optional[list[ToolSpec]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = None
+    # Passed to the chat template (e.g. {"enable_thinking": false}); reasoning_effort too.
+    chat_template_kwargs: Optional[dict] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
+    modalities: Optional[list[Literal["text"]]] = None
 
     @property
     def requested_max_tokens(self) -> Optional[int]:

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from mlxserve.api.errors import APIError
-from mlxserve.api.schemas import ChatCompletionRequest, CompletionRequest, ImagePart, SamplingFields, TextPart
+from mlxserve.api.chat_output import OutputSpec
+from mlxserve.api.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ImagePart,
+    SamplingFields,
+    TextPart,
+)
+from mlxserve.api.structured import output_constraint
 from mlxserve.engine.request import Request, SamplingParams
 
 
@@ -25,6 +35,12 @@ class ServedModel:
     created: int
     # Vision-language models: builds prompts with images/videos (multimodal.prompt); None: text only.
     multimodal: Any = None
+    # How replies carry tool calls (a `structured.tool_parsers` name; None: no tool calling) and
+    # reasoning ((start, end) tags; None: no reasoning), from the chat template / --tool-call-parser.
+    tool_parser: str | None = None
+    reasoning_tags: tuple[str, str] | None = None
+    thinks_by_default: bool = False  # think tokens in the vocabulary: the model may reason unasked
+    max_tokens_cap: int | None = None  # --max-tokens-cap: most completion tokens one request may ask for
 
     def check_name(self, requested: str) -> None:
         if requested != self.name and requested not in self.aliases:
@@ -63,17 +79,47 @@ def _render_multimodal(model: ServedModel, body: ChatCompletionRequest) -> tuple
         raise APIError(400, str(exc), "messages") from exc
 
 
-def _render_chat(model: ServedModel, body: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+def _message_dict(m: ChatMessage) -> dict:
+    out: dict = {"role": m.role, "content": m.text()}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                             for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+def _arguments(raw: str | dict) -> dict:
+    """Templates render arguments as objects (Qwen's `tojson`), so a JSON string is parsed first."""
+    if isinstance(raw, dict):
+        return raw
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        raise APIError(400, f"tool call arguments are not valid JSON: {raw[:200]!r}", "messages") from None
+    if not isinstance(value, dict):
+        raise APIError(400, "tool call arguments must be a JSON object", "messages")
+    return value
+
+
+def _render_chat(model: ServedModel, body: ChatCompletionRequest) -> str | list[int]:
+    """The prompt as text (a chat template's rendering) or token ids (no template)."""
+    messages = [_message_dict(m) for m in body.messages]
     tok = model.tokenizer
     if getattr(tok, "chat_template", None):
+        kwargs = dict(body.chat_template_kwargs or {})
+        if body.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
         except Exception as exc:  # a template may reject a role order, e.g. two system messages
             raise APIError(400, f"the chat template rejected these messages: {exc}", "messages") from exc
-        if isinstance(ids, dict):
-            ids = ids["input_ids"]
-        return list(ids)
+    if body.tools:
+        raise APIError(400, f"`{model.name}` has no chat template, so it cannot be given tools", "tools")
     # Base models without a template: a plain transcript, like a user would type it.
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
     return list(tok.encode(text))
@@ -107,7 +153,10 @@ def _max_tokens(model: ServedModel, body: SamplingFields, num_prompt: int) -> in
                 "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
                 "context_length_exceeded",
             )
-        return min(model.default_max_tokens, room)
+        return min(model.default_max_tokens, room, model.max_tokens_cap or room)
+    if model.max_tokens_cap is not None and requested > model.max_tokens_cap:
+        raise APIError(400, f"max_tokens is {requested}; this server allows at most {model.max_tokens_cap} per "
+                       "request", "max_tokens", "max_tokens_exceeded")
     if num_prompt + requested > model.max_model_len:
         raise APIError(
             400,
@@ -134,22 +183,45 @@ def _logit_bias(model: ServedModel, body: SamplingFields) -> tuple[tuple[int, fl
     return tuple(out)
 
 
+@dataclass
+class Prepared:
+    request: Request
+    output: OutputSpec  # how to read the reply (reasoning, tool calls)
+
+
 def make_request(model: ServedModel, body: SamplingFields) -> Request:
-    """Validates what pydantic cannot (model name, n, context limits, token ids) and builds the request."""
+    return prepare(model, body).request
+
+
+def prepare(model: ServedModel, body: SamplingFields) -> Prepared:
+    """Validates what pydantic cannot (model name, n, context limits, token ids, schemas) and builds the
+    engine request plus how its output is read."""
     model.check_name(body.model)
     if body.n != 1:
         raise APIError(400, "n > 1 is not supported yet; send n=1 (or several requests)", "n")
     if isinstance(body, CompletionRequest) and body.echo:
         raise APIError(400, "echo is not supported", "echo")
-    media = ()
+    media, prompt_text = (), None
     if isinstance(body, ChatCompletionRequest) and body.has_media:
         (prompt_ids, media), prefix = _render_multimodal(model, body), "chatcmpl"
     elif isinstance(body, ChatCompletionRequest):
-        prompt_ids, prefix = _render_chat(model, body), "chatcmpl"
+        rendered, prefix = _render_chat(model, body), "chatcmpl"
+        if isinstance(rendered, str):
+            prompt_text = rendered
+            try:
+                prompt_ids = list(model.tokenizer.encode(rendered, add_special_tokens=False))
+            except Exception as exc:  # e.g. a lone surrogate that JSON allows but UTF-8 does not
+                raise APIError(400, f"the messages cannot be tokenized: {exc}", "messages") from exc
+        else:
+            prompt_ids = rendered
     else:
         prompt_ids, prefix = _completion_prompt(model, body), "cmpl"
     if not prompt_ids:
         raise APIError(400, "the prompt is empty", "prompt")
+    constraint, output = output_constraint(model, body, prompt_text)
+    if constraint is not None and body.ignore_eos:
+        raise APIError(400, "ignore_eos cannot be combined with tools or response_format: the grammar ends "
+                       "the output with end-of-sequence", "ignore_eos")
     params = SamplingParams(
         max_tokens=_max_tokens(model, body, len(prompt_ids)),
         temperature=body.temperature,
@@ -168,5 +240,7 @@ def make_request(model: ServedModel, body: SamplingFields) -> Request:
         ignore_eos=body.ignore_eos,
         logprobs=body.logprobs is not None if isinstance(body, CompletionRequest) else body.logprobs,
         top_logprobs=body.num_top_logprobs,
+        constraint=constraint,
     )
-    return Request(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, model.eos_token_ids, media=media)
+    request = Request(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, model.eos_token_ids, media=media)
+    return Prepared(request, output)

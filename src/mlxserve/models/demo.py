@@ -17,11 +17,13 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
+from mlxserve.structured.templates import AGENT_CHAT_TEMPLATE
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 TOKENIZER_VOCAB_SIZE = 2048
-DEMO_MODEL_DIRNAME = "demo-model-v1"
+DEMO_MODEL_DIRNAME = "demo-model-v2"  # v2: the chat template takes tools
 
 # ChatML. Content is a string, a list of OpenAI-style parts (text parts are concatenated), or none.
 CHAT_TEMPLATE = (
@@ -138,7 +140,8 @@ def build_tokenizer(out_dir) -> None:
         # The default (True) would rewrite " ." as "." and break the round trip.
         "clean_up_tokenization_spaces": False,
         "model_max_length": 131072,
-        "chat_template": CHAT_TEMPLATE,
+        # Tools, tool results and thinking (Qwen3's conventions); plain chats render as CHAT_TEMPLATE.
+        "chat_template": AGENT_CHAT_TEMPLATE,
     }
     _write_json(out / "tokenizer_config.json", tokenizer_config)
     special_tokens_map = {

@@ -7,9 +7,11 @@
 - assistant `tool_calls` (OpenAI shape, or bare `{"name", "arguments"}`): `<tool_call>` blocks after the
   content; `arguments` may be a dict (rendered with `tojson`) or a JSON string (rendered as is);
 - `tool` messages: consecutive ones share one user turn, each as `<tool_response>...</tool_response>`;
-- `enable_thinking=false`: the generation prompt ends with an empty `<think>\\n\\n</think>\\n\\n` block.
-  When true or undefined nothing is added and the model may open `<think>` itself, as with Qwen3: that is
-  `StreamingReasoningParser(starts_in_reasoning=False)`. (Defining it on "true" would break the rule below.)
+- `enable_thinking=true`: the generation prompt ends with `<think>\\n` (thinking forced, as Qwen3's
+  thinking-only templates do: `StreamingReasoningParser(starts_in_reasoning=True)`); false or undefined:
+  nothing is added. (Unlike Qwen3's, false adds no empty block: mlx-lm's TokenizerWrapper passes
+  `enable_thinking=False` whenever the tokenizer has no think tokens, as the demo's has not, and plain
+  chats must render byte-identically, see below.)
 - `reasoning_effort` is accepted and unused; `reasoning_content` of past turns is not rendered.
 Content is a string, a list of OpenAI parts (text parts concatenated) or none.
 
@@ -74,8 +76,8 @@ AGENT_CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
     "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}"
-    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking -%}"
+    "{{- '<think>\\n' -}}"
     "{%- endif -%}"
     "{%- endif -%}"
 )
