@@ -25,15 +25,16 @@ class ByteTokenizer:
         self.chat_template = chat_template
         self.rendered: list = []
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, tools=None):
         self.rendered.append(messages)
-        return self.encode("|".join(m["content"] for m in messages) + ">")
+        text = "|".join(m["content"] for m in messages) + ">"
+        return self.encode(text) if tokenize else text
 
 
 def served(tokenizer=None, max_model_len=64, default_max_tokens=16) -> ServedModel:
