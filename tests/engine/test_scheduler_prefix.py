@@ -85,19 +85,19 @@ def test_finish_plans_stores_in_the_next_schedule():
     s = make_scheduler()
     r = make_request("r", prompt_of(9), max_tokens=3)
     s.add_request(r)
-    for _ in range(3):
-        out = step(s)
-        assert out.store_ops == {}  # 10 and 11 tokens end no block; the 12th ends the request
+    # The prompt's blocks are cached in the step after its first token (9 + 1 tokens: two blocks)...
+    assert [{rid: [op.start for op in ops] for rid, ops in step(s).store_ops.items()} for _ in range(3)] == [
+        {}, {"r": [0, 4]}, {}]
     assert r.status is RequestStatus.FINISHED_LENGTH
     out = s.schedule()
     assert out.finished_request_ids == ["r"]
-    # 9 prompt + 3 output tokens: three full blocks of KV exist in r's row.
+    # ...and the third (prompt token 8 + three outputs) when it ends.
     ops = out.store_ops["r"]
-    assert [op.start for op in ops] == [0, 4, 8]
+    assert [op.start for op in ops] == [8]
     seq = r.prompt_token_ids + r.output_token_ids
-    assert [op.token_ids for op in ops] == [tuple(seq[i : i + 4]) for i in (0, 4, 8)]
+    assert [op.token_ids for op in ops] == [tuple(seq[8:12])]
     assert s.prefix.pool.num_cached == 3
-    assert s.prefix.pool.num_used == 3  # held until the runner copied them...
+    assert s.prefix.pool.num_used == 1  # held until the runner copied it...
     s.schedule()
     assert s.prefix.pool.num_used == 0  # ...which the next step assumes
     # The output tokens' block serves a follow-up that continues the conversation.
@@ -105,7 +105,7 @@ def test_finish_plans_stores_in_the_next_schedule():
     s.add_request(follow)
     s.schedule()
     assert follow.num_cached_tokens == 12
-    assert follow.cached_block_ids == [op.block_id for op in ops]
+    assert follow.cached_block_ids[-1:] == [op.block_id for op in ops]
 
 
 def test_blocks_filled_while_decoding_are_stored_while_running():
@@ -116,9 +116,9 @@ def test_blocks_filled_while_decoding_are_stored_while_running():
     while s.has_work:
         out = step(s)
         stores.append((r.num_tokens, {rid: [op.start for op in ops] for rid, ops in out.store_ops.items()}))
-    # Planned in the step after the token that filled a block (12 and 16 tokens), while r still decodes;
-    # its end (19 tokens) fills no block, so it stores nothing more.
-    assert [(n, ops) for n, ops in stores if ops] == [(13, {"r": [0, 4, 8]}), (17, {"r": [12]})]
+    # Planned in the step after the first token (the prompt's blocks) and after each token that filled a
+    # block (12 and 16 tokens), while r still decodes; its end (19 tokens) fills no block.
+    assert [(n, ops) for n, ops in stores if ops] == [(11, {"r": [0, 4]}), (13, {"r": [8]}), (17, {"r": [12]})]
     assert s.prefix.pool.num_cached == 4
 
 
@@ -131,7 +131,8 @@ def test_request_aborted_at_a_block_boundary_stores_it_once():
     assert r.num_tokens == 12  # a block just filled: planned next schedule...
     s.abort("r")  # ...but the request ends first
     out = s.schedule()
-    assert {rid: [op.start for op in ops] for rid, ops in out.store_ops.items()} == {"r": [0, 4, 8]}
+    # The prompt's two blocks were stored after its first token: only the third is new.
+    assert {rid: [op.start for op in ops] for rid, ops in out.store_ops.items()} == {"r": [8]}
     assert out.finished_request_ids == ["r"]
 
 
@@ -195,11 +196,12 @@ def test_request_aborted_after_its_first_token_stores_what_it_computed():
     r = make_request("r", prompt_of(9), max_tokens=100)
     s.add_request(r)
     step(s)
-    assert step(s).store_ops == {}  # 10 and 11 tokens: no block filled while decoding
+    # 9 + 1 tokens: the prompt's two full blocks are stored right after the first token.
+    assert {rid: [op.start for op in ops] for rid, ops in step(s).store_ops.items()} == {"r": [0, 4]}
     assert r.num_output_tokens == 2
     s.abort("r")
     out = s.schedule()
-    assert [op.start for op in out.store_ops["r"]] == [0, 4]  # 9 + 2 tokens: two full blocks
+    assert out.store_ops == {} and s.prefix.pool.num_cached == 2  # 11 tokens: nothing more to store
 
 
 def test_reset_after_failure_leaves_no_held_blocks():

@@ -8,7 +8,7 @@ from tokenizers import Tokenizer
 
 from mlxserve.models import demo
 from mlxserve.models.demo import (
-    CHAT_TEMPLATE,
+    AGENT_CHAT_TEMPLATE,
     DemoModelConfig,
     build_model_folder,
     build_tokenizer,
@@ -119,7 +119,7 @@ def test_chat_template(qwen3_model_dir):
     ids = tokenizer.encode(prompt)
     assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert ids.count(tokenizer.eos_token_id) == 4
-    assert tokenizer.chat_template == CHAT_TEMPLATE
+    assert tokenizer.chat_template == AGENT_CHAT_TEMPLATE
 
 
 def test_same_config_gives_same_weights(qwen3_model_dir, tmp_path):
@@ -145,7 +145,7 @@ def test_ensure_demo_model_is_idempotent(tmp_path, monkeypatch):
 
 def test_default_demo_model_dir():
     path = default_demo_model_dir()
-    assert path.name == "demo-model-v1"
+    assert path.name == "demo-model-v2"
     assert "mlxserve" in str(path)
 
 

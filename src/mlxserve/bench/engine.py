@@ -24,9 +24,11 @@ from mlxserve.config import EngineConfig
 from mlxserve.engine.request import Request, SamplingParams
 
 
-async def _one(engine, tokenizer, cfg: ServeBenchConfig, prompt: str, eos) -> RequestResult:
+async def run_one(engine, tokenizer, cfg: ServeBenchConfig, prompt: str, eos,
+                  params: SamplingParams | None = None) -> RequestResult:
+    """One request through the async engine, timed like `bench serve` times one over HTTP."""
     ids = tokenizer.encode(prompt)
-    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=cfg.ignore_eos)
+    params = params or SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=cfg.ignore_eos)
     res = RequestResult(num_prompt_tokens=len(ids))
     start = time.perf_counter()
     first = last = None
@@ -58,7 +60,7 @@ async def run_engine_bench(cfg: ServeBenchConfig, model_path: str | None, engine
     engine.start(asyncio.get_running_loop())
     levels = []
     try:
-        await _one(engine, loaded.tokenizer, cfg, make_prompt(cfg.seed, "warmup", 0, cfg.prompt_tokens),
+        await run_one(engine, loaded.tokenizer, cfg, make_prompt(cfg.seed, "warmup", 0, cfg.prompt_tokens),
                    loaded.eos_token_ids)
         for pos, c in enumerate(cfg.concurrency):
             tag = f"L{pos}c{c}"
@@ -69,7 +71,7 @@ async def run_engine_bench(cfg: ServeBenchConfig, model_path: str | None, engine
 
             async def worker():
                 for i in pending:
-                    results[i] = await _one(engine, loaded.tokenizer, cfg, prompts[i], loaded.eos_token_ids)
+                    results[i] = await run_one(engine, loaded.tokenizer, cfg, prompts[i], loaded.eos_token_ids)
 
             start = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(min(c, n))))
