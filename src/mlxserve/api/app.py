@@ -7,48 +7,25 @@ import contextlib
 import dataclasses
 import gc
 import logging
-import time
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from mlxserve.api.anthropic import add_anthropic_routes
+from mlxserve.api.door import RETRY_AFTER_S as _RETRY_AFTER_S
+from mlxserve.api.door import EngineDoor, RequestTimer
+from mlxserve.api.embeddings import add_embeddings_route
 from mlxserve.api.errors import APIError, error_body, error_response, install_error_handlers
 from mlxserve.api.metrics import Metrics
 from mlxserve.api.responses import SSE_DONE, ResponseBuilder, sse
+from mlxserve.api.responses_api import add_responses_routes
 from mlxserve.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from mlxserve.api.serving import prepare
 from mlxserve.engine.async_engine import EngineStats
 from mlxserve.engine.request import RequestOutput
-from mlxserve.engine.scheduler import QueueFullError
 from mlxserve.models.manager import ModelManager, ModelUnavailableError, UnknownModelError
 
 log = logging.getLogger(__name__)
-
-_RETRY_AFTER_S = "1"
-
-
-class _Timer:
-    """TTFT and inter-token latency of one request, fed into the Prometheus histograms."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-        self.start = time.perf_counter()
-        self.last: float | None = None
-
-    def on_output(self, out: RequestOutput) -> None:
-        now = time.perf_counter()
-        if self.last is None:
-            self.metrics.ttft.observe(now - self.start)
-        else:
-            self.metrics.itl.observe(now - self.last)
-        self.last = now
-
-    def done(self, out: RequestOutput | None) -> None:
-        self.metrics.e2e.observe(time.perf_counter() - self.start)
-        if out is not None:
-            self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
-            self.metrics.completion_tokens.inc(out.num_output_tokens)
 
 
 class _CountRequests:
@@ -73,7 +50,9 @@ class _CountRequests:
         try:
             await self.app(scope, receive, send_with_status)
         finally:
-            self.metrics.requests.labels(scope["path"], str(status)).inc()
+            # The route's template (/v1/responses/{response_id}), not the path: one label per route, not per id.
+            path = getattr(scope.get("route"), "path", scope["path"])
+            self.metrics.requests.labels(path, str(status)).inc()
 
 
 def create_app(models: ModelManager) -> FastAPI:
@@ -105,6 +84,11 @@ def create_app(models: ModelManager) -> FastAPI:
                                        headers={"Retry-After": _RETRY_AFTER_S}))
 
     app.add_middleware(_CountRequests, metrics=metrics)
+    add_embeddings_route(app, models)
+    # Other dialects translate into the same requests and go through the same door.
+    door = EngineDoor(models, metrics)
+    add_anthropic_routes(app, door)
+    add_responses_routes(app, door)
 
     async def per_model(requested: str | None, fn) -> dict[str, object]:
         """`fn(core)` on each named (or every) model's engine; None for a model not loaded."""
@@ -160,34 +144,21 @@ def create_app(models: ModelManager) -> FastAPI:
         return await _complete(body, raw, chat=False)
 
     async def _complete(body: SamplingFields, raw: Request, chat: bool):
-        # The lease loads the model on first use and keeps it loaded until generate() has queued the
-        # request; from then on the request's stream keeps it busy (never unloaded) until it ends.
-        async with models.lease(body.model) as (model, engine):
-            if getattr(body, "has_media", False):
-                # Fetching and decoding media blocks: a worker thread, so other streams keep flowing.
-                prepared = await asyncio.to_thread(prepare, model, body)
-            else:
-                prepared = prepare(model, body)
-            request = prepared.request
-            need, cap = request.num_prompt_tokens + request.sampling.max_tokens, engine.kv_capacity_tokens
-            if cap is not None and need > cap:
-                raise APIError(429, f"this request needs KV for {request.num_prompt_tokens} prompt + "
-                               f"{request.sampling.max_tokens} completion tokens = {need}; the memory budget holds "
-                               f"{cap} tokens: lower max_tokens or the prompt", "max_tokens", "kv_budget_exceeded",
-                               headers={"Retry-After": _RETRY_AFTER_S})
-            try:
-                outputs = engine.generate(request)
-            except QueueFullError as exc:
-                # Too many requests for the slots and the memory budget right now: come back shortly.
-                raise APIError(429, str(exc), code="server_busy", headers={"Retry-After": _RETRY_AFTER_S}) from exc
-        builder = ResponseBuilder(request.request_id, body.model, chat, model.tokenizer, prepared.output)
-        timer = _Timer(metrics)
+        opened = await door.open(body)
+        builder = ResponseBuilder(opened.prepared.request.request_id, body.model, chat, opened.model.tokenizer,
+                                  opened.prepared.output)
+        timer = door.timer()
         if body.stream:
             return StreamingResponse(
-                _stream(builder, outputs, body.include_usage, timer), media_type="text/event-stream",
+                _stream(builder, opened.outputs, body.include_usage, timer), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await _whole(builder, outputs, timer, raw)
+        whole = await door.collect(opened.outputs, timer, raw)
+        if whole is None:
+            return Response(status_code=499)
+        last = whole.last
+        return JSONResponse(builder.full(whole.text, last.finish_reason, last.num_prompt_tokens, last.num_output_tokens,
+                                         whole.logprobs or None, last.num_cached_tokens))
 
     return app
 
@@ -198,7 +169,8 @@ def _sum_stats(engines) -> EngineStats:
     return EngineStats(*(sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(EngineStats)))
 
 
-async def _stream(builder: ResponseBuilder, outputs: AsyncIterator[RequestOutput], include_usage: bool, timer: _Timer):
+async def _stream(builder: ResponseBuilder, outputs: AsyncIterator[RequestOutput], include_usage: bool,
+                  timer: RequestTimer):
     first = builder.first_chunk()
     if first:
         yield first
@@ -216,34 +188,3 @@ async def _stream(builder: ResponseBuilder, outputs: AsyncIterator[RequestOutput
     if include_usage and last is not None:
         yield builder.usage_chunk(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
     yield SSE_DONE
-
-
-async def _whole(builder: ResponseBuilder, outputs: AsyncIterator[RequestOutput], timer: _Timer, raw: Request):
-    async def collect():
-        parts, lps, last = [], [], None
-        async for out in outputs:
-            if out.error:
-                raise RuntimeError(out.error)
-            timer.on_output(out)
-            parts.append(out.text)
-            if out.logprobs:
-                lps.extend(out.logprobs)
-            last = out
-        return "".join(parts), lps, last
-
-    # Nothing is streamed, so watch the connection ourselves: a client that gives up must not keep
-    # its slot busy until max_tokens.
-    task = asyncio.ensure_future(collect())
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.25)
-        if done:
-            break
-        if await raw.is_disconnected():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            return Response(status_code=499)
-    text, lps, last = task.result()
-    timer.done(last)
-    return JSONResponse(builder.full(text, last.finish_reason, last.num_prompt_tokens, last.num_output_tokens, lps or None,
-                                     last.num_cached_tokens))

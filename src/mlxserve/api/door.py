@@ -1,0 +1,144 @@
+"""The one way into an engine for every API dialect: lease → prepare → admission → generate.
+
+Each front door (OpenAI chat/completions in app.py, Anthropic Messages in anthropic.py, Responses in
+responses_api.py) translates its body into an OpenAI `ChatCompletionRequest`/`CompletionRequest`, opens
+it here, and shapes the engine's `RequestOutput`s into its own events. Imports no MLX.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from mlxserve.api.errors import APIError
+from mlxserve.api.metrics import Metrics
+from mlxserve.api.schemas import ChatCompletionRequest, SamplingFields
+from mlxserve.api.serving import Prepared, ServedModel, prepare
+from mlxserve.engine.request import RequestOutput
+from mlxserve.engine.scheduler import QueueFullError
+
+RETRY_AFTER_S = "1"
+
+
+class RequestTimer:
+    """TTFT and inter-token latency of one request, fed into the Prometheus histograms."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.start = time.perf_counter()
+        self.last: float | None = None
+
+    def on_output(self, out: RequestOutput) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            self.metrics.itl.observe(now - self.last)
+        self.last = now
+
+    def done(self, out: RequestOutput | None) -> None:
+        self.metrics.e2e.observe(time.perf_counter() - self.start)
+        if out is not None:
+            self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
+            self.metrics.completion_tokens.inc(out.num_output_tokens)
+
+
+@dataclass
+class Opened:
+    model: ServedModel
+    prepared: Prepared
+    outputs: AsyncIterator[RequestOutput] | None  # None when only prepared (token counting)
+
+
+@dataclass
+class Whole:
+    """A non-streamed request's outputs, joined."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[Any]
+    last: RequestOutput
+
+
+def chat_request(fields: dict) -> ChatCompletionRequest:
+    """A dialect's body translated into OpenAI chat fields, checked by the OpenAI schema: whatever it
+    still rejects is the client's 400 (the dialects' own schemas catch most of it first)."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err.get("loc", ()) if "[" not in str(p)) or None
+        message = err.get("msg", "invalid request")
+        raise APIError(400, f"{param}: {message}" if param else message, param) from None
+
+
+class EngineDoor:
+    def __init__(self, models: Any, metrics: Metrics) -> None:
+        self.models, self.metrics = models, metrics
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self.metrics)
+
+    async def open(self, body: SamplingFields, generate: bool = True) -> Opened:
+        """Prepares `body` for its model and, with `generate`, queues it on that model's engine.
+        The lease loads the model on first use and keeps it loaded until generate() has queued the
+        request; from then on the request's stream keeps it busy (never unloaded) until it ends."""
+        async with self.models.lease(body.model) as (model, engine):
+            if getattr(body, "has_media", False):
+                # Fetching and decoding media blocks: a worker thread, so other streams keep flowing.
+                prepared = await asyncio.to_thread(prepare, model, body)
+            else:
+                prepared = prepare(model, body)
+            if not generate:
+                return Opened(model, prepared, None)
+            request = prepared.request
+            need, cap = request.num_prompt_tokens + request.sampling.max_tokens, engine.kv_capacity_tokens
+            if cap is not None and need > cap:
+                raise APIError(429, f"this request needs KV for {request.num_prompt_tokens} prompt + "
+                               f"{request.sampling.max_tokens} completion tokens = {need}; the memory budget holds "
+                               f"{cap} tokens: lower max_tokens or the prompt", "max_tokens", "kv_budget_exceeded",
+                               headers={"Retry-After": RETRY_AFTER_S})
+            try:
+                outputs = engine.generate(request)
+            except QueueFullError as exc:
+                # Too many requests for the slots and the memory budget right now: come back shortly.
+                raise APIError(429, str(exc), code="server_busy", headers={"Retry-After": RETRY_AFTER_S}) from exc
+        return Opened(model, prepared, outputs)
+
+    async def collect(self, outputs: AsyncIterator[RequestOutput], timer: RequestTimer, raw: Request) -> Whole | None:
+        """All of a request's outputs; None if the client left first (its slot is freed at once)."""
+
+        async def gather() -> Whole:
+            parts, ids, lps, last = [], [], [], None
+            async for out in outputs:
+                if out.error:
+                    raise RuntimeError(out.error)
+                timer.on_output(out)
+                parts.append(out.text)
+                ids.extend(out.new_token_ids)
+                if out.logprobs:
+                    lps.extend(out.logprobs)
+                last = out
+            return Whole("".join(parts), ids, lps, last)
+
+        # Nothing is streamed, so watch the connection ourselves: a client that gives up must not keep
+        # its slot busy until max_tokens.
+        task = asyncio.ensure_future(gather())
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                break
+            if await raw.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return None
+        whole = task.result()
+        timer.done(whole.last)
+        return whole
