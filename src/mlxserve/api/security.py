@@ -1,0 +1,173 @@
+"""A shared server's front gate: API keys, CORS and a request-body limit, as plain ASGI middlewares.
+
+Plain ASGI on purpose (not `@app.middleware("http")`, see app.py's `_CountRequests`): they must answer
+before FastAPI reads a body, and leave `receive` intact so disconnects still reach the handlers.
+Errors come in the dialect of the path: Anthropic's shape under /v1/messages, OpenAI's elsewhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+
+from mlxserve.api.errors import error_body
+from mlxserve.config import SecurityConfig
+
+log = logging.getLogger(__name__)
+
+# Paths answered without a key: load balancers and orchestrators probe /health unauthenticated.
+_OPEN_PATHS = frozenset({"/health"})
+_ANTHROPIC_PREFIX = "/v1/messages"
+_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == _ANTHROPIC_PREFIX or path.startswith(_ANTHROPIC_PREFIX + "/")
+
+
+def dialect_error(path: str, status: int, message: str, kind: str, code: str | None) -> dict:
+    """The error body a client of this path's API expects; `kind` is Anthropic's error type."""
+    if is_anthropic_path(path):
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    body = error_body(status, message, None, code)
+    if status == 401:
+        body["error"]["type"] = "invalid_request_error"  # what api.openai.com answers for a bad key
+    return body
+
+
+async def send_json(send, status: int, body: dict, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    payload = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(payload)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _digest(value: bytes) -> bytes:
+    # Hashing first makes every comparison the same length, so timing leaks neither bytes nor length.
+    return hashlib.sha256(value).digest()
+
+
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer KEY` or `x-api-key: KEY` carries one of `keys`."""
+
+    def __init__(self, app, keys: tuple[str, ...], metrics_public: bool = False) -> None:
+        self.app = app
+        self._key_digests = tuple(_digest(k.encode()) for k in keys)
+        self._open = _OPEN_PATHS | ({"/metrics"} if metrics_public else set())
+
+    def is_authorized(self, headers: list[tuple[bytes, bytes]]) -> bool | None:
+        """True/False for a right/wrong key; None when the request carries none."""
+        candidates = []
+        for name, value in headers:
+            if name == b"authorization":
+                scheme, _, token = value.strip().partition(b" ")
+                if scheme.lower() == b"bearer" and token.strip():
+                    candidates.append(token.strip())
+            elif name == b"x-api-key" and value.strip():
+                candidates.append(value.strip())
+        if not candidates:
+            return None
+        ok = False
+        for candidate in candidates:
+            digest = _digest(candidate)
+            for key in self._key_digests:
+                ok |= hmac.compare_digest(digest, key)  # no early exit: every key is compared
+        return ok
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self._open:
+            return await self.app(scope, receive, send)
+        verdict = self.is_authorized(scope["headers"])
+        if verdict:
+            return await self.app(scope, receive, send)
+        message = ("Incorrect API key provided." if verdict is False else
+                   "Missing API key: send `Authorization: Bearer KEY` or `x-api-key: KEY`.")
+        body = dialect_error(scope["path"], 401, message, "authentication_error", "invalid_api_key")
+        await send_json(send, 401, body, ((b"www-authenticate", b"Bearer"),))
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """413 for a body over `max_bytes`: from Content-Length before reading anything, else (chunked
+    bodies, or a Content-Length that lies) as soon as the bytes received pass the limit."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def _too_large(self, scope, send) -> None:
+        message = f"the request body is larger than this server's limit of {self.max_bytes} bytes"
+        await send_json(send, 413, dialect_error(scope["path"], 413, message, "request_too_large",
+                                                 "request_too_large"))
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if declared is not None:
+            try:
+                too_large = int(declared) > self.max_bytes
+            except ValueError:
+                too_large = False  # the server's HTTP parser refuses a malformed length itself
+            if too_large:
+                return await self._too_large(scope, send)
+
+        received, tripped, started = 0, False, False
+
+        async def counting_receive():
+            nonlocal received, tripped
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    tripped = True
+                    raise _BodyTooLarge
+            return message
+
+        async def guarded_send(message) -> None:
+            nonlocal started
+            if tripped:
+                return  # whatever the app made of the aborted read (FastAPI: a 400) is replaced below
+            started |= message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, guarded_send)
+        except _BodyTooLarge:
+            pass
+        if tripped and not started:
+            await self._too_large(scope, send)
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a hostname: it may resolve anywhere
+
+
+def install_security(app, config: SecurityConfig, host: str) -> None:
+    """Adds the middlewares to a FastAPI app before it starts. Outermost first: CORS (a preflight is
+    answered without a key, and 401s carry CORS headers a browser can read), then the key check (a
+    caller without one gets a 401 before its body is read), then the body limit."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
+    if config.api_keys:
+        app.add_middleware(APIKeyMiddleware, keys=config.api_keys, metrics_public=config.metrics_public)
+    elif not _is_loopback(host):
+        log.warning("listening on %s without an API key: anyone who can reach this address can use the "
+                    "models; pass --api-key (or set MLXSERVE_API_KEY)", host)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+                           # Browser SDKs send their own headers (x-stainless-*, anthropic-version).
+                           allow_headers=["*"], expose_headers=["Retry-After"])
