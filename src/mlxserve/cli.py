@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
-from mlxserve.config import EngineConfig, MediaConfig, ServerConfig, parse_memory
+from mlxserve.config import EngineConfig, MediaConfig, SecurityConfig, ServerConfig, parse_memory
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -67,6 +68,31 @@ def _media_config(args) -> MediaConfig:
                        max_media_per_request=args.max_media_per_request)
 
 
+def _add_security_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require this key as `Authorization: Bearer KEY` or `x-api-key: KEY` (repeatable; default:"
+                        " MLXSERVE_API_KEY, comma-separated); /health stays open")
+    p.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key")
+    p.add_argument("--allowed-origins", default="", metavar="ORIGIN,...",
+                   help="CORS: browser origins allowed to call the API (e.g. http://localhost:3000, or *); default off")
+    p.add_argument("--max-request-body-bytes", default="64MiB", metavar="SIZE",
+                   help="largest request body (64MiB, 10MB, bytes); a larger one is a 413")
+    p.add_argument("--max-tokens-cap", type=int, default=None, metavar="N",
+                   help="most completion tokens one request may ask for (more is a 400); default: no cap")
+
+
+def _security_config(args) -> SecurityConfig:
+    from mlxserve.memory.device import total_ram
+
+    # Flags win over the environment, so a one-off key on the command line replaces a shell-wide one.
+    keys = args.api_key or os.environ.get("MLXSERVE_API_KEY", "").split(",")
+    return SecurityConfig(api_keys=tuple(dict.fromkeys(k.strip() for k in keys if k.strip())),
+                          metrics_public=args.metrics_public,
+                          allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+                          max_request_body_bytes=parse_memory(args.max_request_body_bytes, total_ram()),
+                          max_tokens_cap=args.max_tokens_cap)
+
+
 def _engine_config(args) -> EngineConfig:
     from mlxserve.memory.device import total_ram
 
@@ -113,7 +139,8 @@ def _serve(args) -> int:
         config = ServerConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
                               port=args.port, log_level=args.log_level, engine=_engine_config(args),
                               load_strategy=args.load_strategy, media=_media_config(args),
-                              **_models_fields(args))
+                              tool_call_parser=args.tool_call_parser,
+                              security=_security_config(args), **_models_fields(args))
         # build_app loads every pinned model (a single one always) with config.load_strategy.
         app = build_app(config)
     except (ModelLoadError, ValueError, OSError) as e:
@@ -181,8 +208,13 @@ def make_parser() -> argparse.ArgumentParser:
 
     serve.add_argument("--load-strategy", default="auto", choices=("auto",) + LOAD_STRATEGIES,
                        help="how weights are read (auto: by total weight size, see models/loader.py)")
+    from mlxserve.structured.tool_parsers import TOOL_PARSER_NAMES
+
+    serve.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSER_NAMES,
+                       help="how the model writes tool calls (default: read off its chat template / model type)")
     _add_engine_flags(serve)
     _add_media_flags(serve)
+    _add_security_flags(serve)
     serve.set_defaults(func=_serve)
 
     from mlxserve.models.families import FAMILIES
@@ -208,7 +240,7 @@ def make_parser() -> argparse.ArgumentParser:
     conv.set_defaults(func=_convert)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    from mlxserve.bench import compare, engine, load, memory, multimodal, prefix
+    from mlxserve.bench import compare, engine, load, memory, multimodal, prefix, structured
     from mlxserve.bench import serve as serve_bench
 
     for name, module, help_text in (
@@ -220,6 +252,7 @@ def make_parser() -> argparse.ArgumentParser:
                            " admission on/off"),
         ("load", load, "weight-loading strategies: load time and peak RSS, cold/warm page cache"),
         ("multimodal", multimodal, "multi-turn TTFT about one image/video: vision cache, KV cache, both"),
+        ("structured", structured, "aggregate tok/s with every row under a JSON schema vs free; mask time"),
     ):
         command = bench.add_parser(name, help=help_text)
         module.add_arguments(command)

@@ -111,6 +111,27 @@ class MediaConfig:
 
 
 @dataclass(frozen=True)
+class SecurityConfig:
+    """What a server shared with others checks before a request reaches a model (api/security.py)."""
+
+    # Any one of these, as `Authorization: Bearer KEY` or `x-api-key: KEY`; empty: no key needed.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    metrics_public: bool = False  # /metrics without a key (/health is always open)
+    allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers (browsers refuse cross-origin)
+    # Sized for a few large base64 images; checked from Content-Length first, then while streaming.
+    max_request_body_bytes: int = 64 << 20
+    max_tokens_cap: int | None = None  # a request asking for more is a 400; None: only the context caps it
+
+    def __post_init__(self) -> None:
+        if any(not k or k != k.strip() for k in self.api_keys):
+            raise ValueError("API keys must be non-empty, without surrounding whitespace")
+        if self.max_request_body_bytes < 1:
+            raise ValueError("max_request_body_bytes must be >= 1")
+        if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
+            raise ValueError("max_tokens_cap must be >= 1")
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One model of a multi-model server (`--models-config`, repeated `--model`)."""
 
@@ -145,6 +166,9 @@ class ServerConfig:
     media: MediaConfig = field(default_factory=MediaConfig)  # images and videos in requests (VLMs)
     # How weights are read: "auto" (models/loader.py's measured rule by size) or a strategy name.
     load_strategy: str = "auto"
+    # How replies carry tool calls (a structured.tool_parsers name); None: read off the chat template.
+    tool_call_parser: str | None = None
+    security: SecurityConfig = field(default_factory=SecurityConfig)  # keys, CORS, body and max_tokens limits
 
     def __post_init__(self) -> None:
         from mlxserve.models.loader import LOAD_STRATEGIES
@@ -153,6 +177,10 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.load_strategy != "auto" and self.load_strategy not in LOAD_STRATEGIES:
             raise ValueError(f"load_strategy must be auto or one of {LOAD_STRATEGIES}, got {self.load_strategy!r}")
+        if self.tool_call_parser is not None:
+            from mlxserve.structured.tool_parsers import get_tool_parser
+
+            get_tool_parser(self.tool_call_parser)  # an unknown name fails here, listing the names
         if self.models and self.model is not None:
             raise ValueError("name one model (positional) or several (--model / --models-config), not both")
         names = [n for spec in self.models for n in (spec.name, *spec.aliases)]

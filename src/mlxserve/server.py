@@ -10,6 +10,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from mlxserve.api.app import create_app
+from mlxserve.api.security import install_security
 from mlxserve.api.serving import ServedModel
 from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
 from mlxserve.engine.async_engine import AsyncEngine
@@ -80,7 +81,9 @@ def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAP
         release=release_memory,
     )
     manager.load_pinned()
-    return create_app(manager)
+    app = create_app(manager)
+    install_security(app, config.security, config.host)
+    return app
 
 
 def model_specs(config: ServerConfig, loaded: LoadedModel | None = None) -> tuple[ModelSpec, ...]:
@@ -115,6 +118,8 @@ def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | Non
         default_max_tokens=engine_config.default_max_tokens,
         created=int(time.time()),
         multimodal=_prompt_builder(loaded, config, engine_config),
+        **output_conventions(loaded, config.tool_call_parser),
+        max_tokens_cap=config.security.max_tokens_cap,
     )
     log.info("serving %s as %r (context %d tokens, up to %d sequences)", loaded.source, spec.name, max_model_len,
              engine_config.max_num_seqs)
@@ -163,6 +168,24 @@ def _prompt_builder(loaded: LoadedModel, config: ServerConfig, engine: EngineCon
     # Without a vision cache a resent image must carry its pixels: the engine has nothing to reuse.
     return MultimodalPromptBuilder(loaded.model, loaded.tokenizer, config.media,
                                    reuse_known=engine.vision_cache_bytes > 0)
+
+
+def output_conventions(loaded: LoadedModel, tool_call_parser: str | None) -> dict:
+    """How this model's replies carry tool calls and reasoning, read off its chat template and vocabulary."""
+    from mlxserve.structured.reasoning import reasoning_tags_for
+    from mlxserve.structured.tool_parsers import choose_tool_parser
+
+    tok = loaded.tokenizer
+    template = getattr(tok, "chat_template", None)
+    template = template if isinstance(template, str) else None
+    cfg = loaded.config.get("text_config", loaded.config)
+    tags = reasoning_tags_for(tok)
+    thinks = tags is not None
+    if tags is None and template and "<think>" in template:
+        tags = ("<think>", "</think>")  # the template writes them as text: a reply may too
+    parser = choose_tool_parser(template, cfg.get("model_type"), tool_call_parser)
+    log.info("tool calls: %s; reasoning: %s", parser or "none", "%s...%s" % tags if tags else "none")
+    return {"tool_parser": parser, "reasoning_tags": tags, "thinks_by_default": thinks}
 
 
 def _vocab_size(loaded: LoadedModel) -> int:
