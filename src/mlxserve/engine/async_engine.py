@@ -125,6 +125,19 @@ class AsyncEngine:
     def _run(self) -> None:
         import mlx.core as mx
 
+        try:
+            self._serve()
+        finally:
+            # MLX 0.32 needs each thread that used it to clear its streams before it ends: left to
+            # process teardown, a finished thread's stream aborted the interpreter at exit now and then
+            # ("terminate called without an active exception", exit code 134; ml-explore/mlx#3395).
+            if hasattr(mx, "clear_streams"):
+                mx.synchronize()
+                mx.clear_streams()
+
+    def _serve(self) -> None:
+        import mlx.core as mx
+
         # The engine thread's own default stream, not `mx.new_stream`: on MLX's CUDA backend a new
         # stream made every new prompt length stall for ~35 s (H200, mlx 0.32.4), the default one
         # did not. The thread is the only one issuing MLX work, so it owns this stream all the same.
