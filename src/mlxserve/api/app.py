@@ -18,7 +18,7 @@ from mlxserve.api.door import EngineDoor, RequestTimer
 from mlxserve.api.embeddings import add_embeddings_route
 from mlxserve.api.errors import APIError, error_body, error_response, install_error_handlers
 from mlxserve.api.metrics import Metrics
-from mlxserve.api.responses import SSE_DONE, ResponseBuilder, sse
+from mlxserve.api.responses import SSE_DONE, ResponseBuilder, sse, usage
 from mlxserve.api.responses_api import add_responses_routes
 from mlxserve.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mlxserve.engine.async_engine import EngineStats
@@ -145,6 +145,8 @@ def create_app(models: ModelManager) -> FastAPI:
 
     async def _complete(body: SamplingFields, raw: Request, chat: bool):
         opened = await door.open(body)
+        if body.n > 1:
+            return await _complete_choices(body, raw, chat, opened)
         builder = ResponseBuilder(opened.prepared.request.request_id, body.model, chat, opened.model.tokenizer,
                                   opened.prepared.output)
         timer = door.timer()
@@ -160,7 +162,84 @@ def create_app(models: ModelManager) -> FastAPI:
         return JSONResponse(builder.full(whole.text, last.finish_reason, last.num_prompt_tokens, last.num_output_tokens,
                                          whole.logprobs or None, last.num_cached_tokens))
 
+    async def _complete_choices(body: SamplingFields, raw: Request, chat: bool, opened):
+        """n > 1: choice 0 runs first; once it has a token, its prompt's blocks are cached and the other
+        choices are queued, so the prompt is prefilled once. Outputs merge into one response."""
+        first = aiter(opened.outputs)
+        head = await anext(first)
+        streams = [_prepend(head, first), *await door.open_copies(body, opened.prepared, body.n - 1)]
+        rid = opened.prepared.request.request_id
+        builders = [ResponseBuilder(rid, body.model, chat, opened.model.tokenizer, opened.prepared.output, index=i)
+                    for i in range(body.n)]
+        timer = door.timer()
+        if body.stream:
+            return StreamingResponse(_stream_choices(builders, streams, body.include_usage, timer),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        wholes = await asyncio.gather(*(door.collect(s, door.timer(), raw) for s in streams))
+        if any(w is None for w in wholes):
+            return Response(status_code=499)
+        responses = [b.full(w.text, w.last.finish_reason, w.last.num_prompt_tokens, w.last.num_output_tokens,
+                            w.logprobs or None, w.last.num_cached_tokens) for b, w in zip(builders, wholes)]
+        merged = responses[0]
+        merged["choices"] = [r["choices"][0] for r in responses]
+        merged["usage"] = _choices_usage([w.last for w in wholes])
+        return JSONResponse(merged)
+
     return app
+
+
+async def _prepend(head: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    yield head
+    if not head.finished:
+        async for out in rest:
+            yield out
+
+
+def _choices_usage(lasts: list[RequestOutput]) -> dict:
+    # The prompt counts once (it was prefilled once); cached_tokens: the most any choice got for free.
+    return usage(lasts[0].num_prompt_tokens, sum(o.num_output_tokens for o in lasts),
+                 max(o.num_cached_tokens for o in lasts))
+
+
+async def _stream_choices(builders: list[ResponseBuilder], streams: list, include_usage: bool, timer: RequestTimer):
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        for b in builders:
+            first = b.first_chunk()
+            if first:
+                yield first
+        lasts: dict[int, RequestOutput] = {}
+        num_open = len(streams)
+        while num_open:
+            i, out = await queue.get()
+            if out is None:
+                num_open -= 1
+                continue
+            if out.error:
+                yield sse(error_body(500, out.error))
+                break
+            timer.on_output(out)
+            lasts[i] = out
+            chunk = builders[i].chunk(out)
+            if chunk:
+                yield chunk
+        timer.done(lasts.get(0))
+        if include_usage and len(lasts) == len(streams):
+            yield builders[0].usage_chunk_of(_choices_usage([lasts[i] for i in range(len(streams))]))
+        yield SSE_DONE
+    finally:
+        for t in tasks:  # a client that left: the pumps stop and their requests are aborted
+            t.cancel()
 
 
 def _sum_stats(engines) -> EngineStats:

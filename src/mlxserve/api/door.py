@@ -111,6 +111,15 @@ class EngineDoor:
                 raise APIError(429, str(exc), code="server_busy", headers={"Retry-After": RETRY_AFTER_S}) from exc
         return Opened(model, prepared, outputs)
 
+    async def open_copies(self, body: SamplingFields, prepared: Prepared, count: int) -> list[AsyncIterator[RequestOutput]]:
+        """Queues choices 1..count of an n > 1 request. Called once choice 0 produced its first token:
+        its prompt's blocks are in the prefix cache by then, so the copies prefill only what is left."""
+        async with self.models.lease(body.model) as (_, engine):
+            try:
+                return [engine.generate(prepared.copy(i)) for i in range(1, count + 1)]
+            except QueueFullError as exc:  # copies already queued abort when their streams are dropped
+                raise APIError(429, str(exc), code="server_busy", headers={"Retry-After": RETRY_AFTER_S}) from exc
+
     async def collect(self, outputs: AsyncIterator[RequestOutput], timer: RequestTimer, raw: Request) -> Whole | None:
         """All of a request's outputs; None if the client left first (its slot is freed at once)."""
 

@@ -26,8 +26,10 @@ def usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict:
 class ResponseBuilder:
     """Shapes one request's outputs as a chat or text completion (whole or streamed chunk by chunk)."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, tokenizer: Any, output: OutputSpec | None = None) -> None:
+    def __init__(self, request_id: str, model: str, chat: bool, tokenizer: Any, output: OutputSpec | None = None,
+                 index: int = 0) -> None:
         self.id = request_id
+        self.index = index  # the choice this builder shapes (n > 1: one builder per choice, one id)
         # Replies that may hold reasoning or tool calls are read through a parser; plain ones stream as is.
         self.output = output if chat and output is not None and not output.is_plain else None
         self._parser = ChatOutput(self.output) if self.output is not None else None
@@ -77,10 +79,10 @@ class ResponseBuilder:
                 if whole.tool_calls:
                     message["tool_calls"] = [_tool_call(c.id, c.name, c.arguments) for c in whole.tool_calls]
                     finish_reason = _with_calls(finish_reason)
-            choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": self.index, "message": message, "finish_reason": finish_reason, "logprobs": None}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": self.index, "text": text, "finish_reason": finish_reason, "logprobs": None}
             obj = "text_completion"
         if lps is not None:
             choice["logprobs"] = self.logprobs(lps)
@@ -94,10 +96,10 @@ class ResponseBuilder:
 
     def _chunk(self, delta_or_text: Any, finish_reason: str | None, lps: list | None = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "delta": delta_or_text, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": self.index, "delta": delta_or_text, "finish_reason": finish_reason, "logprobs": None}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": delta_or_text, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": self.index, "text": delta_or_text, "finish_reason": finish_reason, "logprobs": None}
             obj = "text_completion"
         if lps:
             choice["logprobs"] = self.logprobs(lps)
@@ -148,8 +150,11 @@ class ResponseBuilder:
                        for i, d in enumerate(deltas))
 
     def usage_chunk(self, num_prompt: int, num_completion: int, num_cached: int = 0) -> str:
+        return self.usage_chunk_of(usage(num_prompt, num_completion, num_cached))
+
+    def usage_chunk_of(self, counts: dict) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return sse(self._envelope(obj, [], usage=usage(num_prompt, num_completion, num_cached)))
+        return sse(self._envelope(obj, [], usage=counts))
 
 
 def _tool_call(call_id: str, name: str, arguments: str) -> dict:

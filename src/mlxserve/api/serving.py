@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mlxserve.api.errors import APIError
@@ -188,6 +188,14 @@ class Prepared:
     request: Request
     output: OutputSpec  # how to read the reply (reasoning, tool calls)
 
+    def copy(self, i: int) -> Request:
+        """Choice `i` of an n > 1 request: the same prompt, its own id and (if seeded) its own seed, so
+        the choices differ as OpenAI's do; the prompt's KV comes from the prefix cache."""
+        r, sp = self.request, self.request.sampling
+        seed = (sp.seed + i) % 2**64 if sp.seed is not None else None
+        return Request(f"{r.request_id}-{i}", list(r.prompt_token_ids), replace(sp, seed=seed), r.eos_token_ids,
+                       media=r.media)
+
 
 def make_request(model: ServedModel, body: SamplingFields) -> Request:
     return prepare(model, body).request
@@ -197,8 +205,6 @@ def prepare(model: ServedModel, body: SamplingFields) -> Prepared:
     """Validates what pydantic cannot (model name, n, context limits, token ids, schemas) and builds the
     engine request plus how its output is read."""
     model.check_name(body.model)
-    if body.n != 1:
-        raise APIError(400, "n > 1 is not supported yet; send n=1 (or several requests)", "n")
     if isinstance(body, CompletionRequest) and body.echo:
         raise APIError(400, "echo is not supported", "echo")
     media, prompt_text = (), None
