@@ -79,6 +79,10 @@ def _add_security_flags(p: argparse.ArgumentParser) -> None:
                    help="largest request body (64MiB, 10MB, bytes); a larger one is a 413")
     p.add_argument("--max-tokens-cap", type=int, default=None, metavar="N",
                    help="most completion tokens one request may ask for (more is a 400); default: no cap")
+    p.add_argument("--allowed-hosts", default=None, metavar="HOST,...",
+                   help="Host header names served, others are a 421 (DNS-rebinding guard; * any, *.example.com"
+                        " its subdomains); default: loopback names and the bound address when bound to loopback,"
+                        " any name otherwise")
 
 
 def _security_config(args) -> SecurityConfig:
@@ -90,7 +94,9 @@ def _security_config(args) -> SecurityConfig:
                           metrics_public=args.metrics_public,
                           allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
                           max_request_body_bytes=parse_memory(args.max_request_body_bytes, total_ram()),
-                          max_tokens_cap=args.max_tokens_cap)
+                          max_tokens_cap=args.max_tokens_cap,
+                          allowed_hosts=(tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
+                                         if args.allowed_hosts is not None else None))
 
 
 def _engine_config(args) -> EngineConfig:
@@ -130,23 +136,27 @@ def _models_fields(args) -> dict:
 
 
 def _serve(args) -> int:
-    import uvicorn
-
+    from mlxserve import process
     from mlxserve.models.loader import ModelLoadError
     from mlxserve.server import build_app
 
+    sock = None
     try:
         config = ServerConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
                               port=args.port, log_level=args.log_level, engine=_engine_config(args),
                               load_strategy=args.load_strategy, media=_media_config(args),
-                              tool_call_parser=args.tool_call_parser,
+                              tool_call_parser=args.tool_call_parser, shutdown_timeout_s=args.shutdown_timeout,
                               security=_security_config(args), **_models_fields(args))
+        # The port first: one in use is reported now, not after the model has loaded.
+        sock = process.bind(config.host, config.port)
         # build_app loads every pinned model (a single one always) with config.load_strategy.
         app = build_app(config)
     except (ModelLoadError, ValueError, OSError) as e:
+        if sock is not None:
+            sock.close()
         print(f"mlxserve serve: {e}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+    process.run(app, sock, config.log_level, config.shutdown_timeout_s)
     return 0
 
 
@@ -204,6 +214,9 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-loaded-memory", default=None,
                        help="most weight bytes loaded at once (8GB, 50%%); default: what the memory budget leaves")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--shutdown-timeout", type=float, default=ServerConfig().shutdown_timeout_s, metavar="SECONDS",
+                       help="on SIGTERM/SIGINT, how long running streams may finish before they end with an error"
+                            " event (a second signal ends them at once)")
     from mlxserve.models.loader import LOAD_STRATEGIES
 
     serve.add_argument("--load-strategy", default="auto", choices=("auto",) + LOAD_STRATEGIES,

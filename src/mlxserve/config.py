@@ -121,6 +121,9 @@ class SecurityConfig:
     # Sized for a few large base64 images; checked from Content-Length first, then while streaming.
     max_request_body_bytes: int = 64 << 20
     max_tokens_cap: int | None = None  # a request asking for more is a 400; None: only the context caps it
+    # Host header names served (DNS-rebinding guard); "*" serves any. None: the loopback names and the
+    # bound address when bound to loopback, any Host otherwise (clients of a shared box use many names).
+    allowed_hosts: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if any(not k or k != k.strip() for k in self.api_keys):
@@ -129,6 +132,8 @@ class SecurityConfig:
             raise ValueError("max_request_body_bytes must be >= 1")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise ValueError("max_tokens_cap must be >= 1")
+        if self.allowed_hosts is not None and not all(h and h == h.strip() for h in self.allowed_hosts):
+            raise ValueError("allowed hosts must be non-empty names without surrounding whitespace")
 
 
 @dataclass(frozen=True)
@@ -169,10 +174,14 @@ class ServerConfig:
     # How replies carry tool calls (a structured.tool_parsers name); None: read off the chat template.
     tool_call_parser: str | None = None
     security: SecurityConfig = field(default_factory=SecurityConfig)  # keys, CORS, body and max_tokens limits
+    # On SIGTERM/SIGINT running streams may finish for this long; then they end with an error event.
+    shutdown_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         from mlxserve.models.loader import LOAD_STRATEGIES
 
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.load_strategy != "auto" and self.load_strategy not in LOAD_STRATEGIES:

@@ -10,6 +10,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from mlxserve.api.app import create_app
+from mlxserve.api.prompt_bound import max_token_chars
 from mlxserve.api.security import install_security
 from mlxserve.api.serving import ServedModel
 from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
@@ -120,6 +121,7 @@ def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | Non
         multimodal=_prompt_builder(loaded, config, engine_config),
         **output_conventions(loaded, config.tool_call_parser),
         max_tokens_cap=config.security.max_tokens_cap,
+        max_token_chars=max_token_chars(loaded.tokenizer),
     )
     log.info("serving %s as %r (context %d tokens, up to %d sequences)", loaded.source, spec.name, max_model_len,
              engine_config.max_num_seqs)
@@ -151,12 +153,9 @@ def free_for_weights(config: EngineConfig) -> int:
 def release_memory() -> None:
     """After an unload dropped every reference: collect cycles and hand MLX's freed buffers back (its
     allocator keeps them cached otherwise, so the memory would not come back to the system)."""
-    import gc
+    from mlxserve.memory.release import give_back_memory
 
-    import mlx.core as mx
-
-    gc.collect()
-    mx.clear_cache()
+    give_back_memory()
 
 
 def _prompt_builder(loaded: LoadedModel, config: ServerConfig, engine: EngineConfig):

@@ -5,6 +5,7 @@ and the flags that configure them."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import pytest
@@ -43,6 +44,8 @@ def make_app(security: SecurityConfig, host: str = "127.0.0.1") -> FastAPI:
     async def echo(raw: Request):
         return {"bytes": len(await raw.body())}
 
+    if security.allowed_hosts is None:  # TestClient sends `Host: testserver`
+        security = dataclasses.replace(security, allowed_hosts=("testserver",))
     install_security(app, security, host)
     return app
 
@@ -156,6 +159,7 @@ async def call_asgi(app, path: str, headers: list, chunks: list[bytes]):
     async def send(message):
         sent.append(message)
 
+    headers = [(b"content-type", b"application/json"), *headers]
     scope = {"type": "http", "method": "POST", "path": path, "headers": headers, "query_string": b"",
              "http_version": "1.1", "scheme": "http", "server": ("test", 80), "client": ("test", 1),
              "root_path": ""}
@@ -199,8 +203,9 @@ def test_anthropic_path_gets_anthropic_413():
 
 def test_installed_limit_through_test_client():
     client = TestClient(make_app(SecurityConfig(max_request_body_bytes=1000)))
-    assert client.post("/v1/echo", content=b"x" * 1000).json() == {"bytes": 1000}
-    resp = client.post("/v1/echo", content=b"x" * 1001)
+    json_type = {"content-type": "application/json"}
+    assert client.post("/v1/echo", content=b"x" * 1000, headers=json_type).json() == {"bytes": 1000}
+    resp = client.post("/v1/echo", content=b"x" * 1001, headers=json_type)
     assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
 
 

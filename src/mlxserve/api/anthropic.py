@@ -14,16 +14,16 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from mlxserve.api.anthropic_events import MessageBuilder, stream_message
 from mlxserve.api.door import EngineDoor, chat_request
 from mlxserve.api.errors import APIError
-from mlxserve.api.schemas import MAX_STOP_STRINGS, ChatCompletionRequest
+from mlxserve.api.schemas import MAX_STOP_STRINGS, ChatCompletionRequest, StrictModel
 from mlxserve.api.security import is_anthropic_path
 
 
-class _Block(BaseModel):
+class _Block(StrictModel):
     # Clients send back the blocks of earlier replies with fields we have no use for (citations,
     # caller, ...): accepted and unused, as OpenAI messages' echoed fields are.
     model_config = ConfigDict(extra="allow")
@@ -36,13 +36,13 @@ class TextBlock(_Block):
     text: str
 
 
-class Base64Source(BaseModel):
+class Base64Source(StrictModel):
     type: Literal["base64"]
     media_type: str
     data: str
 
 
-class URLSource(BaseModel):
+class URLSource(StrictModel):
     type: Literal["url"]
     url: str
 
@@ -89,14 +89,14 @@ ContentBlock = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBl
                                RedactedThinkingBlock], Field(discriminator="type")]
 
 
-class InputMessage(BaseModel):
+class InputMessage(StrictModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["user", "assistant"]
     content: Union[str, list[ContentBlock]]
 
 
-class Tool(BaseModel):
+class Tool(StrictModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Optional[Literal["custom"]] = None
@@ -118,7 +118,7 @@ class Tool(BaseModel):
         return value
 
 
-class _Choice(BaseModel):
+class _Choice(StrictModel):
     model_config = ConfigDict(extra="forbid")
 
     disable_parallel_tool_use: Optional[bool] = None
@@ -137,28 +137,28 @@ class ToolChoice(_Choice):
     name: str
 
 
-class NoneChoice(BaseModel):
+class NoneChoice(StrictModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["none"]
 
 
-class ThinkingEnabled(BaseModel):
+class ThinkingEnabled(StrictModel):
     type: Literal["enabled"]
     budget_tokens: Annotated[int, Field(ge=1)]
     display: Optional[str] = None
 
 
-class ThinkingDisabled(BaseModel):
+class ThinkingDisabled(StrictModel):
     type: Literal["disabled"]
 
 
-class ThinkingAdaptive(BaseModel):
+class ThinkingAdaptive(StrictModel):
     type: Literal["adaptive"]  # the model's own default: the chat template decides
     display: Optional[str] = None
 
 
-class MessagesRequest(BaseModel):
+class MessagesRequest(StrictModel):
     """A field we do not know is a 400 naming it, as on the OpenAI routes."""
 
     model_config = ConfigDict(extra="forbid")

@@ -18,6 +18,8 @@ from mlxserve.api.door import EngineDoor, RequestTimer
 from mlxserve.api.embeddings import add_embeddings_route
 from mlxserve.api.errors import APIError, error_body, error_response, install_error_handlers
 from mlxserve.api.metrics import Metrics
+from mlxserve.api.openapi import install_openapi
+from mlxserve.api.prompt_bound import PrepPool
 from mlxserve.api.responses import SSE_DONE, ResponseBuilder, sse, usage
 from mlxserve.api.responses_api import add_responses_routes
 from mlxserve.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -50,14 +52,16 @@ class _CountRequests:
         try:
             await self.app(scope, receive, send_with_status)
         finally:
-            # The route's template (/v1/responses/{response_id}), not the path: one label per route, not per id.
-            path = getattr(scope.get("route"), "path", scope["path"])
+            # The route's template (/v1/responses/{response_id}), not the path: one label per route, not per
+            # id; paths no route matched share one label, or each 404 probe would add a series for good.
+            path = getattr(scope.get("route"), "path", "unmatched")
             self.metrics.requests.labels(path, str(status)).inc()
 
 
 def create_app(models: ModelManager) -> FastAPI:
     """The routes over `models`: requests go to the model their `model` field names."""
     metrics = Metrics(lambda: _sum_stats(models.loaded_engines()))
+    prep = PrepPool()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -69,10 +73,16 @@ def create_app(models: ModelManager) -> FastAPI:
         try:
             yield
         finally:
+            prep.close()
             models.close()
 
     app = FastAPI(title="mlxserve", lifespan=lifespan)
     install_error_handlers(app)
+    install_openapi(app)
+    # What a graceful shutdown (process.py) needs, without importing the server: end the streams still
+    # running at the deadline, and stop the engines (flushing the SSD tier) when the lifespan is skipped.
+    app.state.end_streams = lambda reason: sum(e.end_all(reason) for e in models.loaded_engines())
+    app.state.close_models = models.close
 
     @app.exception_handler(UnknownModelError)
     async def _unknown_model(_: Request, exc: UnknownModelError):
@@ -86,7 +96,7 @@ def create_app(models: ModelManager) -> FastAPI:
     app.add_middleware(_CountRequests, metrics=metrics)
     add_embeddings_route(app, models)
     # Other dialects translate into the same requests and go through the same door.
-    door = EngineDoor(models, metrics)
+    door = EngineDoor(models, metrics, prep)
     add_anthropic_routes(app, door)
     add_responses_routes(app, door)
 
@@ -256,7 +266,12 @@ async def _stream(builder: ResponseBuilder, outputs: AsyncIterator[RequestOutput
     last = None
     async for out in outputs:
         if out.error:
-            yield sse(error_body(500, out.error))
+            if out.finish_reason:  # ended by the server (shutdown): the choice's end, then why
+                chunk = builder.chunk(out)
+                if chunk:
+                    yield chunk
+            yield sse(error_body(503 if out.finish_reason else 500, out.error,
+                                 code="server_shutting_down" if out.finish_reason else None))
             break
         timer.on_output(out)
         last = out

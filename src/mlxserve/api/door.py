@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from mlxserve.api.errors import APIError
 from mlxserve.api.metrics import Metrics
+from mlxserve.api.prompt_bound import PrepPool
 from mlxserve.api.schemas import ChatCompletionRequest, SamplingFields
 from mlxserve.api.serving import Prepared, ServedModel, prepare
 from mlxserve.engine.request import RequestOutput
@@ -79,8 +80,11 @@ def chat_request(fields: dict) -> ChatCompletionRequest:
 
 
 class EngineDoor:
-    def __init__(self, models: Any, metrics: Metrics) -> None:
+    def __init__(self, models: Any, metrics: Metrics, prep: PrepPool | None = None) -> None:
         self.models, self.metrics = models, metrics
+        # Tokenizing, chat templates and media run here, off the event loop: one request's 5 MB prompt
+        # must not stall /health and every running stream while it is processed.
+        self.prep = prep or PrepPool()
 
     def timer(self) -> RequestTimer:
         return RequestTimer(self.metrics)
@@ -90,11 +94,7 @@ class EngineDoor:
         The lease loads the model on first use and keeps it loaded until generate() has queued the
         request; from then on the request's stream keeps it busy (never unloaded) until it ends."""
         async with self.models.lease(body.model) as (model, engine):
-            if getattr(body, "has_media", False):
-                # Fetching and decoding media blocks: a worker thread, so other streams keep flowing.
-                prepared = await asyncio.to_thread(prepare, model, body)
-            else:
-                prepared = prepare(model, body)
+            prepared = await self.prep.run(prepare, model, body)
             if not generate:
                 return Opened(model, prepared, None)
             request = prepared.request

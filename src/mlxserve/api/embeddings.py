@@ -9,9 +9,10 @@ from typing import Annotated, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from mlxserve.api.errors import APIError
+from mlxserve.api.schemas import StrictModel
 
 # OpenAI's own limit on inputs per request.
 MAX_INPUTS = 2048
@@ -19,7 +20,7 @@ MAX_INPUTS = 2048
 _MAX_BATCH_TOKENS = 4096
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(StrictModel):
     model_config = ConfigDict(extra="forbid")  # a misspelled field is a 400, not silently ignored
 
     input: Union[str, list[str], list[int], list[list[int]]]

@@ -28,9 +28,23 @@ class APIError(Exception):
         self.headers = headers
 
 
+# Values a client sent are echoed at most this long: a 10 MB model name must not come back whole.
+MAX_ECHO_CHARS = 200
+# Backstop for a whole message (a few clipped values and the text around them).
+_MAX_MESSAGE_CHARS = 2000
+
+
+def clip(value: object, limit: int = MAX_ECHO_CHARS) -> str:
+    """`value` as text, cut to `limit` characters with a note saying how long it was."""
+    text = value if isinstance(value, str) else str(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     # Any other 4xx (405, 413, 415, ...) is still the client's error, not the server's.
     kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    message = clip(message, _MAX_MESSAGE_CHARS)
+    param = clip(param) if param is not None else None
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -67,7 +81,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
-        return error_response(APIError(exc.status_code, str(exc.detail)))
+        # Keeps the exception's headers: a 405 must say which methods the path takes (`Allow`).
+        return error_response(APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

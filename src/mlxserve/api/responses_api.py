@@ -11,16 +11,16 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
 from mlxserve.api.door import EngineDoor, chat_request
 from mlxserve.api.errors import APIError
 from mlxserve.api.responses_events import ResponseRenderer, new_id, stream_response
 from mlxserve.api.responses_store import ResponseStore
-from mlxserve.api.schemas import ChatCompletionRequest
+from mlxserve.api.schemas import ChatCompletionRequest, StrictModel
 
 
-class _Echoed(BaseModel):
+class _Echoed(StrictModel):
     # Items of earlier responses come back as input with their ids, statuses and annotations: kept, unused.
     model_config = ConfigDict(extra="allow")
 
@@ -82,7 +82,7 @@ InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[Fu
 _ITEMS = TypeAdapter(list[InputItem])
 
 
-class FunctionTool(BaseModel):
+class FunctionTool(StrictModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["function"]
@@ -100,14 +100,14 @@ class FunctionTool(BaseModel):
         return value
 
 
-class FunctionChoice(BaseModel):
+class FunctionChoice(StrictModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["function"]
     name: str
 
 
-class TextFormat(BaseModel):
+class TextFormat(StrictModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     type: Literal["text", "json_object", "json_schema"]
@@ -117,14 +117,14 @@ class TextFormat(BaseModel):
     strict: Optional[bool] = None
 
 
-class TextConfig(BaseModel):
+class TextConfig(StrictModel):
     model_config = ConfigDict(extra="forbid")
 
     format: Optional[TextFormat] = None
     verbosity: Optional[str] = None  # accepted: nothing to tune it with
 
 
-class ReasoningConfig(BaseModel):
+class ReasoningConfig(StrictModel):
     model_config = ConfigDict(extra="forbid")
 
     effort: Optional[str] = None
@@ -132,7 +132,7 @@ class ReasoningConfig(BaseModel):
     generate_summary: Optional[str] = None
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(StrictModel):
     """A field we do not know is a 400 naming it, as on the other routes."""
 
     model_config = ConfigDict(extra="forbid")

@@ -9,17 +9,24 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_STOP_STRINGS = 16
 
 
-class TextPart(BaseModel):
+class StrictModel(BaseModel):
+    """No coercion: `[[false]]` is not a token list and `false` not a number (lax pydantic turned them into
+    0 and served the request). JSON integers still fill float fields."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ImageURL(BaseModel):
+class ImageURL(StrictModel):
     url: str
     detail: Optional[Literal["auto", "low", "high"]] = None
 
 
-class ImagePart(BaseModel):
+class ImagePart(StrictModel):
     type: Literal["image_url"]
     image_url: Union[str, ImageURL]
 
@@ -28,14 +35,14 @@ class ImagePart(BaseModel):
         return self.image_url if isinstance(self.image_url, str) else self.image_url.url
 
 
-class VideoURL(BaseModel):
+class VideoURL(StrictModel):
     url: str
     # Sampling: frames per second of video time, and at most this many frames (server caps apply).
     fps: Optional[Annotated[float, Field(gt=0.0, le=60.0)]] = None
     max_frames: Optional[Annotated[int, Field(ge=1)]] = None
 
 
-class VideoPart(BaseModel):
+class VideoPart(StrictModel):
     """`{"type": "video_url", "video_url": {...}}` (vLLM's form) or `{"type": "video", "video": ...}`;
     fps / max_frames may sit in the part itself or next to the url."""
 
@@ -62,12 +69,12 @@ class VideoPart(BaseModel):
 ContentPart = Annotated[Union[TextPart, ImagePart, VideoPart], Field(discriminator="type")]
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(StrictModel):
     name: str
     arguments: Union[str, dict]  # OpenAI sends a JSON string; some clients send the object
 
 
-class ToolCallMessage(BaseModel):
+class ToolCallMessage(StrictModel):
     model_config = ConfigDict(extra="allow")
 
     id: Optional[str] = None
@@ -75,7 +82,7 @@ class ToolCallMessage(BaseModel):
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(StrictModel):
     # Clients echo back fields of earlier replies (refusal, annotations, audio): harmless, kept.
     model_config = ConfigDict(extra="allow")
 
@@ -98,32 +105,32 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class FunctionSpec(BaseModel):
+class FunctionSpec(StrictModel):
     name: Annotated[str, Field(min_length=1, max_length=256)]
     description: Optional[str] = None
     parameters: Optional[dict] = None
     strict: Optional[bool] = None
 
 
-class ToolSpec(BaseModel):
+class ToolSpec(StrictModel):
     type: Literal["function"]
     function: FunctionSpec
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: NamedFunction
 
 
-class JSONSchemaFormat(BaseModel):
+class JSONSchemaFormat(StrictModel):
     name: Optional[str] = None
     description: Optional[str] = None
     # `schema` shadows a BaseModel attribute: stored as schema_, spelled "schema" on the wire.
@@ -131,7 +138,7 @@ class JSONSchemaFormat(BaseModel):
     strict: Optional[bool] = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JSONSchemaFormat] = None
 
@@ -142,7 +149,7 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(StrictModel):
     """Fields shared by chat and completions requests. A field we do not know is a 400 naming it:
     silently dropping one (tools, a format) would change the result without telling the client."""
 

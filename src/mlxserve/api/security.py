@@ -21,11 +21,18 @@ log = logging.getLogger(__name__)
 # Paths answered without a key: load balancers and orchestrators probe /health unauthenticated.
 _OPEN_PATHS = frozenset({"/health"})
 _ANTHROPIC_PREFIX = "/v1/messages"
+# The web page's files (api/web.py) hold no data and must load to ask for the key its API calls send.
+_WEB_PAGE_PATHS, _WEB_STATIC_PREFIX = frozenset({"/"}), "/static/"
 _LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 
 
 def is_anthropic_path(path: str) -> bool:
     return path == _ANTHROPIC_PREFIX or path.startswith(_ANTHROPIC_PREFIX + "/")
+
+
+def _is_web_page(scope) -> bool:
+    path = scope["path"]
+    return scope["method"] in ("GET", "HEAD") and (path in _WEB_PAGE_PATHS or path.startswith(_WEB_STATIC_PREFIX))
 
 
 def dialect_error(path: str, status: int, message: str, kind: str, code: str | None) -> dict:
@@ -54,8 +61,8 @@ def _digest(value: bytes) -> bytes:
 class APIKeyMiddleware:
     """401 unless `Authorization: Bearer KEY` or `x-api-key: KEY` carries one of `keys`."""
 
-    def __init__(self, app, keys: tuple[str, ...], metrics_public: bool = False) -> None:
-        self.app = app
+    def __init__(self, app, keys: tuple[str, ...], metrics_public: bool = False, web_page: bool = False) -> None:
+        self.app, self._web_page = app, web_page
         self._key_digests = tuple(_digest(k.encode()) for k in keys)
         self._open = _OPEN_PATHS | ({"/metrics"} if metrics_public else set())
 
@@ -79,7 +86,7 @@ class APIKeyMiddleware:
         return ok
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in self._open:
+        if scope["type"] != "http" or scope["path"] in self._open or (self._web_page and _is_web_page(scope)):
             return await self.app(scope, receive, send)
         verdict = self.is_authorized(scope["headers"])
         if verdict:
@@ -145,6 +152,72 @@ class BodyLimitMiddleware:
             await self._too_large(scope, send)
 
 
+def _host_name(value: bytes) -> str:
+    """The name part of a Host header: `[::1]:8000` -> `::1`, `Example.com:80` -> `example.com`."""
+    text = value.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:].split("]", 1)[0]
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+
+
+def allowed_hosts_for(config: SecurityConfig, host: str) -> tuple[str, ...]:
+    """`--allowed-hosts`, or by default: bound to loopback, the loopback names and the bound address (a
+    web page whose DNS name was rebound onto 127.0.0.1 still sends its own name, and is refused); bound
+    elsewhere, any name (the clients of a shared box reach it by names the server cannot know)."""
+    if config.allowed_hosts is not None:
+        return config.allowed_hosts
+    if not _is_loopback(host):
+        return ("*",)
+    return tuple(dict.fromkeys((*_LOOPBACK_NAMES, "127.0.0.1", "::1", host.strip("[]").lower())))
+
+
+class TrustedHostMiddleware:
+    """421 for a Host header not in `hosts` (`*` anything, `*.example.com` its subdomains)."""
+
+    def __init__(self, app, hosts: tuple[str, ...]) -> None:
+        self.app = app
+        self._any = "*" in hosts
+        self._exact = frozenset(h.lower() for h in hosts if not h.startswith("*."))
+        self._suffixes = tuple(h[1:].lower() for h in hosts if h.startswith("*."))
+
+    def is_allowed(self, name: str) -> bool:
+        return self._any or name in self._exact or name.endswith(self._suffixes)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or self._any:
+            return await self.app(scope, receive, send)
+        value = next((v for k, v in scope["headers"] if k == b"host"), None)
+        # No Host at all (HTTP/1.0 tools) is no browser: rebinding always carries the page's name.
+        if value is None or self.is_allowed(_host_name(value)):
+            return await self.app(scope, receive, send)
+        shown = value.decode("latin-1")[:100]
+        message = f"the Host header {shown!r} is not served here; see --allowed-hosts"
+        await send_json(send, 421, dialect_error(scope["path"], 421, message, "invalid_request_error", "invalid_host"))
+
+
+_JSON_TYPES = (b"application/json",)
+
+
+class JSONContentTypeMiddleware:
+    """415 for a POST whose Content-Type is not JSON (the API takes no PUT or PATCH: those stay 405s).
+    Browsers send `text/plain` and form types cross-origin without a CORS preflight; insisting on JSON
+    makes every such request preflighted."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        value = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
+        media = value.split(b";", 1)[0].strip().lower()
+        if media in _JSON_TYPES or (media.startswith(b"application/") and media.endswith(b"+json")):
+            return await self.app(scope, receive, send)
+        message = "the request body must be JSON: send `Content-Type: application/json`"
+        await send_json(send, 415, dialect_error(scope["path"], 415, message, "invalid_request_error",
+                                                 "unsupported_media_type"))
+
+
 def _is_loopback(host: str) -> bool:
     if host.lower() in _LOOPBACK_NAMES:
         return True
@@ -154,15 +227,18 @@ def _is_loopback(host: str) -> bool:
         return False  # a hostname: it may resolve anywhere
 
 
-def install_security(app, config: SecurityConfig, host: str) -> None:
-    """Adds the middlewares to a FastAPI app before it starts. Outermost first: CORS (a preflight is
-    answered without a key, and 401s carry CORS headers a browser can read), then the key check (a
-    caller without one gets a 401 before its body is read), then the body limit."""
+def install_security(app, config: SecurityConfig, host: str, web_page: bool = False) -> None:
+    """Adds the middlewares to a FastAPI app before it starts. Outermost first: the Host check (a
+    rebound page gets nothing, not even a preflight), CORS (a preflight is answered without a key, and
+    401s carry CORS headers a browser can read), then the key check (a caller without one gets a 401
+    before its body is read), the JSON content type, then the body limit."""
     from starlette.middleware.cors import CORSMiddleware
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
+    app.add_middleware(JSONContentTypeMiddleware)
     if config.api_keys:
-        app.add_middleware(APIKeyMiddleware, keys=config.api_keys, metrics_public=config.metrics_public)
+        app.add_middleware(APIKeyMiddleware, keys=config.api_keys, metrics_public=config.metrics_public,
+                           web_page=web_page)  # the page's own files load without a key
     elif not _is_loopback(host):
         log.warning("listening on %s without an API key: anyone who can reach this address can use the "
                     "models; pass --api-key (or set MLXSERVE_API_KEY)", host)
@@ -171,3 +247,4 @@ def install_security(app, config: SecurityConfig, host: str) -> None:
                            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
                            # Browser SDKs send their own headers (x-stainless-*, anthropic-version).
                            allow_headers=["*"], expose_headers=["Retry-After"])
+    app.add_middleware(TrustedHostMiddleware, hosts=allowed_hosts_for(config, host))

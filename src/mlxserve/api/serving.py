@@ -7,7 +7,8 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mlxserve.api.errors import APIError
+from mlxserve.api.errors import APIError, clip
+from mlxserve.api.prompt_bound import check_text_fits
 from mlxserve.api.chat_output import OutputSpec
 from mlxserve.api.schemas import (
     ChatCompletionRequest,
@@ -41,10 +42,12 @@ class ServedModel:
     reasoning_tags: tuple[str, str] | None = None
     thinks_by_default: bool = False  # think tokens in the vocabulary: the model may reason unasked
     max_tokens_cap: int | None = None  # --max-tokens-cap: most completion tokens one request may ask for
+    max_token_chars: int = 0  # longest vocabulary string: the cheap length bound (prompt_bound.py); 0: none
 
     def check_name(self, requested: str) -> None:
         if requested != self.name and requested not in self.aliases:
-            raise APIError(404, f"The model `{requested}` does not exist; this server serves `{self.name}`.", "model", "model_not_found")
+            raise APIError(404, f"The model `{clip(requested)}` does not exist; this server serves `{self.name}`.",
+                           "model", "model_not_found")
 
 
 def _render_multimodal(model: ServedModel, body: ChatCompletionRequest) -> tuple[list[int], tuple]:
@@ -122,7 +125,13 @@ def _render_chat(model: ServedModel, body: ChatCompletionRequest) -> str | list[
         raise APIError(400, f"`{model.name}` has no chat template, so it cannot be given tools", "tools")
     # Base models without a template: a plain transcript, like a user would type it.
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    _check_fits(model, body, text, "messages")
     return list(tok.encode(text))
+
+
+def _check_fits(model: ServedModel, body: SamplingFields, text: str, param: str) -> None:
+    """Before tokenizing: refuses a text too long for the context at any tokenization (prompt_bound.py)."""
+    check_text_fits(text, model.max_token_chars, model.max_model_len, body.requested_max_tokens, param)
 
 
 def _completion_prompt(model: ServedModel, body: CompletionRequest) -> list[int]:
@@ -132,6 +141,7 @@ def _completion_prompt(model: ServedModel, body: CompletionRequest) -> list[int]
             raise APIError(400, "only one prompt per request is supported", "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        _check_fits(model, body, prompt, "prompt")
         try:
             return list(model.tokenizer.encode(prompt))
         except Exception as exc:  # e.g. a lone surrogate ("\ud800") that JSON allows but UTF-8 does not
@@ -214,6 +224,7 @@ def prepare(model: ServedModel, body: SamplingFields) -> Prepared:
         rendered, prefix = _render_chat(model, body), "chatcmpl"
         if isinstance(rendered, str):
             prompt_text = rendered
+            _check_fits(model, body, rendered, "messages")
             try:
                 prompt_ids = list(model.tokenizer.encode(rendered, add_special_tokens=False))
             except Exception as exc:  # e.g. a lone surrogate that JSON allows but UTF-8 does not

@@ -108,6 +108,15 @@ class AsyncEngine:
         if self._streams.pop(rid, None) is not None:
             self._inbox.put(("abort", rid))
 
+    def end_all(self, error: str) -> int:
+        """Ends every open stream now (on the loop's thread): a last output with `error` and finish reason
+        "abort", and its request aborted. Shutdown's deadline: clients learn why their stream stopped."""
+        ended = list(self._streams.items())
+        for rid, stream in ended:
+            stream.put_nowait(RequestOutput(rid, [], "", 0, 0, finish_reason="abort", error=error))
+            self._forget(rid)
+        return len(ended)
+
     async def call(self, fn: Callable[["EngineCore"], object]) -> object:  # noqa: F821
         """Runs `fn(core)` on the engine thread between two steps (state the engine owns, e.g. the
         prefix cache, is only touched there) and returns its result."""

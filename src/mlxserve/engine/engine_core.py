@@ -246,14 +246,17 @@ class EngineCore:
 
     def clear_cache(self) -> int:
         """Both tiers (and the vision cache); blocks held by running requests stay until those finish."""
+        from mlxserve.memory.release import give_back_memory
+
         if self.vision_cache is not None:
             self.vision_cache.clear()
-        if self.prefix is None:
-            return 0
-        n = self.prefix.clear()
-        if self.runner.store.ssd is not None:
-            self.runner.store.drop_pending_spills()  # else they reach the disk after the clear
-            n += self.runner.store.ssd.clear()
+        n = 0
+        if self.prefix is not None:
+            n = self.prefix.clear()
+            if self.runner.store.ssd is not None:
+                self.runner.store.drop_pending_spills()  # else they reach the disk after the clear
+                n += self.runner.store.ssd.clear()
+        give_back_memory()  # on the engine thread, which owns the MLX stream whose buffers are cached
         return n
 
     def on_idle(self) -> None:

@@ -99,6 +99,10 @@ class MemoryGovernor:
         self.live = new
         self.num_changes += 1
         evicted = self._apply(limits_for(new, self._per_token, self._block_bytes, self._kv_override))
+        if evicted:
+            from mlxserve.memory.release import give_back_memory
+
+            give_back_memory(collect=False)  # evicted blocks' buffers back to the system, not MLX's cache
         if self.vision_cache is not None:
             self.vision_cache.set_max_bytes(new.vision_cache)  # what the budget takes, the cache gives back
         # Info only when it bites (blocks evicted, new requests may wait); idle budget moving is routine.

@@ -38,7 +38,8 @@ class ModelState(str, Enum):
 
 class UnknownModelError(LookupError):
     def __init__(self, requested: str, names: Sequence[str]) -> None:
-        super().__init__(f"The model `{requested}` does not exist; this server serves "
+        shown = requested if len(requested) <= 200 else f"{requested[:200]}... ({len(requested)} characters)"
+        super().__init__(f"The model `{shown}` does not exist; this server serves "
                          + ", ".join(f"`{n}`" for n in names) + ".")
         self.requested, self.names = requested, list(names)
 
