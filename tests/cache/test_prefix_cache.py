@@ -273,3 +273,36 @@ def test_cold_lookup_is_skipped_when_every_block_is_held():
     assert len(mgr.lookup("holder", toks(2, BS + 1))) == 1
     assert mgr.lookup("r", tokens + [0]) == []  # no free block to load into: a miss, not an error
     assert cold.calls == []
+
+
+class FakeResume:
+    """A physical half that can resume only at the depths it is told (sliding data, snapshots)."""
+
+    def __init__(self, depths: set[int]) -> None:
+        self.depths = depths
+        self.asked: list[int] = []
+        self.released: list[str] = []
+
+    def can_resume(self, request_id, block_ids, block_hash, token_ids) -> bool:
+        self.asked.append(len(block_ids))
+        assert len(token_ids) == BS
+        return len(block_ids) in self.depths
+
+    def release(self, request_id: str) -> None:
+        self.released.append(request_id)
+
+
+def test_a_hit_stops_at_the_deepest_depth_the_physical_half_can_resume():
+    resume = FakeResume({2})
+    mgr, _ = make(resume=resume)
+    tokens = toks(1, 5 * BS + 1)
+    ops = store(mgr, tokens[: 5 * BS])
+    assert [op.is_row_end for op in ops] == [False] * 4 + [True]  # the last block ends the KV
+    ids = mgr.lookup("r", tokens)
+    assert ids == [op.block_id for op in ops[:2]] and resume.asked == [5, 4, 3, 2]
+    assert mgr.pool.num_used == 2  # the three deeper blocks were handed back, still cached
+    assert mgr.pool.num_cached == 5
+    mgr.release("r")
+    assert resume.released == ["r"] and mgr.pool.num_used == 0
+    resume.depths = set()
+    assert mgr.lookup("q", tokens) == [] and mgr.pool.num_used == 0

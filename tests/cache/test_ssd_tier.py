@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mlxserve.cache.hashing import disk_key, hash_block
-from mlxserve.cache.ssd_tier import BlockData, BlockMeta, SSDTier
+from mlxserve.cache.ssd_tier import FORMAT_VERSION, BlockData, BlockMeta, SSDTier
 
 BS = 4
 META = BlockMeta(model_key="test/model@cafe", block_size=BS, num_layers=2, dtype="bfloat16")
@@ -76,7 +76,7 @@ def test_files_are_plain_safetensors(tier):
     with safe_open(str(path_of(tier, h)), framework="np") as f:
         meta = f.metadata()
     assert meta["model_key"] == META.model_key and meta["dtype"] == "bfloat16"
-    assert meta["block_size"] == str(BS) and meta["num_layers"] == "2" and meta["format_version"] == "1"
+    assert meta["block_size"] == str(BS) and meta["num_layers"] == "2" and meta["format_version"] == str(FORMAT_VERSION)
     assert meta["token_ids"] == "[12,13,14,15]" and len(meta["sha256"]) == 64
 
 
@@ -153,7 +153,7 @@ def test_tampered_header_that_still_parses_fails_the_checksum(tier):
         {"block_size": 8},
         {"num_layers": 3},
         {"dtype": "float16"},
-        {"format_version": 2},
+        {"format_version": FORMAT_VERSION + 1},
     ],
 )
 def test_foreign_files_are_removed_at_scan(tmp_path, change):

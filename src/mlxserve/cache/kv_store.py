@@ -1,104 +1,181 @@
-"""The physical half of the prefix cache: the KV arrays of each cached block, as MLX arrays, with an
-optional SSD tier behind them (write-behind for new blocks, read-through on a memory miss).
+"""The physical half of the prefix cache: each cached block's arrays and the recurrent-state
+snapshots, as MLX arrays, with an optional SSD tier behind them (write-behind for new data,
+read-through on a memory miss).
 
-A block is ONE array [layers, 2, kv_heads, block_size, head_dim] (keys and values of every layer):
-storing, attaching and spilling then cost a kernel launch or a device-to-host copy per block, not
-per block and layer (on an H200 the per-layer version made a hit slower than recomputing).
+A block is at most two arrays (see `layout.py`): `kv` [full layers, kv_heads, block_size, key_width +
+value_width] and, for sliding-window models, `swa` with the sliding layers' KV of the same positions
+when it was still in the window at store time. One array per kind, not per layer: storing, attaching
+and spilling then cost a kernel launch or a device-to-host copy per block (on an H200 the per-layer
+version made a hit slower than recomputing).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import mlx.core as mx
-import numpy as np
-from mlx_lm.models.cache import KVCache
 
-from mlxserve.cache.ssd_tier import BlockData, SSDTier
+from mlxserve.cache.kv_io import Snapshot, fill_cache
+from mlxserve.cache.layout import KVLayout
+from mlxserve.cache.snapshots import SnapshotStore
+from mlxserve.cache.spill import SpillQueue, block_from_data, snapshot_from_data
+from mlxserve.cache.ssd_tier import SSDTier
 
 log = logging.getLogger(__name__)
 
 
-def _from_bytes(raw: bytes, shape: Sequence[int], dtype: mx.Dtype) -> mx.array:
-    # bfloat16 has no numpy dtype: blocks travel as raw bytes, the shape and (in the header) the dtype.
-    return mx.array(np.frombuffer(raw, dtype=np.uint8)).view(dtype).reshape(shape)
+@dataclass
+class KVBlock:
+    kv: mx.array | None  # full-attention layers (None for a model without any)
+    swa: mx.array | None = None  # sliding layers; None when their KV had left the window
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.kv, self.swa) if a is not None)
+
+
+def snapshot_nbytes(snapshot: Snapshot) -> int:
+    return sum(a.nbytes for arrays in snapshot for a in arrays)
 
 
 class KVBlockStore:
-    def __init__(self, ssd: SSDTier | None = None, dtype: mx.Dtype | None = None) -> None:
-        self._blocks: dict[int, mx.array] = {}
-        self.nbytes = 0
+    def __init__(self, layout: KVLayout, block_size: int, ssd: SSDTier | None = None, dtype: mx.Dtype | None = None,
+                 snapshot_bytes: int = 0, state_ssd: SSDTier | None = None) -> None:
+        self.layout = layout
+        self.block_size = block_size
+        self._blocks: dict[int, KVBlock] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self._block_bytes = 0
+        self.snapshots = SnapshotStore(snapshot_bytes)
         self.ssd = ssd
+        self.state_ssd = state_ssd  # snapshots' own files (same format, own folder and cap)
         self.dtype = dtype
-        # Blocks stored this step, spilled to the SSD tier next step: by then their arrays are computed,
-        # so reading them back costs a copy and never a wait.
-        self._to_spill: list[tuple[bytes, tuple[int, ...], mx.array]] = []
+        self._spill = SpillQueue()
 
-    def put(self, block_id: int, block: mx.array) -> None:
+    @property
+    def nbytes(self) -> int:
+        return self._block_bytes + self.snapshots.nbytes
+
+    @property
+    def wants_snapshots(self) -> bool:
+        return bool(self.layout.state_layers) and self.snapshots.max_bytes > 0
+
+    def put(self, block_id: int, block_hash: bytes, block: KVBlock) -> None:
         self.drop(block_id)
         self._blocks[block_id] = block
-        self.nbytes += block.nbytes
+        self._hash_of[block_id] = block_hash
+        self._block_bytes += block.nbytes
 
     def drop(self, block_id: int) -> None:
         block = self._blocks.pop(block_id, None)
         if block is not None:
-            self.nbytes -= block.nbytes
+            self._block_bytes -= block.nbytes
+        block_hash = self._hash_of.pop(block_id, None)
+        if block_hash is not None:  # a snapshot is reached only through its block
+            self.snapshots.drop(block_hash)
 
     def clear(self) -> None:
-        self._blocks.clear()
-        self.nbytes = 0
+        for block_id in list(self._blocks):
+            self.drop(block_id)
 
-    @staticmethod
-    def stack_row(batch_cache: list[Any], row: int, start: int, end: int) -> mx.array:
-        """Positions [start, end) of one row of mlx-lm batch caches, as one array [layers, 2, kv_heads,
-        end - start, head_dim]. Rows are left-padded; all layers share the row's padding."""
-        pad = batch_cache[0].left_padding[row].item()
-        lo, hi = pad + start, pad + end
-        return mx.stack([mx.stack([c.keys[row, :, lo:hi], c.values[row, :, lo:hi]]) for c in batch_cache])
+    def put_snapshot(self, block_hash: bytes, snapshot: Snapshot) -> bool:
+        return self.snapshots.put(block_hash, snapshot, snapshot_nbytes(snapshot))
 
-    def make_cache(self, block_ids: list[int], cache: list[KVCache]) -> None:
-        """Fills a fresh per-request cache with the given blocks, in order: the one copy a hit costs."""
-        kv = mx.concatenate([self._blocks[b] for b in block_ids], axis=3)
-        for layer, c in enumerate(cache):
-            keys, values = kv[layer, 0][None], kv[layer, 1][None]
-            c.state = (keys, values, keys.shape[2])
+    # -- admission -----------------------------------------------------------------------------
+    def can_resume(self, request_id: str, block_ids: Sequence[int], block_hash: bytes,
+                   token_ids: Sequence[int]) -> bool:
+        """Whether a request can start after these hit blocks (the last one's hash and tokens given): the blocks
+        covering the sliding window there carry sliding KV, and the recurrent state there has a
+        snapshot (read from the SSD tier if need be), which is then pinned for `request_id`."""
+        layout, bs = self.layout, self.block_size
+        depth = len(block_ids) * bs
+        if layout.swa_layers:
+            first = layout.window_start(depth) // bs
+            # A block planned this step is not copied yet: not known to carry sliding KV.
+            if any(getattr(self._blocks.get(b), "swa", None) is None for b in block_ids[first:]):
+                return False
+        if layout.state_layers:
+            if block_hash not in self.snapshots and not self._load_snapshot(block_hash, token_ids):
+                return False
+            self.snapshots.pin(request_id, block_hash)
+        return True
+
+    def release(self, request_id: str) -> None:
+        self.snapshots.unpin(request_id)
+
+    def make_cache(self, block_ids: list[int], cache: list[Any]) -> None:
+        """Fills a fresh per-request cache with the given blocks (and the snapshot at their end)."""
+        layout, bs = self.layout, self.block_size
+        depth = len(block_ids) * bs
+        blocks = [self._blocks[b] for b in block_ids]
+        swa = [b.swa for b in blocks[layout.window_start(depth) // bs :]]
+        snapshot = None
+        if layout.state_layers:
+            snapshot = self.snapshots.get(self._hash_of[block_ids[-1]])
+            if snapshot is None:
+                raise RuntimeError("the pinned state snapshot of a prefix hit is gone")
+        fill_cache(cache, layout, [b.kv for b in blocks], swa, depth, snapshot)
 
     # -- SSD tier ------------------------------------------------------------------------------
-    def queue_spill(self, block_hash: bytes, token_ids: tuple[int, ...], block: mx.array) -> None:
+    def queue_spill(self, block_hash: bytes, token_ids: tuple[int, ...], block: KVBlock) -> None:
         if self.ssd is not None:
-            self._to_spill.append((block_hash, token_ids, block))
+            tensors = {name: a for name, a in (("kv", block.kv), ("swa", block.swa)) if a is not None}
+            self._spill.add(self.ssd, block_hash, token_ids, tensors)
+
+    def queue_spill_snapshot(self, block_hash: bytes, token_ids: tuple[int, ...], snapshot: Snapshot) -> None:
+        if self.state_ssd is not None:
+            tensors = {f"s{j}.{k}.{str(a.dtype).rsplit('.', 1)[-1]}": a
+                       for j, arrays in enumerate(snapshot) for k, a in enumerate(arrays)}
+            self._spill.add(self.state_ssd, block_hash, token_ids, tensors)
 
     def drop_pending_spills(self) -> None:
-        self._to_spill = []
+        self._spill.clear()
 
     def spill_pending(self) -> None:
-        """Hands last step's new blocks to the SSD tier's writer thread (which never blocks us).
-
-        One device-to-host copy for all of them: on MLX-CUDA a copy per block cost more than
-        recomputing the prefix (0.6B model on an H200: 32 blocks, ~400 ms)."""
-        pending = [p for p in self._to_spill if not self.ssd.contains(p[0])]
-        self._to_spill = []
-        if not pending:
-            return
-        flat = mx.concatenate([block.reshape(-1) for _, _, block in pending])
-        raw = np.array(flat.view(mx.uint8))
-        size = raw.nbytes // len(pending)  # every block has the same shape and dtype
-        for i, (block_hash, token_ids, block) in enumerate(pending):
-            data = raw[i * size : (i + 1) * size].tobytes()
-            self.ssd.put(block_hash, BlockData(token_ids, {"kv": (data, tuple(block.shape))}))
+        """Hands last step's new blocks and snapshots to the SSD writer threads (never blocks us)."""
+        self._spill.flush()
 
     def load_from_ssd(self, block_hash: bytes, token_ids: Sequence[int], block_id: int) -> bool:
         """Read-through on a memory miss: the block's data from disk into `block_id`, if it is there."""
         if self.ssd is None or not self.ssd.contains(block_hash):
             return False
         data = self.ssd.get(block_hash, token_ids)
-        if data is None:
+        block = block_from_data(data, self.layout, self.dtype, log) if data is not None else None
+        if block is None:
             return False
-        try:
-            block = _from_bytes(*data.tensors["kv"], self.dtype)
-        except (KeyError, ValueError, TypeError) as exc:  # a file that passed the checks but not ours
-            log.warning("SSD block %s unusable (%s): a miss", block_hash.hex(), exc)
-            return False
-        self.put(block_id, block)
+        self.put(block_id, block_hash, KVBlock(*block))
         return True
+
+    def _load_snapshot(self, block_hash: bytes, token_ids: Sequence[int]) -> bool:
+        if self.state_ssd is None or not self.state_ssd.contains(block_hash):
+            return False
+        data = self.state_ssd.get(block_hash, token_ids)
+        snapshot = snapshot_from_data(data, self.layout, log) if data is not None else None
+        return snapshot is not None and self.put_snapshot(block_hash, snapshot)
+
+    # -- housekeeping --------------------------------------------------------------------------
+    def clear_ssd(self) -> int:
+        self.drop_pending_spills()  # else they reach the disk after the clear
+        return sum(t.clear() for t in (self.ssd, self.state_ssd) if t is not None)
+
+    def close(self) -> None:
+        self.spill_pending()
+        for tier in (self.ssd, self.state_ssd):
+            if tier is not None:
+                tier.close()
+
+    def stats(self) -> dict:
+        """Blocks and snapshots per tier."""
+        def disk(tier):
+            return tier.stats() if tier is not None else None
+
+        return {
+            "memory": {"num_blocks": len(self._blocks), "block_bytes": self._block_bytes,
+                       "num_snapshots": len(self.snapshots), "snapshot_bytes": self.snapshots.nbytes,
+                       "snapshot_budget_bytes": self.snapshots.max_bytes,
+                       "snapshot_evictions": self.snapshots.num_evictions},
+            "ssd": disk(self.ssd),
+            "ssd_snapshots": disk(self.state_ssd),
+        }

@@ -10,7 +10,7 @@ Blocks stay referenced while a request that hit them runs, so eviction never tak
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 EvictCallback = Callable[[bytes, int], None]
 # Asked on a memory miss (a second tier, e.g. SSD): fill block `block_id` with the data stored under
@@ -20,6 +20,15 @@ ColdLookup = Callable[[bytes, Sequence[int], int], bool]
 ColdContains = Callable[[bytes], bool]
 # (start, end, content hash) of a prompt's image/video placeholder runs; see hashing.extend_block_hashes.
 MediaSpans = Sequence[tuple[int, int, str]]
+
+
+class ResumeCheck(Protocol):
+    """The physical half's say on where a hit may end (sliding windows, recurrent snapshots)."""
+
+    def can_resume(self, request_id: str, block_ids: Sequence[int], block_hash: bytes,
+                   token_ids: Sequence[int]) -> bool: ...
+
+    def release(self, request_id: str) -> None: ...
 
 from mlxserve.cache.block_pool import Block, BlockPool
 from mlxserve.cache.hashing import block_hashes
@@ -33,6 +42,8 @@ class StoreOp:
     start: int
     block_hash: bytes
     token_ids: tuple[int, ...]
+    # The block ends where the request's KV ends: its recurrent state is at this boundary right now.
+    is_row_end: bool = False
 
 
 class PrefixCacheManager:
@@ -44,6 +55,7 @@ class PrefixCacheManager:
         on_evict: EvictCallback | None = None,
         lookup_cold: ColdLookup | None = None,
         has_cold: ColdContains | None = None,
+        resume: ResumeCheck | None = None,
     ) -> None:
         self.block_size = block_size
         self.model_key = model_key
@@ -52,6 +64,7 @@ class PrefixCacheManager:
         self.pool = BlockPool(num_blocks, block_size, on_evict=on_evict)
         self._lookup_cold = lookup_cold
         self._has_cold = has_cold
+        self._resume = resume
         self._held: dict[str, list[Block]] = {}
         self._writing: list[Block] = []  # planned stores, held until the runner has copied them
         self.max_cached_blocks = num_blocks  # lowered under memory pressure, see set_max_cached_blocks
@@ -74,6 +87,12 @@ class PrefixCacheManager:
                 break
             self.pool.touch([block])
             hits.append(block)
+        if self._resume is not None:
+            # Stop at the deepest block where the physical half can resume (its window blocks carry
+            # sliding KV, a state snapshot exists there); the deeper blocks are handed back.
+            while hits and not self._resume.can_resume(request_id, [b.block_id for b in hits],
+                                                       hits[-1].block_hash, hits[-1].token_ids):
+                self.pool.free([hits.pop()])
         self._held[request_id] = hits
         self.num_queried_tokens += len(token_ids)
         self.num_hit_tokens += len(hits) * bs
@@ -99,6 +118,8 @@ class PrefixCacheManager:
     def release(self, request_id: str) -> None:
         # Tail first: a prompt's last blocks are evicted before the head other requests share.
         self.pool.free(reversed(self._held.pop(request_id, [])))
+        if self._resume is not None:
+            self._resume.release(request_id)
         if self.pool.num_cached > self.max_cached_blocks:  # held past a lowered cap: give them back now
             self.evict_to(self.max_cached_blocks)
 
@@ -125,7 +146,7 @@ class PrefixCacheManager:
             (block,) = self.pool.allocate(1)
             self.pool.cache_full_block(block, h, tokens)
             self._writing.append(block)
-            ops.append(StoreOp(block.block_id, i * bs, h, tuple(tokens)))
+            ops.append(StoreOp(block.block_id, i * bs, h, tuple(tokens), (i + 1) * bs == len(token_ids)))
         self.pool.free(reversed(kept))
         return ops
 

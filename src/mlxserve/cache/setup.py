@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, make_prompt_cache
 
 from mlxserve.cache.kv_store import KVBlockStore
+from mlxserve.cache.layout import KVLayout, read_layout
 from mlxserve.cache.prefix_cache import PrefixCacheManager
 from mlxserve.cache.ssd_tier import BlockMeta, SSDTier
 from mlxserve.config import EngineConfig
@@ -25,8 +27,9 @@ class KVProbe:
     dtype: Any  # what the model really writes, whatever its weights
     num_layers: int
     layer_kinds: tuple[str, ...]  # the cache class of each layer, for logs
-    shareable: bool  # plain KV whose keys and values share one shape: what the prefix cache stores
+    shareable: bool  # a layout the prefix cache can store (see cache/layout.py)
     logits_width: int = 0  # the model's output vocabulary (may exceed the tokenizer's)
+    layout: KVLayout | None = None  # None: the prefix cache cannot store these caches
 
     @property
     def budget_bytes_per_token(self) -> int:
@@ -53,10 +56,6 @@ def _layer_cost(c: Any) -> tuple[int, int]:
     return sum(p.nbytes for p in parts) // width, 0
 
 
-def _is_plain(c: Any) -> bool:
-    return type(c) is KVCache and c.keys is not None and c.keys.shape == c.values.shape
-
-
 def probe_kv(model: Any) -> KVProbe:
     import mlx.core as mx
 
@@ -64,6 +63,9 @@ def probe_kv(model: Any) -> KVProbe:
     logits = model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
     costs = [_layer_cost(c) for c in cache]
+    layout = read_layout(cache)
+    if layout is not None and getattr(model, "is_vlm", False) and (layout.swa_layers or layout.state_layers):
+        layout = None  # multimodal prefill does not capture sliding windows or snapshots yet
     dtype = next((c.keys.dtype for c in cache if isinstance(getattr(c, "keys", None), mx.array)), None)
     if dtype is None:  # recurrent-only models: the state's dtype
         dtype = next((a.dtype for c in cache for a in _arrays(c)), mx.float32)
@@ -73,8 +75,9 @@ def probe_kv(model: Any) -> KVProbe:
         dtype=dtype,
         num_layers=len(cache),
         layer_kinds=tuple(type(c).__name__ for c in cache),
-        shareable=all(_is_plain(c) for c in cache),
+        shareable=layout is not None,
         logits_width=logits.shape[-1],
+        layout=layout,
     )
 
 
@@ -109,24 +112,45 @@ def make_prefix_cache(
     if not config.enable_prefix_cache or memory_bytes == 0:
         return None, None
     if not probe.shareable:
-        log.info("prefix cache off: this model's caches are %s, not plain KVCache with keys and values of "
-                 "one shape (the prefix cache cannot store this layout yet)", sorted(set(probe.layer_kinds)))
+        log.info("prefix cache off: this model's caches are %s, a layout the prefix cache cannot store",
+                 sorted(set(probe.layer_kinds)))
         return None, None
-    dtype, num_layers = probe.dtype, probe.num_layers
-    block_bytes = probe.bytes_per_token * config.block_size
-    num_blocks = memory_bytes // block_bytes
+    layout, dtype, num_layers = probe.layout, probe.dtype, probe.num_layers
+    snapshot_bytes = snapshot_budget(memory_bytes, probe) if layout.state_layers else 0
+    # A block of a model without attention layers holds no arrays, only its Python bookkeeping.
+    block_bytes = max(probe.bytes_per_token * config.block_size, MIN_BLOCK_BYTES)
+    num_blocks = (memory_bytes - snapshot_bytes) // block_bytes
     if num_blocks < 1:
         log.info("prefix cache off: %d bytes hold no block of %d bytes", memory_bytes, block_bytes)
         return None, None
-    ssd = None
+    ssd = state_ssd = None
     if config.ssd_cache_dir:
         meta = BlockMeta(model_key, config.block_size, num_layers, str(dtype).rsplit(".", 1)[-1])
-        ssd = SSDTier(config.ssd_cache_dir, config.ssd_cache_max_bytes, meta, logger=log)
+        ssd_bytes = config.ssd_cache_max_bytes
+        if snapshot_bytes:  # snapshots get their own folder and a quarter of the disk cap
+            state_ssd = SSDTier(os.path.join(config.ssd_cache_dir, "states"), ssd_bytes // 4, meta, logger=log)
+            ssd_bytes -= ssd_bytes // 4
+        ssd = SSDTier(config.ssd_cache_dir, ssd_bytes, meta, logger=log)
         log.info("SSD tier at %s: %d blocks found", config.ssd_cache_dir, ssd.stats()["num_blocks"])
-    store = KVBlockStore(ssd, dtype)
+    store = KVBlockStore(layout, config.block_size, ssd, dtype, snapshot_bytes, state_ssd)
+    needs_check = bool(layout.swa_layers or layout.state_layers)
     manager = PrefixCacheManager(num_blocks, config.block_size, model_key, on_evict=lambda h, b: store.drop(b),
                                  lookup_cold=store.load_from_ssd if ssd else None,
-                                 has_cold=ssd.contains if ssd else None)
-    log.info("prefix cache: %d blocks of %d tokens (%.1f MB each, %.2f GB in all)", num_blocks,
-             config.block_size, block_bytes / 1e6, num_blocks * block_bytes / 1e9)
+                                 has_cold=ssd.contains if ssd else None,
+                                 resume=store if needs_check else None)
+    log.info("prefix cache: %d blocks of %d tokens (%.1f MB each, %.2f GB in all)%s", num_blocks,
+             config.block_size, block_bytes / 1e6, num_blocks * block_bytes / 1e9,
+             f", state snapshots {snapshot_bytes / 1e6:.1f} MB" if snapshot_bytes else "")
     return manager, store
+
+
+# The bookkeeping of one block in Python (Block, hash, tokens) is a few hundred bytes; counting at
+# least this much keeps a model without attention layers from getting millions of blocks.
+MIN_BLOCK_BYTES = 1024
+
+
+def snapshot_budget(memory_bytes: int, probe: KVProbe) -> int:
+    """The prefix memory set aside for recurrent-state snapshots: a quarter, or none if that does
+    not hold one snapshot (a hit on such a model needs a snapshot, so a fixed share is simplest)."""
+    share = memory_bytes // 4
+    return share if share >= probe.bytes_per_seq else 0

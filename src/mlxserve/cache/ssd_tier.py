@@ -29,7 +29,7 @@ from typing import Sequence
 
 from mlxserve.cache.hashing import disk_key
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: attention KV concatenated on the last axis (MLA), sliding KV, snapshots
 BLOCK_SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
 _BLOCK_NAME = re.compile(r"(?:[0-9a-f]{2})+" + re.escape(BLOCK_SUFFIX))  # what disk_key() makes

@@ -205,10 +205,10 @@ class EngineCore:
         if self.prefix is None:
             return {"enabled": False, **vision}
         store = self.runner.store
-        ssd = store.ssd.stats() if store.ssd is not None else None
-        budget_bytes = self.prefix.max_cached_blocks * self._block_bytes
+        tiers = store.stats()  # blocks and snapshots per tier; snapshots count against the budget
+        budget_bytes = self.prefix.max_cached_blocks * self._block_bytes + store.snapshots.max_bytes
         return {"enabled": True, **self.prefix.stats(), "memory_bytes": store.nbytes, "budget_bytes": budget_bytes,
-                "ssd": ssd, **vision}
+                **tiers, **vision}
 
     def status(self) -> dict:
         """The budget in force (desktop mode: after pressure) next to the start-up one and live
@@ -253,9 +253,7 @@ class EngineCore:
         n = 0
         if self.prefix is not None:
             n = self.prefix.clear()
-            if self.runner.store.ssd is not None:
-                self.runner.store.drop_pending_spills()  # else they reach the disk after the clear
-                n += self.runner.store.ssd.clear()
+            n += self.runner.store.clear_ssd()  # both tiers, blocks and snapshots
         give_back_memory()  # on the engine thread, which owns the MLX stream whose buffers are cached
         return n
 
@@ -269,9 +267,8 @@ class EngineCore:
 
     def close(self) -> None:
         """Lets queued SSD writes reach the disk."""
-        if self.prefix is not None and self.runner.store.ssd is not None:
-            self.runner.store.spill_pending()
-            self.runner.store.ssd.close()
+        if self.prefix is not None:
+            self.runner.store.close()
 
 
 def _eos_ids(tokenizer: Any) -> frozenset[int]:

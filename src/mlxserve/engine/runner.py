@@ -17,7 +17,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxserve.cache.kv_store import KVBlockStore
+from mlxserve.cache.kv_io import read_prefill_window, read_row_kv, read_row_window, read_state
+from mlxserve.cache.kv_store import KVBlock, KVBlockStore
 from mlxserve.engine.batch import DecodeBatch
 from mlxserve.engine.mm_prefill import MultimodalPrefill
 from mlxserve.engine.request import Request, SamplingParams, TokenLogprob
@@ -69,6 +70,12 @@ class ModelRunner:
         # Per request that asked for logprobs: lazy (chosen logprob, top ids, top logprobs) of its
         # next token to feed, read back when that token is emitted.
         self._pending_lp: dict[str, tuple] = {}
+        # Prefix data only a prefill can give (see `_capture`), kept per request until its blocks are
+        # stored: sliding-window KV by block start, and the recurrent state at the prompt's last block
+        # boundary (where `_snap_at` says the prefill must stop for it).
+        self._captured: dict[str, dict[int, mx.array]] = {}
+        self._snap_at: dict[str, int] = {}
+        self._prefill_snaps: dict[str, tuple[int, list]] = {}
 
     @property
     def num_rows(self) -> int:
@@ -120,6 +127,9 @@ class ModelRunner:
             self._prefill_caches.pop(rid, None)
             self._samplers.pop(rid, None)
             self._pending_lp.pop(rid, None)
+            self._captured.pop(rid, None)
+            self._snap_at.pop(rid, None)
+            self._prefill_snaps.pop(rid, None)
             if self.mm is not None:
                 self.mm.finish(rid)
                 self._deltas.pop(rid, None)
@@ -134,7 +144,7 @@ class ModelRunner:
                 out.failed_block_ids.extend(op.block_id for op in ops)  # nothing to copy them from
                 continue
             try:
-                new.extend(self._store_row(self._batch.row_ids.index(rid), ops))
+                new.extend(self._store_row(rid, self._batch.row_ids.index(rid), ops))
             except Exception:
                 # Only the cache loses these blocks; the request itself is fine.
                 log.exception("caching the blocks of request %s failed", rid)
@@ -143,18 +153,62 @@ class ModelRunner:
                 out.failed_block_ids.extend(op.block_id for op in ops)
         mx.async_eval(new)
 
-    def _store_row(self, row_index: int, ops: list) -> list[mx.array]:
-        first, end = ops[0].start, ops[-1].start + self.block_size
-        span = self.store.stack_row(self._batch.cache, row_index, first, end)
-        blocks = []
+    def _store_row(self, rid: str, row_index: int, ops: list) -> list[mx.array]:
+        store, bs, cache = self.store, self.block_size, self._batch.cache
+        layout = store.layout
+        first, end = ops[0].start, ops[-1].start + bs
+        span = read_row_kv(cache, layout, row_index, first, end)
+        captured = self._captured.pop(rid, {})
+        prefill_snap = self._prefill_snaps.pop(rid, None)
+        window = None
+        if layout.swa_layers and any(op.start not in captured for op in ops):
+            window = read_row_window(cache, layout, row_index)
+        new = []
         for op in ops:
             # Each block its own copy: a slice would keep the whole span alive while any block is.
-            block = mx.contiguous(span[..., op.start - first : op.start - first + self.block_size, :])
-            blocks.append(block)
-        for op, block in zip(ops, blocks):
-            self.store.put(op.block_id, block)
-            self.store.queue_spill(op.block_hash, op.token_ids, block)
-        return blocks
+            kv = mx.contiguous(span[:, :, op.start - first : op.start - first + bs]) if span is not None else None
+            swa = captured.get(op.start)
+            if swa is None and window is not None:
+                swa = window.block(op.start, bs)
+            block = KVBlock(kv, swa)
+            store.put(op.block_id, op.block_hash, block)
+            store.queue_spill(op.block_hash, op.token_ids, block)
+            new.extend(a for a in (kv, swa) if a is not None)
+            if not store.wants_snapshots:
+                continue
+            snap = None
+            if op.is_row_end:  # the row's state is right after this block's last token
+                snap = read_state(cache, layout, row_index)
+            elif prefill_snap is not None and prefill_snap[0] == op.start + bs:
+                snap = prefill_snap[1]
+            if snap is not None and store.put_snapshot(op.block_hash, snap):
+                store.queue_spill_snapshot(op.block_hash, op.token_ids, snap)
+                new.extend(a for arrays in snap for a in arrays)
+        return new
+
+    def _capture(self, rid: str, cache: list[Any], start: int, stop: int, num_cached: int) -> list[mx.array]:
+        """After a prefill forward over [start, stop): copies what only the prefill has. The sliding
+        layers' KV of blocks still inside their window (a rotating cache keeps only the last window,
+        so by store time it would be gone), and the recurrent state if `stop` is the boundary chosen
+        for a snapshot. Returns the new arrays."""
+        captured = self._captured.get(rid)
+        if captured is None:
+            return []
+        layout, bs, new = self.store.layout, self.block_size, []
+        if layout.swa_layers and stop - start > 1:
+            window = read_prefill_window(cache, layout)
+            if window is not None:
+                lowest = max(num_cached, window.offset - window.kv.shape[2])
+                for b in range(-(-lowest // bs) * bs, stop - bs + 1, bs):
+                    block = window.block(b, bs) if b not in captured else None
+                    if block is not None:
+                        captured[b] = block
+                        new.append(block)
+        if self._snap_at.get(rid) == stop:
+            snap = read_state(cache, layout)
+            self._prefill_snaps[rid] = (stop, snap)
+            new.extend(a for arrays in snap for a in arrays)
+        return new
 
     # -- prefill -------------------------------------------------------------------------------
     def _prefill(self, chunk: PrefillChunk, request: Request):
@@ -165,6 +219,7 @@ class ModelRunner:
             if request.cached_block_ids:
                 self.store.make_cache(request.cached_block_ids, cache)
             self._prefill_caches[rid] = cache
+            self._start_captures(request)
             sampler = RowSampler.make(request.sampling, request.prompt_token_ids)
             if request.sampling.constraint is not None:
                 sampler.matcher = self.grammar.compiler.compile(request.sampling.constraint)
@@ -177,18 +232,32 @@ class ModelRunner:
         else:
             def forward(start: int, end: int):
                 return self.model(mx.array(request.prompt_token_ids[start:end])[None], cache=cache)
+        if rid in self._captured:
+            model_forward = forward
+
+            def forward(start: int, end: int):
+                # Stop at the snapshot boundary if it falls inside, so the state there can be copied.
+                at = self._snap_at.get(rid)
+                if at is not None and start < at < end:
+                    model_forward(start, at)
+                    self._capture(rid, cache, start, at, request.num_cached_tokens)
+                    start = at
+                out = model_forward(start, end)
+                self._capture(rid, cache, start, end, request.num_cached_tokens)
+                return out
         start, end = chunk.start, chunk.start + chunk.num_tokens
         if not chunk.is_last:
             forward(start, end)
             # Bound the lazy graph: a chunk is evaluated before the next is built. Only the cache is
             # evaluated, so the LM head never runs on these positions.
-            mx.eval([c.state for c in cache])
+            mx.eval([c.state for c in cache], self._captured_arrays(rid))
             return None
         if end - start > 1:
             # Same reason: the last position alone gets logits (what mlx-lm's generate_step does).
             forward(start, end - 1)
         logits = forward(end - 1, end)
         del self._prefill_caches[rid]
+        self._snap_at.pop(rid, None)
         if self.mm is not None:
             self.mm.finish(rid)
         sampler = self._samplers[rid]
@@ -198,6 +267,23 @@ class ModelRunner:
         tokens, logprobs = sample_batch(logits, [sampler])
         self._keep_logprobs([rid], [sampler], tokens, logprobs)
         return rid, cache, tokens
+
+    def _start_captures(self, request: Request) -> None:
+        store = self.store
+        if store is None or request.media or not (store.layout.swa_layers or store.wants_snapshots):
+            return
+        rid = request.request_id
+        self._captured[rid] = {}
+        if store.wants_snapshots:
+            # The deepest boundary a later lookup of this prompt can resume at (one token is always
+            # left to compute); deeper ones are snapshotted while decoding.
+            at = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+            if at > request.num_cached_tokens:
+                self._snap_at[rid] = at
+
+    def _captured_arrays(self, rid: str) -> list[mx.array]:
+        snap = self._prefill_snaps.get(rid)
+        return [*self._captured.get(rid, {}).values(), *(a for arrays in (snap[1] if snap else []) for a in arrays)]
 
     # -- decode --------------------------------------------------------------------------------
     def _keep_logprobs(self, rids, rows: list[RowSampler], tokens: mx.array, logprobs: mx.array) -> None:
