@@ -107,6 +107,8 @@ def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | Non
     """Loads one model: `(ServedModel, AsyncEngine)`, the engine not yet started."""
     if loaded is None:
         loaded = load_model(spec.source, config.load_strategy)
+    if loaded.is_encoder:
+        return load_encoder_served(spec, config, loaded)
     engine_config = shared_engine_config(spec.engine or config.engine, config, spec.name)
     max_model_len = resolve_max_model_len(loaded, engine_config)
     served = ServedModel(
@@ -126,6 +128,21 @@ def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | Non
     log.info("serving %s as %r (context %d tokens, up to %d sequences)", loaded.source, spec.name, max_model_len,
              engine_config.max_num_seqs)
     return served, make_engine(loaded, engine_config, max_model_len)
+
+
+def load_encoder_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel):
+    """An encoder embedding model (models/encoder.py): /v1/embeddings only, on an engine thread whose
+    core only answers calls (no KV cache, so no memory budget of its own)."""
+    from mlxserve.engine.encoder import make_encoder_engine
+
+    engine_config = spec.engine or config.engine
+    max_model_len = min(resolve_max_model_len(loaded, engine_config), loaded.model.max_len)
+    served = ServedModel(name=spec.name, aliases=frozenset(spec.aliases), tokenizer=loaded.tokenizer,
+                         max_model_len=max_model_len, vocab_size=_vocab_size(loaded), eos_token_ids=frozenset(),
+                         default_max_tokens=0, created=int(time.time()), embedding_only=True)
+    log.info("serving encoder %s as %r (embeddings only, %s pooling, %d tokens)", loaded.source, spec.name,
+             loaded.model.pooling, max_model_len)
+    return served, make_encoder_engine(loaded.model, engine_config)
 
 
 def shared_engine_config(engine: EngineConfig, config: ServerConfig, name: str, weights_of=None) -> EngineConfig:

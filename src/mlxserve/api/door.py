@@ -94,6 +94,8 @@ class EngineDoor:
         The lease loads the model on first use and keeps it loaded until generate() has queued the
         request; from then on the request's stream keeps it busy (never unloaded) until it ends."""
         async with self.models.lease(body.model) as (model, engine):
+            if model.embedding_only:
+                raise APIError(400, f"`{model.name}` is an embedding model: it serves /v1/embeddings only", "model")
             prepared = await self.prep.run(prepare, model, body)
             if not generate:
                 return Opened(model, prepared, None)

@@ -68,7 +68,7 @@ def _encode(vector, encoding_format: str):
 
 
 def add_embeddings_route(app: FastAPI, models) -> None:
-    """Registers the route over `models` (a ModelManager): every served text model answers it."""
+    """Registers the route over `models` (a ModelManager): every served text model and encoder answers it."""
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request):
@@ -78,11 +78,18 @@ def add_embeddings_route(app: FastAPI, models) -> None:
             if model.multimodal is not None:
                 raise APIError(400, "embeddings are not supported for vision-language models", "model")
             token_lists = tokenize_inputs(model, body)
-            job = EmbeddingJob(token_lists, body.dimensions, max_batch_tokens=_MAX_BATCH_TOKENS)
+            if model.embedding_only:
+                # An encoder (BERT-style): its own engine thread, one batch per call (engine/encoder.py).
+                from mlxserve.engine.encoder import EncoderJob
 
-            def advance(core) -> bool:
-                # Chunks as long as the engine's prefill chunks: no call stalls streams longer than a step.
-                return job.advance(core.runner.model, core.config.prefill_step_size)
+                job = EncoderJob(token_lists, body.dimensions, max_batch_tokens=_MAX_BATCH_TOKENS)
+                advance = job.advance
+            else:
+                job = EmbeddingJob(token_lists, body.dimensions, max_batch_tokens=_MAX_BATCH_TOKENS)
+
+                def advance(core) -> bool:
+                    # Chunks as long as the engine's prefill chunks: no call stalls streams longer than a step.
+                    return job.advance(core.runner.model, core.config.prefill_step_size)
 
             try:
                 # One chunk per call: decode steps of running streams go on in between.

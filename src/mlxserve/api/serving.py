@@ -43,6 +43,7 @@ class ServedModel:
     thinks_by_default: bool = False  # think tokens in the vocabulary: the model may reason unasked
     max_tokens_cap: int | None = None  # --max-tokens-cap: most completion tokens one request may ask for
     max_token_chars: int = 0  # longest vocabulary string: the cheap length bound (prompt_bound.py); 0: none
+    embedding_only: bool = False  # an encoder (BERT-style) model: /v1/embeddings only (engine/encoder.py)
 
     def check_name(self, requested: str) -> None:
         if requested != self.name and requested not in self.aliases:

@@ -44,6 +44,11 @@ class LoadedModel:
         return getattr(self.model, "is_vlm", False)
 
     @property
+    def is_encoder(self) -> bool:
+        """An encoder embedding model (models/encoder.py): served for /v1/embeddings only."""
+        return getattr(self.model, "is_encoder", False)
+
+    @property
     def max_position_embeddings(self) -> int:
         cfg = self.config.get("text_config", self.config)
         return int(cfg.get("max_position_embeddings") or _DEFAULT_MAX_MODEL_LEN)
@@ -80,6 +85,7 @@ def materialize(model: Any) -> None:
 def _load(source: str, strategy: str) -> LoadedModel:
     if strategy != "auto" and strategy not in LOAD_STRATEGIES:
         raise ValueError(f"load strategy must be auto or one of {LOAD_STRATEGIES}, got {strategy!r}")
+    from mlxserve.models.encoder import encoder_type, load_encoder
     from mlxserve.models.vlm import is_vlm_config, load_vlm, read_config
 
     folder = Path(source)
@@ -90,6 +96,9 @@ def _load(source: str, strategy: str) -> LoadedModel:
         # Vision-language models load through mlx-vlm (its own weight layout and processor).
         model, tokenizer = load_vlm(source, config)
         return LoadedModel(model, tokenizer, config, source)
+    if config is not None and encoder_type(config) is not None:
+        # BERT-style encoders load through mlx-embeddings (mlx-lm has no encoder models).
+        return load_encoder(source, config)
     if not folder.is_dir():
         # A hub id: only mlx-lm's loader knows how to download it.
         from mlx_lm import load
