@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -126,6 +127,10 @@ def _models_fields(args) -> dict:
         spec_file = load_models_file(args.models_config, _engine_config(args))
         specs, max_models, max_bytes = list(spec_file.models), spec_file.max_loaded_models, spec_file.max_loaded_bytes
     specs += [parse_model_flag(text) for text in args.extra_models]
+    for model_dir in args.model_dir:  # each model folder inside, loaded on first use
+        from mlxserve.models.catalog import model_dir_specs
+
+        specs += model_dir_specs(model_dir)
     if specs and args.served_model_name:
         raise ValueError("--served-model-name names a single model; name several with --model NAME=PATH")
     if args.max_loaded_models is not None:
@@ -151,6 +156,10 @@ def _serve(args) -> int:
         sock = process.bind(config.host, config.port)
         # build_app loads every pinned model (a single one always) with config.load_strategy.
         app = build_app(config)
+        from mlxserve.banner import make_ready_hook
+
+        app.state.on_ready = make_ready_hook(config, app.state.models, app.state.model_specs,
+                                             sock.getsockname()[1] if sock is not None else config.port)
     except (ModelLoadError, ValueError, OSError) as e:
         if sock is not None:
             sock.close()
@@ -175,16 +184,29 @@ def _demo_model(args) -> int:
     if args.shape in VLM_SHAPES:
         if args.path is None or args.bits is not None:
             raise SystemExit("VLM shapes need a PATH and take no --bits")
+        from mlxserve.models.extras import MissingExtraError, require_vision
+
+        try:
+            require_vision(f"--shape {args.shape}")
+        except MissingExtraError as e:
+            raise SystemExit(f"mlxserve demo-model: {e}") from None
         print(build_vlm_folder(args.path, shape=args.shape))
         return 0
+    from mlxserve.progress import StageLog
+
+    progress = StageLog("demo model")
     if args.shape == "tiny" and args.bits is None:
-        print(ensure_demo_model(args.path))
+        path = ensure_demo_model(args.path, progress=progress)
+        progress.done()
+        print(path)
         return 0
     if args.path is None:
         raise SystemExit("a PATH is needed with --shape or --bits")
     config = dataclasses.replace(SHAPES[args.shape], quantize_bits=args.bits, group_size=args.group_size,
                                  quantize_with_converter=args.shape == "tiny")
-    print(build_model_folder(args.path, config))
+    path = build_model_folder(args.path, config, progress=progress)
+    progress.done()
+    print(path)
     return 0
 
 
@@ -195,25 +217,38 @@ def _convert(args) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlxserve", description="MLX-native OpenAI-compatible server")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    sub = parser.add_subparsers(dest="command", required=True)
+    from mlxserve.settings import HelpFormatter
+
+    # Every parser shows each flag's default in --help (settings.py HelpFormatter).
+    make = functools.partial(argparse.ArgumentParser, formatter_class=HelpFormatter)
+    parser = make(prog="mlxserve", description="MLX-native OpenAI-compatible server")
+    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="log verbosity")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=make)
 
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
     serve.add_argument("model", nargs="?", default=None,
                        help="local model folder or Hugging Face id (default: the built-in demo model)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--config", default=None, metavar="YAML",
+                       help="settings file: any flag below as a key (dashes or underscores); environment variables"
+                            " MLXSERVE_<FLAG> override it, flags override both (default: MLXSERVE_CONFIG)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--served-model-name", default=None, help="name clients use (default: folder name or id)")
     serve.add_argument("--model", dest="extra_models", action="append", default=[], metavar="[NAME=]PATH",
                        help="serve several models, each loaded on first use (repeatable; instead of MODEL)")
+    serve.add_argument("--model-dir", action="append", default=[], metavar="DIR",
+                       help="serve every model folder inside DIR, named after its folder, each loaded on first use"
+                            " (repeatable)")
     serve.add_argument("--models-config", default=None, metavar="YAML",
                        help="models to serve: name, path, pinned, ttl, aliases, engine settings (models/specs.py)")
     serve.add_argument("--max-loaded-models", type=int, default=None,
                        help="most models loaded at once; the least recently used idle unpinned one is unloaded")
     serve.add_argument("--max-loaded-memory", default=None,
                        help="most weight bytes loaded at once (8GB, 50%%); default: what the memory budget leaves")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                       help="log verbosity")
     serve.add_argument("--shutdown-timeout", type=float, default=ServerConfig().shutdown_timeout_s, metavar="SECONDS",
                        help="on SIGTERM/SIGINT, how long running streams may finish before they end with an error"
                             " event (a second signal ends them at once)")
@@ -228,7 +263,18 @@ def make_parser() -> argparse.ArgumentParser:
     _add_engine_flags(serve)
     _add_media_flags(serve)
     _add_security_flags(serve)
-    serve.set_defaults(func=_serve)
+    serve.set_defaults(func=_serve, settings_parser=serve)  # main() fills its defaults from env and --config
+
+    from mlxserve.models import catalog, pull
+
+    pull_cmd = sub.add_parser("pull", help="download a model from the Hugging Face hub into its cache")
+    pull.add_arguments(pull_cmd)
+    pull_cmd.set_defaults(func=pull.run)
+    list_cmd = sub.add_parser("list", help="models on this machine: size, bits, family, whether mlxserve serves it")
+    list_cmd.add_argument("--model-dir", action="append", default=[], metavar="DIR",
+                          help="also list the model folders inside DIR (repeatable; default: MLXSERVE_MODEL_DIR)")
+    list_cmd.add_argument("--no-hf-cache", action="store_true", help="skip the Hugging Face cache")
+    list_cmd.set_defaults(func=catalog.run_list)
 
     from mlxserve.models.families import FAMILIES
 
@@ -240,20 +286,22 @@ def make_parser() -> argparse.ArgumentParser:
                       help="a real model's shape with random weights (for benchmarks); *-vl-*, gemma3-*: "
                            "vision-language; tiny test fixtures of each mlx-lm family: " + ", ".join(FAMILIES))
     demo.add_argument("--bits", type=int, default=None, help="quantize to this many bits")
-    demo.add_argument("--group-size", type=int, default=64)
+    demo.add_argument("--group-size", type=int, default=64, help="quantization group size (with --bits)")
     demo.set_defaults(func=_demo_model)
 
     conv = sub.add_parser("convert", help="quantize a Hugging Face model folder (block-wise, via mlx-lm)")
     conv.add_argument("hf_path", metavar="HF_FOLDER", help="Hugging Face model folder or hub id")
     conv.add_argument("out", metavar="OUT", help="output folder (must not exist, or be empty)")
-    conv.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8])
-    conv.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
+    conv.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8], help="bits per weight")
+    conv.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128],
+                      help="weights sharing one scale and bias")
     conv.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
                       help="dtype of the unquantized weights (default: the model's)")
     conv.set_defaults(func=_convert)
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    from mlxserve.bench import compare, engine, load, memory, multimodal, prefix, structured
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True,
+                                                                      parser_class=make)
+    from mlxserve.bench import compare, engine, load, memory, multimodal, plot, prefix, structured
     from mlxserve.bench import serve as serve_bench
 
     for name, module, help_text in (
@@ -266,6 +314,7 @@ def make_parser() -> argparse.ArgumentParser:
         ("load", load, "weight-loading strategies: load time and peak RSS, cold/warm page cache"),
         ("multimodal", multimodal, "multi-turn TTFT about one image/video: vision cache, KV cache, both"),
         ("structured", structured, "aggregate tok/s with every row under a JSON schema vs free; mask time"),
+        ("plot", plot, "PNG charts of `bench serve` result files, side by side (the `plot` extra)"),
     ):
         command = bench.add_parser(name, help=help_text)
         module.add_arguments(command)
@@ -273,8 +322,35 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from mlxserve import __version__
+
+    def of(name: str) -> str:
+        try:
+            return f"{name} {version(name)}"
+        except PackageNotFoundError:
+            return f"{name} not installed"
+
+    return f"mlxserve {__version__} ({of('mlx')}, {of('mlx-lm')}, {of('mlx-vlm')})"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    settings_parser = getattr(args, "settings_parser", None)
+    if settings_parser is not None:
+        # serve: MLXSERVE_<FLAG> and --config become its defaults, then the flags are parsed again over them.
+        from mlxserve.settings import settings_defaults
+
+        try:
+            settings_parser.set_defaults(**settings_defaults(settings_parser,
+                                                             args.config or os.environ.get("MLXSERVE_CONFIG")))
+        except ValueError as e:
+            settings_parser.error(str(e))
+        args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
 

@@ -83,6 +83,7 @@ def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAP
     )
     manager.load_pinned()
     app = create_app(manager)
+    app.state.models, app.state.model_specs = manager, specs  # for the start-up banner (cli.py)
     install_security(app, config.security, config.host)
     return app
 
@@ -95,8 +96,9 @@ def model_specs(config: ServerConfig, loaded: LoadedModel | None = None) -> tupl
     source = loaded.source if loaded is not None else config.model
     if source is None:
         from mlxserve.models.demo import ensure_demo_model
+        from mlxserve.progress import StageLog
 
-        source = str(ensure_demo_model())
+        source = str(ensure_demo_model(progress=StageLog("building the demo model (first run only)")))
         log.info("no model named: serving the demo model at %s", source)
     name = config.served_model_name or default_name(source)
     aliases = tuple(sorted({source, default_name(source)} - {name}))

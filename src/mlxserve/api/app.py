@@ -18,6 +18,7 @@ from mlxserve.api.door import EngineDoor, RequestTimer
 from mlxserve.api.embeddings import add_embeddings_route
 from mlxserve.api.errors import APIError, error_body, error_response, install_error_handlers
 from mlxserve.api.metrics import Metrics
+from mlxserve.api.docs import install_docs
 from mlxserve.api.openapi import install_openapi
 from mlxserve.api.prompt_bound import PrepPool
 from mlxserve.api.responses import SSE_DONE, ResponseBuilder, sse, usage
@@ -25,6 +26,7 @@ from mlxserve.api.responses_api import add_responses_routes
 from mlxserve.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mlxserve.engine.async_engine import EngineStats
 from mlxserve.engine.request import RequestOutput
+from mlxserve.models.extras import MissingExtraError
 from mlxserve.models.manager import ModelManager, ModelUnavailableError, UnknownModelError
 
 log = logging.getLogger(__name__)
@@ -70,13 +72,18 @@ def create_app(models: ModelManager) -> FastAPI:
         # out of the collector's sight, or each full collection walks it all and stalls the streams.
         gc.collect()
         gc.freeze()
+        on_ready = getattr(app.state, "on_ready", None)  # the start-up banner (cli.py, banner.py)
+        if on_ready is not None:
+            await on_ready()
         try:
             yield
         finally:
             prep.close()
             models.close()
 
-    app = FastAPI(title="mlxserve", lifespan=lifespan)
+    # /docs serves Swagger UI's files itself (api/docs.py): FastAPI's default page loads them from a CDN.
+    app = FastAPI(title="mlxserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_docs(app)
     install_error_handlers(app)
     install_openapi(app)
     # What a graceful shutdown (process.py) needs, without importing the server: end the streams still
@@ -90,6 +97,8 @@ def create_app(models: ModelManager) -> FastAPI:
 
     @app.exception_handler(ModelUnavailableError)
     async def _unavailable(_: Request, exc: ModelUnavailableError):
+        if isinstance(exc.__cause__, MissingExtraError):  # not a passing state: retrying will not help
+            return error_response(APIError(400, str(exc.__cause__), "model", "model_not_supported"))
         return error_response(APIError(503, str(exc), "model", "model_unavailable",
                                        headers={"Retry-After": _RETRY_AFTER_S}))
 
@@ -144,6 +153,12 @@ def create_app(models: ModelManager) -> FastAPI:
     @app.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": models.cards()}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        # The openai client's models.retrieve; ids may hold a slash (hub ids), hence :path.
+        name = models.resolve(model_id)  # an unknown id: UnknownModelError -> 404
+        return next(card for card in models.cards() if card["id"] == name)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):

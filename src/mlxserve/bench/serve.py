@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from mlxserve.bench import plot
 from mlxserve.bench.report import format_table, mean, percentile, write_json
 
 ENDPOINT_PATHS = {"completions": "/completions", "chat": "/chat/completions"}
@@ -358,6 +359,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", default=None,
                         help="result file (default bench-results/serve-<label>-<time>.json)")
     parser.add_argument("--no-json", action="store_true", help="print the table only")
+    parser.add_argument("--plot", nargs="?", const="", default=None, metavar="PNG",
+                        help="also chart the result (matplotlib, the `plot` extra); default file: the JSON's"
+                             " name with .png")
 
 
 def default_json_path(label: str) -> str:
@@ -385,6 +389,13 @@ def _print_progress(level: dict) -> None:
         print(f"  error: {message}", file=sys.stderr)
 
 
+def _plot(result: dict, out) -> None:
+    try:
+        print(f"wrote {plot.plot_series([(result['levels'][0]['label'], result['levels'])], out)}", file=sys.stderr)
+    except (plot.PlotUnavailableError, ValueError) as exc:
+        print(f"no plot: {exc}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     """CLI entry: 0 when every request succeeded, 1 when some failed, 2 when nothing ran."""
     try:
@@ -396,4 +407,6 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(result["levels"], TABLE_COLUMNS))
     if cfg.output_json:
         print(f"wrote {cfg.output_json}", file=sys.stderr)
+    if getattr(args, "plot", None) is not None:
+        _plot(result, args.plot or (cfg.output_json and plot.default_png_path(cfg.output_json)) or "bench-serve.png")
     return 0 if all(level["num_errors"] == 0 for level in result["levels"]) else 1

@@ -227,9 +227,11 @@ def _random_model(config: DemoModelConfig, hf_config: dict):
     return model
 
 
-def _write_float_folder(out: pathlib.Path, config: DemoModelConfig) -> None:
+def _write_float_folder(out: pathlib.Path, config: DemoModelConfig, progress=None) -> None:
     from mlx_lm.utils import save_config, save_model
 
+    stage = progress or (lambda _: None)
+    stage("training the tokenizer")
     build_tokenizer(out)
     with open(out / "tokenizer.json", encoding="utf-8") as f:
         tokenizer_json = json.load(f)
@@ -239,12 +241,14 @@ def _write_float_folder(out: pathlib.Path, config: DemoModelConfig) -> None:
     eos_token_id = _token_id(out, EOS_TOKEN)
     pad_token_id = _token_id(out, PAD_TOKEN)
     hf_config = _hf_config(config, config.vocab_size or vocab_size, eos_token_id, pad_token_id)
+    stage("making random weights")
     model = _random_model(config, hf_config)
     if config.quantize_bits is not None and not config.quantize_with_converter:
         import mlx.nn as nn
 
         nn.quantize(model, group_size=config.group_size, bits=config.quantize_bits)
         hf_config["quantization"] = {"group_size": config.group_size, "bits": config.quantize_bits}
+    stage("writing weights")
     save_model(out, model)
     save_config(hf_config, config_path=out / "config.json")
     generation_config = {
@@ -290,18 +294,21 @@ def _quantize_folder(src: pathlib.Path, out: pathlib.Path, config: DemoModelConf
     (out / "chat_template.jinja").unlink(missing_ok=True)
 
 
-def build_model_folder(out_dir, config: DemoModelConfig = DemoModelConfig()) -> pathlib.Path:
-    """Build a tiny random-weight model folder at out_dir (created if missing) and return its path."""
+def build_model_folder(out_dir, config: DemoModelConfig = DemoModelConfig(), progress=None) -> pathlib.Path:
+    """Build a tiny random-weight model folder at out_dir (created if missing) and return its path.
+    `progress(stage)` is called as each stage starts (mlxserve.progress.StageLog prints them)."""
     out = pathlib.Path(out_dir)
     if config.quantize_bits is None or not config.quantize_with_converter:
         out.mkdir(parents=True, exist_ok=True)
-        _write_float_folder(out, config)
+        _write_float_folder(out, config, progress)
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".demo-float-") as tmp:
         float_dir = pathlib.Path(tmp) / "float"
         float_dir.mkdir()
-        _write_float_folder(float_dir, config)
+        _write_float_folder(float_dir, config, progress)
+        if progress is not None:
+            progress(f"quantizing to {config.quantize_bits} bits")
         if out.exists():
             # The converter refuses existing paths; an empty one (e.g. from mkdtemp) is safe to drop.
             out.rmdir()
@@ -315,8 +322,9 @@ def default_demo_model_dir() -> pathlib.Path:
     return pathlib.Path(platformdirs.user_cache_dir("mlxserve")) / DEMO_MODEL_DIRNAME
 
 
-def ensure_demo_model(path=None) -> pathlib.Path:
-    """Return the demo model folder, building it first if it is not there yet."""
+def ensure_demo_model(path=None, progress=None) -> pathlib.Path:
+    """Return the demo model folder, building it first if it is not there yet (`progress`: as in
+    build_model_folder, called only when it builds)."""
     target = pathlib.Path(path) if path is not None else default_demo_model_dir()
     if (target / "config.json").exists():
         return target
@@ -324,7 +332,7 @@ def ensure_demo_model(path=None) -> pathlib.Path:
     # Build next to the target and rename, so a crash or a concurrent builder never leaves half a folder.
     tmp = pathlib.Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
-        build_model_folder(tmp)
+        build_model_folder(tmp, progress=progress)
         try:
             os.replace(tmp, target)
         except OSError:

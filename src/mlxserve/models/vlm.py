@@ -241,6 +241,10 @@ def load_vlm(source: str, config: dict):
     """(VisionLanguageModel, tokenizer) through mlx-vlm's `load`; the tokenizer is mlx-lm's wrapper
     over the same folder, so detokenizing and stop tokens work as for text models."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from mlxserve.models.extras import require_vision
+
+    require_vision(source)  # mlx-vlm is the optional `vision` extra
     from mlx_vlm import load
     from mlx_vlm.utils import get_model_path
 

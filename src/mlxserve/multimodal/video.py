@@ -15,8 +15,6 @@ import math
 import time
 from dataclasses import dataclass
 
-import av
-from av.error import FFmpegError
 from PIL import Image
 
 from mlxserve.config import MediaConfig
@@ -64,6 +62,10 @@ def check_sampling(config: MediaConfig, fps: float | None, max_frames: int | Non
 
 def decode_video(data: bytes, config: MediaConfig, fps: float, max_frames: int, *,
                  param: str | None = "video_url") -> VideoFrames:
+    # PyAV comes with the `vision` extra: only vision-language models take videos.
+    import av
+    from av.error import FFmpegError
+
     try:
         container = av.open(io.BytesIO(data), mode="r", options={"format_whitelist": VIDEO_DEMUXERS})
     except FFmpegError as exc:
@@ -96,6 +98,8 @@ def _pick_frames(container, stream, targets: list[float], rate: float, config: M
                  param: str | None) -> list[tuple[Image.Image, float]]:
     """Nearest decoded frame to each target time, in one forward pass that skips long gaps by seeking
     and stops once the last target is served."""
+    from av.error import FFmpegError
+
     picked: list[tuple[Image.Image, float]] = []
     last_t: float | None = None  # time of the last picked frame, so one frame is never taken twice
 
@@ -160,6 +164,8 @@ def _duration(stream, container) -> float | None:
     if stream.duration and stream.time_base:
         return float(stream.duration * stream.time_base)
     if container.duration:
+        import av
+
         return container.duration / av.time_base
     if stream.frames and stream.average_rate:
         return stream.frames / float(stream.average_rate)

@@ -1,0 +1,77 @@
+"""`mlxserve pull HF_ID`: download a model into the Hugging Face cache (or `--local-dir`).
+
+huggingface_hub's `snapshot_download` does the work: the cache layout mlx-lm's loader reads, resumed
+partial files, parallel downloads. Its progress bars hide themselves when stderr is not a terminal
+(its TTY auto-detection); ours stay on, so a pull in CI or under `nohup` still shows it moves.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+
+class _VisibleTqdm(tqdm):
+    """A plain tqdm (not huggingface_hub's subclass, which it would switch off without a terminal)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.pop("name", None)  # huggingface_hub's group name; plain tqdm rejects it
+        kwargs.setdefault("file", sys.stderr)
+        kwargs.setdefault("mininterval", 0.5)
+        super().__init__(*args, **kwargs)
+
+
+def pull(repo_id: str, revision: str | None = None, local_dir: str | None = None,
+         allow_patterns: list[str] | None = None) -> Path:
+    """Downloads `repo_id` at `revision` (a branch, tag or commit; default main) and returns the folder."""
+    from huggingface_hub import snapshot_download
+
+    path = snapshot_download(repo_id, revision=revision, local_dir=local_dir, allow_patterns=allow_patterns,
+                             tqdm_class=_VisibleTqdm)
+    return Path(path)
+
+
+def run(args) -> int:
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    from mlxserve.models.catalog import describe, format_size
+
+    import logging
+
+    for name in ("httpx", "httpx2"):  # one INFO line per request would drown the progress bars
+        logging.getLogger(name).setLevel(logging.WARNING)
+    print(f"pulling {args.repo_id}" + (f" at {args.revision}" if args.revision else ""), file=sys.stderr)
+    try:
+        path = pull(args.repo_id, args.revision, args.local_dir, args.include or None)
+    except RepositoryNotFoundError:
+        print(f"mlxserve pull: {args.repo_id} not found (a private repo needs `hf auth login` or HF_TOKEN)",
+              file=sys.stderr)
+        return 2
+    except LocalEntryNotFoundError as e:
+        print(f"mlxserve pull: cannot reach the hub (HF_HUB_OFFLINE set, or no network): {e}", file=sys.stderr)
+        return 2
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        print(f"mlxserve pull: {e}", file=sys.stderr)
+        return 2
+    model = describe(args.repo_id, path)
+    if model is None:
+        print(f"{path} (no config.json: not a model folder mlxserve can serve)")
+        return 0
+    bits = f", {model.bits}-bit" if model.bits else ""
+    serve = "servable" if model.servable else f"not servable: {model.why_not}"
+    print(f"{path} ({format_size(model.num_bytes)}, {model.family}{bits}, {serve})")
+    if model.servable:
+        print(f"serve it with: mlxserve serve {args.repo_id if args.local_dir is None else path}", file=sys.stderr)
+    return 0
+
+
+def add_arguments(p) -> None:
+    p.add_argument("repo_id", metavar="HF_ID", help="Hugging Face model id, e.g. mlx-community/Qwen3-0.6B-4bit")
+    p.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
+    p.add_argument("--local-dir", default=None,
+                   help="download into this folder instead of the Hugging Face cache (default: the cache,"
+                        " HF_HUB_CACHE)")
+    p.add_argument("--include", action="append", default=[], metavar="PATTERN",
+                   help="only files matching this glob (repeatable; default: every file)")

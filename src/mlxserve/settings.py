@@ -1,0 +1,131 @@
+"""`mlxserve serve` settings from three places, strongest first: command-line flags, `MLXSERVE_<FLAG>`
+environment variables (`MLXSERVE_PORT=9000`, `MLXSERVE_MAX_NUM_SEQS=8`), a YAML file (`--config FILE`,
+keys are flag names with dashes or underscores). Built-in defaults come last.
+
+They become the parser's defaults before the command line is parsed, so argparse keeps its usual
+rules (a flag given overrides them) and a value is checked by the same type and choices as a flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+ENV_PREFIX = "MLXSERVE_"
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, unless its help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        said = any(s in text for s in ("default:", "(default", "default off", "%(default)"))
+        if said or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if action.default in (None, [], ""):
+            return text + " (default: none)"
+        if action.default is False:
+            return text + " (default: not set)"  # a switch: "off" would read as the feature's state
+        return text + " (default: %(default)s)"
+
+
+def env_name(action: argparse.Action) -> str:
+    """MLXSERVE_MAX_NUM_SEQS for --max-num-seqs; MLXSERVE_MODEL for the MODEL argument."""
+    flag = next((o for o in action.option_strings if o.startswith("--")), None)
+    return ENV_PREFIX + (flag[2:] if flag else action.dest).upper().replace("-", "_")
+
+
+def _settable(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Setting name (dashes as underscores) -> action. The positional MODEL and the repeatable
+    --model share the name `model`: one value names MODEL, several are --model entries."""
+    out = {}
+    for action in parser._actions:  # argparse has no public list of a parser's actions
+        if isinstance(action, (argparse._HelpAction, argparse._VersionAction)) or action.dest == "config":
+            continue
+        key = env_name(action)[len(ENV_PREFIX):].lower()
+        if key in out:  # --model after MODEL: keep both under distinct keys
+            key = "+" + key
+        out[key] = action
+    return out
+
+
+def _convert(action: argparse.Action, raw, where: str):
+    """A value from the environment (a string) or YAML (any scalar or a list) as the flag would give it."""
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if isinstance(raw, bool):
+            value = raw
+        elif str(raw).strip().lower() in _TRUE | _FALSE:
+            value = str(raw).strip().lower() in _TRUE
+        else:
+            raise ValueError(f"{where}: expected true or false, got {raw!r}")
+        return value if isinstance(action, argparse._StoreTrueAction) else not value
+    if isinstance(action, argparse._AppendAction):
+        items = raw if isinstance(raw, list) else [p for p in str(raw).split(",") if p.strip()]
+        return [_one(action, item, where) for item in items]
+    if isinstance(raw, (list, dict)):
+        raise ValueError(f"{where}: expected one value, got {raw!r}")
+    return _one(action, raw, where)
+
+
+def _one(action: argparse.Action, raw, where: str):
+    text = str(raw).strip()
+    try:
+        value = action.type(text) if action.type is not None else text
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+        raise ValueError(f"{where}: {raw!r} is not a valid value ({exc})") from None
+    if action.choices is not None and value not in action.choices:
+        choices = ", ".join(map(str, action.choices))
+        raise ValueError(f"{where}: {raw!r} is not one of {choices}")
+    return value
+
+
+def _model_setting(actions: dict, raw, where: str) -> dict:
+    # `model: PATH` names the one model; a list (or MLXSERVE_MODEL=a,b) serves several, as --model does.
+    items = raw if isinstance(raw, list) else [p for p in str(raw).split(",") if p.strip()]
+    if len(items) == 1 and "=" not in str(items[0]):
+        return {actions["model"].dest: str(items[0]).strip()}
+    return {actions["+model"].dest: _convert(actions["+model"], items, where)}
+
+
+def read_config_file(path: str | Path) -> dict:
+    import yaml
+
+    path = Path(path).expanduser()
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"--config {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config {path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values")
+    return data
+
+
+def settings_defaults(parser: argparse.ArgumentParser, config_file: str | None,
+                      environ: os._Environ | dict | None = None) -> dict:
+    """Defaults for `parser` from the config file, then the environment over it; ValueError names the
+    unknown key or bad value."""
+    environ = os.environ if environ is None else environ
+    actions = _settable(parser)
+    defaults: dict = {}
+    sources = []
+    if config_file:
+        sources += [(str(k).replace("-", "_").lower(), v, f"--config {config_file}: {k}")
+                    for k, v in read_config_file(config_file).items()]
+    sources += [(name[len(ENV_PREFIX):].lower(), value, name) for name, value in environ.items()
+                if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):].lower() in actions]
+    for key, raw, where in sources:
+        if key == "model" and "+model" in actions:
+            defaults.update(_model_setting(actions, raw, where))
+            continue
+        action = actions.get(key)
+        if action is None:
+            known = ", ".join(sorted(k for k in actions if not k.startswith("+")))
+            raise ValueError(f"{where}: no such setting; known: {known}")
+        defaults[action.dest] = _convert(action, raw, where)
+    return defaults

@@ -1,0 +1,63 @@
+"""`mlxserve bench plot` / `bench serve --plot`: a PNG of the expected size from fixture results."""
+
+import json
+import struct
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from mlxserve import cli  # noqa: E402
+from mlxserve.bench import plot  # noqa: E402
+
+
+def _result(label: str, scale: float) -> dict:
+    levels = [{"label": label, "concurrency": c, "agg_tok_s": 40.0 * c * scale, "ttft_p50_ms": 30.0 * c,
+               "decode_tok_s_per_req": 40.0 * scale} for c in (1, 2, 4, 8)]
+    return {"config": {"label": label}, "levels": levels}
+
+
+def _png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])  # IHDR: width, height
+
+
+def test_plot_command_writes_a_png_of_the_expected_size(tmp_path):
+    files = []
+    for label, scale in (("mlxserve", 1.0), ("mlx_lm.server", 0.6)):
+        files.append(tmp_path / f"{label}.json")
+        files[-1].write_text(json.dumps(_result(label, scale)))
+    out = tmp_path / "chart.png"
+    assert cli.main(["bench", "plot", *map(str, files), "-o", str(out), "--title", "tiny"]) == 0
+    width, height = plot.FIGSIZE[0] * plot.DPI, plot.FIGSIZE[1] * plot.DPI
+    assert _png_size(out) == (len(plot.METRICS) * width, height)
+
+
+def test_default_output_is_next_to_the_json(tmp_path):
+    f = tmp_path / "run.json"
+    f.write_text(json.dumps({"levels": [{"concurrency": 1, "agg_tok_s": 10.0}]}))
+    assert cli.main(["bench", "plot", str(f)]) == 0
+    assert _png_size(tmp_path / "run.png") == (plot.FIGSIZE[0] * plot.DPI, plot.FIGSIZE[1] * plot.DPI)
+
+
+def test_not_a_result_file_is_a_clear_error(tmp_path, capsys):
+    f = tmp_path / "x.json"
+    f.write_text("{}")
+    assert cli.main(["bench", "plot", str(f)]) == 2
+    assert "not a `bench serve` result" in capsys.readouterr().err
+
+
+def test_missing_matplotlib_names_the_extra(monkeypatch, tmp_path):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(plot.PlotUnavailableError, match=r"mlxserve\[plot\]"):
+        plot.plot_series([("a", _result("a", 1.0)["levels"])], tmp_path / "x.png")
