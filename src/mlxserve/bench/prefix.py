@@ -26,8 +26,8 @@ _COLUMNS = [
 ]
 
 
-def _run_one(core, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
-    """(ttft s, decode tokens/s, cached tokens) of one request run alone."""
+def _run_one(core, prompt: list[int], max_tokens: int, out_ids: list[int] | None = None) -> tuple[float, float, int]:
+    """(ttft s, decode tokens/s, cached tokens) of one request run alone; its tokens go to `out_ids`."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     rid = f"bench-{time.monotonic_ns()}"
     start = time.perf_counter()
@@ -41,6 +41,8 @@ def _run_one(core, prompt: list[int], max_tokens: int) -> tuple[float, float, in
             last = now
             n += len(out.new_token_ids)
             cached = out.num_cached_tokens
+            if out_ids is not None:
+                out_ids.extend(out.new_token_ids)
     rate = (n - 1) / (last - first) if n > 1 and last > first else 0.0
     return first - start, rate, cached
 
@@ -55,6 +57,10 @@ def run_prefix_bench(args) -> dict:
     from mlxserve.models.loader import load_model
     from mlxserve.server import model_key, resolve_max_model_len
 
+    if args.shape:
+        from mlxserve.models.families import build_family_folder
+
+        args.model = str(build_family_folder(tempfile.mkdtemp(prefix=f"mlxserve-bench-{args.shape}-"), args.shape))
     loaded = load_model(args.model or str(ensure_demo_model()))
     vocab = min(len(loaded.tokenizer), 2000)
     rows = []
@@ -75,7 +81,10 @@ def run_prefix_bench(args) -> dict:
                 cold, hit, ssd, hit_tokens = [], [], [], 0
                 for _ in range(args.repeats):
                     prefix = _prompt(rng, p, vocab)
-                    cold.append(_run_one(core, prefix + _prompt(rng, args.suffix_tokens, vocab), 1)[0])
+                    turn1, answer = prefix + _prompt(rng, args.suffix_tokens, vocab), []
+                    cold.append(_run_one(core, turn1, 1 + args.answer_tokens, answer)[0])
+                    if args.answer_tokens:  # turn 2 of a conversation: turn 1, its answer, a new message
+                        prefix = turn1 + answer
                     ttft, _, hit_tokens = _run_one(core, prefix + _prompt(rng, args.suffix_tokens, vocab), 1)
                     hit.append(ttft)
                     if args.ssd:
@@ -116,6 +125,12 @@ def _decode_on_off(loaded, args, vocab: int) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model folder (default: the demo model)")
+    parser.add_argument("--shape", default=None,
+                        help="instead of --model, a tiny random fixture of this family (models/families.py), "
+                             "e.g. gemma3_text (sliding window) or qwen3_next (recurrent state)")
+    parser.add_argument("--answer-tokens", type=int, default=0,
+                        help="multi-turn: the cold request answers this many tokens and the hit request is "
+                             "turn 2 (the cold prompt, its answer, a new message); 0: shared prefix, other suffix")
     parser.add_argument("--prefix-tokens", type=int_list, default=[512, 4096])
     parser.add_argument("--suffix-tokens", type=int, default=32)
     parser.add_argument("--block-size", type=int_list, default=[256])

@@ -76,6 +76,7 @@ class ModelRunner:
         self._captured: dict[str, dict[int, mx.array]] = {}
         self._snap_at: dict[str, int] = {}
         self._prefill_snaps: dict[str, tuple[int, list]] = {}
+        self._joined_last_step: list[str] = []
 
     @property
     def num_rows(self) -> int:
@@ -90,6 +91,11 @@ class ModelRunner:
             self.store.spill_pending()
         if sched.store_ops:
             self._store_blocks(sched.store_ops, out)
+        # Prompts that joined last step had their blocks planned for this step (or all cached already):
+        # what their prefill captured is no longer needed.
+        for rid in self._joined_last_step:
+            self._captured.pop(rid, None)
+            self._prefill_snaps.pop(rid, None)
         self._drop(sched.finished_request_ids)
         joined: list[tuple[str, list[Any], mx.array]] = []
         for chunk in sched.prefill_chunks:
@@ -104,6 +110,7 @@ class ModelRunner:
             if done is not None:
                 joined.append(done)
         try:
+            self._joined_last_step = [j[0] for j in joined]
             if joined:
                 rids, caches, tokens = zip(*joined)
                 positions = None
