@@ -203,8 +203,14 @@ class JSONContentTypeMiddleware:
     Browsers send `text/plain` and form types cross-origin without a CORS preflight; insisting on JSON
     makes every such request preflighted."""
 
-    def __init__(self, app) -> None:
-        self.app = app
+    def __init__(self, app, routes: list) -> None:
+        self.app, self._routes = app, routes  # the app's router's list: routes added later count too
+
+    def _takes_post(self, scope) -> bool:
+        # Only where a POST route matches: elsewhere the router's 404 or 405 (with `Allow`) is the answer.
+        from starlette.routing import Match
+
+        return any(route.matches(scope)[0] is Match.FULL for route in self._routes)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -212,6 +218,8 @@ class JSONContentTypeMiddleware:
         value = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
         media = value.split(b";", 1)[0].strip().lower()
         if media in _JSON_TYPES or (media.startswith(b"application/") and media.endswith(b"+json")):
+            return await self.app(scope, receive, send)
+        if not self._takes_post(scope):
             return await self.app(scope, receive, send)
         message = "the request body must be JSON: send `Content-Type: application/json`"
         await send_json(send, 415, dialect_error(scope["path"], 415, message, "invalid_request_error",
@@ -235,7 +243,7 @@ def install_security(app, config: SecurityConfig, host: str, web_page: bool = Fa
     from starlette.middleware.cors import CORSMiddleware
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
-    app.add_middleware(JSONContentTypeMiddleware)
+    app.add_middleware(JSONContentTypeMiddleware, routes=app.router.routes)
     if config.api_keys:
         app.add_middleware(APIKeyMiddleware, keys=config.api_keys, metrics_public=config.metrics_public,
                            web_page=web_page)  # the page's own files load without a key
