@@ -151,6 +151,7 @@ def _serve(args) -> int:
                               port=args.port, log_level=args.log_level, engine=_engine_config(args),
                               load_strategy=args.load_strategy, media=_media_config(args),
                               tool_call_parser=args.tool_call_parser, shutdown_timeout_s=args.shutdown_timeout,
+                              web_ui=not args.no_web_ui,
                               security=_security_config(args), **_models_fields(args))
         # The port first: one in use is reported now, not after the model has loaded.
         sock = process.bind(config.host, config.port)
@@ -249,6 +250,7 @@ def make_parser() -> argparse.ArgumentParser:
                        help="most weight bytes loaded at once (8GB, 50%%); default: what the memory budget leaves")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="log verbosity")
+    serve.add_argument("--no-web-ui", action="store_true", help="no chat page and dashboard at /")
     serve.add_argument("--shutdown-timeout", type=float, default=ServerConfig().shutdown_timeout_s, metavar="SECONDS",
                        help="on SIGTERM/SIGINT, how long running streams may finish before they end with an error"
                             " event (a second signal ends them at once)")

@@ -176,6 +176,7 @@ class ServerConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)  # keys, CORS, body and max_tokens limits
     # On SIGTERM/SIGINT running streams may finish for this long; then they end with an error event.
     shutdown_timeout_s: float = 30.0
+    web_ui: bool = True  # the chat page and dashboard at / (api/web.py)
 
     def __post_init__(self) -> None:
         from mlxserve.models.loader import LOAD_STRATEGIES

@@ -13,6 +13,7 @@ from mlxserve.api.app import create_app
 from mlxserve.api.prompt_bound import max_token_chars
 from mlxserve.api.security import install_security
 from mlxserve.api.serving import ServedModel
+from mlxserve.api.web import add_web_routes
 from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
 from mlxserve.engine.async_engine import AsyncEngine
 from mlxserve.models.loader import LoadedModel, load_model
@@ -84,7 +85,8 @@ def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAP
     manager.load_pinned()
     app = create_app(manager)
     app.state.models, app.state.model_specs = manager, specs  # for the start-up banner (cli.py)
-    install_security(app, config.security, config.host)
+    add_web_routes(app, enabled=config.web_ui)
+    install_security(app, config.security, config.host, web_page=config.web_ui)
     return app
 
 

@@ -154,6 +154,20 @@ def create_app(models: ModelManager) -> FastAPI:
     async def list_models():
         return {"object": "list", "data": models.cards()}
 
+    def card(name: str) -> dict:
+        return next(c for c in models.cards() if c["id"] == models.resolve(name))
+
+    @app.post("/v1/models/{name:path}/load")
+    async def load_model(name: str):
+        await models.load(name)
+        return card(name)
+
+    @app.post("/v1/models/{name:path}/unload")
+    async def unload_model(name: str):
+        if not await models.unload(name):
+            raise APIError(409, f"model `{name}` is serving requests; unload it when they end", "model", "model_busy")
+        return card(name)
+
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str):
         # The openai client's models.retrieve; ids may hold a slash (hub ids), hence :path.

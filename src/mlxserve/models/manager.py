@@ -170,6 +170,22 @@ class ModelManager:
             slot.num_leases -= 1
             slot.last_used = self._clock()
 
+    async def load(self, requested: str) -> None:
+        """Loads a model now (an operator's request, POST /v1/models/NAME/load), as a request would."""
+        async with self.lease(requested):
+            pass
+
+    async def unload(self, requested: str) -> bool:
+        """Unloads a model now (POST /v1/models/NAME/unload); False while it serves requests. The next
+        request loads it again, pinned or not."""
+        slot = self._slots[self.resolve(requested)]
+        async with self._lock:  # after a load under way
+            if slot.state is ModelState.LOADED:
+                if not slot.is_idle:
+                    return False
+                await self._unload(slot, "asked to over HTTP")
+        return True
+
     # -- loading and unloading -----------------------------------------------------------------
     async def _load(self, slot: _Slot) -> None:
         try:

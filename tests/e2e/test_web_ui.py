@@ -1,0 +1,183 @@
+"""The web page at `/` in a real browser: headless Chromium driven by selenium (chromedriver, the
+WebDriver protocol) against the real server with an API key. The page asks for the key, streams a
+reply, stops one, and the dashboard shows the models, the memory budget bars and the live counters.
+
+Screenshots are written under the test's tmp_path (printed; `pytest -s` shows the path). Skipped only
+when no Chromium is installed; .ci/run installs Debian's `chromium` and `chromium-driver`.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from mlxserve.config import EngineConfig, SecurityConfig, ServerConfig
+from mlxserve.server import build_app
+
+SERVED_NAME = "tiny"  # the name tests/e2e/conftest.py serves under
+KEY = "sk-web-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+WAIT_S = 120  # a bound for each wait, not a timing check
+CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome", "chrome"))), None)
+
+
+def web_config(model_dir, **kw) -> ServerConfig:
+    return ServerConfig(model=str(model_dir), served_model_name=SERVED_NAME, engine=EngineConfig(max_num_seqs=4),
+                        security=SecurityConfig(api_keys=(KEY,)), **kw)
+
+
+def test_page_files_and_no_web_ui(qwen3_model_dir):
+    # No lifespan (no `with`): nothing here reaches an engine.
+    on = TestClient(build_app(web_config(qwen3_model_dir)), base_url="http://127.0.0.1")
+    page = on.get("/")  # the files hold no data: they load without the key; the API does not
+    assert page.status_code == 200 and "Content-Security-Policy" in page.headers
+    assert 'src="/static/app.js"' in page.text
+    assert on.get("/static/app.js").status_code == 200 and on.get("/static/style.css").status_code == 200
+    assert on.get("/v1/models").status_code == 401
+    off = TestClient(build_app(web_config(qwen3_model_dir, web_ui=False)), base_url="http://127.0.0.1")
+    assert off.get("/").status_code == 401  # no page: `/` is an ordinary closed path again
+    assert off.get("/", headers=AUTH).status_code == 404
+
+
+@pytest.fixture(scope="module")
+def live(qwen3_model_dir, serve_module_app):
+    return serve_module_app(build_app(web_config(qwen3_model_dir)))
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    if CHROMIUM is None:
+        pytest.skip("no Chromium binary found (apt-get install chromium chromium-driver; .ci/run does)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    driver_path = shutil.which("chromedriver")
+    assert driver_path, f"Chromium is at {CHROMIUM} but chromedriver is missing: apt-get install chromium-driver"
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1280,860", "--disable-extensions", "--no-first-run",
+                f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
+    yield driver
+    driver.quit()
+
+
+def num_running(live) -> float:
+    text = httpx.get(live.url + "/metrics", headers=AUTH, timeout=30).text
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("mlxserve_num_requests_running ")))
+
+
+def wait_for(driver, condition, message: str):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, WAIT_S, poll_frequency=0.1).until(lambda d: condition(d), message)
+
+
+def text_of(driver, selector: str) -> str:
+    from selenium.webdriver.common.by import By
+
+    found = driver.find_elements(By.CSS_SELECTOR, selector)
+    return found[-1].text if found else ""
+
+
+def test_chat_and_dashboard_in_chromium(live, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    d = browser
+    find = lambda sel: d.find_element(By.CSS_SELECTOR, sel)  # noqa: E731
+    shots = []
+
+    def shot(name: str) -> None:
+        path = tmp_path / f"{name}.png"
+        d.save_screenshot(str(path))
+        shots.append(path)
+
+    # The page loads without the key, and asks for it when the API answers 401.
+    d.get(live.url + "/")
+    wait_for(d, lambda _: "API key" in find("#notice").text, "the page never asked for the API key")
+    find("#key").send_keys(KEY)
+    find("#key-form button").click()
+    wait_for(d, lambda _: SERVED_NAME in find("#model").text, "the model list never loaded with the key")
+    assert d.execute_script("return localStorage.getItem('mlxserve.apiKey')") == KEY
+
+    # A streamed reply: the reply's text changes several times before the stats line appears.
+    find("#system").send_keys("You are terse.")
+    find("#max-tokens").clear()
+    find("#max-tokens").send_keys("24")
+    d.execute_script("""window.numUpdates = 0;
+        new MutationObserver(() => window.numUpdates++).observe(document.querySelector('#log'),
+            {subtree: true, childList: true, characterData: true});""")
+    find("#prompt").send_keys("Tell me a story")
+    find("#send").click()
+    wait_for(d, lambda _: "tok/s" in text_of(d, ".msg.assistant .stats"), "no stats line under the reply")
+    assert text_of(d, ".msg.assistant .content").strip(), "the reply has no text"
+    stats = text_of(d, ".msg.assistant .stats")
+    assert "TTFT" in stats and "24 tokens" in stats and "length" in stats, stats
+    assert d.execute_script("return window.numUpdates") > 3  # token by token, not one block at the end
+    assert text_of(d, ".msg.user .content") == "Tell me a story"
+    shot("chat")
+
+    # JSON mode (response_format json_object) and an attached image (a data: URI image_url part): this
+    # fixture is a text model, so the image's 400 must reach the page as the reply's error.
+    find("#json-mode").click()
+    find("#prompt").send_keys("A JSON object, please")
+    find("#send").click()
+    wait_for(d, lambda _: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats")) == 2
+             and "tokens" in text_of(d, ".msg.assistant .stats"), "no JSON-mode reply")
+    assert text_of(d, ".msg.assistant .badge").startswith("JSON")
+    find("#json-mode").click()
+    image = tmp_path / "red.png"
+    Image.new("RGB", (8, 8), (255, 0, 0)).save(image)
+    find("#image").send_keys(str(image))
+    wait_for(d, lambda _: find("#attachment").is_displayed(), "the attached image is not shown")
+    find("#prompt").send_keys("What is this?")
+    find("#send").click()
+    wait_for(d, lambda _: text_of(d, ".msg.assistant .error"), "no error shown for an image to a text model")
+    assert find(".msg.user .thumb").get_attribute("src").startswith("data:image/png;base64,")
+    assert not find("#attachment").is_displayed()
+    find("#clear").click()
+    assert not d.find_elements(By.CSS_SELECTOR, "#log .msg")
+
+    # Stop: the request is aborted, the server lets it go, and the page can send again.
+    find("#max-tokens").clear()
+    find("#max-tokens").send_keys("3000")
+    find("#prompt").send_keys("Go on")
+    find("#send").click()
+    wait_for(d, lambda _: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant")) == 1  # after New conversation
+             and text_of(d, ".msg.assistant .content"), "the long reply never started")
+    find("#stop").click()
+    wait_for(d, lambda _: "stopped" in text_of(d, ".msg.assistant .stats"), "Stop did not end the reply")
+    assert find("#send").is_enabled() and not find("#stop").is_enabled()
+    wait_for(d, lambda _: num_running(live) == 0, "the server kept generating after Stop")
+
+    # Dashboard: models with their state, one budget bar per loaded model, cache and live counters.
+    find("#tab-dash").click()
+    wait_for(d, lambda _: len(d.find_elements(By.CSS_SELECTOR, "#budgets .bar .seg")) == 6, "no budget bars")
+    kv_width = d.execute_script("return document.querySelector('#budgets .seg.kv').getBoundingClientRect().width")
+    assert kv_width > 0
+    assert "KV cache" in find("#budgets .legend").text
+    assert SERVED_NAME in find("#models-table").text and "loaded" in find("#models-table").text
+    wait_for(d, lambda _: "prefix hit rate" in find("#caches").text, "no cache stats")
+    wait_for(d, lambda _: "tokens generated" in find("#live").text and "running" in find("#live").text,
+             "no live counters from /metrics")
+    shot("dashboard")
+
+    # Unload and load again through the buttons (POST /v1/models/NAME/unload and /load).
+    find("#models-table tbody button").click()
+    wait_for(d, lambda _: "not loaded" in find("#models-table").text, "Unload did not unload the model")
+    assert httpx.get(live.base_url + "/models", headers=AUTH).json()["data"][0][
+        "status"] == "not_loaded"
+    find("#models-table tbody button").click()
+    wait_for(d, lambda _: find("#models-table tbody button").text == "Unload", "Load did not load the model")
+    wait_for(d, lambda _: len(d.find_elements(By.CSS_SELECTOR, "#budgets .bar")) == 1, "no bar after loading")
+
+    # Script errors only: the 401 before the key was typed is logged as a failed resource load.
+    errors = [e for e in d.get_log("browser") if e["level"] == "SEVERE" and "Failed to load resource" not in e["message"]]
+    assert not errors, errors
+    print("\nweb page screenshots:", *shots, sep="\n  ")
