@@ -148,3 +148,19 @@ async def async_client(server):
 def http(server):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         yield c
+
+
+def response_head_to_headers_only(url: str, headers: str) -> bytes:
+    """Sends a request's head alone (no body) to the server at `url` and returns the response head: a limit
+    checked from the headers must answer without waiting for a body that never comes."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(headers.format(host=host, port=port).encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            data = sock.recv(4096)
+            assert data, "connection closed without a response"
+            head += data
+    return head

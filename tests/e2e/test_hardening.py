@@ -5,7 +5,6 @@ and metric series that 404 probes cannot grow."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
@@ -14,7 +13,7 @@ import pytest
 
 from mlxserve.config import EngineConfig, SecurityConfig, ServerConfig
 from mlxserve.server import build_app
-from tests.e2e.conftest import SERVED_NAME, start_app
+from tests.e2e.conftest import SERVED_NAME, response_head_to_headers_only, start_app
 
 MAX_GAP_S = 1.0  # the issue's bound for a running stream's inter-token gap while big bodies arrive
 
@@ -41,16 +40,10 @@ def chat(model: str, text: str, **extra) -> dict:
 
 
 def test_20mb_body_is_413_before_it_is_read(live):
-    host, port = live.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        # Headers only: the answer must come without the server waiting for the 20 MB.
-        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json"
-                     f"\r\nContent-Length: {20 * 10**6}\r\n\r\n".encode())
-        head = b""
-        while b"\r\n\r\n" not in head:
-            data = sock.recv(4096)
-            assert data, "connection closed without a response"
-            head += data
+    # Headers only: the answer must come without the server waiting for the 20 MB.
+    head = response_head_to_headers_only(
+        live.url, "POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json"
+                  f"\r\nContent-Length: {20 * 10**6}\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413")
 
 
