@@ -303,12 +303,13 @@ def make_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True,
                                                                       parser_class=make)
-    from mlxserve.bench import compare, engine, load, memory, multimodal, plot, prefix, structured
+    from mlxserve.bench import compare, decode, engine, load, memory, multimodal, plot, prefix, structured
     from mlxserve.bench import serve as serve_bench
 
     for name, module, help_text in (
         ("serve", serve_bench, "streaming HTTP load against an OpenAI-compatible server"),
         ("engine", engine, "the engine in-process, no HTTP"),
+        ("decode", decode, "one stream: mlx-lm generate_step vs the engine core vs the async engine"),
         ("compare", compare, "mlxserve vs mlx_lm.server, same model and load, one run"),
         ("prefix", prefix, "TTFT with a shared prefix: cold vs prefix-cache hit"),
         ("memory", memory, "memory over a long generation with/without --kv-prealloc; peak of a burst with"

@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -20,7 +21,8 @@ import httpx
 from mlxserve.bench.report import format_table, write_json
 from mlxserve.bench.serve import TABLE_COLUMNS, ServeBenchConfig, default_json_path, int_list, run_serve_bench
 
-_SERVERS = ("mlxserve", "mlx_lm")
+_SERVERS = ("mlxserve", "mlx_lm", "vllm_mlx")
+_DEFAULT_SERVERS = ("mlxserve", "mlx_lm")
 
 
 def _free_port() -> int:
@@ -35,6 +37,11 @@ def _command(server: str, model: str, port: int, args) -> tuple[list[str], str]:
         cmd = [sys.executable, "-m", "mlxserve.cli", "serve", model, "--port", str(port),
                "--served-model-name", "bench", "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
         return cmd, "bench"
+    if server == "vllm_mlx":
+        # vllm-mlx (pip install vllm-mlx): its continuous-batching engine, as its README serves it.
+        cmd = [sys.executable, "-m", "vllm_mlx.cli", "serve", model, "--port", str(port), "--continuous-batching",
+               "--max-num-seqs", str(args.max_num_seqs), "--served-model-name", "bench"]
+        return cmd, "bench"
     cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", str(port), "--log-level", "WARNING"]
     # mlx_lm.server matches the request's model against the path it loaded.
     return cmd, model
@@ -42,12 +49,15 @@ def _command(server: str, model: str, port: int, args) -> tuple[list[str], str]:
 
 @contextlib.contextmanager
 def _running(cmd: list[str], url: str, timeout_s: float):
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    # The server's log goes to a file: an unread pipe fills up and stalls a chatty server mid-run.
+    log_file = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[2]} exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+                log_file.seek(0)
+                raise RuntimeError(f"{cmd[2]} exited with {proc.returncode}: {log_file.read()[-2000:]}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/v1/models", timeout=2, trust_env=False).status_code == 200:
                     break
@@ -62,6 +72,7 @@ def _running(cmd: list[str], url: str, timeout_s: float):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        log_file.close()
 
 
 def _ratios(levels: list[dict]) -> list[dict]:
@@ -108,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model folder (default: the demo model)")
-    parser.add_argument("--servers", type=lambda s: [x for x in s.split(",") if x], default=list(_SERVERS),
+    parser.add_argument("--servers", type=lambda s: [x for x in s.split(",") if x], default=list(_DEFAULT_SERVERS),
                         help="comma list of: " + ", ".join(_SERVERS))
     parser.add_argument("--concurrency", type=int_list, default=[1, 16])
     parser.add_argument("--prompt-tokens", type=int, default=128)
