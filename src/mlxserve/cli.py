@@ -20,7 +20,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
                    help="max_tokens when a request names none")
     p.add_argument("--warmup", choices=["auto", "on", "off"], default=d.warmup,
-                   help="run every batch size once at start-up (auto: on for CUDA, which compiles per shape)")
+                   help="run the decode batch sizes once at start-up (auto: on for CUDA, which compiles per shape)")
     p.add_argument("--kv-budget-tokens", type=int, default=None,
                    help="KV tokens running requests may hold at once (default: from the memory budget)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="prefix-cache block size in tokens")
@@ -39,8 +39,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssd-cache-dir", default=None, help="SSD tier of the prefix cache (survives restarts)")
     p.add_argument("--ssd-cache-max-size", default="50GB", help="size cap of the SSD tier")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
-    p.add_argument("--decode-buckets", choices=["on", "off"], default=d.decode_buckets,
-                   help="pad the decode batch to a few fixed sizes")
+    p.add_argument("--decode-buckets", choices=["auto", "on", "off"], default=d.decode_buckets,
+                   help="pad the decode batch to a few fixed sizes (auto: on for CUDA, which compiles per shape)")
     p.add_argument("--vision-cache-memory", default="512MB",
                    help="vision-language models: encoder outputs kept by image hash (bytes or %% of RAM)")
 

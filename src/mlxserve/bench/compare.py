@@ -51,7 +51,11 @@ def _command(server: str, model: str, port: int, args) -> tuple[list[str], str]:
 def _running(cmd: list[str], url: str, timeout_s: float):
     # The server's log goes to a file: an unread pipe fills up and stalls a chatty server mid-run.
     log_file = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+    # Each server starts with its own empty MLX kernel cache: MLX-CUDA keeps compiled kernels on disk,
+    # so a server started after another would find the first one's compiles done for it.
+    kernel_dir = tempfile.TemporaryDirectory(prefix="mlx-ptx-")
+    env = {**os.environ, "MLX_PTX_CACHE_DIR": kernel_dir.name}
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -66,6 +70,7 @@ def _running(cmd: list[str], url: str, timeout_s: float):
             time.sleep(0.5)
         yield proc
     finally:
+        _print_notable(log_file)
         proc.terminate()
         try:
             proc.wait(timeout=30)
@@ -73,6 +78,15 @@ def _running(cmd: list[str], url: str, timeout_s: float):
             proc.kill()
             proc.wait()
         log_file.close()
+        kernel_dir.cleanup()
+
+
+def _print_notable(log_file) -> None:
+    """The server log's lines a reader of the table needs: warm-up, slow steps, errors."""
+    log_file.seek(0)
+    for line in log_file:
+        if any(k in line for k in ("warm-up", "slow engine step", "Traceback", "ERROR")):
+            print("  server log:", line.rstrip()[-300:])
 
 
 def _ratios(levels: list[dict]) -> list[dict]:

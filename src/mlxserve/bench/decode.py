@@ -58,8 +58,15 @@ def _core(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens: int, lab
     return _row(label, best)
 
 
-async def _async(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens: int) -> dict:
+async def _async(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens: int,
+                 switch_s: float | None = None) -> dict:
+    import sys
+
     from mlxserve.server import make_engine
+
+    previous = sys.getswitchinterval()
+    if switch_s is not None:
+        sys.setswitchinterval(switch_s)
 
     engine = make_engine(loaded, cfg, 1 << 20)
     engine.start(asyncio.get_running_loop())
@@ -75,7 +82,9 @@ async def _async(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens: i
                 last = now
     finally:
         engine.stop()
-    return _row("async engine (engine thread + asyncio)", times)
+        sys.setswitchinterval(previous)
+    label = "async engine (engine thread + asyncio)"
+    return _row(label if switch_s is None else f"{label}, GIL switch {switch_s * 1000:g} ms", times)
 
 
 def _row(path: str, gaps: list[float]) -> dict:
@@ -98,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
         base = EngineConfig(max_num_seqs=args.max_num_seqs, enable_prefix_cache=False)
         rows.append(_core(loaded, base, prompt_ids, args.max_tokens, "engine core loop"))
         rows.append(asyncio.run(_async(loaded, base, prompt_ids, args.max_tokens)))
+        for switch_s in args.switch_intervals:
+            rows.append(asyncio.run(_async(loaded, base, prompt_ids, args.max_tokens, switch_s)))
     raw = statistics.median(r["tok_s"] for r in rows if r["path"].startswith("mlx-lm"))
     for r in rows:
         r["ratio"] = r["tok_s"] / raw if r["tok_s"] and raw else None
@@ -114,4 +125,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens generated per stream")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="the engine's batch limit (as served)")
     parser.add_argument("--repeat", type=int, default=2, help="rounds over all paths (spread between runs)")
+    parser.add_argument("--switch-intervals", type=lambda t: [float(x) / 1000 for x in t.split(",") if x],
+                        default=[], metavar="MS,...", help="also run the async engine with these GIL switch intervals")
     parser.add_argument("--output-json", default=None, help="result file (default: bench-results/decode-*.json)")

@@ -28,7 +28,9 @@ def read_row_kv(batch_cache: list[Any], layout: KVLayout, row: int, start: int, 
     layers = [batch_cache[i] for i in layout.full_layers]
     if not layers:
         return None
-    pad = layers[0].left_padding[row].item()
+    # A lone row decoding through a plain KVCache (DecodeBatch's lean path) has no padding.
+    padding = getattr(layers[0], "left_padding", None)
+    pad = padding[row].item() if padding is not None else 0
     lo, hi = pad + start, pad + end
     return mx.stack([_cat(c.keys[row, :, lo:hi], c.values[row, :, lo:hi]) for c in layers])
 

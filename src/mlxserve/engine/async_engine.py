@@ -185,8 +185,8 @@ class AsyncEngine:
                 outputs = core.step()
                 elapsed = time.perf_counter() - started
                 if elapsed > _SLOW_STEP_S:
-                    log.warning("slow engine step: %.2f s with %d running, %d waiting", elapsed,
-                                core.scheduler.num_running, core.scheduler.num_waiting)
+                    log.warning("slow engine step: %.2f s with %d running, %d waiting (%s)", elapsed,
+                                core.scheduler.num_running, core.scheduler.num_waiting, core.describe_last_step())
                 # Live: desktop mode lowers it under memory pressure (the API's "can never fit" check).
                 self.kv_capacity_tokens = core.scheduler.kv_capacity_tokens
                 prefix = core.prefix

@@ -90,6 +90,7 @@ class EngineCore:
                  f", {config.kv_prealloc_tokens} reserved per batch up front" if config.kv_prealloc_tokens else "")
         self._requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
+        self.last_sched = None
 
     @property
     def has_work(self) -> bool:
@@ -113,6 +114,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        self.last_sched = sched  # what the step ran, for the slow-step log line
         try:
             step = self.runner.execute(sched, self._requests)
         except Exception as exc:  # a failure the runner could not pin on requests: the last resort
@@ -146,18 +148,40 @@ class EngineCore:
         return RequestOutput(request_id, [], "", request.num_prompt_tokens, request.num_output_tokens, error=message)
 
     def warmup(self, max_batch: int, prompt_len: int = 16) -> None:
-        """Runs the batch through every size from 1 to `max_batch` and back, so the kernels a backend
-        compiles per shape at first use (MLX's CUDA backend: seconds each) are compiled now and not
-        while clients wait. One request joins per step and each stays `max_batch + 1` tokens."""
+        """Runs the decode batch through each size it can take (its buckets, else every size from 1
+        to `max_batch`) and back, so the kernels a backend compiles per shape at first use (MLX's CUDA
+        backend: seconds each) are compiled now and not while clients wait. Requests join so that
+        the batch steps through the sizes; each stays until the largest size has run. Afterwards
+        the buffers warm-up left in MLX's cache go back: they fit shapes traffic may never use."""
+        import mlx.core as mx
+
         start = time.perf_counter()
-        params = SamplingParams(max_tokens=max_batch + 1, temperature=0.0, ignore_eos=True)
+        buckets = self.runner.buckets or list(range(1, max_batch + 1))
+        sizes = [b for b in buckets if b <= max_batch]
+        params = SamplingParams(max_tokens=len(sizes) + 2, temperature=0.0, ignore_eos=True)
         prompt = [i % 7 + 1 for i in range(prompt_len)]
-        for i in range(max_batch):
-            self.add_request(Request(f"warmup-{i}", prompt, params))
+        joined = 0
+        for size in sizes:
+            while joined < size:
+                self.add_request(Request(f"warmup-{joined}", prompt, params))
+                joined += 1
             self.step()
         while self.has_work:
             self.step()
-        log.info("warm-up over batch sizes 1..%d took %.1f s", max_batch, time.perf_counter() - start)
+        mx.synchronize()
+        mx.clear_cache()
+        log.info("warm-up over decode batch sizes %s took %.1f s; MLX memory after: %.2f GiB active, peak %.2f GiB",
+                 sizes if len(sizes) < 16 else f"1..{max_batch}", time.perf_counter() - start,
+                 mx.get_active_memory() / 2**30, mx.get_peak_memory() / 2**30)
+        mx.reset_peak_memory()
+
+    def describe_last_step(self) -> str:
+        sched = self.last_sched
+        if sched is None:
+            return "nothing"
+        return (f"prefill chunks {[c.num_tokens for c in sched.prefill_chunks]}, "
+                f"{len(sched.decode_request_ids)} decoding in a batch of {self.runner.num_rows}, "
+                f"{sum(len(ops) for ops in sched.store_ops.values())} blocks stored")
 
     def _make_output(self, request: Request, token: int, finished: bool) -> RequestOutput:
         state = self._text[request.request_id]
