@@ -91,6 +91,7 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
         self.last_sched = None
+        self.last_execute_s = 0.0
 
     @property
     def has_work(self) -> bool:
@@ -115,11 +116,13 @@ class EngineCore:
         if sched.is_empty:
             return []
         self.last_sched = sched  # what the step ran, for the slow-step log line
+        started = time.perf_counter()
         try:
             step = self.runner.execute(sched, self._requests)
         except Exception as exc:  # a failure the runner could not pin on requests: the last resort
             log.exception("engine step failed")
             return self._fail_all(f"engine step failed: {exc}")
+        self.last_execute_s = time.perf_counter() - started
         if step.failed_block_ids:
             self.prefix.discard_stores(step.failed_block_ids)
         outputs = [self._fail(rid, why) for rid, why in step.failed.items() if rid in self._requests]
@@ -181,7 +184,8 @@ class EngineCore:
             return "nothing"
         return (f"prefill chunks {[c.num_tokens for c in sched.prefill_chunks]}, "
                 f"{len(sched.decode_request_ids)} decoding in a batch of {self.runner.num_rows}, "
-                f"{sum(len(ops) for ops in sched.store_ops.values())} blocks stored")
+                f"{sum(len(ops) for ops in sched.store_ops.values())} blocks stored; the runner took "
+                f"{self.last_execute_s:.2f} s, prefill {self.runner.last_prefill_s:.2f} s of it")
 
     def _make_output(self, request: Request, token: int, finished: bool) -> RequestOutput:
         state = self._text[request.request_id]

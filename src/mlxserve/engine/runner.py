@@ -77,6 +77,7 @@ class ModelRunner:
         self._snap_at: dict[str, int] = {}
         self._prefill_snaps: dict[str, tuple[int, list]] = {}
         self._joined_last_step: list[str] = []
+        self.last_prefill_s = 0.0
 
     @property
     def num_rows(self) -> int:
@@ -98,6 +99,7 @@ class ModelRunner:
             self._prefill_snaps.pop(rid, None)
         self._drop(sched.finished_request_ids)
         joined: list[tuple[str, list[Any], mx.array]] = []
+        started = time.perf_counter()
         for chunk in sched.prefill_chunks:
             try:
                 done = self._prefill(chunk, requests[chunk.request_id])
@@ -109,6 +111,7 @@ class ModelRunner:
                 continue
             if done is not None:
                 joined.append(done)
+        self.last_prefill_s = time.perf_counter() - started  # for the slow-step log line
         try:
             self._joined_last_step = [j[0] for j in joined]
             if joined:
