@@ -1,14 +1,22 @@
 """Tiny random Llama and Qwen3 checkpoints saved the Hugging Face way (transformers' save_pretrained,
-float32) with the demo tokenizer, and their Core ML exports. Everything skips without the coreml extra."""
+float32) with the demo tokenizer, their Core ML exports, and reference logits from transformers and MLX.
+Test modules that need torch / coremltools skip without the coreml extra (`requires_coreml`)."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
-pytest.importorskip("torch", reason='the Core ML export needs torch: pip install -e ".[coreml]"')
-pytest.importorskip("coremltools", reason='the Core ML export needs coremltools: pip install -e ".[coreml]"')
+COREML_REASON = 'the Core ML export needs torch and coremltools: pip install -e ".[coreml]"'
+
+
+def requires_coreml() -> None:
+    """Call at the top of a test module: skips it, with the reason, when the extra is missing."""
+    pytest.importorskip("torch", reason=COREML_REASON)
+    pytest.importorskip("coremltools", reason=COREML_REASON)
+
 
 CONTEXT = 64  # prompt (8) + 20 extend steps fit; the ranged dims go up to it
 PROMPT_LEN, EXTEND_STEPS = 8, 20
@@ -18,6 +26,7 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 
 
 def build_hf_folder(out, arch: str, seed: int):
+    requires_coreml()
     import torch
     from tokenizers import Tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -53,6 +62,18 @@ def hf_dir(request):
 
 
 @pytest.fixture(scope="session")
+def int4_package(hf_dir, tmp_path_factory):
+    """`mlxserve export coreml MODEL OUT --quantize int4 --block-size 32` of each fixture."""
+    requires_coreml()
+    from mlxserve.cli import main
+
+    out = tmp_path_factory.mktemp("coreml") / "model.mlpackage"
+    assert main(["export", "coreml", str(hf_dir), str(out), "--context", str(CONTEXT),
+                 "--quantize", "int4", "--block-size", "32"]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
 def token_ids(hf_llama_dir):
     """Prompt + extend tokens: real text through the demo tokenizer, cut to length."""
     from tokenizers import Tokenizer
@@ -61,3 +82,40 @@ def token_ids(hf_llama_dir):
     ids = Tokenizer.from_file(str(hf_llama_dir / "tokenizer.json")).encode(text).ids
     assert len(ids) >= PROMPT_LEN + EXTEND_STEPS
     return ids[:PROMPT_LEN + EXTEND_STEPS]
+
+
+def transformers_logits(folder, token_ids, prompt_len: int) -> np.ndarray:
+    """transformers' own forward (its default attention, its DynamicCache): the prompt, then one token a step."""
+    import inspect
+
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    # transformers 5 renamed past_key_values to cache; the cache object is updated in place either way.
+    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = DynamicCache(config=model.config)
+    ids = torch.tensor([list(token_ids)])
+    with torch.no_grad():
+        rows = [model(ids[:, :prompt_len], use_cache=True, **{arg: cache}).logits[0]]
+        for i in range(prompt_len, ids.shape[1]):
+            rows.append(model(ids[:, i:i + 1], use_cache=True, **{arg: cache}).logits[0])
+    return torch.cat(rows).numpy()
+
+
+def mlx_logits(folder, token_ids, prompt_len: int) -> np.ndarray:
+    """The model as mlxserve serves it: mlxserve's loader (mlx-lm's model classes) and an mlx-lm prompt cache."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxserve.models.loader import load_model
+
+    model = load_model(str(folder)).model
+    cache = make_prompt_cache(model)
+    ids = list(token_ids)
+    rows = [model(mx.array([ids[:prompt_len]]), cache=cache)[0]]
+    for i in range(prompt_len, len(ids)):
+        rows.append(model(mx.array([[ids[i]]]), cache=cache)[0])
+    out = mx.concatenate(rows).astype(mx.float32)
+    mx.eval(out)
+    return np.array(out)

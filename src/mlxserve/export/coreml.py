@@ -29,7 +29,7 @@ class CoreMLExportConfig:
     context: int = 2048  # the most positions (prompt + generated) the state holds
     quantize: str = "none"  # "none" | "int4" (weights only, per block)
     block_size: int = 32  # input channels sharing one int4 scale
-    precision: str = "float16"  # compute precision of the program and dtype of the state and I/O
+    precision: str = "float16"  # compute precision, and dtype of the mask and logits (the state is float16)
     example_tokens: int = 4  # length of the traced example input (any value in [2, context] traces the same)
 
     def __post_init__(self):
@@ -90,6 +90,7 @@ def convert_wrapper(wrapper, config: CoreMLExportConfig):
 
     _allow_numpy_24()
     np_dtype = np.float16 if config.precision == "float16" else np.float32
+    # Core ML states are float16 only; with float32 compute the converter casts around them.
     n = min(config.example_tokens, config.context)
     example = (torch.zeros((1, n), dtype=torch.int64), torch.from_numpy(make_causal_mask(n, n)))
     wrapper.reset()
@@ -97,7 +98,7 @@ def convert_wrapper(wrapper, config: CoreMLExportConfig):
         traced = torch.jit.trace(wrapper.eval(), example)
     wrapper.reset()
     new, end = ct.RangeDim(1, config.context), ct.RangeDim(1, config.context)
-    state_type = ct.TensorType(shape=wrapper.state_shape, dtype=np_dtype)
+    state_type = ct.TensorType(shape=wrapper.state_shape, dtype=np.float16)
     return ct.convert(
         traced,
         inputs=[ct.TensorType(name="input_ids", shape=(1, new), dtype=np.int32),
@@ -159,13 +160,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help="with --quantize int4: input channels sharing one scale")
     p.add_argument("--precision", choices=PRECISIONS, default=d.precision,
-                   help="compute precision, and dtype of the KV state, mask and logits")
+                   help="compute precision, and dtype of causal_mask and logits (the KV state is float16"
+                        " either way: Core ML states are)")
 
 
 def run(args) -> int:
     from mlxserve.export.wrapper import UnsupportedModelError
     from mlxserve.progress import StageLog
 
+    import logging
+
+    if logging.getLogger().level > logging.DEBUG:
+        logging.getLogger("coremltools").setLevel(logging.WARNING)  # its INFO lines name every op it touches
     try:
         config = CoreMLExportConfig(context=args.context, quantize=args.quantize, block_size=args.block_size,
                                     precision=args.precision)

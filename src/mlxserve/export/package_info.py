@@ -25,6 +25,7 @@ class PackageSummary:
     inputs: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     states: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # name -> (shape, dtype)
     outputs: list[str] = field(default_factory=list)
+    dtypes: dict[str, str] = field(default_factory=dict)  # input / output name -> array dtype
     op_counts: Counter = field(default_factory=Counter)
     quantized: list[QuantizedWeight] = field(default_factory=list)
     spec_version: int = 0
@@ -45,7 +46,7 @@ class PackageSummary:
         return "\n".join(lines)
 
 
-def _state_dtype(array_type) -> str:
+def _array_dtype(array_type) -> str:
     from coremltools.proto import FeatureTypes_pb2 as ft
 
     return ft.ArrayFeatureType.ArrayDataType.Name(array_type.dataType).lower()
@@ -75,6 +76,7 @@ def summarize(path: str | Path) -> PackageSummary:
     summary = PackageSummary(spec_version=spec.specificationVersion)
     for feature in spec.description.input:
         array = feature.type.multiArrayType
+        summary.dtypes[feature.name] = _array_dtype(array)
         ranges = array.shapeRange.sizeRanges
         if ranges:
             summary.inputs[feature.name] = [(int(r.lowerBound), int(r.upperBound)) for r in ranges]
@@ -82,8 +84,9 @@ def summarize(path: str | Path) -> PackageSummary:
             summary.inputs[feature.name] = [(int(d), int(d)) for d in array.shape]
     for feature in spec.description.state:
         array = feature.type.stateType.arrayType
-        summary.states[feature.name] = (tuple(int(d) for d in array.shape), _state_dtype(array))
+        summary.states[feature.name] = (tuple(int(d) for d in array.shape), _array_dtype(array))
     summary.outputs = [feature.name for feature in spec.description.output]
+    summary.dtypes.update((f.name, _array_dtype(f.type.multiArrayType)) for f in spec.description.output)
     for function in program.functions.values():
         for op in _operations(function):
             summary.op_counts[op.op_type] += 1

@@ -76,7 +76,10 @@ def load_hf_model(source: str | Path):
     """The model in float32 through transformers (a folder or a hub id), with our attention kernel."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(str(source))
+    text = str(source)
+    if not Path(text).is_dir() and (text.startswith(("/", ".", "~")) or text.count("/") > 1):
+        raise FileNotFoundError(f"no model folder at {text}")  # a path, not a hub id: say so plainly
+    config = AutoConfig.from_pretrained(text)
     if getattr(config, "quantization", None) or getattr(config, "quantization_config", None):
         raise UnsupportedModelError(f"{source} holds quantized weights; export from the float checkpoint "
                                     "(the Hugging Face folder it was converted from) and quantize with --quantize")

@@ -1,0 +1,83 @@
+"""The stateful PyTorch wrapper that gets converted: same logits as transformers (1e-4) and as the MLX
+model mlxserve serves (1e-3), over a prompt and 20 extend steps through the registered KV state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.export.conftest import (CONTEXT, EXTEND_STEPS, PROMPT_LEN, mlx_logits, requires_coreml,
+                                   transformers_logits)
+
+requires_coreml()
+
+from mlxserve.export.wrapper import (StatefulCausalLM, UnsupportedModelError, check_supported,  # noqa: E402
+                                     load_hf_model, make_causal_mask, stateful_logits)
+
+
+@pytest.fixture(scope="module")
+def wrapped(hf_dir):
+    return StatefulCausalLM(load_hf_model(hf_dir), CONTEXT)
+
+
+def test_state_buffers_have_the_core_ml_layout(wrapped, hf_dir):
+    # (layers, batch, kv_heads, context, head_dim), registered so the converter sees them as state
+    assert wrapped.state_shape == (2, 1, 2, CONTEXT, 32)
+    assert dict(wrapped.named_buffers())["key_cache"].shape == wrapped.state_shape
+    assert dict(wrapped.named_buffers())["value_cache"].shape == wrapped.state_shape
+
+
+def test_matches_transformers_over_prompt_and_extend(wrapped, hf_dir, token_ids):
+    ours = stateful_logits(wrapped, token_ids, PROMPT_LEN)
+    reference = transformers_logits(hf_dir, token_ids, PROMPT_LEN)
+    assert ours.shape == reference.shape == (PROMPT_LEN + EXTEND_STEPS, reference.shape[1])
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-4)
+    # The extend steps wrote the state: positions past the sequence stay zero, those before do not.
+    used = len(token_ids)
+    assert wrapped.key_cache[:, :, :, used:].abs().max() == 0
+    assert wrapped.key_cache[:, :, :, :used].abs().amin(dim=-1).max() > 0
+
+
+def test_matches_the_mlx_model_mlxserve_serves(wrapped, hf_dir, token_ids):
+    ours = stateful_logits(wrapped, token_ids, PROMPT_LEN)
+    np.testing.assert_allclose(ours, mlx_logits(hf_dir, token_ids, PROMPT_LEN), rtol=0, atol=1e-3)
+
+
+def test_extend_depends_on_the_state(wrapped, token_ids):
+    """A wrong state (zeroed between prompt and extend) changes the logits: the test above can fail."""
+    import torch
+
+    wrapped.reset()
+    ids = torch.tensor([token_ids[:PROMPT_LEN + 1]])
+    with torch.no_grad():
+        wrapped(ids[:, :PROMPT_LEN], torch.from_numpy(make_causal_mask(PROMPT_LEN, PROMPT_LEN)))
+        good = wrapped(ids[:, PROMPT_LEN:], torch.from_numpy(make_causal_mask(1, PROMPT_LEN + 1)))
+        wrapped.reset()
+        bad = wrapped(ids[:, PROMPT_LEN:], torch.from_numpy(make_causal_mask(1, PROMPT_LEN + 1)))
+    assert (good - bad).abs().max() > 1e-2
+
+
+def test_causal_mask_layout():
+    mask = make_causal_mask(2, 5)
+    assert mask.shape == (1, 1, 2, 5)
+    assert (mask[0, 0] == 0).tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"model_type": "gemma3_text"}, "not supported"),
+    ({"model_type": "llama", "rope_parameters": {"rope_type": "dynamic"}}, "sequence length"),
+    ({"model_type": "mistral", "sliding_window": 4096}, "sliding-window"),
+])
+def test_unsupported_models_are_refused_with_the_reason(fields, message):
+    class Config:
+        pass
+
+    config = Config()
+    config.__dict__.update(fields)
+    with pytest.raises(UnsupportedModelError, match=message):
+        check_supported(config)
+
+
+def test_context_past_the_model_limit_is_refused(hf_llama_dir):
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        StatefulCausalLM(load_hf_model(hf_llama_dir), 4096)
