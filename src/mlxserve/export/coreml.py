@@ -171,7 +171,8 @@ def run(args) -> int:
     import logging
 
     if logging.getLogger().level > logging.DEBUG:
-        logging.getLogger("coremltools").setLevel(logging.WARNING)  # its INFO lines name every op it touches
+        # Its INFO lines name every op it touches; its warnings on Linux say it cannot run models (known).
+        logging.getLogger("coremltools").setLevel(logging.ERROR)
     try:
         config = CoreMLExportConfig(context=args.context, quantize=args.quantize, block_size=args.block_size,
                                     precision=args.precision)

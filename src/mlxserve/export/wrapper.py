@@ -46,7 +46,8 @@ def _sdpa(module, query, key, value, attention_mask, scaling=None, **_):
         key = key[:, :, None].expand(batch, kv_heads, groups, length, head_dim).reshape(shape)
         value = value[:, :, None].expand(batch, kv_heads, groups, length, head_dim).reshape(shape)
     # SDPA's default scale is head_dim ** -0.5; pass another one only when the model asks for it.
-    scale = None if scaling is None or abs(scaling - query.shape[-1] ** -0.5) < 1e-9 else scaling
+    head_dim = module.head_dim  # not query.shape[-1]: a traced shape is a tensor, not a number
+    scale = None if scaling is None or abs(scaling - head_dim ** -0.5) < 1e-9 else scaling
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scale)
     return out.transpose(1, 2).contiguous(), None
 
