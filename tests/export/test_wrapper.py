@@ -43,6 +43,27 @@ def test_matches_the_mlx_model_mlxserve_serves(wrapped, hf_dir, token_ids):
     np.testing.assert_allclose(ours, mlx_logits(hf_dir, token_ids, PROMPT_LEN), rtol=0, atol=1e-3)
 
 
+def test_the_trace_that_gets_converted_serves_every_length(wrapped, token_ids):
+    """Linux cannot run the Core ML program, but it can run the TorchScript it is converted from: traced
+    on 4 tokens, it must give the eager logits for an 8-token prompt and 1-token extend steps (nothing
+    about positions or lengths baked in as constants)."""
+    import torch
+
+    from mlxserve.export.coreml import trace_wrapper
+
+    eager = stateful_logits(wrapped, token_ids, PROMPT_LEN)
+    traced = trace_wrapper(wrapped, example_tokens=4)
+
+    class Traced(torch.nn.Module):  # what stateful_logits needs: call, reset (the buffers are shared)
+        def forward(self, ids, mask):
+            return traced(ids, mask)
+
+        def reset(self):
+            wrapped.reset()
+
+    np.testing.assert_allclose(stateful_logits(Traced(), token_ids, PROMPT_LEN), eager, rtol=0, atol=1e-5)
+
+
 def test_extend_depends_on_the_state(wrapped, token_ids):
     """A wrong state (zeroed between prompt and extend) changes the logits: the test above can fail."""
     import torch

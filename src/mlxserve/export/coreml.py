@@ -80,23 +80,31 @@ def _allow_numpy_24() -> None:
         context.add(res, node.name)
 
 
-def convert_wrapper(wrapper, config: CoreMLExportConfig):
-    """The traced wrapper as a Core ML ML program (not loaded: Linux cannot, and saving does not need it)."""
-    import coremltools as ct
-    import numpy as np
+def trace_wrapper(wrapper, example_tokens: int = 4):
+    """TorchScript of the wrapper: shapes stay symbolic (sizes are traced), so one trace serves any
+    prompt length and every extend step; its buffers are the wrapper's."""
     import torch
 
     from mlxserve.export.wrapper import make_causal_mask
 
-    _allow_numpy_24()
-    np_dtype = np.float16 if config.precision == "float16" else np.float32
-    # Core ML states are float16 only; with float32 compute the converter casts around them.
-    n = min(config.example_tokens, config.context)
+    n = min(example_tokens, wrapper.context)
     example = (torch.zeros((1, n), dtype=torch.int64), torch.from_numpy(make_causal_mask(n, n)))
     wrapper.reset()
     with torch.no_grad():
         traced = torch.jit.trace(wrapper.eval(), example)
     wrapper.reset()
+    return traced
+
+
+def convert_wrapper(wrapper, config: CoreMLExportConfig):
+    """The traced wrapper as a Core ML ML program (not loaded: Linux cannot, and saving does not need it)."""
+    import coremltools as ct
+    import numpy as np
+
+    _allow_numpy_24()
+    np_dtype = np.float16 if config.precision == "float16" else np.float32
+    # Core ML states are float16 only; with float32 compute the converter casts around them.
+    traced = trace_wrapper(wrapper, config.example_tokens)
     new, end = ct.RangeDim(1, config.context), ct.RangeDim(1, config.context)
     state_type = ct.TensorType(shape=wrapper.state_shape, dtype=np.float16)
     return ct.convert(
