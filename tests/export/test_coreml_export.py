@@ -16,7 +16,8 @@ from mlxserve.export.package_info import BLOCKWISE_OP, dequantized_weights, summ
 
 @pytest.fixture(scope="module")
 def small_package(hf_llama_dir, tmp_path_factory):
-    """Every option off its default: context 16, float32 compute, int4 in blocks of 64; with its output."""
+    """Every option off its default: context 16, float32 compute, int4 in blocks of 64, all logits; with its
+    output."""
     import contextlib
     import io
 
@@ -24,7 +25,7 @@ def small_package(hf_llama_dir, tmp_path_factory):
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         assert main(["export", "coreml", str(hf_llama_dir), str(out), "--context", "16", "--precision", "float32",
-                     "--quantize", "int4", "--block-size", "64"]) == 0
+                     "--quantize", "int4", "--block-size", "64", "--logits", "all"]) == 0
     return out, stdout.getvalue(), stderr.getvalue()
 
 
@@ -38,6 +39,7 @@ def test_states_are_the_kv_cache(int4_package):
     assert summary.op_counts["coreml_update_state"] >= 2
     assert summary.op_counts["slice_update"] >= 2
     assert summary.outputs == ["logits"]
+    assert summary.output_shapes["logits"] == (1, 1, 2048)  # --logits last (the default): one position
     assert summary.dtypes == {"input_ids": "int32", "causal_mask": "float16", "logits": "float16"}
 
 
@@ -81,6 +83,7 @@ def test_options_reach_the_package(small_package):
     assert summary.states["key_cache"] == ((2, 1, 2, 16, 32), "float16")  # Core ML states are float16 only
     assert summary.dtypes == {"input_ids": "int32", "causal_mask": "float32", "logits": "float32"}
     assert {w.block_shape for w in summary.quantized} == {(1, 64)}
+    assert summary.output_shapes["logits"] == (1, None, 2048)  # --logits all: one row per input token
     assert summary.op_counts["scaled_dot_product_attention"] == 2
     assert all(np.isfinite(w).all() for w in dequantized_weights(path).values())
 

@@ -48,14 +48,14 @@ def test_core_ml_matches_pytorch_over_prompt_and_extend(hf_dir, token_ids, tmp_p
                                                         atol):
     package = tmp_path / f"{precision}.mlpackage"
     assert main(["export", "coreml", str(hf_dir), str(package), "--context", str(CONTEXT),
-                 "--precision", precision]) == 0
+                 "--precision", precision, "--logits", "all"]) == 0
     reference = stateful_logits(StatefulCausalLM(load_hf_model(hf_dir), CONTEXT), token_ids, PROMPT_LEN)
     np.testing.assert_allclose(coreml_logits(package, token_ids, compute_units), reference, rtol=0, atol=atol)
 
 
 def test_int4_package_runs_with_state(int4_package, token_ids):
-    logits = coreml_logits(int4_package, token_ids, "ALL")
-    assert logits.shape[0] == len(token_ids) and np.isfinite(logits).all()
+    logits = coreml_logits(int4_package, token_ids, "ALL")  # --logits last: one row per call
+    assert logits.shape[0] == 1 + len(token_ids) - PROMPT_LEN and np.isfinite(logits).all()
 
 
 def test_bench_coreml_runs(int4_package, tmp_path):

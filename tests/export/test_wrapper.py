@@ -47,21 +47,38 @@ def test_the_trace_that_gets_converted_serves_every_length(wrapped, token_ids):
     """Linux cannot run the Core ML program, but it can run the TorchScript it is converted from: traced
     on 4 tokens, it must give the eager logits for an 8-token prompt and 1-token extend steps (nothing
     about positions or lengths baked in as constants)."""
-    import torch
-
     from mlxserve.export.coreml import trace_wrapper
 
     eager = stateful_logits(wrapped, token_ids, PROMPT_LEN)
     traced = trace_wrapper(wrapped, example_tokens=4)
 
-    class Traced(torch.nn.Module):  # what stateful_logits needs: call, reset (the buffers are shared)
-        def forward(self, ids, mask):
+    class Traced:  # what stateful_logits needs: call, reset (the buffers are shared)
+        def __call__(self, ids, mask):
             return traced(ids, mask)
 
         def reset(self):
             wrapped.reset()
 
     np.testing.assert_allclose(stateful_logits(Traced(), token_ids, PROMPT_LEN), eager, rtol=0, atol=1e-5)
+
+
+def test_last_logits_are_the_last_row_of_all(wrapped, hf_dir, token_ids):
+    from mlxserve.export.coreml import trace_wrapper
+
+    every = stateful_logits(wrapped, token_ids, PROMPT_LEN)
+    last = StatefulCausalLM(load_hf_model(hf_dir), CONTEXT, logits="last")
+    expected = every[PROMPT_LEN - 1:]  # the prompt's last position, then each extend step
+    np.testing.assert_allclose(stateful_logits(last, token_ids, PROMPT_LEN), expected, rtol=0, atol=1e-5)
+    traced = trace_wrapper(last, example_tokens=4)
+
+    class Traced:
+        def __call__(self, ids, mask):
+            return traced(ids, mask)
+
+        def reset(self):
+            last.reset()
+
+    np.testing.assert_allclose(stateful_logits(Traced(), token_ids, PROMPT_LEN), expected, rtol=0, atol=1e-5)
 
 
 def test_extend_depends_on_the_state(wrapped, token_ids):

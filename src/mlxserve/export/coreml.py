@@ -30,6 +30,7 @@ class CoreMLExportConfig:
     quantize: str = "none"  # "none" | "int4" (weights only, per block)
     block_size: int = 32  # input channels sharing one int4 scale
     precision: str = "float16"  # compute precision, and dtype of the mask and logits (the state is float16)
+    logits: str = "last"  # "last": logits of the last position only (generation); "all": every position
     example_tokens: int = 4  # length of the traced example input (any value in [2, context] traces the same)
 
     def __post_init__(self):
@@ -39,6 +40,8 @@ class CoreMLExportConfig:
             raise ValueError(f"--quantize must be one of {QUANTIZE_CHOICES}, got {self.quantize!r}")
         if self.block_size < 1:
             raise ValueError(f"--block-size must be positive, got {self.block_size}")
+        if self.logits not in ("all", "last"):
+            raise ValueError(f"--logits must be all or last, got {self.logits!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
 
@@ -139,7 +142,7 @@ def export_coreml(source: str | Path, out: str | Path, config: CoreMLExportConfi
     from mlxserve.export.wrapper import StatefulCausalLM, load_hf_model
 
     stage(f"loading {source} in PyTorch (float32)")
-    wrapper = StatefulCausalLM(load_hf_model(source), config.context)
+    wrapper = StatefulCausalLM(load_hf_model(source), config.context, logits=config.logits)
     stage(f"tracing and converting (macOS 15 target, {config.precision}, context {config.context})")
     mlmodel = convert_wrapper(wrapper, config)
     if config.quantize == "int4":
@@ -167,6 +170,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="int4: weight-only block-wise int4 (about 4x smaller than float16)")
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help="with --quantize int4: input channels sharing one scale")
+    p.add_argument("--logits", choices=("last", "all"), default=d.logits,
+                   help="last: logits (1, 1, vocab) of the last position, what generation needs; all: (1, new"
+                        " tokens, vocab), e.g. to score a prompt")
     p.add_argument("--precision", choices=PRECISIONS, default=d.precision,
                    help="compute precision, and dtype of causal_mask and logits (the KV state is float16"
                         " either way: Core ML states are)")
@@ -183,7 +189,7 @@ def run(args) -> int:
         logging.getLogger("coremltools").setLevel(logging.ERROR)
     try:
         config = CoreMLExportConfig(context=args.context, quantize=args.quantize, block_size=args.block_size,
-                                    precision=args.precision)
+                                    precision=args.precision, logits=args.logits)
         require_coreml()
         progress = StageLog("coreml export")
         path = export_coreml(args.model, args.out, config, progress=progress)

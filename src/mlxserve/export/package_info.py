@@ -26,6 +26,7 @@ class PackageSummary:
     states: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # name -> (shape, dtype)
     outputs: list[str] = field(default_factory=list)
     dtypes: dict[str, str] = field(default_factory=dict)  # input / output name -> array dtype
+    output_shapes: dict[str, tuple] = field(default_factory=dict)  # from the program; None: a flexible dim
     op_counts: Counter = field(default_factory=Counter)
     quantized: list[QuantizedWeight] = field(default_factory=list)
     spec_version: int = 0
@@ -37,13 +38,17 @@ class PackageSummary:
 
         lines = ["inputs: " + ", ".join(f"{k} {dims(v)}" for k, v in self.inputs.items()),
                  "states: " + ", ".join(f"{k} {shape} {dtype}" for k, (shape, dtype) in self.states.items()),
-                 "outputs: " + ", ".join(self.outputs),
+                 "outputs: " + ", ".join(f"{k} {self._shape(k)}" for k in self.outputs),
                  f"fused scaled_dot_product_attention ops: {self.op_counts.get('scaled_dot_product_attention', 0)}"]
         if self.quantized:
             blocks = sorted({(w.dtype, w.block_shape) for w in self.quantized})
             lines.append(f"quantized weights: {len(self.quantized)} ({', '.join(f'{d} blocks {b}' for d, b in blocks)})")
         lines.append(f"package size: {self.size_bytes / 1e6:.1f} MB")
         return "\n".join(lines)
+
+    def _shape(self, name: str) -> str:
+        shape = self.output_shapes.get(name)
+        return "" if shape is None else "(" + ", ".join("n" if d is None else str(d) for d in shape) + ")"
 
 
 def _array_dtype(array_type) -> str:
@@ -88,6 +93,8 @@ def summarize(path: str | Path) -> PackageSummary:
     summary.outputs = [feature.name for feature in spec.description.output]
     summary.dtypes.update((f.name, _array_dtype(f.type.multiArrayType)) for f in spec.description.output)
     for function in program.functions.values():
+        for var in function.outputs:
+            summary.output_shapes[var.name] = tuple(d if isinstance(d, int) else None for d in var.shape)
         for op in _operations(function):
             summary.op_counts[op.op_type] += 1
             if op.op_type == BLOCKWISE_OP:

@@ -27,6 +27,7 @@ ATTENTION_NAME = "mlxserve_coreml_sdpa"
 # Families whose decoder layers are Llama-shaped (norm, attention with rope, norm, MLP) and whose
 # attention calls `cache.update(...)`: the ones this wrapper is tested on, plus Mistral and Qwen2.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+LOGITS_CHOICES = ("all", "last")
 # Rope variants whose frequencies do not depend on the sequence length (dynamic / longrope do).
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -108,16 +109,21 @@ class _CacheView:
 
 
 class StatefulCausalLM(nn.Module):
-    """forward(input_ids (1, new), causal_mask (1, 1, new, past + new)) -> logits (1, new, vocab)."""
+    """forward(input_ids (1, new), causal_mask (1, 1, new, past + new)) -> logits (1, new, vocab), or
+    (1, 1, vocab) with logits="last": generation needs only the last position, and the LM head over a
+    2k-token prompt of a 128k vocabulary is half a gigabyte of float16 output."""
 
-    def __init__(self, model, context: int, batch_size: int = 1) -> None:
+    def __init__(self, model, context: int, batch_size: int = 1, logits: str = "all") -> None:
         super().__init__()
         config = model.config
         check_supported(config)
         if context > getattr(config, "max_position_embeddings", context):
             raise ValueError(f"context {context} is longer than the model's max_position_embeddings "
                              f"({config.max_position_embeddings})")
+        if logits not in LOGITS_CHOICES:
+            raise ValueError(f"logits must be one of {LOGITS_CHOICES}, got {logits!r}")
         self.model = model
+        self.last_logits_only = logits == "last"
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.state_shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, context, head_dim)
         # Names become the Core ML state names.
@@ -148,6 +154,8 @@ class StatefulCausalLM(nn.Module):
         for layer in inner.layers:
             hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings,
                            position_ids=position_ids, **{self._cache_arg: self._cache})
+        if self.last_logits_only:
+            hidden = hidden[:, -1:]
         return self.model.lm_head(inner.norm(hidden))
 
 
