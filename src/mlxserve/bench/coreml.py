@@ -39,7 +39,7 @@ def plan(max_context: int, contexts: list[int], extend_tokens: int) -> list[tupl
     return [(c, c - extend_tokens) for c in contexts if extend_tokens < c <= max_context]
 
 
-def package_limits(model) -> tuple[int, "np.dtype"]:
+def package_limits(model) -> tuple[int, type]:
     """The package's largest input length and the dtype its causal_mask takes."""
     import numpy as np
     from coremltools.proto import FeatureTypes_pb2 as ft

@@ -106,7 +106,7 @@ def summarize(path: str | Path) -> PackageSummary:
     return summary
 
 
-def dequantized_weights(path: str | Path) -> dict[str, "np.ndarray"]:
+def dequantized_weights(path: str | Path) -> dict:
     """Every block-wise quantized weight of the package as float32, scale * (data - offset): what the
     Core ML runtime computes from the int4 data."""
     import numpy as np
