@@ -25,23 +25,40 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=True)
 
 
+# Llama 3.x's rope: frequencies rescaled by wavelength (the rotary module precomputes them).
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": SHAPE["rope_theta"], "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
 def build_hf_folder(out, arch: str, seed: int):
+    """arch: llama, llama3 (llama3 rope scaling), qwen2 (q/k/v biases), qwen3 (q/k norms)."""
     requires_coreml()
     import torch
+    import transformers
     from tokenizers import Tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from mlxserve.models.demo import build_tokenizer
 
     build_tokenizer(out)
     vocab_size = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+    family = {"llama3": "Llama", "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[arch]
+    extra = {"rope_parameters": LLAMA3_ROPE} if arch == "llama3" else {}
     torch.manual_seed(seed)
-    model = model_cls(config_cls(vocab_size=vocab_size, **SHAPE))
+    # mlx-lm's Qwen2 derives head_dim from hidden_size / heads (16 here) rather than reading it.
+    shape = {**SHAPE, "head_dim": 16} if arch == "qwen2" else SHAPE
+    config_obj = getattr(transformers, f"{family}Config")(vocab_size=vocab_size, **shape, **extra)
+    model = getattr(transformers, f"{family}ForCausalLM")(config_obj)
+    if arch == "qwen2":
+        with torch.no_grad():  # biases start at zero; random ones make the test see them
+            for name, param in model.named_parameters():
+                if name.endswith("bias"):
+                    param.normal_(std=0.1)
     model.save_pretrained(out)
-    # mlx-lm reads rope_theta at the top level; transformers 5 nests it in rope_parameters.
+    # mlx-lm reads rope_theta (and rope_scaling) at the top level; transformers 5 nests them in rope_parameters.
     config = json.loads((out / "config.json").read_text())
     config["rope_theta"] = SHAPE["rope_theta"]
+    if arch == "llama3":
+        config["rope_scaling"] = LLAMA3_ROPE
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 

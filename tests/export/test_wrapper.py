@@ -15,21 +15,30 @@ from mlxserve.export.wrapper import (StatefulCausalLM, UnsupportedModelError, ch
                                      load_hf_model, make_causal_mask, stateful_logits)
 
 
+@pytest.fixture(scope="module", params=["llama", "llama3", "qwen2", "qwen3"])
+def family_dir(request, hf_llama_dir, hf_qwen3_dir, tmp_path_factory):
+    """The two export fixtures, plus Llama 3.x rope scaling and Qwen2 (attention biases) for the wrapper."""
+    from tests.export.conftest import build_hf_folder
+
+    known = {"llama": hf_llama_dir, "qwen3": hf_qwen3_dir}
+    return known.get(request.param) or build_hf_folder(tmp_path_factory.mktemp(request.param), request.param, 2)
+
+
 @pytest.fixture(scope="module")
-def wrapped(hf_dir):
-    return StatefulCausalLM(load_hf_model(hf_dir), CONTEXT)
+def wrapped(family_dir):
+    return StatefulCausalLM(load_hf_model(family_dir), CONTEXT)
 
 
-def test_state_buffers_have_the_core_ml_layout(wrapped, hf_dir):
+def test_state_buffers_have_the_core_ml_layout(wrapped):
     # (layers, batch, kv_heads, context, head_dim), registered so the converter sees them as state
-    assert wrapped.state_shape == (2, 1, 2, CONTEXT, 32)
+    assert wrapped.state_shape == (2, 1, 2, CONTEXT, wrapped.model.config.head_dim)
     assert dict(wrapped.named_buffers())["key_cache"].shape == wrapped.state_shape
     assert dict(wrapped.named_buffers())["value_cache"].shape == wrapped.state_shape
 
 
-def test_matches_transformers_over_prompt_and_extend(wrapped, hf_dir, token_ids):
+def test_matches_transformers_over_prompt_and_extend(wrapped, family_dir, token_ids):
     ours = stateful_logits(wrapped, token_ids, PROMPT_LEN)
-    reference = transformers_logits(hf_dir, token_ids, PROMPT_LEN)
+    reference = transformers_logits(family_dir, token_ids, PROMPT_LEN)
     assert ours.shape == reference.shape == (PROMPT_LEN + EXTEND_STEPS, reference.shape[1])
     np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-4)
     # The extend steps wrote the state: positions past the sequence stay zero, those before do not.
@@ -38,47 +47,41 @@ def test_matches_transformers_over_prompt_and_extend(wrapped, hf_dir, token_ids)
     assert wrapped.key_cache[:, :, :, :used].abs().amin(dim=-1).max() > 0
 
 
-def test_matches_the_mlx_model_mlxserve_serves(wrapped, hf_dir, token_ids):
+def test_matches_the_mlx_model_mlxserve_serves(wrapped, family_dir, token_ids):
     ours = stateful_logits(wrapped, token_ids, PROMPT_LEN)
-    np.testing.assert_allclose(ours, mlx_logits(hf_dir, token_ids, PROMPT_LEN), rtol=0, atol=1e-3)
+    np.testing.assert_allclose(ours, mlx_logits(family_dir, token_ids, PROMPT_LEN), rtol=0, atol=1e-3)
 
 
-def test_the_trace_that_gets_converted_serves_every_length(wrapped, token_ids):
+class _Traced:
+    """What stateful_logits needs of the TorchScript: call it, reset the state (the buffers are shared)."""
+
+    def __init__(self, wrapper) -> None:
+        from mlxserve.export.coreml import trace_wrapper
+
+        self.wrapper, self.traced = wrapper, trace_wrapper(wrapper, example_tokens=4)
+
+    def __call__(self, ids, mask):
+        return self.traced(ids, mask)
+
+    def reset(self):
+        self.wrapper.reset()
+
+
+@pytest.mark.parametrize("logits", ["all", "last"])
+def test_the_trace_that_gets_converted_serves_every_length(hf_dir, token_ids, logits):
     """Linux cannot run the Core ML program, but it can run the TorchScript it is converted from: traced
     on 4 tokens, it must give the eager logits for an 8-token prompt and 1-token extend steps (nothing
     about positions or lengths baked in as constants)."""
-    from mlxserve.export.coreml import trace_wrapper
-
-    eager = stateful_logits(wrapped, token_ids, PROMPT_LEN)
-    traced = trace_wrapper(wrapped, example_tokens=4)
-
-    class Traced:  # what stateful_logits needs: call, reset (the buffers are shared)
-        def __call__(self, ids, mask):
-            return traced(ids, mask)
-
-        def reset(self):
-            wrapped.reset()
-
-    np.testing.assert_allclose(stateful_logits(Traced(), token_ids, PROMPT_LEN), eager, rtol=0, atol=1e-5)
+    wrapper = StatefulCausalLM(load_hf_model(hf_dir), CONTEXT, logits=logits)
+    eager = stateful_logits(wrapper, token_ids, PROMPT_LEN)
+    np.testing.assert_allclose(stateful_logits(_Traced(wrapper), token_ids, PROMPT_LEN), eager, rtol=0, atol=1e-5)
 
 
-def test_last_logits_are_the_last_row_of_all(wrapped, hf_dir, token_ids):
-    from mlxserve.export.coreml import trace_wrapper
-
+def test_last_logits_are_the_last_row_of_all(wrapped, family_dir, token_ids):
     every = stateful_logits(wrapped, token_ids, PROMPT_LEN)
-    last = StatefulCausalLM(load_hf_model(hf_dir), CONTEXT, logits="last")
+    last = StatefulCausalLM(load_hf_model(family_dir), CONTEXT, logits="last")
     expected = every[PROMPT_LEN - 1:]  # the prompt's last position, then each extend step
     np.testing.assert_allclose(stateful_logits(last, token_ids, PROMPT_LEN), expected, rtol=0, atol=1e-5)
-    traced = trace_wrapper(last, example_tokens=4)
-
-    class Traced:
-        def __call__(self, ids, mask):
-            return traced(ids, mask)
-
-        def reset(self):
-            last.reset()
-
-    np.testing.assert_allclose(stateful_logits(Traced(), token_ids, PROMPT_LEN), expected, rtol=0, atol=1e-5)
 
 
 def test_extend_depends_on_the_state(wrapped, token_ids):

@@ -150,7 +150,7 @@ def export_coreml(source: str | Path, out: str | Path, config: CoreMLExportConfi
         mlmodel = quantize_int4(mlmodel, config.block_size)
     stage(f"saving {out}")
     if out.exists():
-        shutil.rmtree(out)  # Core ML's save merges into an existing package rather than replacing it
+        shutil.rmtree(out)  # replaced whole: no file of an earlier export mixes with this one
     mlmodel.save(str(out))
     return out
 
