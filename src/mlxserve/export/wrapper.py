@@ -113,7 +113,7 @@ class StatefulCausalLM(nn.Module):
     (1, 1, vocab) with logits="last": generation needs only the last position, and the LM head over a
     2k-token prompt of a 128k vocabulary is half a gigabyte of float16 output."""
 
-    def __init__(self, model, context: int, batch_size: int = 1, logits: str = "all") -> None:
+    def __init__(self, model, context: int, logits: str = "all") -> None:
         super().__init__()
         config = model.config
         check_supported(config)
@@ -125,7 +125,8 @@ class StatefulCausalLM(nn.Module):
         self.model = model
         self.last_logits_only = logits == "last"
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.state_shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, context, head_dim)
+        # Batch 1: one sequence per app session, like the recipe (input_ids is (1, new) too).
+        self.state_shape = (config.num_hidden_layers, 1, config.num_key_value_heads, context, head_dim)
         # Names become the Core ML state names.
         self.register_buffer("key_cache", torch.zeros(self.state_shape, dtype=torch.float32))
         self.register_buffer("value_cache", torch.zeros(self.state_shape, dtype=torch.float32))
@@ -168,8 +169,9 @@ def make_causal_mask(new: int, end: int, dtype=np.float32) -> np.ndarray:
 
 @torch.no_grad()
 def stateful_logits(wrapper: StatefulCausalLM, token_ids, prompt_len: int) -> np.ndarray:
-    """Logits (len(token_ids), vocab) from the prompt in one call, then each further token as its own
-    extend step through the state: what an app on the exported model does."""
+    """Logits from the prompt in one call, then each further token as its own extend step through the
+    state (what an app on the exported model does): (len(token_ids), vocab) rows, or with logits="last"
+    one row per call (1 + extend steps)."""
     wrapper.reset()
     ids = torch.tensor([list(token_ids)], dtype=torch.int64)
     rows = [wrapper(ids[:, :prompt_len], torch.from_numpy(make_causal_mask(prompt_len, prompt_len)))[0]]
