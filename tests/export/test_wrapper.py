@@ -11,8 +11,9 @@ from tests.export.conftest import (CONTEXT, EXTEND_STEPS, PROMPT_LEN, mlx_logits
 
 requires_coreml()
 
-from mlxserve.export.wrapper import (StatefulCausalLM, UnsupportedModelError, check_supported,  # noqa: E402
-                                     load_hf_model, make_causal_mask, stateful_logits)
+from mlxserve.export import UnsupportedModelError  # noqa: E402
+from mlxserve.export.wrapper import (StatefulCausalLM, check_supported, load_hf_model,  # noqa: E402
+                                     make_causal_mask, stateful_logits)
 
 
 @pytest.fixture(scope="module", params=["llama", "llama3", "qwen2", "qwen3"])

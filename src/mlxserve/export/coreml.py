@@ -179,7 +179,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from mlxserve.export.wrapper import UnsupportedModelError
+    from mlxserve.export import UnsupportedModelError
     from mlxserve.progress import StageLog
 
     import logging

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mlxserve.export import UnsupportedModelError
+
 ATTENTION_NAME = "mlxserve_coreml_sdpa"
 # Families whose decoder layers are Llama-shaped (norm, attention with rope, norm, MLP) and whose
 # attention calls `cache.update(...)`: the ones this wrapper is tested on, plus Mistral and Qwen2.
@@ -30,10 +32,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 LOGITS_CHOICES = ("all", "last")
 # Rope variants whose frequencies do not depend on the sequence length (dynamic / longrope do).
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-class UnsupportedModelError(ValueError):
-    """A model folder this exporter cannot wrap; the message says why."""
 
 
 def _sdpa(module, query, key, value, attention_mask, scaling=None, **_):
