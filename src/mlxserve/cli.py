@@ -301,9 +301,18 @@ def make_parser() -> argparse.ArgumentParser:
                       help="dtype of the unquantized weights (default: the model's)")
     conv.set_defaults(func=_convert)
 
+    from mlxserve.export import coreml as coreml_export  # no coremltools/torch import until it runs
+
+    export = sub.add_parser("export", help="export a model folder for another runtime").add_subparsers(
+        dest="export", required=True, parser_class=make)
+    coreml_cmd = export.add_parser("coreml", help="Core ML package for macOS/iOS apps: KV cache as state, flexible"
+                                                  " shapes, fused SDPA, optional int4 (the `coreml` extra)")
+    coreml_export.add_arguments(coreml_cmd)
+    coreml_cmd.set_defaults(func=coreml_export.run)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True,
                                                                       parser_class=make)
-    from mlxserve.bench import compare, decode, engine, load, memory, multimodal, plot, prefix, structured
+    from mlxserve.bench import compare, coreml, decode, engine, load, memory, multimodal, plot, prefix, structured
     from mlxserve.bench import serve as serve_bench
 
     for name, module, help_text in (
@@ -318,6 +327,8 @@ def make_parser() -> argparse.ArgumentParser:
         ("multimodal", multimodal, "multi-turn TTFT about one image/video: vision cache, KV cache, both"),
         ("structured", structured, "aggregate tok/s with every row under a JSON schema vs free; mask time"),
         ("plot", plot, "PNG charts of `bench serve` result files, side by side (the `plot` extra)"),
+        ("coreml", coreml, "an exported Core ML package on this Mac: prompt TTFT and extend tok/s per context"
+                           " (macOS only)"),
     ):
         command = bench.add_parser(name, help=help_text)
         module.add_arguments(command)
