@@ -28,7 +28,8 @@ for shape in "${shapes[@]}"; do
   fi
   if [[ $steps == *compare* ]]; then
     python3 -m mlxserve.cli bench compare --model "$m" --servers "$servers" --concurrency "$conc" \
-      --endpoint chat --warmup 4 --output-json "$out/compare-$shape.json" 2>&1 | grep -v "^level\|^starting"
+      --endpoint chat --warmup 4 --output-json "$out/compare-$shape.json" 2>&1 | grep -v "httpx" \
+      | tee "$out/compare-$shape.log" | grep -v "^level\|^starting"
   fi
   if [[ $steps == *burst* ]] && python3 -m mlxserve.cli bench serve --help | grep -q -- --burst; then
     python3 -m mlxserve.cli bench compare --model "$m" --servers "$servers" --burst 8 \
