@@ -28,8 +28,9 @@ for shape in "${shapes[@]}"; do
   fi
   if [[ $steps == *compare* ]]; then
     python3 -m mlxserve.cli bench compare --model "$m" --servers "$servers" --concurrency "$conc" \
-      --endpoint chat --warmup 4 --output-json "$out/compare-$shape.json" 2>&1 | grep -v "httpx" \
-      | tee "$out/compare-$shape.log" | grep -v "^level\|^starting"
+      --endpoint chat --warmup 4 --output-json "$out/compare-$shape.json" > "$out/compare-$shape.log" 2>&1
+    # Straight to a file: a pipe through grep holds the output back, and a timeout then loses all of it.
+    grep -v "httpx\|^level" "$out/compare-$shape.log" | tail -30
   fi
   if [[ $steps == *burst* ]] && python3 -m mlxserve.cli bench serve --help | grep -q -- --burst; then
     python3 -m mlxserve.cli bench compare --model "$m" --servers "$servers" --burst 8 \
