@@ -18,7 +18,7 @@ import time
 import httpx
 
 from mlxserve.bench.report import format_table, write_json
-from mlxserve.bench.serve import TABLE_COLUMNS, ServeBenchConfig, default_json_path, int_list, run_serve_bench
+from mlxserve.bench.serve import TABLE_COLUMNS, ServeBenchConfig, add_load_arguments, default_json_path, run_serve_bench
 
 _SERVERS = ("mlxserve", "mlx_lm")
 
@@ -110,12 +110,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model folder (default: the demo model)")
     parser.add_argument("--servers", type=lambda s: [x for x in s.split(",") if x], default=list(_SERVERS),
                         help="comma list of: " + ", ".join(_SERVERS))
-    parser.add_argument("--concurrency", type=int_list, default=[1, 16])
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-requests", type=int, default=None)
-    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--startup-timeout", type=float, default=600)
-    parser.add_argument("--output-json", default=None)
+    add_load_arguments(parser, [1, 16])
+    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                        help="API route the load uses (as in `bench serve`)")
+    parser.add_argument("--warmup", type=int, default=2, help="requests sent to each server before measuring")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="mlxserve's --max-num-seqs (batch limit)")
+    parser.add_argument("--startup-timeout", type=float, default=600, metavar="SECONDS",
+                        help="how long each server may take to answer /v1/models after its start")
+    parser.add_argument("--output-json", default=None,
+                        help="result file (default: bench-results/serve-compare-<time>.json)")

@@ -191,12 +191,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-prealloc", type=int, default=0,
                         help="timeline: reservation of the prealloc run (default: prompt + generated tokens)")
     parser.add_argument("--every", type=int, default=256, help="timeline: table row every N steps")
-    parser.add_argument("--burst-requests", type=int, default=16)
-    parser.add_argument("--burst-prompt-tokens", type=int, default=64)
-    parser.add_argument("--burst-max-tokens", type=int, default=512)
+    parser.add_argument("--burst-requests", type=int, default=16, help="burst: requests sent at once")
+    parser.add_argument("--burst-prompt-tokens", type=int, default=64, help="burst: prompt length of each request")
+    parser.add_argument("--burst-max-tokens", type=int, default=512, help="burst: tokens each request generates")
     parser.add_argument("--burst-kv-budget-tokens", type=int, default=0,
                         help="admission on: KV budget (default: 4 requests' worth); off: unlimited")
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--output-json", default=None, help="result file (default: bench-results/memory-<time>.json)")
 
 
 def run(args: argparse.Namespace) -> int:
