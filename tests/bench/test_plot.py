@@ -61,3 +61,24 @@ def test_missing_matplotlib_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     with pytest.raises(plot.PlotUnavailableError, match=r"mlxserve\[plot\]"):
         plot.plot_series([("a", _result("a", 1.0)["levels"])], tmp_path / "x.png")
+
+
+def test_prefix_chart_with_and_without_the_ssd_bars(tmp_path):
+    rows = [{"block_size": 256, "prefix_tokens": p, "ttft_cold_ms": p / 2, "ttft_hit_ms": 5.0, "ttft_ssd_ms": 9.0}
+            for p in (512, 4096)]
+    size = (plot.FIGSIZE[0] * plot.DPI, plot.FIGSIZE[1] * plot.DPI)
+    assert _png_size(plot.plot_prefix(rows, tmp_path / "ssd.png")) == size
+    for row in rows:
+        del row["ttft_ssd_ms"]
+    assert _png_size(plot.plot_prefix(rows, tmp_path / "plain.png", title="prefix")) == size
+    with pytest.raises(ValueError):
+        plot.plot_prefix([], tmp_path / "none.png")
+
+
+def test_memory_chart_is_two_panels(tmp_path):
+    steps = range(600)
+    timeline = {"off": {"kv_prealloc_tokens": 0, "active": [(1 + s // 256) << 20 for s in steps],
+                        "rss": [(100 + s // 256) << 20 for s in steps]},
+                "on": {"kv_prealloc_tokens": 640, "active": [3 << 20] * 600, "rss": [101 << 20] * 600}}
+    out = plot.plot_memory(timeline, tmp_path / "memory.png")
+    assert _png_size(out) == (2 * plot.FIGSIZE[0] * plot.DPI, plot.FIGSIZE[1] * plot.DPI)

@@ -18,6 +18,7 @@ import time
 from datetime import datetime
 from typing import Any
 
+from mlxserve.bench import plot
 from mlxserve.bench.report import format_table, write_json
 from mlxserve.config import EngineConfig
 from mlxserve.engine.request import Request, SamplingParams
@@ -197,6 +198,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burst-kv-budget-tokens", type=int, default=0,
                         help="admission on: KV budget (default: 4 requests' worth); off: unlimited")
     parser.add_argument("--output-json", default=None, help="result file (default: bench-results/memory-<time>.json)")
+    plot.add_plot_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -212,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(result["burst"], BURST_COLUMNS))
     path = write_json(args.output_json or f"bench-results/memory-{datetime.now():%Y%m%d-%H%M%S}.json", result)
     print(f"wrote {path}")
+    if args.plot is not None:
+        plot.write_plot(plot.plot_memory, timeline, args.plot, path)
     ok = all(r["num_tokens"] == args.num_tokens for r in timeline.values())
     ok = ok and all(b["num_tokens"] == args.burst_requests * args.burst_max_tokens for b in result["burst"])
     return 0 if ok else 1

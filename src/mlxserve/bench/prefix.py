@@ -8,12 +8,12 @@ off. Requests run one at a time so the numbers are the cache's, not the batcher'
 from __future__ import annotations
 
 import argparse
-
 import random
 import statistics
 import tempfile
 import time
 
+from mlxserve.bench import plot
 from mlxserve.bench.report import format_table, write_json
 from mlxserve.bench.serve import default_json_path, int_list
 from mlxserve.config import EngineConfig
@@ -147,6 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssd", action="store_true", help="also measure TTFT after a restart, from the SSD tier")
     parser.add_argument("--output-json", default=None,
                         help="result file (default: bench-results/serve-prefix-<time>.json)")
+    plot.add_plot_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -154,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(result["rows"], _COLUMNS))
     path = write_json(args.output_json or default_json_path("prefix"), result)
     print(f"wrote {path}")
+    if args.plot is not None:
+        plot.write_plot(plot.plot_prefix, result["rows"], args.plot, path)
     return 0
 
 

@@ -368,9 +368,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", default=None,
                         help="result file (default: bench-results/serve-<label>-<time>.json)")
     parser.add_argument("--no-json", action="store_true", help="print the table only")
-    parser.add_argument("--plot", nargs="?", const="", default=None, metavar="PNG",
-                        help="also chart the result (matplotlib, the `plot` extra); PNG alone: the JSON's name"
-                             " with .png (default: no chart)")
+    plot.add_plot_argument(parser)
 
 
 def default_json_path(label: str) -> str:
@@ -398,13 +396,6 @@ def _print_progress(level: dict) -> None:
         print(f"  error: {message}", file=sys.stderr)
 
 
-def _plot(result: dict, out) -> None:
-    try:
-        print(f"wrote {plot.plot_series([(result['levels'][0]['label'], result['levels'])], out)}", file=sys.stderr)
-    except (plot.PlotUnavailableError, ValueError) as exc:
-        print(f"no plot: {exc}", file=sys.stderr)
-
-
 def run(args: argparse.Namespace) -> int:
     """CLI entry: 0 when every request succeeded, 1 when some failed, 2 when nothing ran."""
     try:
@@ -417,5 +408,6 @@ def run(args: argparse.Namespace) -> int:
     if cfg.output_json:
         print(f"wrote {cfg.output_json}", file=sys.stderr)
     if getattr(args, "plot", None) is not None:
-        _plot(result, args.plot or (cfg.output_json and plot.default_png_path(cfg.output_json)) or "bench-serve.png")
+        series = [(result["levels"][0]["label"], result["levels"])]
+        plot.write_plot(plot.plot_series, series, args.plot, cfg.output_json, "bench-serve.png")
     return 0 if all(level["num_errors"] == 0 for level in result["levels"]) else 1
