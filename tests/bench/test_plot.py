@@ -82,3 +82,12 @@ def test_memory_chart_is_two_panels(tmp_path):
                 "on": {"kv_prealloc_tokens": 640, "active": [3 << 20] * 600, "rss": [101 << 20] * 600}}
     out = plot.plot_memory(timeline, tmp_path / "memory.png")
     assert _png_size(out) == (2 * plot.FIGSIZE[0] * plot.DPI, plot.FIGSIZE[1] * plot.DPI)
+
+
+def test_a_compare_file_is_one_series_per_server(tmp_path):
+    f = tmp_path / "compare.json"
+    levels = _result("mlxserve", 1.0)["levels"] + _result("mlx_lm", 0.6)["levels"]
+    f.write_text(json.dumps({"model": "m", "levels": levels, "ratios": []}))
+    series = plot.load_series([f])
+    assert [label for label, _ in series] == ["mlxserve", "mlx_lm"] and all(len(lv) == 4 for _, lv in series)
+    assert cli.main(["bench", "plot", str(f)]) == 0 and _png_size(tmp_path / "compare.png")[0] > 0

@@ -17,6 +17,7 @@ import time
 
 import httpx
 
+from mlxserve.bench import plot
 from mlxserve.bench.report import format_table, write_json
 from mlxserve.bench.serve import TABLE_COLUMNS, ServeBenchConfig, add_load_arguments, default_json_path, run_serve_bench
 
@@ -103,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     path = write_json(args.output_json or default_json_path("compare"),
                       {"model": model, "levels": levels, "ratios": ratios})
     print(f"wrote {path}")
+    if args.plot is not None:  # the servers side by side
+        plot.write_plot(plot.plot_series, plot.load_series([path]), args.plot, path)
     return 0 if errors == 0 else 1
 
 
@@ -119,3 +122,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long each server may take to answer /v1/models after its start")
     parser.add_argument("--output-json", default=None,
                         help="result file (default: bench-results/serve-compare-<time>.json)")
+    plot.add_plot_argument(parser)

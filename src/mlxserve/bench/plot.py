@@ -25,15 +25,19 @@ class PlotUnavailableError(RuntimeError):
 
 
 def load_series(paths: list[str | Path]) -> list[tuple[str, list[dict]]]:
-    """(label, levels) per file; the label is the run's `--label`, else the file's name."""
+    """(label, levels) per server: the run's `--label`, else the file's name. A `bench compare` file holds
+    several servers' levels, each labelled with its server: one series each."""
     series = []
     for path in paths:
         data = json.loads(Path(path).read_text())
         levels = data.get("levels") if isinstance(data, dict) else None
         if not levels or not all("concurrency" in lv for lv in levels):
             raise ValueError(f"{path}: not a `bench serve` result (no levels with a concurrency)")
-        label = levels[0].get("label") or (data.get("config") or {}).get("label") or Path(path).stem
-        series.append((str(label), levels))
+        fallback = (data.get("config") or {}).get("label") or Path(path).stem
+        by_label: dict[str, list[dict]] = {}
+        for lv in levels:
+            by_label.setdefault(str(lv.get("label") or fallback), []).append(lv)
+        series.extend(by_label.items())
     return series
 
 
