@@ -91,3 +91,17 @@ def test_a_compare_file_is_one_series_per_server(tmp_path):
     series = plot.load_series([f])
     assert [label for label, _ in series] == ["mlxserve", "mlx_lm"] and all(len(lv) == 4 for _, lv in series)
     assert cli.main(["bench", "plot", str(f)]) == 0 and _png_size(tmp_path / "compare.png")[0] > 0
+
+
+def test_plot_command_charts_prefix_and_memory_results(tmp_path):
+    prefix = tmp_path / "prefix.json"
+    prefix.write_text(json.dumps({"rows": [{"block_size": 256, "prefix_tokens": 512, "ttft_cold_ms": 300.0,
+                                            "ttft_hit_ms": 20.0}], "decode": {}}))
+    assert cli.main(["bench", "plot", str(prefix), "--title", "prefix"]) == 0
+    assert _png_size(tmp_path / "prefix.png") == (plot.FIGSIZE[0] * plot.DPI, plot.FIGSIZE[1] * plot.DPI)
+    memory = tmp_path / "memory.json"
+    memory.write_text(json.dumps({"timeline": {"off": {"kv_prealloc_tokens": 0, "active": [1, 2, 3, 3],
+                                                       "rss": [5, 6, 7, 7]}}, "burst": []}))
+    assert cli.main(["bench", "plot", str(memory), "-o", str(tmp_path / "m.png")]) == 0
+    assert _png_size(tmp_path / "m.png")[0] == 2 * plot.FIGSIZE[0] * plot.DPI
+    assert cli.main(["bench", "plot", str(memory), str(prefix)]) == 2  # charted alone

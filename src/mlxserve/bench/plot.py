@@ -124,8 +124,9 @@ def plot_memory(timeline: dict[str, dict], out: str | Path, title: str | None = 
     plt, fig, (active_ax, rss_ax) = _charts(2)
     for name, run in timeline.items():
         label = f"--kv-prealloc {run['kv_prealloc_tokens']}" if run["kv_prealloc_tokens"] else "no prealloc"
-        active_ax.plot([v / mib for v in run["active"]], label=label)
-        rss_ax.plot([(v - run["rss"][0]) / mib for v in run["rss"]], label=label)
+        n = max(1, len(run["active"]) - 2)  # the last steps free the finished request: not growth
+        active_ax.plot([v / mib for v in run["active"][:n]], label=label)
+        rss_ax.plot([(v - run["rss"][0]) / mib for v in run["rss"][:n]], label=label)
     for ax, axis_title in ((active_ax, "MLX active memory (MiB)"), (rss_ax, "process RSS growth (MiB)")):
         ax.set_xlabel("decode step")
         ax.set_title(axis_title)
@@ -155,14 +156,27 @@ def write_plot(draw, data, png: str | None, json_path: str | Path | None, fallba
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("files", nargs="+", metavar="FILE.json", help="`bench serve` result files (one bar each)")
+    p.add_argument("files", nargs="+", metavar="FILE.json",
+                   help="`bench serve` / `bench compare` result files (one bar per server), or one `bench prefix` or"
+                        " `bench memory` file")
     p.add_argument("--output", "-o", default=None, help="PNG to write (default: the first file's name with .png)")
     p.add_argument("--title", default=None, help="title above the charts")
 
 
+def _chart_of(paths: list[str]):
+    """(draw, data) for the files: a prefix or memory result (one file) has its own chart."""
+    data = json.loads(Path(paths[0]).read_text())
+    if isinstance(data, dict) and ("timeline" in data or "decode" in data):
+        if len(paths) > 1:
+            raise ValueError("a `bench prefix` or `bench memory` result is charted alone")
+        return (plot_memory, data["timeline"]) if "timeline" in data else (plot_prefix, data["rows"])
+    return plot_series, load_series(paths)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        out = plot_series(load_series(args.files), args.output or default_png_path(args.files[0]), args.title)
+        draw, data = _chart_of(args.files)
+        out = draw(data, args.output or default_png_path(args.files[0]), args.title)
     except (PlotUnavailableError, ValueError, OSError) as exc:
         print(f"mlxserve bench plot: {exc}", file=sys.stderr)
         return 2
