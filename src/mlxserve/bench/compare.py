@@ -18,8 +18,9 @@ import time
 
 import httpx
 
+from mlxserve.bench import plot
 from mlxserve.bench.report import format_table, write_json
-from mlxserve.bench.serve import TABLE_COLUMNS, ServeBenchConfig, default_json_path, int_list, run_serve_bench
+from mlxserve.bench.serve import TABLE_COLUMNS, ServeBenchConfig, add_load_arguments, default_json_path, run_serve_bench
 
 _SERVERS = ("mlxserve", "mlx_lm", "vllm_mlx")
 _DEFAULT_SERVERS = ("mlxserve", "mlx_lm")
@@ -128,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
     path = write_json(args.output_json or default_json_path("compare"),
                       {"model": model, "levels": levels, "ratios": ratios})
     print(f"wrote {path}")
+    if args.plot is not None:  # the servers side by side
+        plot.write_plot(plot.plot_series, plot.load_series([path]), args.plot, path)
     return 0 if errors == 0 else 1
 
 
@@ -135,12 +138,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model folder (default: the demo model)")
     parser.add_argument("--servers", type=lambda s: [x for x in s.split(",") if x], default=list(_DEFAULT_SERVERS),
                         help="comma list of: " + ", ".join(_SERVERS))
-    parser.add_argument("--concurrency", type=int_list, default=[1, 16])
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-requests", type=int, default=None)
-    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--startup-timeout", type=float, default=600)
-    parser.add_argument("--output-json", default=None)
+    add_load_arguments(parser, [1, 16])
+    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                        help="API route the load uses (as in `bench serve`)")
+    parser.add_argument("--warmup", type=int, default=2, help="requests sent to each server before measuring")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="mlxserve's --max-num-seqs (batch limit)")
+    parser.add_argument("--startup-timeout", type=float, default=600, metavar="SECONDS",
+                        help="how long each server may take to answer /v1/models after its start")
+    parser.add_argument("--output-json", default=None,
+                        help="result file (default: bench-results/serve-compare-<time>.json)")
+    plot.add_plot_argument(parser)
