@@ -32,6 +32,8 @@ class EngineStats:
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     prefix_cached_blocks: int = 0
+    kv_capacity_tokens: int = 0  # KV tokens running requests may hold (the live limit)
+    kv_bytes_per_token: int = 0  # what one token's KV costs (smaller under --kv-bits)
 
 
 class AsyncEngine:
@@ -193,7 +195,10 @@ class AsyncEngine:
                 self.stats = EngineStats(
                     core.scheduler.num_running,
                     core.scheduler.num_waiting,
-                    *((prefix.num_queried_tokens, prefix.num_hit_tokens, prefix.pool.num_cached) if prefix else ()),
+                    *((prefix.num_queried_tokens, prefix.num_hit_tokens, prefix.pool.num_cached) if prefix else
+                      (0, 0, 0)),
+                    kv_capacity_tokens=self.kv_capacity_tokens or 0,
+                    kv_bytes_per_token=getattr(getattr(core, "probe", None), "bytes_per_token", 0),
                 )
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
