@@ -309,7 +309,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True,
                                                                       parser_class=make)
-    from mlxserve.bench import compare, engine, load, memory, multimodal, plot, prefix, structured
+    from mlxserve.bench import compare, engine, kvquant, load, memory, multimodal, plot, prefix, structured
     from mlxserve.bench import serve as serve_bench
 
     for name, module, help_text in (
@@ -321,6 +321,8 @@ def make_parser() -> argparse.ArgumentParser:
                            " admission on/off"),
         ("load", load, "weight-loading strategies: load time and peak RSS, cold/warm page cache"),
         ("multimodal", multimodal, "multi-turn TTFT about one image/video: vision cache, KV cache, both"),
+        ("kvquant", kvquant, "--kv-bits: aggregate tok/s at 16 concurrent and long contexts per memory budget,"
+                             " float vs 8-bit vs 4-bit KV"),
         ("structured", structured, "aggregate tok/s with every row under a JSON schema vs free; mask time"),
         ("plot", plot, "PNG charts of `bench serve` result files, side by side (the `plot` extra)"),
     ):
