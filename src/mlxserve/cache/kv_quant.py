@@ -35,7 +35,8 @@ class KVQuantPlan:
     @property
     def label(self) -> str:
         """What the SSD tier's header records: blocks written under other settings are foreign."""
-        return f"{self.bits}bit-g{self.group_size}-layers{','.join(map(str, self.layers))}" if self.layers else ""
+        # Which layers are quantized follows from the model (in the header too) and these settings.
+        return f"{self.bits}bit-g{self.group_size}" if self.layers else ""
 
     def make_cache(self, model: Any) -> list[Any]:
         """mlx-lm's prompt cache with the planned layers swapped for quantized ones."""
