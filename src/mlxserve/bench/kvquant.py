@@ -147,6 +147,8 @@ def run_kvquant_bench(args: argparse.Namespace) -> dict:
                      "contexts_admitted": budget_bytes // (per_token * args.context_tokens),
                      "contexts_measured": int(budget_bytes // per_context) if per_context > 0 else None})
         print(format_table(rows[-1:], COLUMNS), flush=True)
+        if args.output_json:  # each setting as it completes: a run cut short still leaves its rows
+            write_json(args.output_json, {"config": {"kv_budget_bytes": budget_bytes}, "rows": rows, "partial": True})
     base = next((r for r in rows if r["kv_bits"] is None), None)
     for r in rows:
         r["capacity_vs_float"] = r["contexts_admitted"] / base["contexts_admitted"] if base else None
@@ -192,10 +194,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.output_json = args.output_json or default_json_path("kvquant")
     result = run_kvquant_bench(args)
     print(format_table(result["rows"], COLUMNS))
     print(f"KV budget for (b): {result['config']['kv_budget_bytes'] / (1 << 30):.2f} GiB, "
           f"{args.context_tokens}-token contexts")
-    path = write_json(args.output_json or default_json_path("kvquant"), result)
+    path = write_json(args.output_json, result)
     print(f"wrote {path}")
     return 0

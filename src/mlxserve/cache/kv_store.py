@@ -3,8 +3,9 @@ snapshots, as MLX arrays, with an optional SSD tier behind them (write-behind fo
 read-through on a memory miss).
 
 A block is at most two arrays (see `layout.py`): `kv` [full layers, kv_heads, block_size, key_width +
-value_width] (under --kv-bits the three arrays of the quantized tuple, each laid out so) and, for sliding-window models, `swa` with the sliding layers' KV of the same positions
-when it was still in the window at store time. One array per kind, not per layer: storing, attaching
+value_width] (under --kv-bits the quantized tuple's three arrays, each laid out so) and, for
+sliding-window models, `swa` with the sliding layers' KV of the same positions when it was still in
+the window at store time. One array per kind, not per layer: storing, attaching
 and spilling then cost a kernel launch or a device-to-host copy per block (on an H200 the per-layer
 version made a hit slower than recomputing).
 """
