@@ -128,6 +128,11 @@ def run_kvquant_bench(args: argparse.Namespace) -> dict:
                 raise SystemExit("no memory budget could be computed here: pass --kv-memory-gb")
             budget_bytes = core.budget.kv  # the first setting's (float KV when listed first)
         per_token = core.probe.bytes_per_token
+        # A model (or backend) whose attention cannot read quantized KV falls back to float: say so.
+        quant = core.kv_quant.status() if core.kv_quant is not None else None
+        if quant is not None and quant["note"]:
+            print(f"{_label(bits)}: {quant['quantized_layers']}/{quant['num_layers']} layers quantized; "
+                  f"{quant['note']}", flush=True)
         _run_batch(core, warm, min(args.max_tokens, 16))
         run = _run_batch(core, prompts, args.max_tokens)
         if bits is None:
@@ -143,6 +148,7 @@ def run_kvquant_bench(args: argparse.Namespace) -> dict:
         rows.append({"kv": _label(bits), "kv_bits": bits, "bytes_per_token": per_token,
                      "agg_tok_s": run["agg_tok_s"], "decode_tok_s": run["decode_tok_s"],
                      "num_tokens": run["num_tokens"], "wall_s": run["wall_s"], "same_as_float": same,
+                     "kv_quantization": quant,
                      "measured_mib_per_context": per_context / _MIB,
                      "contexts_admitted": budget_bytes // (per_token * args.context_tokens),
                      "contexts_measured": int(budget_bytes // per_context) if per_context > 0 else None})
