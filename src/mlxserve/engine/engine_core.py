@@ -61,7 +61,8 @@ class EngineCore:
         prefix_on = config.enable_prefix_cache and config.cache_memory_bytes != 0 and probe.shareable
         # The start-up budget; `self.governor.live` is the one in force (desktop mode follows free memory).
         is_vlm = getattr(model, "is_vlm", False)
-        self.budget = startup_budget(model, config.prefill_step_size, budget_config(config, prefix_on, is_vlm))
+        self.budget = startup_budget(model, config.prefill_step_size, budget_config(config, prefix_on, is_vlm),
+                                     make_cache)
         if self.budget is not None and probe.bytes_per_seq:
             self.budget = reserve_state(self.budget, probe.bytes_per_seq * config.max_num_seqs)
         per_token = probe.budget_bytes_per_token
