@@ -139,6 +139,28 @@ def test_greedy_tokens_alone_among_8_and_joining(loaded, bits):
     assert [out[f"r{i}"]["ids"] for i in range(8)] == expected
 
 
+def test_buckets_and_kv_prealloc_keep_the_tokens(loaded):
+    """Filler rows (bucketed batch sizes) and KV reserved up front: the same tokens, written in place."""
+    prompts = [tokens(40 + i, 6 + 5 * i) for i in range(5)]
+    expected = [reference(loaded.model, p, 8) for p in prompts]
+    config = EngineConfig(max_num_seqs=8, kv_bits=8, kv_group_size=GS, kv_prealloc_tokens=300,
+                          enable_prefix_cache=False)
+    core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len=4096, buckets=[1, 2, 4, 8])
+    for i, p in enumerate(prompts):
+        core.add_request(Request(f"r{i}", p, greedy()))
+    out: dict[str, list[int]] = {}
+    full_steps = 0
+    while core.has_work:
+        for o in core.step():
+            assert o.error is None, o.error
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        held = core.runner._batch
+        if held.num_live == 5:
+            full_steps += 1
+            assert len(held) == 8 and all(c.keys[0].shape[2] >= 300 for c in held.cache)  # 3 fillers, reserved
+    assert full_steps > 0 and [out[f"r{i}"] for i in range(5)] == expected
+
+
 # -- prefix cache and SSD tier ---------------------------------------------------------------------------
 
 

@@ -84,3 +84,18 @@ def test_a_group_size_that_divides_no_head_dim_is_a_clear_error(tmp_path):
     loaded = load_model(str(build_family_folder(tmp_path / "nemotron_h", "nemotron_h")))  # head_dim 16
     with pytest.raises(ValueError, match=r"kv_group_size 32 must divide the attention head dim \(16\)$"):
         make_core(loaded)
+
+
+def test_ssd_restart_gives_the_same_tokens(family, tmp_path):
+    """Quantized full-attention blocks next to float sliding-window blocks (or recurrent snapshots) on
+    disk: a restarted engine resumes from them with the tokens of a cold run."""
+    _, loaded = family
+    long_prompt = prompt(200, 3 * BS + 7)
+    expected = run(make_core(loaded, enable_prefix_cache=False), {"cold": long_prompt})["cold"][0]
+    first = make_core(loaded, ssd_cache_dir=str(tmp_path))
+    assert run(first, {"a": long_prompt})["a"] == (expected, 0)
+    first.close()
+    second = make_core(loaded, ssd_cache_dir=str(tmp_path))
+    ids, cached = run(second, {"b": long_prompt})["b"]
+    assert ids == expected and cached > 0 and second.cache_stats()["ssd"]["hits"] > 0
+    second.close()
