@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import gc
 import random
+import shutil
 import tempfile
 import time
 
@@ -119,7 +120,12 @@ def _measure_contexts(core, prompts: list[list[int]], max_tokens: int) -> int:
 def run_kvquant_bench(args: argparse.Namespace) -> dict:
     from mlxserve.models.loader import load_model
 
-    loaded = load_model(_model_path(args))
+    path = _model_path(args)
+    try:
+        loaded = load_model(path)
+    finally:
+        if path.startswith(tempfile.gettempdir()) and "mlxserve-kvq-" in path:
+            shutil.rmtree(path, ignore_errors=True)  # built for this run (GBs for 8B shapes); loaded now
     vocab = min(len(loaded.tokenizer), args.vocab)
     settings = [None if s in ("none", "float", "0") else int(s) for s in args.kv_bits.split(",")]
     prompts = _prompts(0, args.concurrency, args.prompt_tokens, vocab)
