@@ -41,6 +41,10 @@ class EngineConfig:
     # KV positions reserved per decode batch up front, so memory stays flat while sequences grow
     # (0: off, the cache grows in mlx-lm's 256-token steps).
     kv_prealloc_tokens: int = 0
+    # Quantized KV (`--kv-bits`): 8 or 4 bits in groups of `kv_group_size` values (mlx-lm's
+    # QuantizedKVCache format) for the decode batch, prefills and the prefix cache; None: float KV.
+    kv_bits: int | None = None
+    kv_group_size: int = 64
     # Set per model by a multi-model server (memory/budget.py BudgetConfig.reserved_bytes / share).
     memory_reserved_bytes: int = 0
     memory_share: float = 1.0
@@ -73,6 +77,10 @@ class EngineConfig:
             raise ValueError("memory_refresh_s and kv_prealloc_tokens must be >= 0")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
+        if self.kv_bits is not None and self.kv_bits not in (4, 8):
+            raise ValueError(f"kv_bits must be 4 or 8 (or unset for float KV), got {self.kv_bits}")
+        if self.kv_group_size not in (32, 64, 128):
+            raise ValueError(f"kv_group_size must be 32, 64 or 128, got {self.kv_group_size}")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from mlxserve.engine.detokenizer import StopStringMatcher, make_detokenizer_fact
 from mlxserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from mlxserve.engine.runner import ModelRunner, reseed_after_failure
 from mlxserve.engine.scheduler import Scheduler
+from mlxserve.cache.kv_quant import plan_kv_quant
 from mlxserve.cache.setup import make_prefix_cache, probe_kv
 from mlxserve.memory.budget import kv_tokens, reserve_state
 from mlxserve.memory.pressure import MemoryGovernor
@@ -47,9 +48,12 @@ class EngineCore:
         self.tokenizer = tokenizer
         self._make_detokenizer = make_detokenizer_factory(tokenizer)
         self.config = config
-        probe = probe_kv(model)
+        # --kv-bits: which layers hold quantized KV (raises if the group size does not fit the model).
+        self.kv_quant = plan_kv_quant(model, config.kv_bits, config.kv_group_size)
+        make_cache = self.kv_quant.make_cache if self.kv_quant is not None else make_prompt_cache
+        probe = probe_kv(model, make_cache)
         self.probe = probe
-        if config.max_num_seqs > 1 and not can_batch(make_prompt_cache(model)):
+        if config.max_num_seqs > 1 and not can_batch(make_cache(model)):
             log.warning("this model's caches (%s) have no batch version in mlx-lm: serving one request at a "
                         "time", sorted(set(probe.layer_kinds)))
             config = dataclasses.replace(config, max_num_seqs=1)
@@ -57,7 +61,8 @@ class EngineCore:
         prefix_on = config.enable_prefix_cache and config.cache_memory_bytes != 0 and probe.shareable
         # The start-up budget; `self.governor.live` is the one in force (desktop mode follows free memory).
         is_vlm = getattr(model, "is_vlm", False)
-        self.budget = startup_budget(model, config.prefill_step_size, budget_config(config, prefix_on, is_vlm))
+        self.budget = startup_budget(model, config.prefill_step_size, budget_config(config, prefix_on, is_vlm),
+                                     make_cache)
         if self.budget is not None and probe.bytes_per_seq:
             self.budget = reserve_state(self.budget, probe.bytes_per_seq * config.max_num_seqs)
         per_token = probe.budget_bytes_per_token
@@ -66,7 +71,7 @@ class EngineCore:
         if self.kv_capacity_tokens is None and self.budget is not None:
             self.kv_capacity_tokens = kv_tokens(self.budget, per_token)
         prefix_bytes = self.budget.prefix_cache if self.budget is not None and prefix_on else None
-        self.prefix, store = make_prefix_cache(model, config, model_key, probe, prefix_bytes)
+        self.prefix, store = make_prefix_cache(model, config, model_key, probe, prefix_bytes, self.kv_quant)
         self.scheduler = Scheduler(config, max_model_len, self.prefix, self.kv_capacity_tokens)
         # Vision features by image hash (VLMs only): the budget's vision share, or the flag without one.
         self.vision_cache = None
@@ -78,7 +83,8 @@ class EngineCore:
             log.info("vision cache: %.0f MB", vision_bytes / 1e6)
         self.grammar = GrammarSource(tokenizer, probe.logits_width, _eos_ids(tokenizer))
         self.runner = ModelRunner(model, buckets, store, config.block_size, self.vision_cache,
-                                  kv_prealloc_tokens=config.kv_prealloc_tokens, grammar=self.grammar)
+                                  kv_prealloc_tokens=config.kv_prealloc_tokens, grammar=self.grammar,
+                                  make_cache=make_cache)
         self.governor = None
         if self.budget is not None:
             self.governor = MemoryGovernor(self.budget, per_token, self.prefix, self.scheduler,
@@ -86,7 +92,9 @@ class EngineCore:
                                            kv_tokens_override=config.kv_budget_tokens,
                                            refresh_s=config.memory_refresh_s)
             self.governor.vision_cache = self.vision_cache
-        log.info("KV for running requests: %s tokens%s", self.kv_capacity_tokens,
+        log.info("KV for running requests: %s tokens of %d bytes%s%s", self.kv_capacity_tokens, per_token,
+                 f" ({config.kv_bits}-bit KV in {len(self.kv_quant.layers)}/{probe.num_layers} layers)"
+                 if self.kv_quant is not None else "",
                  f", {config.kv_prealloc_tokens} reserved per batch up front" if config.kv_prealloc_tokens else "")
         self._requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
@@ -250,7 +258,8 @@ class EngineCore:
         # prefix cache's planned blocks, so that starts empty too.
         old = self.runner
         self.runner = ModelRunner(old.model, old.buckets, old.store, old.block_size, self.vision_cache,
-                                  kv_prealloc_tokens=self.config.kv_prealloc_tokens, grammar=self.grammar)
+                                  kv_prealloc_tokens=self.config.kv_prealloc_tokens, grammar=self.grammar,
+                                  make_cache=old.make_cache)
         self.scheduler.reset_after_failure()
         reseed_after_failure()
         return outputs
@@ -286,6 +295,9 @@ class EngineCore:
             "pressure": governor.status() if governor is not None else None,
             "memory": dataclasses.asdict(read_memory()),
             "kv_capacity_tokens": self.scheduler.kv_capacity_tokens,
+            "kv_bytes_per_token": self.probe.bytes_per_token,
+            "kv_dtype": str(self.probe.dtype).rsplit(".", 1)[-1],
+            "kv_quantization": self.kv_quant.status() if self.kv_quant is not None else None,
             "kv_prealloc_tokens": self.config.kv_prealloc_tokens,
             "num_running": self.scheduler.num_running,
             "structured_output": self.grammar.stats(),
