@@ -153,6 +153,13 @@ def _serve(args) -> int:
                               tool_call_parser=args.tool_call_parser, shutdown_timeout_s=args.shutdown_timeout,
                               web_ui=not args.no_web_ui,
                               security=_security_config(args), **_models_fields(args))
+        from mlxserve.distributed.config import distributed_config
+
+        dist = distributed_config(args)
+        if dist.is_distributed:  # every rank runs from here (distributed/serve.py)
+            from mlxserve.distributed.serve import serve_distributed
+
+            return serve_distributed(config, dist)
         # The port first: one in use is reported now, not after the model has loaded.
         sock = process.bind(config.host, config.port)
         # build_app loads every pinned model (a single one always) with config.load_strategy.
@@ -263,6 +270,9 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSER_NAMES,
                        help="how the model writes tool calls (default: read off its chat template / model type)")
     _add_engine_flags(serve)
+    from mlxserve.distributed.config import add_distributed_flags
+
+    add_distributed_flags(serve)
     _add_media_flags(serve)
     _add_security_flags(serve)
     serve.set_defaults(func=_serve, settings_parser=serve)  # main() fills its defaults from env and --config

@@ -54,7 +54,8 @@ def make_engine(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -
 
     def make_core():
         buckets = make_buckets(config.max_num_seqs) if config.decode_buckets == "on" else None
-        core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len, buckets, model_key(loaded))
+        make = loaded.make_engine_core or EngineCore
+        core = make(loaded.model, loaded.tokenizer, config, max_model_len, buckets, model_key(loaded))
         if _compiles_per_shape() if config.warmup == "auto" else config.warmup == "on":
             core.warmup(config.max_num_seqs)
         return core
