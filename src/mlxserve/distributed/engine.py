@@ -116,6 +116,28 @@ class RecordingStore(KVBlockStore):
                                       "(this rank's SSD tier or snapshots differ)")
 
 
+class StagedForward:
+    """A pipelined model whose every forward is evaluated before the next is built.
+
+    A pipeline stage's forward holds a recv (from the stage before) or a send, then an all-gather. Two
+    forwards left lazy together (a prompt's last two chunks, two prompts finishing in one step, a
+    prefill next to the decode) have no data dependency between their transfers, so each rank may run
+    them in another order and the ranks deadlock. Evaluating each forward's output whole (the LM head
+    of a prefill chunk too: a few percent of the chunk's work) keeps every rank's transfers in call
+    order. The price is the decode's CPU/device overlap (the forward is awaited, not pipelined)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def __call__(self, *args, cache=None, **kwargs):
+        out = self.model(*args, cache=cache, **kwargs)
+        mx.eval(out, [c.state for c in cache] if cache is not None else [])
+        return out
+
+    def __getattr__(self, name: str) -> Any:  # make_prompt_cache, layers, is_vlm, ...
+        return getattr(self.model, name)
+
+
 class DistributedRunner(ModelRunner):
     """The runner of every rank. Rank 0 calls `execute` (it sends the plan first); the others call
     `follow` in a loop, which receives the plan and runs the same step."""
@@ -128,6 +150,8 @@ class DistributedRunner(ModelRunner):
         self._digest = 0
         self._sent: set[str] = set()  # rank 0: requests the other ranks know
         self._requests: dict[str, Request] = {}  # the other ranks: the requests in flight
+        if ctx.dist.pipeline_parallel > 1:
+            self.model = StagedForward(self.model)
 
     # -- rank 0 --------------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput, requests: dict[str, Request]) -> StepTokens:
