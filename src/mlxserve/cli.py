@@ -313,7 +313,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True,
                                                                       parser_class=make)
-    from mlxserve.bench import compare, engine, load, memory, multimodal, plot, prefix, structured
+    from mlxserve.bench import compare, distributed, engine, load, memory, multimodal, plot, prefix, structured
     from mlxserve.bench import serve as serve_bench
 
     for name, module, help_text in (
@@ -326,6 +326,8 @@ def make_parser() -> argparse.ArgumentParser:
         ("load", load, "weight-loading strategies: load time and peak RSS, cold/warm page cache"),
         ("multimodal", multimodal, "multi-turn TTFT about one image/video: vision cache, KV cache, both"),
         ("structured", structured, "aggregate tok/s with every row under a JSON schema vs free; mask time"),
+        ("distributed", distributed, "one model on 1 rank vs split over N (--tensor-parallel): tok/s, long-prompt"
+                                     " TTFT"),
         ("plot", plot, "PNG charts of `bench serve` result files, side by side (the `plot` extra)"),
     ):
         command = bench.add_parser(name, help=help_text)
