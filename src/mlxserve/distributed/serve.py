@@ -89,6 +89,7 @@ def serve_distributed(config: ServerConfig, dist: DistributedConfig) -> int:
 
     if config.models:
         raise ValueError("--tensor-parallel / --pipeline-parallel serve one model: name it as MODEL")
+    _check_local_model(config.model, dist)  # before any rank is started
     ranks = LocalRanks() if under_launcher() else spawn_local_ranks(dist, config.log_level)
     sock = supervisor = None
     try:
@@ -107,6 +108,16 @@ def serve_distributed(config: ServerConfig, dist: DistributedConfig) -> int:
         if sock is not None:
             sock.close()
         ranks.stop()
+
+
+def _check_local_model(source: str | None, dist: DistributedConfig) -> None:
+    import json
+    from pathlib import Path
+
+    from mlxserve.distributed.shard import check_shardable
+
+    if source is not None and (Path(source) / "config.json").is_file():
+        check_shardable(json.loads((Path(source) / "config.json").read_text()), dist)
 
 
 def _build_lead(config: ServerConfig, dist: DistributedConfig, group: Any, supervisor: Any):
