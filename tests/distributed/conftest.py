@@ -61,6 +61,7 @@ def _free_port() -> int:
 
 
 def start_dist_server(model_dir, tmp_path: Path, *flags: str) -> DistServer:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     log_path = tmp_path / f"server-{port}.log"
     env = {**os.environ, "PYTHONPATH": _SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}

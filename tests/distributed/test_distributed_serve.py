@@ -104,3 +104,24 @@ def test_seeded_sampling_is_the_same_on_every_rank(dist):
     assert runs[0] == runs[1]
     assert unseeded.choices[0].finish_reason in ("length", "stop")
     assert server.proc.poll() is None, server.log()
+
+
+def test_ssd_tier_keeps_each_ranks_shard_across_restarts(qwen3_model_dir, tmp_path):
+    """Each rank writes its own shard of every block under its own folder; after a restart the same
+    prompt is a hit read back from disk on both ranks (a rank missing its shard would stop the server)."""
+    ssd = tmp_path / "ssd"
+    flags = ("--tensor-parallel", "2", "--block-size", "16", "--ssd-cache-dir", str(ssd))
+    prompt = list(range(100, 147))  # 47 tokens: 2 full blocks before the last token
+    answers = []
+    for run in range(2):
+        server = start_dist_server(qwen3_model_dir, tmp_path / f"run{run}", *flags)
+        try:
+            with openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=120) as client:
+                answers.append(_complete(client, prompt))
+        finally:
+            server.stop()
+        assert server.proc.returncode == 0, server.log()
+    assert answers[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert answers[1].usage.prompt_tokens_details.cached_tokens == 32
+    assert answers[0].choices[0].logprobs.tokens == answers[1].choices[0].logprobs.tokens
+    assert sorted(p.name for p in ssd.iterdir()) == ["tp2-rank0", "tp2-rank1"]
