@@ -176,7 +176,9 @@ class DistributedRunner(ModelRunner):
         return out
 
     def shutdown(self) -> None:
-        self.ctx.channel.broadcast(StepPlan(self._step, None))
+        # Calls made since the last step (e.g. DELETE /v1/cache's SSD clear) still reach every rank.
+        calls = self.store.take_calls() if isinstance(self.store, RecordingStore) else []
+        self.ctx.channel.broadcast(StepPlan(self._step, None, store_calls=calls))
 
     # -- every rank ----------------------------------------------------------------------------
     def _run(self, sched: SchedulerOutput, requests: dict[str, Request]) -> StepTokens:
@@ -199,15 +201,15 @@ class DistributedRunner(ModelRunner):
     def follow(self) -> bool:
         """Receives and runs one step; False when rank 0 shuts down."""
         plan: StepPlan = self.ctx.channel.broadcast()
-        if plan.sched is None:
-            return False
-        if plan.step != self._step or plan.digest != self._digest:
+        if plan.sched is not None and (plan.step != self._step or plan.digest != self._digest):
             raise DivergenceError(f"step {self._step}: rank 0 sampled other tokens in the previous step (or is at "
                                   f"step {plan.step}); the ranks diverged")
         if plan.store_calls:
             if not isinstance(self.store, RecordingStore):
                 raise DivergenceError("rank 0 has a prefix cache and this rank has none")
             self.store.replay(plan.store_calls)
+        if plan.sched is None:
+            return False
         for request in plan.new_requests:
             self._requests[request.request_id] = request
         out = self._run(plan.sched, self._requests)
