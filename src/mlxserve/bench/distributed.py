@@ -112,8 +112,16 @@ def run(args: argparse.Namespace) -> int:
         model = ensure_shape(root, shape, args.bits)
         for tp in args.tp:
             print(f"{shape}: tensor parallel {tp}", flush=True)
-            with serving(model, tp, args, root / f"server-{shape}-tp{tp}.log") as url:
-                result = asyncio.run(measure(url, args))
+            log_path = root / f"server-{shape}-tp{tp}.log"
+            try:
+                with serving(model, tp, args, log_path) as url:
+                    result = asyncio.run(measure(url, args))
+            except RuntimeError as exc:  # one configuration that cannot start must not cost the others
+                tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
+                print(f"{shape} tp={tp} failed: {exc}\n{tail}", flush=True)
+                rows.append({"shape": shape, "tp": tp, "backend": args.backend, "num_errors": -1, "error": str(exc)})
+                raw.append({"shape": shape, "tp": tp, "error": str(exc), "log_tail": tail})
+                continue
             rows.append(row(shape, tp, args.backend, result))
             raw.append({"shape": shape, "tp": tp, **result})
             print(format_table(rows[-1:], TABLE_COLUMNS), flush=True)
