@@ -90,6 +90,9 @@ def serve_distributed(config: ServerConfig, dist: DistributedConfig) -> int:
     if config.models:
         raise ValueError("--tensor-parallel / --pipeline-parallel serve one model: name it as MODEL")
     _check_local_model(config.model, dist)  # before any rank is started
+    if config.engine.memory_mode == "desktop":
+        log.warning("--memory-mode desktop follows rank 0's free memory only; with several machines use "
+                    "--memory-mode dedicated (the KV budget then is the smallest rank's)")
     ranks = LocalRanks() if under_launcher() else spawn_local_ranks(dist, config.log_level)
     sock = supervisor = None
     try:
@@ -99,7 +102,10 @@ def serve_distributed(config: ServerConfig, dist: DistributedConfig) -> int:
             return 0
         sock = process.bind(config.host, config.port)  # a port in use is reported before the model loads
         supervisor = Supervisor(ranks, dist.step_timeout_s)
-        app = _build_lead(config, dist, group, supervisor)
+        try:
+            app = _build_lead(config, dist, group, supervisor, sock.getsockname()[1])
+        except RuntimeError as exc:  # e.g. the ring backend: a rank that failed during start-up closed its link
+            raise ValueError(f"start-up failed: {exc} (the other ranks' logs say why)") from exc
         process.run(app, sock, config.log_level, config.shutdown_timeout_s)
         return 0
     finally:
@@ -120,7 +126,7 @@ def _check_local_model(source: str | None, dist: DistributedConfig) -> None:
         check_shardable(json.loads((Path(source) / "config.json").read_text()), dist)
 
 
-def _build_lead(config: ServerConfig, dist: DistributedConfig, group: Any, supervisor: Any):
+def _build_lead(config: ServerConfig, dist: DistributedConfig, group: Any, supervisor: Any, port: int):
     from mlxserve.banner import make_ready_hook
     from mlxserve.distributed.engine import DistributedEngineCore, RankContext
     from mlxserve.distributed.shard import load_sharded
@@ -133,10 +139,11 @@ def _build_lead(config: ServerConfig, dist: DistributedConfig, group: Any, super
     _check_ranks(channel, source)
     loaded = load_sharded(source, group, dist)
     channel.barrier()  # every rank loaded: nobody waits on a collective during another's load
+    supervisor.start()
     ctx = RankContext(dist, channel, setup.seed, supervisor)
     loaded.make_engine_core = functools.partial(DistributedEngineCore, ctx=ctx)
     app = build_app(config, loaded)
-    ready = make_ready_hook(config, app.state.models, app.state.model_specs, config.port)
+    ready = make_ready_hook(config, app.state.models, app.state.model_specs, port)
 
     async def on_ready() -> None:
         supervisor.attach(asyncio.get_running_loop(), app.state.end_streams)

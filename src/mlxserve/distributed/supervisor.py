@@ -36,6 +36,10 @@ class Supervisor:
         self._fatal = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="mlxserve-rank-watch", daemon=True)
+
+    def start(self) -> None:
+        """Starts watching, once the start-up checks passed: a rank that fails them exits on purpose, and
+        rank 0 reports why itself."""
         self._thread.start()
 
     def attach(self, loop: Any, end_streams: Callable[[str], Any]) -> None:
