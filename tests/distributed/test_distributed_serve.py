@@ -125,3 +125,17 @@ def test_ssd_tier_keeps_each_ranks_shard_across_restarts(qwen3_model_dir, tmp_pa
     assert answers[1].usage.prompt_tokens_details.cached_tokens == 32
     assert answers[0].choices[0].logprobs.tokens == answers[1].choices[0].logprobs.tokens
     assert sorted(p.name for p in ssd.iterdir()) == ["tp2-rank0", "tp2-rank1"]
+
+
+def test_cache_clear_reaches_every_rank(dist):
+    """DELETE /v1/cache between steps keeps the ranks in step: rank 0 evicts, the other rank drops the
+    same blocks with the next step's plan (replay: test_units.py), and the next request recomputes
+    the prompt on both with the same tokens."""
+    server, prompts, refs = dist
+    with openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=120) as client:
+        _complete(client, prompts[-2])
+        assert httpx.delete(server.url + "/v1/cache", timeout=30).status_code == 200
+        again = _complete(client, prompts[-2])
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].logprobs.tokens == refs[-2]
+    assert server.proc.poll() is None, server.log()
