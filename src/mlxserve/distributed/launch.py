@@ -57,15 +57,16 @@ def spawn_local_ranks(dist: DistributedConfig, log_level: str = "info") -> Local
     n = dist.world_size
     env = {PARENT_ENV: str(os.getpid()), BACKEND_ENV: dist.backend, WORLD_ENV: str(n), LOG_LEVEL_ENV: log_level.upper()}
     ranks = LocalRanks()
-    if dist.backend == "ring":
+    if dist.backend in ("ring", "nccl"):
+        # NCCL ranks get a ring hosts file too: their step plans travel over it (see plan_channel).
         hosts = [[f"127.0.0.1:{port}"] for port in _free_ports(n)]
         fd, ranks.hostfile = tempfile.mkstemp(prefix="mlxserve-hosts-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump(hosts, f)
         env["MLX_HOSTFILE"] = ranks.hostfile
-    elif dist.backend == "nccl":
+    if dist.backend == "nccl":
         env.update(NCCL_HOST_IP="127.0.0.1", NCCL_PORT=str(_free_ports(1)[0]), MLX_WORLD_SIZE=str(n))
-    else:
+    elif dist.backend != "ring":
         raise ValueError(f"the {dist.backend} backend needs its ranks started by mlx.launch (a hosts file); "
                          "on one host mlxserve starts ranks itself with --backend ring or nccl")
     for rank in range(1, n):
@@ -92,10 +93,23 @@ def init_group(backend: str, world_size: int) -> Any:
     return group
 
 
-def collective_device(backend: str) -> Any:
+def plan_channel(group: Any, backend: str) -> Any:
+    """The channel of the step plans. NCCL runs collectives on the GPU stream, queued behind the step's
+    forward, so a plan sent there waits for it and the GPU idles while the next step is built. Where
+    a ring hosts file is given too (the local ranks mlxserve starts), plans go over a second group,
+    a CPU-side ring, while the GPU computes; the model's own collectives stay on NCCL."""
     import mlx.core as mx
 
-    return mx.gpu if backend == "nccl" else mx.cpu
+    from mlxserve.distributed.channel import Channel
+
+    if backend == "nccl" and os.environ.get("MLX_HOSTFILE"):
+        try:
+            ring = mx.distributed.init(strict=True, backend="ring")  # NCCL stays the default group
+            if ring.size() == group.size() and ring.rank() == group.rank():
+                return Channel(ring, mx.cpu)
+        except RuntimeError as exc:
+            log.warning("step plans go over NCCL (the ring side channel failed: %s)", exc)
+    return Channel(group, mx.gpu if backend == "nccl" else mx.cpu)
 
 
 def _free_ports(n: int) -> list[int]:

@@ -19,7 +19,7 @@ from typing import Any
 from mlxserve.config import EngineConfig, ServerConfig
 from mlxserve.distributed.channel import Channel
 from mlxserve.distributed.config import DistributedConfig
-from mlxserve.distributed.launch import LocalRanks, collective_device, init_group, spawn_local_ranks, under_launcher
+from mlxserve.distributed.launch import LocalRanks, init_group, plan_channel, spawn_local_ranks, under_launcher
 from mlxserve.distributed.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ def _build_lead(config: ServerConfig, dist: DistributedConfig, group: Any, super
     from mlxserve.server import build_app, model_specs
 
     source = model_specs(config)[0].source  # the demo model when none is named
-    channel = Channel(group, collective_device(dist.backend))
+    channel = plan_channel(group, dist.backend)
     setup = Setup(source, config.engine, dist, random.getrandbits(32))
     channel.broadcast(setup)
     _check_ranks(channel, source)
@@ -163,7 +163,7 @@ def run_follower(group: Any, backend: str, own_source: str | None = None) -> Non
     from mlxserve.engine.batch import make_buckets
     from mlxserve.server import resolve_max_model_len
 
-    channel = Channel(group, collective_device(backend))
+    channel = plan_channel(group, backend)
     setup: Setup = channel.broadcast()
     source = own_source or setup.source
     _check_ranks(channel, source)
