@@ -259,7 +259,9 @@ class DistributedEngineCore(EngineCore):
 
     def _fail_all(self, message: str):
         self.ctx.supervisor.fatal(f"engine step failed on rank 0: {message}")
-        return super()._fail_all(message)  # only after a shutdown began (fatal returned)
+        outputs = super()._fail_all(message)  # only after a shutdown began (fatal returned)
+        self.runner.attach(self.ctx)  # the rebuilt runner
+        return outputs
 
     def close(self) -> None:
         if self.ctx.rank == 0:

@@ -98,6 +98,7 @@ class EngineCore:
         self._text: dict[str, _TextState] = {}
 
     def _startup_budget(self, model: Any, chunk_tokens: int, rules: Any):
+        # A distributed core overrides this: every rank must run the same profiling forwards.
         return startup_budget(model, chunk_tokens, rules)
 
     @property
