@@ -90,6 +90,7 @@ def test_prefix_cache_hit(dist):
     assert first.choices[0].logprobs.tokens == second.choices[0].logprobs.tokens == refs[-1]
     status = httpx.get(server.url + "/v1/status", timeout=30).json()
     assert status["prefix_cache"]["hit_tokens"] >= 48
+    assert status["distributed"]["world_size"] == 2 and status["distributed"]["num_steps"] > 0
 
 
 def test_seeded_sampling_is_the_same_on_every_rank(dist):

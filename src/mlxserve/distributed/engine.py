@@ -153,6 +153,10 @@ class DistributedRunner(ModelRunner):
         if ctx.dist.pipeline_parallel > 1:
             self.model = StagedForward(self.model)
 
+    @property
+    def num_steps(self) -> int:
+        return self._step
+
     # -- rank 0 --------------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput, requests: dict[str, Request]) -> StepTokens:
         ctx = self.ctx
@@ -256,6 +260,12 @@ class DistributedEngineCore(EngineCore):
             log.info("prefix cache: %d blocks, the smallest rank's", min(blocks))
         if len(blocks) not in (0, len(everyone)):
             raise ValueError("some ranks have a prefix cache and others none: start them with the same flags")
+
+    def status(self) -> dict:
+        dist = self.ctx.dist
+        return {**super().status(), "distributed": {
+            "tensor_parallel": dist.tensor_parallel, "pipeline_parallel": dist.pipeline_parallel,
+            "backend": dist.backend, "world_size": dist.world_size, "num_steps": self.runner.num_steps}}
 
     def _fail_all(self, message: str):
         self.ctx.supervisor.fatal(f"engine step failed on rank 0: {message}")
