@@ -159,6 +159,13 @@ def _serve(args) -> int:
                               tool_call_parser=args.tool_call_parser, shutdown_timeout_s=args.shutdown_timeout,
                               web_ui=not args.no_web_ui,
                               security=_security_config(args), **_models_fields(args))
+        from mlxserve.distributed.config import distributed_config
+
+        dist = distributed_config(args)
+        if dist.is_distributed:  # every rank runs from here (distributed/serve.py)
+            from mlxserve.distributed.serve import serve_distributed
+
+            return serve_distributed(config, dist)
         # The port first: one in use is reported now, not after the model has loaded.
         sock = process.bind(config.host, config.port)
         # build_app loads every pinned model (a single one always) with config.load_strategy.
@@ -269,6 +276,9 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSER_NAMES,
                        help="how the model writes tool calls (default: read off its chat template / model type)")
     _add_engine_flags(serve)
+    from mlxserve.distributed.config import add_distributed_flags
+
+    add_distributed_flags(serve)
     _add_media_flags(serve)
     _add_security_flags(serve)
     serve.set_defaults(func=_serve, settings_parser=serve)  # main() fills its defaults from env and --config
@@ -318,8 +328,8 @@ def make_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True,
                                                                       parser_class=make)
-    from mlxserve.bench import compare, coreml, decode, engine, kvquant, load, memory, multimodal, plot, prefix
-    from mlxserve.bench import structured
+    from mlxserve.bench import compare, coreml, decode, distributed, engine, kvquant, load, memory, multimodal
+    from mlxserve.bench import plot, prefix, structured
     from mlxserve.bench import serve as serve_bench
 
     for name, module, help_text in (
@@ -335,6 +345,8 @@ def make_parser() -> argparse.ArgumentParser:
         ("kvquant", kvquant, "--kv-bits: aggregate tok/s at 16 concurrent and long contexts per memory budget,"
                              " float vs 8-bit vs 4-bit KV"),
         ("structured", structured, "aggregate tok/s with every row under a JSON schema vs free; mask time"),
+        ("distributed", distributed, "one model on 1 rank vs split over N (--tensor-parallel): tok/s, long-prompt"
+                                     " TTFT"),
         ("plot", plot, "PNG charts of `bench serve` result files, side by side (the `plot` extra)"),
         ("coreml", coreml, "an exported Core ML package on this Mac: prompt TTFT and extend tok/s per context"
                            " (macOS only)"),

@@ -106,6 +106,7 @@ def can_share_prefix(model: Any) -> bool:
 def make_prefix_cache(
     model: Any, config: EngineConfig, model_key: str, probe: KVProbe, memory_bytes: int | None = None,
     kv_quant: KVQuantPlan | None = None,
+    store_cls: type[KVBlockStore] = KVBlockStore,
 ):
     """(manager, store), or (None, None) when disabled or when the model's caches cannot be shared.
     `probe` is `probe_kv(model)`, measured once by the caller. The size is `memory_bytes` (the memory
@@ -138,7 +139,7 @@ def make_prefix_cache(
             ssd_bytes -= ssd_bytes // 4
         ssd = SSDTier(config.ssd_cache_dir, ssd_bytes, meta, logger=log)
         log.info("SSD tier at %s: %d blocks found", config.ssd_cache_dir, ssd.stats()["num_blocks"])
-    store = KVBlockStore(layout, config.block_size, ssd, dtype, snapshot_bytes, state_ssd)
+    store = store_cls(layout, config.block_size, ssd, dtype, snapshot_bytes, state_ssd)
     needs_check = bool(layout.swa_layers or layout.state_layers)
     manager = PrefixCacheManager(num_blocks, config.block_size, model_key, on_evict=lambda h, b: store.drop(b),
                                  lookup_cold=store.load_from_ssd if ssd else None,

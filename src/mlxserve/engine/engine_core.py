@@ -21,6 +21,7 @@ from mlxserve.engine.request import Request, RequestOutput, RequestStatus, Sampl
 from mlxserve.engine.runner import ModelRunner, reseed_after_failure
 from mlxserve.engine.scheduler import Scheduler
 from mlxserve.cache.kv_quant import plan_kv_quant
+from mlxserve.cache.kv_store import KVBlockStore
 from mlxserve.cache.setup import make_prefix_cache, probe_kv
 from mlxserve.memory.budget import kv_tokens, reserve_state
 from mlxserve.memory.pressure import MemoryGovernor
@@ -36,6 +37,11 @@ class _TextState:
 
 
 class EngineCore:
+    # What builds the runner and the prefix cache's physical half; a distributed server's core
+    # (distributed/engine.py) puts its own in.
+    runner_cls = ModelRunner
+    store_cls = KVBlockStore
+
     def __init__(
         self,
         model: Any,
@@ -61,8 +67,8 @@ class EngineCore:
         prefix_on = config.enable_prefix_cache and config.cache_memory_bytes != 0 and probe.shareable
         # The start-up budget; `self.governor.live` is the one in force (desktop mode follows free memory).
         is_vlm = getattr(model, "is_vlm", False)
-        self.budget = startup_budget(model, config.prefill_step_size, budget_config(config, prefix_on, is_vlm),
-                                     make_cache)
+        self.budget = self._startup_budget(model, config.prefill_step_size, budget_config(config, prefix_on, is_vlm),
+                                           make_cache)
         if self.budget is not None and probe.bytes_per_seq:
             self.budget = reserve_state(self.budget, probe.bytes_per_seq * config.max_num_seqs)
         per_token = probe.budget_bytes_per_token
@@ -71,7 +77,8 @@ class EngineCore:
         if self.kv_capacity_tokens is None and self.budget is not None:
             self.kv_capacity_tokens = kv_tokens(self.budget, per_token)
         prefix_bytes = self.budget.prefix_cache if self.budget is not None and prefix_on else None
-        self.prefix, store = make_prefix_cache(model, config, model_key, probe, prefix_bytes, self.kv_quant)
+        self.prefix, store = make_prefix_cache(model, config, model_key, probe, prefix_bytes, self.kv_quant,
+                                               self.store_cls)
         self.scheduler = Scheduler(config, max_model_len, self.prefix, self.kv_capacity_tokens)
         # Vision features by image hash (VLMs only): the budget's vision share, or the flag without one.
         self.vision_cache = None
@@ -82,9 +89,9 @@ class EngineCore:
             self.vision_cache = VisionCache(vision_bytes)
             log.info("vision cache: %.0f MB", vision_bytes / 1e6)
         self.grammar = GrammarSource(tokenizer, probe.logits_width, _eos_ids(tokenizer))
-        self.runner = ModelRunner(model, buckets, store, config.block_size, self.vision_cache,
-                                  kv_prealloc_tokens=config.kv_prealloc_tokens, grammar=self.grammar,
-                                  make_cache=make_cache)
+        self.runner = self.runner_cls(model, buckets, store, config.block_size, self.vision_cache,
+                                      kv_prealloc_tokens=config.kv_prealloc_tokens, grammar=self.grammar,
+                                      make_cache=make_cache)
         self.governor = None
         if self.budget is not None:
             self.governor = MemoryGovernor(self.budget, per_token, self.prefix, self.scheduler,
@@ -100,6 +107,10 @@ class EngineCore:
         self._text: dict[str, _TextState] = {}
         self.last_sched = None
         self.last_execute_s = 0.0
+
+    def _startup_budget(self, model: Any, chunk_tokens: int, rules: Any, make_cache: Any = None):
+        # A distributed core overrides this: every rank must run the same profiling forwards.
+        return startup_budget(model, chunk_tokens, rules, make_cache)
 
     @property
     def has_work(self) -> bool:
@@ -257,9 +268,9 @@ class EngineCore:
         # Rebuild the runner's state from scratch: its caches may be half-updated, and so may the
         # prefix cache's planned blocks, so that starts empty too.
         old = self.runner
-        self.runner = ModelRunner(old.model, old.buckets, old.store, old.block_size, self.vision_cache,
-                                  kv_prealloc_tokens=self.config.kv_prealloc_tokens, grammar=self.grammar,
-                                  make_cache=old.make_cache)
+        self.runner = self.runner_cls(old.model, old.buckets, old.store, old.block_size, self.vision_cache,
+                                      kv_prealloc_tokens=self.config.kv_prealloc_tokens, grammar=self.grammar,
+                                      make_cache=old.make_cache)
         self.scheduler.reset_after_failure()
         reseed_after_failure()
         return outputs

@@ -21,14 +21,16 @@ def weights_bytes(model: Any) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
-def activation_bytes(model: Any, chunk_tokens: int, make_cache: Callable[[Any], list] | None = None) -> int:
+def activation_bytes(model: Any, chunk_tokens: int, make_cache: Callable[[Any], list] | None = None,
+                     agree: Callable[[bool], bool] | None = None) -> int:
     """Peak memory of one prefill forward at the largest chunk, above what was held before it: the
     transient a step needs on top of weights and KV. A slow backend (4-bit matmul on a Linux CPU ran a
     16-token forward of a 0.6B model in ~80 s) would spend minutes on the full chunk, so a 1-token
     forward is timed first; when the full chunk would take longer than `_PROFILE_BUDGET_S`, the peak is
     extrapolated from 1- and 2-token forwards (a log line says so). `make_cache`: the caches requests
     get (under --kv-bits the prefill's attention goes through quantized matmuls, which materialise the
-    scores a fused float kernel does not)."""
+    scores a fused float kernel does not). `agree`: the ranks of a distributed model must run the same
+    forwards, so it turns this rank's timing verdict into rank 0's."""
     import time
 
     import mlx.core as mx
@@ -39,7 +41,10 @@ def activation_bytes(model: Any, chunk_tokens: int, make_cache: Callable[[Any], 
     per_token_s = time.perf_counter() - started
     if chunk_tokens <= 2:
         return max(one, _forward_peak(model, chunk_tokens, make_cache))
-    if per_token_s * chunk_tokens > _PROFILE_BUDGET_S:
+    slow = per_token_s * chunk_tokens > _PROFILE_BUDGET_S
+    if agree is not None:
+        slow = agree(slow)
+    if slow:
         # Linear in the chunk: p(1) + (p(2) - p(1)) * (T - 1). Both probes hold the cache's first KV
         # step, so that fixed part cancels out of the slope instead of being multiplied by T.
         # Doubled: attention scores grow with T squared and the cache's later KV steps are not in the
@@ -81,11 +86,12 @@ def budget_config(config: Any, prefix_cache: bool, vision_cache: bool = False) -
 
 
 def startup_budget(model: Any, chunk_tokens: int, cfg: BudgetConfig | None = None,
-                   make_cache: Callable[[Any], list] | None = None) -> MemoryBudget | None:
+                   make_cache: Callable[[Any], list] | None = None,
+                   agree: Callable[[bool], bool] | None = None) -> MemoryBudget | None:
     """The budget from real readings, logged; None (and a warning) when the weights cannot fit, since
     nothing enforces the budget yet."""
     weights = weights_bytes(model)
-    activations = activation_bytes(model, chunk_tokens, make_cache)
+    activations = activation_bytes(model, chunk_tokens, make_cache, agree)
     try:
         budget = compute_budget(read_memory(), weights, activations, cfg or BudgetConfig())
     except MemoryBudgetError as exc:
