@@ -51,6 +51,8 @@ class DecodeBatch:
         # [B] position each row's next fed token takes (rope delta included); kept only for models that
         # take explicit positions (VLMs: a row's position is not its cache length after an image).
         self.positions: mx.array | None = None
+        # Speculative decoding with a draft model: its batch cache, row for row beside `cache`.
+        self.draft_cache: list[Any] | None = None
 
     @property
     def num_live(self) -> int:
@@ -67,11 +69,12 @@ class DecodeBatch:
     def _take(self, idx: list[int]) -> None:
         if not idx:
             self.row_ids, self.cache, self.tokens, self.positions = [], [], None, None
+            self.draft_cache = None
             return
         if idx == list(range(len(self.row_ids))):
             return
         index = mx.array(idx)
-        for c in self.cache:
+        for c in [*self.cache, *(self.draft_cache or ())]:
             c.filter(index)
         self.tokens = self.tokens[index]
         if self.positions is not None:
@@ -94,15 +97,24 @@ class DecodeBatch:
             self.row_ids[len(live):] = [None] * (len(self.row_ids) - len(live))
 
     def join(
-        self, request_ids: list[str], caches: list[list[Any]], tokens: mx.array, positions: mx.array | None = None
+        self, request_ids: list[str], caches: list[list[Any]], tokens: mx.array, positions: mx.array | None = None,
+        draft_caches: list[list[Any]] | None = None,
     ) -> None:
         """Adds requests whose prefill just finished, with their first sampled tokens [k] (and the
-        positions those tokens take, for models that need them)."""
+        positions those tokens take, for models that need them; the draft model's caches of their
+        prompts, with speculative decoding by a draft model)."""
         live = [i for i, rid in enumerate(self.row_ids) if rid is not None]
         num_live = len(live) + len(request_ids)
         if self.row_ids and len(live) < len(self.row_ids):
             self._take(live)  # fillers out; they come back after the new rows
         new = _merge(caches)
+        if draft_caches is not None:
+            new_draft = _merge(draft_caches)
+            if self.draft_cache:
+                for c, n in zip(self.draft_cache, new_draft):
+                    c.extend(n)
+            else:
+                self.draft_cache = new_draft
         if self.cache:
             for c, n in zip(self.cache, new):
                 c.extend(n)
