@@ -32,6 +32,8 @@ class EngineStats:
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     prefix_cached_blocks: int = 0
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class AsyncEngine:
@@ -189,11 +191,12 @@ class AsyncEngine:
                                 core.scheduler.num_running, core.scheduler.num_waiting)
                 # Live: desktop mode lowers it under memory pressure (the API's "can never fit" check).
                 self.kv_capacity_tokens = core.scheduler.kv_capacity_tokens
-                prefix = core.prefix
+                prefix, spec = core.prefix, core.spec
                 self.stats = EngineStats(
                     core.scheduler.num_running,
                     core.scheduler.num_waiting,
-                    *((prefix.num_queried_tokens, prefix.num_hit_tokens, prefix.pool.num_cached) if prefix else ()),
+                    *((prefix.num_queried_tokens, prefix.num_hit_tokens, prefix.pool.num_cached) if prefix else (0, 0, 0)),
+                    *((spec.stats.num_drafted, spec.stats.num_accepted) if spec is not None else ()),
                 )
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
