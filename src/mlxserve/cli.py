@@ -312,7 +312,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True,
                                                                       parser_class=make)
-    from mlxserve.bench import compare, engine, load, memory, multimodal, plot, prefix, structured
+    from mlxserve.bench import compare, engine, load, memory, multimodal, plot, prefix, speculative, structured
     from mlxserve.bench import serve as serve_bench
 
     for name, module, help_text in (
@@ -325,6 +325,8 @@ def make_parser() -> argparse.ArgumentParser:
         ("load", load, "weight-loading strategies: load time and peak RSS, cold/warm page cache"),
         ("multimodal", multimodal, "multi-turn TTFT about one image/video: vision cache, KV cache, both"),
         ("structured", structured, "aggregate tok/s with every row under a JSON schema vs free; mask time"),
+        ("speculative", speculative, "decode tok/s with speculative decoding off / ngram / draft models of"
+                                     " several acceptance rates, single stream and concurrent"),
         ("plot", plot, "PNG charts of `bench serve` result files, side by side (the `plot` extra)"),
     ):
         command = bench.add_parser(name, help=help_text)
