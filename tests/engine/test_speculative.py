@@ -202,3 +202,12 @@ def test_mla_family_speculates(tmp_path_factory):
     assert core.spec is not None
     got = run(core, copy(reqs))
     assert all(got[r.request_id]["ids"] == plain[r.request_id]["ids"] for r in reqs)
+
+
+def test_draft_model_memory_is_budgeted(loaded, qwen3_model_dir):
+    """The draft's weights leave the KV share and its KV counts per running token: fewer tokens admitted."""
+    plain, spec = make_core(loaded), make_core(loaded, draft_model=str(qwen3_model_dir))
+    if plain.budget is None:
+        pytest.skip("no memory budget on this machine")
+    assert spec.budget.weights > plain.budget.weights and spec.budget.kv < plain.budget.kv
+    assert spec.kv_capacity_tokens < plain.kv_capacity_tokens * 0.6  # the same model twice: about half

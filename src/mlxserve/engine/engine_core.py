@@ -20,7 +20,7 @@ from mlxserve.engine.detokenizer import StopStringMatcher, make_detokenizer_fact
 from mlxserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from mlxserve.engine.runner import ModelRunner, reseed_after_failure
 from mlxserve.engine.scheduler import Scheduler
-from mlxserve.engine.spec_setup import make_speculative
+from mlxserve.engine.spec_setup import make_speculative, reserve_draft
 from mlxserve.cache.setup import make_prefix_cache, probe_kv
 from mlxserve.memory.budget import kv_tokens, reserve_state
 from mlxserve.memory.pressure import MemoryGovernor
@@ -63,6 +63,10 @@ class EngineCore:
             self.budget = reserve_state(self.budget, probe.bytes_per_seq * config.max_num_seqs)
         per_token = probe.budget_bytes_per_token
         self._block_bytes = per_token * config.block_size
+        self.spec = make_speculative(model, config, probe.logits_width)
+        if self.spec is not None and self.spec.draft_model is not None:
+            # The draft model's weights are fixed; its KV grows with every running token beside the target's.
+            self.budget, per_token = reserve_draft(self.budget, self.spec.draft_model, per_token)
         self.kv_capacity_tokens = config.kv_budget_tokens  # at start-up; the scheduler holds the live one
         if self.kv_capacity_tokens is None and self.budget is not None:
             self.kv_capacity_tokens = kv_tokens(self.budget, per_token)
@@ -78,7 +82,6 @@ class EngineCore:
             self.vision_cache = VisionCache(vision_bytes)
             log.info("vision cache: %.0f MB", vision_bytes / 1e6)
         self.grammar = GrammarSource(tokenizer, probe.logits_width, _eos_ids(tokenizer))
-        self.spec = make_speculative(model, config, probe.logits_width)
         self.runner = ModelRunner(model, buckets, store, config.block_size, self.vision_cache,
                                   kv_prealloc_tokens=config.kv_prealloc_tokens, grammar=self.grammar,
                                   spec=self.spec)

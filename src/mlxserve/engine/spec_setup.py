@@ -19,6 +19,22 @@ def rewindable(model: Any) -> bool:
     return all(type(c) is KVCache for c in make_prompt_cache(model))
 
 
+def reserve_draft(budget: Any, draft: Any, per_token: int) -> tuple[Any, int]:
+    """The memory budget with the draft model's weights moved from KV to weights, and the KV bytes per
+    running token with the draft's own KV added (both models hold every running token)."""
+    import dataclasses
+
+    from mlx.utils import tree_flatten
+
+    from mlxserve.cache.setup import probe_kv
+
+    per_token += probe_kv(draft).budget_bytes_per_token
+    if budget is None:
+        return None, per_token
+    weights = min(sum(v.nbytes for _, v in tree_flatten(draft.parameters())), budget.kv)
+    return dataclasses.replace(budget, weights=budget.weights + weights, kv=budget.kv - weights), per_token
+
+
 def make_speculative(model: Any, config: EngineConfig, vocab_width: int) -> SpeculativeDecoder | None:
     if config.speculative == "off":
         return None
