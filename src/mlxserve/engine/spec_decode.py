@@ -86,28 +86,24 @@ class SpeculativeDecoder:
             return False
         rids = list(batch.row_ids)
         last = batch.tokens
-        last_ids = last.tolist()
         samplers = [runner._samplers[rid] if rid is not None else None for rid in rids]
         special = [i for i, s in enumerate(samplers) if s is not None and (s.matcher is not None or s.has_processors)]
         plain = [i for i, s in enumerate(samplers) if s is not None and i not in special]
+        rows = {i: self._row(rids[i], requests[rids[i]]) for i in plain}
+        if self.draft_model is None and not any(r.index.propose(1) for r in rows.values()):
+            # No row is inside a span its history already holds (judged without `last`, which is still
+            # being computed): decode plainly, pipelined, instead of waiting for `last` here.
+            return False
+        last_ids = last.tolist()
         lengths = [0] * len(rids)
         ngram_drafts: dict[int, list[int]] = {}
-        for i in plain:
-            rid, request = rids[i], requests[rids[i]]
-            row = self._rows.get(rid)
-            if row is None:
-                row = self._rows[rid] = _Row(self.max_k)
+        for i, row in rows.items():
+            request = requests[rids[i]]
             # Emitted this step: `last` and the accepted drafts; max_tokens bounds how many can count.
             k = max(0, min(row.k, request.sampling.max_tokens - request.num_output_tokens - 1))
             if self.draft_model is None:
-                index = row.index
-                known = len(index.tokens) - request.num_prompt_tokens
-                if known < 0 or known > request.num_output_tokens:
-                    index = row.index = NgramIndex()
-                    index.extend(request.prompt_token_ids)
-                    known = 0
-                index.extend([*request.output_token_ids[known:], last_ids[i]])
-                ngram_drafts[i] = index.propose(k)
+                row.index.extend([last_ids[i]])
+                ngram_drafts[i] = row.index.propose(k)
                 lengths[i] = len(ngram_drafts[i])
             else:
                 lengths[i] = k
@@ -185,6 +181,20 @@ class SpeculativeDecoder:
                                   final[mx.array(special)], lp_special)
         self._adapt(rids, plain, lengths, accepted_ids)
         return True
+
+    def _row(self, rid: str, request: Request) -> _Row:
+        """The row's state; with prompt lookup its index brought up to the request's known tokens."""
+        row = self._rows.get(rid)
+        if row is None:
+            row = self._rows[rid] = _Row(self.max_k)
+        if self.draft_model is None:
+            known = len(row.index.tokens) - request.num_prompt_tokens
+            if known < 0 or known > request.num_output_tokens:
+                row.index = NgramIndex()
+                row.index.extend(request.prompt_token_ids)
+                known = 0
+            row.index.extend(request.output_token_ids[known:])
+        return row
 
     def _draft(self, last: mx.array, num_k: int, cache: list[Any]) -> mx.array:
         """The draft model's greedy continuation [B, 1 + K] of `last`. It is fed `last` and all K drafts
