@@ -12,12 +12,21 @@ def test_proposes_what_followed_the_latest_match_of_the_longest_tail():
     index.extend([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3])
     # Tail (1, 2, 3) last seen at 0..2, followed by 4 5 9; the shorter (2, 3) would say 7 8.
     assert index.propose(3) == [4, 5, 9]
-    assert index.propose(10) == [4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
+    # Past the history's end the match runs on into the draft: period 10 here.
+    assert index.propose(12) == [4, 5, 9, 2, 3, 7, 8, 1, 2, 3, 4, 5]
     index.extend([6])
     assert index.propose(4) == []  # (3, 6) never seen before
     index.extend([1, 2])
     assert index.propose(2) == [3, 6]  # the latest earlier (1, 2) is the one followed by 3 6
     assert index.propose(0) == []
+
+
+def test_a_loop_drafts_k_tokens():
+    index = NgramIndex()
+    index.extend([8, 1, 2, 1, 2, 1, 2])
+    assert index.propose(5) == [1, 2, 1, 2, 1]
+    index.extend([7, 7, 7])
+    assert index.propose(3) == [7, 7, 7]
 
 
 def test_incremental_index_equals_a_fresh_one():

@@ -32,12 +32,17 @@ class NgramIndex:
         self._num_indexed = max(self._num_indexed, len(toks) - 1)
 
     def propose(self, k: int) -> list[int]:
-        """Up to `k` tokens that followed the latest earlier match of the longest tail n-gram."""
+        """`k` tokens that followed the latest earlier match of the longest tail n-gram (none without one)."""
         toks = self.tokens
         if k <= 0:
             return []
         for n in range(min(MAX_NGRAM, len(toks)), MIN_NGRAM - 1, -1):
             end = self._last_end.get(tuple(toks[len(toks) - n :]))
             if end is not None:
-                return toks[end + 1 : end + 1 + k]
+                # Past the end of the history the match continues into the draft itself: a loop of
+                # period len - end - 1 (a repeated line, a run of one token) drafts k tokens, not one period.
+                out = toks[end + 1 : end + 1 + k]
+                while len(out) < k:
+                    out.append(out[len(out) - (len(toks) - end - 1)])
+                return out
         return []
