@@ -211,3 +211,27 @@ def test_draft_model_memory_is_budgeted(loaded, qwen3_model_dir):
         pytest.skip("no memory budget on this machine")
     assert spec.budget.weights > plain.budget.weights and spec.budget.kv < plain.budget.kv
     assert spec.kv_capacity_tokens < plain.kv_capacity_tokens * 0.6  # the same model twice: about half
+
+
+def test_vision_language_models_serve_without_speculation(caplog):
+    from types import SimpleNamespace
+
+    from mlxserve.engine.spec_setup import make_speculative
+
+    with caplog.at_level(logging.WARNING, logger="mlxserve.engine.spec_setup"):
+        assert make_speculative(SimpleNamespace(is_vlm=True), EngineConfig(speculative="ngram"), 100) is None
+    assert "vision-language" in caplog.text
+    assert make_speculative(SimpleNamespace(is_vlm=True), EngineConfig(), 100) is None
+
+
+def test_scheduler_takes_a_run_of_tokens_and_cuts_it_at_eos():
+    from mlxserve.engine.scheduler import Scheduler
+
+    s = Scheduler(EngineConfig(max_num_seqs=2, enable_prefix_cache=False), 4096, None, None)
+    s.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=10), eos_token_ids=frozenset({9})))
+    s.add_request(Request("b", [1, 2, 3], SamplingParams(max_tokens=4)))
+    s.schedule()
+    assert s.update({"a": [5, 6], "b": [5, 6, 7]}) == []
+    finished = s.update({"a": [7, 9, 8, 8], "b": [5, 6, 7]})
+    assert sorted(r.request_id for r in finished) == ["a", "b"]
+    assert {tuple(r.output_token_ids) for r in s._finished} == {(5, 6, 7, 9), (5, 6, 7, 5)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import random
 import tempfile
 import time
@@ -98,7 +99,8 @@ def measure(loaded, mode: str, draft_dir: Path | None, args, workload: str, c: i
         accepted = after["num_accepted"] - before["num_accepted"]
         row.update(acceptance=accepted / drafted if drafted else 0.0, drafted=drafted, accepted=accepted,
                    spec_steps=after["num_steps"] - before["num_steps"])
-        row["tokens_per_step"] = (after["num_emitted"] - before["num_emitted"]) / max(1, row["spec_steps"] * c)
+        if row["spec_steps"]:  # tokens a row emits per speculative step (1 without speculation)
+            row["tokens_per_step"] = (after["num_emitted"] - before["num_emitted"]) / (row["spec_steps"] * c)
     return row
 
 
@@ -119,6 +121,7 @@ def run_spec_bench(args) -> dict:
                 level = []
                 for mode in modes:
                     row = measure(loaded, mode, draft_dirs.get(mode), args, workload, c, vocab)
+                    gc.collect()  # the last core's draft model and caches, before the next loads its own
                     level.append(row)
                     print(format_table([row], _COLUMNS), flush=True)
                 off = level[0]["tok_s"]
