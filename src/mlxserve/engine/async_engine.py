@@ -191,7 +191,7 @@ class AsyncEngine:
                                 core.scheduler.num_running, core.scheduler.num_waiting)
                 # Live: desktop mode lowers it under memory pressure (the API's "can never fit" check).
                 self.kv_capacity_tokens = core.scheduler.kv_capacity_tokens
-                prefix, spec = core.prefix, core.spec
+                prefix, spec = core.prefix, getattr(core, "spec", None)
                 self.stats = EngineStats(
                     core.scheduler.num_running,
                     core.scheduler.num_waiting,

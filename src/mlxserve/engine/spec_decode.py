@@ -22,13 +22,14 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxserve.engine.ngram import NgramIndex
-from mlxserve.engine.request import Request, TokenLogprob
+from mlxserve.engine.request import Request, SamplingParams, TokenLogprob
 from mlxserve.engine.sampling import gather_logprobs, sample_batch
 from mlxserve.engine.speculative import can_rewind, rewind, verify_group
 
 log = logging.getLogger(__name__)
 
 _DRAFT_PREFILL_STEP = 512
+_FILLER = SamplingParams(max_tokens=1, temperature=0.0)  # filler rows of a bucketed batch verify greedily
 
 
 @dataclass
@@ -153,7 +154,7 @@ class SpeculativeDecoder:
             sel = mx.array(idx) if len(idx) < len(rids) else None
             pick = (lambda a: a[sel]) if sel is not None else (lambda a: a)
             s = samplers[idx[0]]
-            params = s.params if s is not None else runner_filler_params()
+            params = s.params if s is not None else _FILLER
             acc, fin = verify_group(pick(logprobs), pick(drafts), pick(num_draft), params,
                                     s.next_key() if s is not None and len(idx) == 1 else None)
             accepted_parts.append(acc.astype(mx.int32))
@@ -260,8 +261,3 @@ def _to_logprob(token: int, pending: tuple, k: int) -> TokenLogprob:
     pairs = tuple(zip(top[0][:k].tolist(), top[1][:k].tolist())) if top is not None and k else ()
     return TokenLogprob(token, value, pairs)
 
-
-def runner_filler_params():
-    from mlxserve.engine.request import SamplingParams
-
-    return SamplingParams(max_tokens=1, temperature=0.0)
