@@ -195,7 +195,8 @@ class AsyncEngine:
                 self.stats = EngineStats(
                     core.scheduler.num_running,
                     core.scheduler.num_waiting,
-                    *((prefix.num_queried_tokens, prefix.num_hit_tokens, prefix.pool.num_cached) if prefix else (0, 0, 0)),
+                    *((prefix.num_queried_tokens, prefix.num_hit_tokens, prefix.pool.num_cached)
+                      if prefix else (0, 0, 0)),
                     *((spec.stats.num_drafted, spec.stats.num_accepted) if spec is not None else ()),
                 )
                 if outputs:

@@ -170,10 +170,11 @@ class Scheduler:
             if status is not None:
                 self._finish(request, status)
                 finished.append(request)
-            elif self.prefix is not None and (request.num_tokens // self.prefix.block_size > start // self.prefix.block_size
+            elif self.prefix is not None and (request.num_tokens // self.prefix.block_size
+                                              > start // self.prefix.block_size
                                               or start == request.num_prompt_tokens):
-                # A block just filled while decoding: cache it now, so a long generation is reusable
-                # (and survives an abort) without waiting for the request to end. The prompt's blocks
+                # A block filled while decoding (by this step's token or tokens): cache it now, so a long
+                # generation is reusable (and survives an abort) without waiting for the request to end. The prompt's blocks
                 # are cached as soon as it is prefilled, so requests sharing it (n > 1, a burst with one
                 # system prompt) find them while this one still runs.
                 self._at_boundary.append(request)
