@@ -174,9 +174,9 @@ class Scheduler:
                                               > start // self.prefix.block_size
                                               or start == request.num_prompt_tokens):
                 # A block filled while decoding (by this step's token or tokens): cache it now, so a long
-                # generation is reusable (and survives an abort) without waiting for the request to end. The prompt's blocks
-                # are cached as soon as it is prefilled, so requests sharing it (n > 1, a burst with one
-                # system prompt) find them while this one still runs.
+                # generation is reusable (and survives an abort) without waiting for the request to end.
+                # The prompt's blocks are cached as soon as it is prefilled, so requests sharing it (n > 1,
+                # a burst with one system prompt) find them while this one still runs.
                 self._at_boundary.append(request)
         return finished
 
