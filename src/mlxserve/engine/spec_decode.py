@@ -73,10 +73,13 @@ class SpeculativeDecoder:
             self._rows.pop(rid, None)
 
     def prefill_draft(self, prompt: list[int]) -> list[Any]:
-        """The draft model's cache over a whole prompt (it has no prefix cache of its own)."""
+        """The draft model's cache over the prompt but its last token (it has no prefix cache of its
+        own). The draft's cache always stops one token short of the row's last emitted token: each
+        step feeds that token and the pending one together (see `_draft`)."""
         cache = make_prompt_cache(self.draft_model)
-        for start in range(0, len(prompt), _DRAFT_PREFILL_STEP):
-            self.draft_model(mx.array(prompt[start : start + _DRAFT_PREFILL_STEP])[None], cache=cache)
+        for start in range(0, len(prompt) - 1, _DRAFT_PREFILL_STEP):
+            self.draft_model(mx.array(prompt[start : min(start + _DRAFT_PREFILL_STEP, len(prompt) - 1)])[None],
+                             cache=cache)
             mx.eval([c.state for c in cache])
         return cache
 
@@ -111,13 +114,16 @@ class SpeculativeDecoder:
         num_k = max(lengths, default=0)
         if self.draft_model is None and num_k == 0:
             return False
+        if self.draft_model is not None:
+            num_k = max(num_k, 1)  # the draft cache's bookkeeping assumes one draft position at least
 
         # Drafts and the fed tokens [B, K+1].
         if self.draft_model is None:
             fed = mx.array([[t, *ngram_drafts.get(i, ()), *[0] * (num_k - len(ngram_drafts.get(i, ())))]
                             for i, t in enumerate(last_ids)], dtype=last.dtype)
         else:
-            fed = self._draft(last, num_k, batch.draft_cache)
+            prev = [_last_emitted(requests[rid]) if rid is not None else 0 for rid in rids]
+            fed = self._draft(mx.array(prev, dtype=last.dtype), last, num_k, batch.draft_cache)
         drafts = fed[:, 1:]
         logits = runner.model(fed, cache=batch.cache)
 
@@ -197,15 +203,17 @@ class SpeculativeDecoder:
             row.index.extend(request.output_token_ids[known:])
         return row
 
-    def _draft(self, last: mx.array, num_k: int, cache: list[Any]) -> mx.array:
-        """The draft model's greedy continuation [B, 1 + K] of `last`. It is fed `last` and all K drafts
-        (K + 1 forwards), so its cache holds what the target's does and rewinds the same way."""
-        tokens, x = [last], last
-        for j in range(num_k + 1):
-            logits = self.draft_model(x[:, None], cache=cache)
-            if j < num_k:
-                x = mx.argmax(logits[:, -1, : self.vocab_width or None], axis=-1).astype(last.dtype)
-                tokens.append(x)
+    def _draft(self, prev: mx.array, last: mx.array, num_k: int, cache: list[Any]) -> mx.array:
+        """The draft model's greedy continuation [B, 1 + K] of `last`, in K forwards: the first feeds the
+        row's last emitted token `prev` and `last` together, the others d1 .. d(K-1). Its cache thus
+        grows by K + 1 positions, like the target's, and keeps `accepted + 1` of them (everything up to
+        the row's new last emitted token, which the next step feeds again): the same rewind."""
+        tokens, x = [last], mx.stack([prev, last], axis=1)
+        for _ in range(num_k):
+            logits = self.draft_model(x, cache=cache)
+            nxt = mx.argmax(logits[:, -1, : self.vocab_width or None], axis=-1).astype(last.dtype)
+            tokens.append(nxt)
+            x = nxt[:, None]
         return mx.stack(tokens, axis=1)
 
     def _emit(self, runner, rids, last_ids, draft_ids, accepted_ids, logprobs, final, out) -> None:
@@ -253,6 +261,10 @@ class SpeculativeDecoder:
             row = self._rows[rids[i]]
             # Grow after a fully accepted draft, shrink to just past what was accepted otherwise.
             row.k = min(self.max_k, row.k + 1) if a == n else max(1, a + 1)
+
+
+def _last_emitted(request: Request) -> int:
+    return request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1]
 
 
 def _to_logprob(token: int, pending: tuple, k: int) -> TokenLogprob:
