@@ -206,7 +206,9 @@ def test_mla_family_speculates(tmp_path_factory):
 
 def test_draft_model_memory_is_budgeted(loaded, qwen3_model_dir):
     """The draft's weights leave the KV share and its KV counts per running token: fewer tokens admitted."""
-    plain, spec = make_core(loaded), make_core(loaded, draft_model=str(qwen3_model_dir))
+    # Dedicated mode: a budget from the machine's capacity, not from free memory that moves meanwhile.
+    plain = make_core(loaded, memory_mode="dedicated")
+    spec = make_core(loaded, memory_mode="dedicated", draft_model=str(qwen3_model_dir))
     if plain.budget is None:
         pytest.skip("no memory budget on this machine")
     assert spec.budget.weights > plain.budget.weights and spec.budget.kv < plain.budget.kv
