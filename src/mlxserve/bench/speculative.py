@@ -122,14 +122,23 @@ def run_spec_bench(args) -> dict:
                 for mode in modes:
                     row = measure(loaded, mode, draft_dirs.get(mode), args, workload, c, vocab)
                     gc.collect()  # the last core's draft model and caches, before the next loads its own
+                    row["speedup"] = row["tok_s"] / (level[0]["tok_s"] if level else row["tok_s"])
                     level.append(row)
+                    rows.append(row)
                     print(format_table([row], _COLUMNS), flush=True)
-                off = level[0]["tok_s"]
-                for row in level:
-                    row["speedup"] = row["tok_s"] / off
-                rows.extend(level)
-    config = {k: v for k, v in vars(args).items() if k != "func"}
-    return {"config": config, "rows": rows}
+                    # Written as it goes: a run cut short by a time limit keeps what it measured.
+                    write_json(json_path(args), {"config": _config(args), "rows": rows})
+    return {"config": _config(args), "rows": rows}
+
+
+def _config(args) -> dict:
+    return {k: v for k, v in vars(args).items() if k != "func"}
+
+
+def json_path(args) -> str:
+    if args.output_json is None:
+        args.output_json = str(default_json_path("speculative"))
+    return args.output_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -149,6 +158,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     result = run_spec_bench(args)
     print(format_table(result["rows"], _COLUMNS))
-    path = write_json(args.output_json or default_json_path("speculative"), result)
+    path = write_json(json_path(args), result)
     print(f"wrote {path}")
     return 0
