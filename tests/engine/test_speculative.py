@@ -215,17 +215,6 @@ def test_draft_model_memory_is_budgeted(loaded, qwen3_model_dir):
     assert spec.kv_capacity_tokens < plain.kv_capacity_tokens * 0.6  # the same model twice: about half
 
 
-def test_vision_language_models_serve_without_speculation(caplog):
-    from types import SimpleNamespace
-
-    from mlxserve.engine.spec_setup import make_speculative
-
-    with caplog.at_level(logging.WARNING, logger="mlxserve.engine.spec_setup"):
-        assert make_speculative(SimpleNamespace(is_vlm=True), EngineConfig(speculative="ngram"), 100) is None
-    assert "vision-language" in caplog.text
-    assert make_speculative(SimpleNamespace(is_vlm=True), EngineConfig(), 100) is None
-
-
 def test_scheduler_takes_a_run_of_tokens_and_cuts_it_at_eos():
     from mlxserve.engine.scheduler import Scheduler
 

@@ -125,7 +125,10 @@ class SpeculativeDecoder:
             prev = [_last_emitted(requests[rid]) if rid is not None else 0 for rid in rids]
             fed = self._draft(mx.array(prev, dtype=last.dtype), last, num_k, batch.draft_cache)
         drafts = fed[:, 1:]
-        logits = runner.model(fed, cache=batch.cache)
+        if batch.positions is not None:  # vision-language models: each row's positions carry its rope delta
+            logits = runner.model(fed, cache=batch.cache, positions=batch.positions[:, None] + mx.arange(num_k + 1))
+        else:
+            logits = runner.model(fed, cache=batch.cache)
 
         # Rows without a draft that need their own treatment take the first position's logits.
         accepted_parts, final_parts, order = [], [], []
@@ -181,6 +184,8 @@ class SpeculativeDecoder:
         if batch.draft_cache is not None:
             rewind(batch.draft_cache, num_drop)
         batch.tokens = final
+        if batch.positions is not None:
+            batch.positions = batch.positions + 1 + accepted
 
         self._emit(runner, rids, last_ids, draft_ids, accepted_ids, logprobs, final, out)
         if special and lp_special is not None:

@@ -38,9 +38,6 @@ def reserve_draft(budget: Any, draft: Any, per_token: int) -> tuple[Any, int]:
 def make_speculative(model: Any, config: EngineConfig, vocab_width: int) -> SpeculativeDecoder | None:
     if config.speculative == "off":
         return None
-    if getattr(model, "is_vlm", False):
-        log.warning("speculative decoding is off: not supported for vision-language models yet")
-        return None
     if not rewindable(model):
         kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)})
         log.warning("speculative decoding is off: this model's caches (%s) cannot be rewound past a rejected "
