@@ -8,8 +8,13 @@ token is fed, and emitted, next step, as in plain decoding.
 
 Rows that cannot speculate still ride in the same forward with no draft: constrained rows (the grammar
 masks only the token after `last`: simplest sound choice, no draft tokens to check) and rows with
-history-dependent processors (penalties, logit bias). A step where no row has a draft (prompt lookup
-found nothing) returns False and the runner decodes as usual, pipelined.
+history-dependent processors (penalties, logit bias). With prompt lookup, a step where no row is
+inside a span its history already holds (judged before waiting for `last`) returns False and the runner
+decodes as usual, pipelined. Drafts are point masses (copied tokens, the draft model's argmax), also for
+sampled rows: `speculative.verify_group` keeps their distribution exact.
+
+A speculative step waits for its verification (the rewind needs the accepted counts), so it gives up
+the overlap of scheduling with the device that plain steps have.
 """
 
 from __future__ import annotations
