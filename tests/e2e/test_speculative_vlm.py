@@ -1,4 +1,4 @@
-"""Speculative decoding (prompt lookup) on a vision-language model: rows carry their own rope positions
+"""Speculative decoding (prompt lookup) on vision-language models (Qwen2.5-VL, Qwen3-VL): rows carry their own rope positions
 (the image's delta), which advance by each row's accepted run; greedy text equals the server without it."""
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ def _image_uri(seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-@pytest.fixture(scope="module")
-def servers(qwen25vl_dir, make_module_server):
+@pytest.fixture(scope="module", params=["qwen25vl_dir", "qwen3vl_dir"])
+def servers(request, make_module_server):
+    model_dir = request.getfixturevalue(request.param)
     kw = dict(prefill_step_size=64, block_size=16, max_num_seqs=4)
-    return make_module_server(qwen25vl_dir, **kw), make_module_server(qwen25vl_dir, speculative="ngram", **kw)
+    return make_module_server(model_dir, **kw), make_module_server(model_dir, speculative="ngram", **kw)
 
 
 def _texts(live, n: int = 3) -> list[str]:
