@@ -147,12 +147,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bits", type=int, default=None, help="quantize the target (and drafts) to this many bits")
     parser.add_argument("--drafts", default="self,noise:0.03,noise:0.1,layers:1",
                         help="draft models, comma-separated: self, noise:X (target + noise), layers:N (first N layers)")
-    parser.add_argument("--workloads", default="random,echo")
-    parser.add_argument("--concurrency", type=int_list, default=[1, 16])
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-draft-tokens", type=int, default=4)
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--workloads", default="random,echo",
+                        help="comma list of: random (random-token prompts), echo (a passage repeated in the prompt)")
+    parser.add_argument("--concurrency", type=int_list, default=[1, 16], help="comma list of concurrency levels")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt length of each request")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
+    parser.add_argument("--num-draft-tokens", type=int, default=4, help="most tokens a row drafts per step")
+    parser.add_argument("--output-json", default=None, help="result file (default: bench-results/speculative-*.json)")
 
 
 def run(args: argparse.Namespace) -> int:
