@@ -219,8 +219,10 @@ class EngineCore:
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         block = self.config.block_size
         step_size = self.config.prefill_step_size
-        lengths = [block + 5, prompt_len, 2 * block + 17, step_size + 40, block // 2 + 3, 3 * block // 2]
-        self.add_request(Request("warmup-lone", [i % 5 + 1 for i in range(block + 9)], params))
+        longest = max(self.scheduler.max_model_len - 8, prompt_len)  # a small model's positions run out
+        lengths = [min(n, longest) for n in
+                   (block + 5, prompt_len, 2 * block + 17, step_size + 40, block // 2 + 3, 3 * block // 2)]
+        self.add_request(Request("warmup-lone", [i % 5 + 1 for i in range(min(block + 9, longest))], params))
         self.step()
         for i, n in enumerate(lengths):
             self.add_request(Request(f"warmup-burst-{i}", [(i + j) % 7 + 1 for j in range(n)], params))
