@@ -70,3 +70,26 @@ def test_abort_running_request_frees_it(core):
     assert {o.request_id for o in after} == {"short"}
     assert after[-1].finish_reason == "length" and after[-1].num_output_tokens == 8
     assert core.scheduler.num_running == 0 and not core.has_work
+
+
+def test_warmup_leaves_nothing_behind(loaded):
+    """Warm-up steps the batch through its bucket sizes and traffic's paths (joins of unequal prompts, a
+    split prompt, block stores, prefix hits), then leaves no request, block or hit count behind, and
+    a request afterwards decodes exactly as on a core that never warmed up."""
+    from mlxserve.engine.batch import make_buckets
+
+    config = EngineConfig(max_num_seqs=8, block_size=16, prefill_step_size=48)
+    warmed = EngineCore(loaded.model, loaded.tokenizer, config, 4096, make_buckets(8))
+    warmed.warmup(8)
+    assert not warmed.has_work and warmed.runner.num_rows == 0
+    stats = warmed.cache_stats()
+    assert stats["num_cached_blocks"] == 0 and stats["queried_tokens"] == 0 and stats["hit_tokens"] == 0
+    assert stats["evictions"] > 0  # it did store blocks (cleared afterwards)
+
+    def tokens(core):
+        prompt = list(range(3, 60))
+        outs = run(core, [Request("after", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))])
+        return [t for o in outs["after"] for t in o.new_token_ids]
+
+    fresh = EngineCore(loaded.model, loaded.tokenizer, config, 4096, make_buckets(8))
+    assert tokens(warmed) == tokens(fresh)
