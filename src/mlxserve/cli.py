@@ -17,6 +17,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--prefill-step-size", type=int, default=d.prefill_step_size,
                    help="prompt tokens per engine step; longer prompts are chunked")
+    p.add_argument("--max-num-prefill-rows", type=int, default=d.max_num_prefill_rows,
+                   help="prompts prefilled together in one forward, sharing the step's tokens fairly (1: one "
+                        "prompt at a time, oldest first)")
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
                    help="max_tokens when a request names none")
     p.add_argument("--warmup", choices=["auto", "on", "off"], default=d.warmup,
@@ -112,6 +115,7 @@ def _engine_config(args) -> EngineConfig:
                         ssd_cache_dir=args.ssd_cache_dir,
                         ssd_cache_max_bytes=parse_memory(args.ssd_cache_max_size, total_ram()),
                         max_num_seqs=args.max_num_seqs, prefill_step_size=args.prefill_step_size,
+                        max_num_prefill_rows=args.max_num_prefill_rows,
                         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
                         warmup=args.warmup, decode_buckets=args.decode_buckets,
                         vision_cache_bytes=parse_memory(args.vision_cache_memory, total_ram()))

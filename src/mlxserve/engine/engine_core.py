@@ -15,6 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine.batch import can_batch
+from mlxserve.engine.batch_prefill import why_not_batched
 from mlxserve.engine.grammar import GrammarSource
 from mlxserve.engine.detokenizer import StopStringMatcher, make_detokenizer_factory
 from mlxserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
@@ -54,6 +55,14 @@ class EngineCore:
                         "time", sorted(set(probe.layer_kinds)))
             config = dataclasses.replace(config, max_num_seqs=1)
             self.config = config
+        why_not = why_not_batched(model)
+        if why_not is not None and config.max_num_prefill_rows > 1:
+            config = dataclasses.replace(config, max_num_prefill_rows=1)
+            self.config = config
+        if why_not is None and config.max_num_prefill_rows == 1:
+            why_not = "--max-num-prefill-rows 1"
+        log.info("prefill: %s", f"up to {config.max_num_prefill_rows} prompts per forward" if why_not is None
+                 else f"one prompt per forward ({why_not})")
         prefix_on = config.enable_prefix_cache and config.cache_memory_bytes != 0 and probe.shareable
         # The start-up budget; `self.governor.live` is the one in force (desktop mode follows free memory).
         is_vlm = getattr(model, "is_vlm", False)
@@ -78,7 +87,8 @@ class EngineCore:
             log.info("vision cache: %.0f MB", vision_bytes / 1e6)
         self.grammar = GrammarSource(tokenizer, probe.logits_width, _eos_ids(tokenizer))
         self.runner = ModelRunner(model, buckets, store, config.block_size, self.vision_cache,
-                                  kv_prealloc_tokens=config.kv_prealloc_tokens, grammar=self.grammar)
+                                  kv_prealloc_tokens=config.kv_prealloc_tokens, grammar=self.grammar,
+                                  batch_prefill=config.max_num_prefill_rows > 1)
         self.governor = None
         if self.budget is not None:
             self.governor = MemoryGovernor(self.budget, per_token, self.prefix, self.scheduler,
@@ -195,7 +205,8 @@ class EngineCore:
         # prefix cache's planned blocks, so that starts empty too.
         old = self.runner
         self.runner = ModelRunner(old.model, old.buckets, old.store, old.block_size, self.vision_cache,
-                                  kv_prealloc_tokens=self.config.kv_prealloc_tokens, grammar=self.grammar)
+                                  kv_prealloc_tokens=self.config.kv_prealloc_tokens, grammar=self.grammar,
+                                  batch_prefill=self.config.max_num_prefill_rows > 1)
         self.scheduler.reset_after_failure()
         reseed_after_failure()
         return outputs

@@ -20,6 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxserve.cache.kv_io import read_prefill_window, read_row_kv, read_row_window, read_state
 from mlxserve.cache.kv_store import KVBlock, KVBlockStore
 from mlxserve.engine.batch import DecodeBatch
+from mlxserve.engine.batch_prefill import prefill_rows, why_not_batched
 from mlxserve.engine.mm_prefill import MultimodalPrefill
 from mlxserve.engine.request import Request, SamplingParams, TokenLogprob
 from mlxserve.engine.grammar import GrammarSource
@@ -55,6 +56,7 @@ class ModelRunner:
         vision_cache: Any = None,
         kv_prealloc_tokens: int = 0,
         grammar: "GrammarSource | None" = None,
+        batch_prefill: bool = True,
     ) -> None:
         self.model = model
         self.grammar = grammar
@@ -77,6 +79,8 @@ class ModelRunner:
         self._snap_at: dict[str, int] = {}
         self._prefill_snaps: dict[str, tuple[int, list]] = {}
         self._joined_last_step: list[str] = []
+        # Prompts prefilled together in one forward where the model's caches take padding.
+        self._batch_prefill = batch_prefill and why_not_batched(model) is None
 
     @property
     def num_rows(self) -> int:
@@ -98,7 +102,12 @@ class ModelRunner:
             self._prefill_snaps.pop(rid, None)
         self._drop(sched.finished_request_ids)
         joined: list[tuple[str, list[Any], mx.array]] = []
+        together = [c for c in sched.prefill_chunks if self._can_prefill_together(requests[c.request_id])]
+        if len(together) < 2:
+            together = []
         for chunk in sched.prefill_chunks:
+            if chunk in together:
+                continue
             try:
                 done = self._prefill(chunk, requests[chunk.request_id])
             except Exception as exc:
@@ -109,6 +118,8 @@ class ModelRunner:
                 continue
             if done is not None:
                 joined.append(done)
+        if together:
+            joined.extend(self._prefill_together(together, requests, out))
         try:
             self._joined_last_step = [j[0] for j in joined]
             if joined:
@@ -218,7 +229,8 @@ class ModelRunner:
         return new
 
     # -- prefill -------------------------------------------------------------------------------
-    def _prefill(self, chunk: PrefillChunk, request: Request):
+    def _begin_prefill(self, request: Request) -> list[Any]:
+        """The request's prefill cache, made (and its sampler set up) at its first chunk."""
         rid = request.request_id
         cache = self._prefill_caches.get(rid)
         if cache is None:
@@ -233,6 +245,11 @@ class ModelRunner:
             self._samplers[rid] = sampler
             if request.media:
                 self._deltas[rid] = self.mm.start(request)
+        return cache
+
+    def _prefill(self, chunk: PrefillChunk, request: Request):
+        rid = request.request_id
+        cache = self._begin_prefill(request)
         if request.media:
             def forward(start: int, end: int):
                 return self.mm.forward(request, start, end, cache)
@@ -263,17 +280,54 @@ class ModelRunner:
             # Same reason: the last position alone gets logits (what mlx-lm's generate_step does).
             forward(start, end - 1)
         logits = forward(end - 1, end)
+        return self._first_token(rid, cache, logits[:, -1, :])
+
+    def _first_token(self, rid: str, cache: list[Any], logits: mx.array):
+        """Samples a finished prompt's first token from its last position's logits [1, vocab]."""
         del self._prefill_caches[rid]
         self._snap_at.pop(rid, None)
         if self.mm is not None:
             self.mm.finish(rid)
         sampler = self._samplers[rid]
-        logits = logits[:, -1, :]
         if sampler.matcher is not None:
             logits = self.grammar.mask(logits, [(0, sampler.matcher)])
         tokens, logprobs = sample_batch(logits, [sampler])
         self._keep_logprobs([rid], [sampler], tokens, logprobs)
         return rid, cache, tokens
+
+    def _can_prefill_together(self, request: Request) -> bool:
+        # A request whose prefill captures prefix-cache data (sliding windows, recurrent snapshots) runs
+        # its own forwards (`_capture` reads batch-1 caches); those families never batch anyway.
+        return self._batch_prefill and not request.media and request.request_id not in self._captured
+
+    def _prefill_together(self, chunks: list[PrefillChunk], requests: dict[str, Request], out: StepTokens):
+        """Several requests' chunks in one forward (batch_prefill.py). Returns the prompts it finished, as
+        `_prefill` does; a failure fails the requests of this forward only."""
+        rows = []
+        for chunk in chunks:
+            try:
+                rows.append((chunk, self._begin_prefill(requests[chunk.request_id])))
+            except Exception as exc:  # e.g. a grammar that does not compile: this request only
+                log.exception("prefill of request %s failed", chunk.request_id)
+                out.failed[chunk.request_id] = f"prefill failed: {exc}"
+                self._drop([chunk.request_id])
+        if not rows:
+            return []
+        rids = [c.request_id for c, _ in rows]
+        try:
+            logits = prefill_rows(self.model, [cache for _, cache in rows], [
+                requests[c.request_id].prompt_token_ids[c.start : c.start + c.num_tokens] for c, _ in rows])
+            going_on = [cache for c, cache in rows if not c.is_last]
+            if going_on:  # bound the lazy graph, as `_prefill` does between chunks
+                mx.eval([c.state for cache in going_on for c in cache])
+            return [self._first_token(c.request_id, cache, logits[i : i + 1])
+                    for i, (c, cache) in enumerate(rows) if c.is_last]
+        except Exception as exc:
+            log.exception("batched prefill of requests %s failed", ", ".join(rids))
+            out.failed.update({rid: f"prefill failed: {exc}" for rid in rids})
+            self._drop(rids)
+            reseed_after_failure()
+            return []
 
     def _start_captures(self, request: Request) -> None:
         store = self.store
