@@ -33,10 +33,10 @@ def why_not_batched(model: Any) -> str | None:
     return None
 
 
-def prefill_rows(model: Any, caches: list[list[KVCache]], chunks: list[list[int]]) -> mx.array:
-    """Runs `chunks[i]` (non-empty) after `caches[i]` for every row i in one batch; replaces each row's
-    per-layer caches in place with their extended versions. Returns the lazy logits [B, vocab] at each
-    chunk's last token."""
+def prefill_rows(model: Any, caches: list[list[KVCache]], chunks: list[list[int]]) -> tuple[mx.array, list]:
+    """Runs `chunks[i]` (non-empty) after `caches[i]` for every row i in one batch. Returns the lazy
+    logits [B, vocab] at each chunk's last token and each row's per-layer caches grown by its chunk
+    (new objects: the given caches are left as they were, so a failed forward can be retried)."""
     lengths = [len(c) for c in chunks]
     cached = [layers[0].offset for layers in caches]
     batch = [BatchKVCache.merge(list(layer)) for layer in zip(*caches)]
@@ -54,9 +54,8 @@ def prefill_rows(model: Any, caches: list[list[KVCache]], chunks: list[list[int]
         mx.eval([c.state for c in batch])
     logits = model(mx.array([[c[-1]] for c in chunks]), cache=batch)[:, -1, :]
 
-    for i, layers in enumerate(caches):
-        layers[:] = [_take_row(c, i, cached[i] + lengths[i]) for c in batch]
-    return logits
+    grown = [[_take_row(c, i, cached[i] + n) for c in batch] for i, n in enumerate(lengths)]
+    return logits, grown
 
 
 def _take_row(cache: BatchKVCache, row: int, length: int) -> KVCache:

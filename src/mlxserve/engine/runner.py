@@ -302,7 +302,7 @@ class ModelRunner:
 
     def _prefill_together(self, chunks: list[PrefillChunk], requests: dict[str, Request], out: StepTokens):
         """Several requests' chunks in one forward (batch_prefill.py). Returns the prompts it finished, as
-        `_prefill` does; a failure fails the requests of this forward only."""
+        `_prefill` does; a request whose prefill fails, fails alone."""
         rows = []
         for chunk in chunks:
             try:
@@ -313,21 +313,36 @@ class ModelRunner:
                 self._drop([chunk.request_id])
         if not rows:
             return []
-        rids = [c.request_id for c, _ in rows]
         try:
-            logits = prefill_rows(self.model, [cache for _, cache in rows], [
+            logits, grown = prefill_rows(self.model, [cache for _, cache in rows], [
                 requests[c.request_id].prompt_token_ids[c.start : c.start + c.num_tokens] for c, _ in rows])
-            going_on = [cache for c, cache in rows if not c.is_last]
+            going_on = [layers for (c, _), layers in zip(rows, grown) if not c.is_last]
             if going_on:  # bound the lazy graph, as `_prefill` does between chunks
-                mx.eval([c.state for cache in going_on for c in cache])
-            return [self._first_token(c.request_id, cache, logits[i : i + 1])
-                    for i, (c, cache) in enumerate(rows) if c.is_last]
-        except Exception as exc:
-            log.exception("batched prefill of requests %s failed", ", ".join(rids))
-            out.failed.update({rid: f"prefill failed: {exc}" for rid in rids})
-            self._drop(rids)
+                mx.eval([c.state for layers in going_on for c in layers])
+        except Exception:
+            # The rows' own caches are untouched: run them one by one, so a request that cannot be
+            # prefilled fails alone.
+            log.warning("batched prefill of requests %s failed; prefilling them one at a time",
+                        ", ".join(c.request_id for c, _ in rows), exc_info=True)
             reseed_after_failure()
-            return []
+            grown = None
+        joined = []
+        for i, (chunk, cache) in enumerate(rows):
+            try:
+                if grown is None:
+                    done = self._prefill(chunk, requests[chunk.request_id])
+                else:
+                    cache[:] = grown[i]
+                    done = self._first_token(chunk.request_id, cache, logits[i : i + 1]) if chunk.is_last else None
+            except Exception as exc:
+                log.exception("prefill of request %s failed", chunk.request_id)
+                out.failed[chunk.request_id] = f"prefill failed: {exc}"
+                self._drop([chunk.request_id])
+                reseed_after_failure()
+                continue
+            if done is not None:
+                joined.append(done)
+        return joined
 
     def _start_captures(self, request: Request) -> None:
         store = self.store
