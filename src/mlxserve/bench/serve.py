@@ -202,7 +202,9 @@ async def _stream_request(
                 chunk_times.append(now)
     end = time.perf_counter()
     if not chunk_times:
-        result.error = "stream ended without content"
+        # Tokens without text are the model's own output (e.g. special tokens, skipped in replies).
+        result.error = "stream ended without content" + (f" ({usage_tokens} tokens that decode to no text)"
+                                                           if usage_tokens else "")
         return result
     result.ttft_s = chunk_times[0] - start
     result.e2e_s = end - start

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 class _TextState:
     detok: Any  # IncrementalDetokenizer or ByteLevelDetokenizer
     stop: StopStringMatcher
+    has_text: bool = False
 
 
 class EngineCore:
@@ -178,6 +179,13 @@ class EngineCore:
         elif finished and not hit:
             tail, hit = state.stop.feed(state.detok.flush())
             text += tail if hit else tail + state.stop.flush()
+        if text:
+            state.has_text = True
+        elif finished and not state.has_text:
+            # An empty reply is the model's own output (e.g. a random model repeating a special token,
+            # which replies skip as every server does); say so, or it looks like a lost stream.
+            log.info("request %s ended after %d tokens without any text: token ids %s decode to nothing",
+                     request.request_id, request.num_output_tokens, sorted(set(request.output_token_ids))[:8])
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=[token],
