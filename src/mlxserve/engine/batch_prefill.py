@@ -33,6 +33,23 @@ def why_not_batched(model: Any) -> str | None:
     return None
 
 
+def pick_rows(ends: list[int]) -> list[int]:
+    """Which rows (by index) to prefill together, given the cache length each reaches with its chunk.
+
+    The merged cache is rectangular: every row is padded to the longest. A row far longer than the others
+    (a long prompt deep into its prefill next to new short ones) would make the short rows attend over
+    and hold that length; it runs alone instead. Rows are taken shortest first while at least half the
+    rectangle is real tokens."""
+    order = sorted(range(len(ends)), key=ends.__getitem__)
+    total, picked = 0, []
+    for k, i in enumerate(order, start=1):
+        total += ends[i]
+        if k * ends[i] > 2 * total:
+            break
+        picked.append(i)
+    return sorted(picked) if len(picked) > 1 else []
+
+
 def prefill_rows(model: Any, caches: list[list[KVCache]], chunks: list[list[int]]) -> tuple[mx.array, list]:
     """Runs `chunks[i]` (non-empty) after `caches[i]` for every row i in one batch. Returns the lazy
     logits [B, vocab] at each chunk's last token and each row's per-layer caches grown by its chunk

@@ -20,7 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxserve.cache.kv_io import read_prefill_window, read_row_kv, read_row_window, read_state
 from mlxserve.cache.kv_store import KVBlock, KVBlockStore
 from mlxserve.engine.batch import DecodeBatch
-from mlxserve.engine.batch_prefill import prefill_rows, why_not_batched
+from mlxserve.engine.batch_prefill import pick_rows, prefill_rows, why_not_batched
 from mlxserve.engine.mm_prefill import MultimodalPrefill
 from mlxserve.engine.request import Request, SamplingParams, TokenLogprob
 from mlxserve.engine.grammar import GrammarSource
@@ -103,8 +103,7 @@ class ModelRunner:
         self._drop(sched.finished_request_ids)
         joined: list[tuple[str, list[Any], mx.array]] = []
         together = [c for c in sched.prefill_chunks if self._can_prefill_together(requests[c.request_id])]
-        if len(together) < 2:
-            together = []
+        together = [together[i] for i in pick_rows([c.start + c.num_tokens for c in together])]
         for chunk in sched.prefill_chunks:
             if chunk in together:
                 continue
