@@ -307,7 +307,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True,
                                                                       parser_class=make)
-    from mlxserve.bench import compare, engine, load, memory, multimodal, plot, prefix, structured
+    from mlxserve.bench import burst, compare, engine, load, memory, multimodal, plot, prefix, structured
     from mlxserve.bench import serve as serve_bench
 
     for name, module, help_text in (
@@ -315,6 +315,7 @@ def make_parser() -> argparse.ArgumentParser:
         ("engine", engine, "the engine in-process, no HTTP"),
         ("compare", compare, "mlxserve vs mlx_lm.server, same model and load, one run"),
         ("prefix", prefix, "TTFT with a shared prefix: cold vs prefix-cache hit"),
+        ("burst", burst, "TTFT of each prompt of a mixed-length burst, per --max-num-prefill-rows / step size"),
         ("memory", memory, "memory over a long generation with/without --kv-prealloc; peak of a burst with"
                            " admission on/off"),
         ("load", load, "weight-loading strategies: load time and peak RSS, cold/warm page cache"),
