@@ -101,6 +101,7 @@ def test_a_burst_prefilled_together_matches_one_at_a_time_and_mlx_lm(family, for
     ([4000, 40, 60, 50], [1, 2, 3]),  # the long one alone: the rest would be 98% padding
     ([4000, 40], [0, 1]),  # two rows: never more than twice the real tokens
     ([1000, 1000, 10], [0, 1, 2]),  # one short row among long ones pads little
+    ([5000, 5000, 10, 20], [2, 3]),  # long contexts run alone: no second copy of their KV
 ])
 def test_rows_far_longer_than_the_rest_are_prefilled_alone(ends, picked):
     from mlxserve.engine.batch_prefill import pick_rows

@@ -33,14 +33,20 @@ def why_not_batched(model: Any) -> str | None:
     return None
 
 
+# Rows whose cache is longer run alone: merging copies every row's cache into the batch and back each step
+# (a transient second copy of their KV), which short prompts of a burst pay little for and long contexts
+# gain nothing from (their chunk's attention over the context dominates the forward).
+MAX_BATCHED_CONTEXT = 4096
+
+
 def pick_rows(ends: list[int]) -> list[int]:
     """Which rows (by index) to prefill together, given the cache length each reaches with its chunk.
 
     The merged cache is rectangular: every row is padded to the longest. A row far longer than the others
     (a long prompt deep into its prefill next to new short ones) would make the short rows attend over
     and hold that length; it runs alone instead. Rows are taken shortest first while at least half the
-    rectangle is real tokens."""
-    order = sorted(range(len(ends)), key=ends.__getitem__)
+    rectangle is real tokens, up to MAX_BATCHED_CONTEXT."""
+    order = sorted((i for i, end in enumerate(ends) if end <= MAX_BATCHED_CONTEXT), key=ends.__getitem__)
     total, picked = 0, []
     for k, i in enumerate(order, start=1):
         total += ends[i]
