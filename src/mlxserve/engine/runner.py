@@ -105,16 +105,7 @@ class ModelRunner:
         together = [c for c in sched.prefill_chunks if self._can_prefill_together(requests[c.request_id])]
         together = [together[i] for i in pick_rows([c.start + c.num_tokens for c in together])]
         for chunk in sched.prefill_chunks:
-            if chunk in together:
-                continue
-            try:
-                done = self._prefill(chunk, requests[chunk.request_id])
-            except Exception as exc:
-                log.exception("prefill of request %s failed", chunk.request_id)
-                out.failed[chunk.request_id] = f"prefill failed: {exc}"
-                self._drop([chunk.request_id])
-                reseed_after_failure()
-                continue
+            done = None if chunk in together else self._prefill_or_fail(chunk, requests[chunk.request_id], out)
             if done is not None:
                 joined.append(done)
         if together:
@@ -307,9 +298,7 @@ class ModelRunner:
             try:
                 rows.append((chunk, self._begin_prefill(requests[chunk.request_id])))
             except Exception as exc:  # e.g. a grammar that does not compile: this request only
-                log.exception("prefill of request %s failed", chunk.request_id)
-                out.failed[chunk.request_id] = f"prefill failed: {exc}"
-                self._drop([chunk.request_id])
+                self._fail_prefill(chunk.request_id, exc, out)
         if not rows:
             return []
         try:
@@ -327,21 +316,32 @@ class ModelRunner:
             grown = None
         joined = []
         for i, (chunk, cache) in enumerate(rows):
-            try:
-                if grown is None:
-                    done = self._prefill(chunk, requests[chunk.request_id])
-                else:
-                    cache[:] = grown[i]
-                    done = self._first_token(chunk.request_id, cache, logits[i : i + 1]) if chunk.is_last else None
-            except Exception as exc:
-                log.exception("prefill of request %s failed", chunk.request_id)
-                out.failed[chunk.request_id] = f"prefill failed: {exc}"
-                self._drop([chunk.request_id])
-                reseed_after_failure()
-                continue
+            if grown is None:
+                done = self._prefill_or_fail(chunk, requests[chunk.request_id], out)
+            elif chunk.is_last:
+                cache[:] = grown[i]
+                try:
+                    done = self._first_token(chunk.request_id, cache, logits[i : i + 1])
+                except Exception as exc:
+                    done = self._fail_prefill(chunk.request_id, exc, out)
+            else:
+                cache[:], done = grown[i], None
             if done is not None:
                 joined.append(done)
         return joined
+
+    def _prefill_or_fail(self, chunk: PrefillChunk, request: Request, out: StepTokens):
+        """`_prefill`; if it raises, only this request fails."""
+        try:
+            return self._prefill(chunk, request)
+        except Exception as exc:
+            return self._fail_prefill(chunk.request_id, exc, out)
+
+    def _fail_prefill(self, rid: str, exc: Exception, out: StepTokens) -> None:
+        log.error("prefill of request %s failed", rid, exc_info=exc)
+        out.failed[rid] = f"prefill failed: {exc}"
+        self._drop([rid])
+        reseed_after_failure()
 
     def _start_captures(self, request: Request) -> None:
         store = self.store
