@@ -53,9 +53,12 @@ def make_engine(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -
     from mlxserve.engine.engine_core import EngineCore
 
     def make_core():
-        buckets = make_buckets(config.max_num_seqs) if config.decode_buckets == "on" else None
-        core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len, buckets, model_key(loaded))
-        if _compiles_per_shape() if config.warmup == "auto" else config.warmup == "on":
+        per_shape = _compiles_per_shape()
+        use_buckets = per_shape if config.decode_buckets == "auto" else config.decode_buckets == "on"
+        buckets = make_buckets(config.max_num_seqs) if use_buckets else None
+        make = loaded.make_engine_core or EngineCore
+        core = make(loaded.model, loaded.tokenizer, config, max_model_len, buckets, model_key(loaded))
+        if per_shape if config.warmup == "auto" else config.warmup == "on":
             core.warmup(config.max_num_seqs)
         return core
 

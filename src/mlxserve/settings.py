@@ -22,12 +22,14 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         said = any(s in text for s in ("default:", "(default", "default off", "%(default)"))
-        if said or action.default is argparse.SUPPRESS or not action.option_strings:
+        if said or action.default is argparse.SUPPRESS or not action.option_strings or action.required:
             return text
         if action.default in (None, [], ""):
             return text + " (default: none)"
-        if action.default is False:
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             return text + " (default: not set)"  # a switch: "off" would read as the feature's state
+        if isinstance(action.default, (list, tuple)):  # as typed on the command line: 1,2,4
+            return text + " (default: %s)" % ",".join(map(str, action.default)).replace("%", "%%")
         return text + " (default: %(default)s)"
 
 

@@ -11,9 +11,16 @@ def test_memory_bench_small(qwen3_model_dir, tmp_path, capsys):
     args = make_parser().parse_args([
         "bench", "memory", "--model", str(qwen3_model_dir), "--prompt-tokens", "8", "--num-tokens", "300",
         "--every", "100", "--burst-requests", "6", "--burst-prompt-tokens", "8", "--burst-max-tokens", "12",
-        "--burst-kv-budget-tokens", "40", "--output-json", str(out),
+        "--burst-kv-budget-tokens", "40", "--output-json", str(out), "--plot",
     ])
     assert args.func(args) == 0
+    # --plot: the memory-over-time chart next to the JSON (when the `plot` extra is installed).
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "KV prealloc" in printed and "admission" in printed and "max running" in printed
     result = json.loads(out.read_text())

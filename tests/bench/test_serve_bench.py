@@ -192,6 +192,28 @@ def test_cli_run_prints_table_and_writes_json(server, tmp_path, capsys):
     assert run(bad) == 2
 
 
+def test_cli_plot_writes_a_png_of_the_expected_size(server, tmp_path):
+    pytest.importorskip("matplotlib")
+    import struct
+
+    from mlxserve import cli
+    from mlxserve.bench import plot
+
+    url, _ = server
+    out = tmp_path / "run.json"
+    assert cli.main(["bench", "serve", "--url", url, "--model", "fake", "--concurrency", "1,2", "--num-requests", "2",
+                     "--output-json", str(out), "--plot"]) == 0
+    png = (tmp_path / "run.png").read_bytes()  # default: next to the JSON
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    # IHDR: width, height; one chart per metric the result holds (all three here).
+    assert struct.unpack(">II", png[16:24]) == (len(plot.METRICS) * plot.FIGSIZE[0] * plot.DPI,
+                                                 plot.FIGSIZE[1] * plot.DPI)
+    named = tmp_path / "named.png"
+    assert cli.main(["bench", "serve", "--url", url, "--model", "fake", "--concurrency", "1", "--num-requests", "2",
+                     "--no-json", "--plot", str(named)]) == 0
+    assert named.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_config_validation_and_urls():
     cfg = ServeBenchConfig(url="http://127.0.0.1:8000", model="m", concurrency=[1])
     assert cfg.request_url == "http://127.0.0.1:8000/v1/completions"

@@ -1,5 +1,6 @@
 """The ecosystem's agent clients end to end against the real server: LangChain's `ChatOpenAI` (`bind_tools`,
-`with_structured_output`) and an OpenAI Agents SDK agent with one function tool (Chat Completions model).
+`with_structured_output`), an OpenAI Agents SDK agent with one function tool (Chat Completions model) and
+LiteLLM's `completion` with the `openai/` prefix (whole, streamed, one tool call).
 
 The tools' string arguments are bounded (`max_length`): a random-weight model picks a closing quote about
 once in the vocabulary's size, so an unbounded string would run to max_tokens; a real model closes it."""
@@ -7,10 +8,17 @@ once in the vocabulary's size, so an unbounded string would run to max_tokens; a
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 from typing import Annotated
 
 import agents
 import langchain_openai
+
+# LiteLLM reads these at import: its bundled model-cost map instead of a download, no other fetches.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+os.environ.setdefault("LITELLM_OFFLINE_MODE", "true")
+import litellm  # noqa: E402
 import pytest
 from pydantic import BaseModel, Field
 
@@ -66,3 +74,45 @@ def test_agents_sdk_agent_calls_its_tool(server):
     result = asyncio.run(agents.Runner.run(agent, "Find Paris", max_turns=4))
     assert len(seen) == 1 and len(seen[0]) <= 12
     assert isinstance(result.final_output, str)
+
+
+def _litellm_args(server) -> dict:
+    # `openai/<served name>`: LiteLLM's generic OpenAI-compatible route, as its docs show for vLLM and others.
+    return {"model": f"openai/{server.model_name}", "api_base": server.base_url, "api_key": "x", "num_retries": 0,
+            "timeout": 120, "temperature": 1.0, "seed": 1}
+
+
+def test_litellm_completion(server):
+    response = litellm.completion(messages=[{"role": "user", "content": "Say hi"}], max_tokens=8,
+                                  **_litellm_args(server))
+    choice = response.choices[0]
+    assert isinstance(choice.message.content, str) and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert response.usage.completion_tokens == 8 or choice.finish_reason == "stop"
+    assert response.usage.prompt_tokens > 0
+
+
+def test_litellm_streaming(server):
+    chunks = list(litellm.completion(messages=[{"role": "user", "content": "Say hi"}], max_tokens=8, stream=True,
+                                     **_litellm_args(server)))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(chunks) > 2 and text  # several deltas, not one whole reply
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    whole = litellm.stream_chunk_builder(chunks)
+    assert whole.choices[0].message.content == text
+
+
+def test_litellm_tool_call(server):
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city.",
+        "parameters": {"type": "object", "required": ["city", "unit"], "additionalProperties": False,
+                       "properties": {"city": {"type": "string", "maxLength": 12},
+                                      "unit": {"type": "string", "enum": ["c", "f"]}}}}}
+    response = litellm.completion(messages=[{"role": "user", "content": "What's the weather in Paris?"}],
+                                  tools=[tool], tool_choice="required", parallel_tool_calls=False, max_tokens=120,
+                                  **_litellm_args(server))
+    message = response.choices[0].message
+    assert response.choices[0].finish_reason == "tool_calls" and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and len(args["city"]) <= 12 and args["unit"] in "cf"

@@ -181,3 +181,21 @@ def test_chat_and_dashboard_in_chromium(live, browser, tmp_path):
     errors = [e for e in d.get_log("browser") if e["level"] == "SEVERE" and "Failed to load resource" not in e["message"]]
     assert not errors, errors
     print("\nweb page screenshots:", *shots, sep="\n  ")
+
+
+def test_docs_render_offline_in_chromium(qwen3_model_dir, serve_module_app, browser, tmp_path):
+    """`/docs` draws Swagger UI's operations from the server's own files (this machine has no internet), and
+    `/redoc` draws ReDoc's. No key is set here: the docs pages are behind it like the API."""
+    from selenium.webdriver.common.by import By
+
+    open_live = serve_module_app(build_app(ServerConfig(model=str(qwen3_model_dir), served_model_name=SERVED_NAME,
+                                                        engine=EngineConfig(max_num_seqs=4))))
+    browser.get(open_live.url + "/docs")
+    wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".opblock-summary-path"), "Swagger UI drew nothing")
+    paths = {e.text.replace("\u200b", "") for e in browser.find_elements(By.CSS_SELECTOR, ".opblock-summary-path")}
+    assert {"/v1/chat/completions", "/v1/models/{model_id}"} <= paths, paths
+    browser.save_screenshot(str(tmp_path / "docs.png"))
+    browser.get(open_live.url + "/redoc")
+    wait_for(browser, lambda d: "/v1/chat/completions" in d.find_element(By.TAG_NAME, "body").text,
+             "ReDoc drew nothing")
+    browser.save_screenshot(str(tmp_path / "redoc.png"))

@@ -14,6 +14,7 @@ def test_convert_to_4_bits(qwen3_model_dir, tmp_path, capsys):
     assert main(["convert", str(qwen3_model_dir), str(out), "--bits", "4", "--group-size", "64"]) == 0
     captured = capsys.readouterr()
     assert str(out) in captured.out and "->" in captured.out
+    assert "loading..." in captured.err and "quantizing and saving..." in captured.err  # progress, on stderr
     config = json.loads((out / "config.json").read_text())
     assert config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 64
     model, tokenizer = mlx_lm.load(str(out))

@@ -284,7 +284,10 @@ async def _stream_choices(builders: list[ResponseBuilder], streams: list, includ
 def _sum_stats(engines) -> EngineStats:
     """The engines' counters added up: /metrics shows the server, whichever models are loaded."""
     stats = [e.stats for e in engines]
-    return EngineStats(*(sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(EngineStats)))
+    totals = {f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(EngineStats)}
+    # Bytes per token is a property of a model, not an amount: the largest of them, not a sum.
+    totals["kv_bytes_per_token"] = max((s.kv_bytes_per_token for s in stats), default=0)
+    return EngineStats(**totals)
 
 
 async def _stream(builder: ResponseBuilder, outputs: AsyncIterator[RequestOutput], include_usage: bool,

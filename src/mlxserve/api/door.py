@@ -129,6 +129,8 @@ class EngineDoor:
             parts, ids, lps, last = [], [], [], None
             async for out in outputs:
                 if out.error:
+                    if out.finish_reason:  # ended by the server (shutdown, a lost rank): a 503, as when streamed
+                        raise APIError(503, out.error, code="server_shutting_down")
                     raise RuntimeError(out.error)
                 timer.on_output(out)
                 parts.append(out.text)

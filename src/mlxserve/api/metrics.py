@@ -35,6 +35,13 @@ class _EngineGauges:
         g = GaugeMetricFamily("mlxserve_num_requests_waiting", "Requests queued for a slot")
         g.add_metric([], waiting)
         yield g
+        g = GaugeMetricFamily("mlxserve_kv_capacity_tokens", "KV tokens running requests may hold at once")
+        g.add_metric([], stats.kv_capacity_tokens)
+        yield g
+        g = GaugeMetricFamily("mlxserve_kv_bytes_per_token",
+                              "KV cache bytes per token (smaller with --kv-bits; the largest of the loaded models)")
+        g.add_metric([], stats.kv_bytes_per_token)
+        yield g
 
 
 class Metrics:

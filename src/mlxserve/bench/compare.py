@@ -13,14 +13,17 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
 
+from mlxserve.bench import plot
 from mlxserve.bench.report import format_table, write_json
-from mlxserve.bench.serve import TABLE_COLUMNS, ServeBenchConfig, default_json_path, int_list, run_serve_bench
+from mlxserve.bench.serve import TABLE_COLUMNS, ServeBenchConfig, add_load_arguments, default_json_path, run_serve_bench
 
-_SERVERS = ("mlxserve", "mlx_lm")
+_SERVERS = ("mlxserve", "mlx_lm", "vllm_mlx")
+_DEFAULT_SERVERS = ("mlxserve", "mlx_lm")
 
 
 def _free_port() -> int:
@@ -35,6 +38,11 @@ def _command(server: str, model: str, port: int, args) -> tuple[list[str], str]:
         cmd = [sys.executable, "-m", "mlxserve.cli", "serve", model, "--port", str(port),
                "--served-model-name", "bench", "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
         return cmd, "bench"
+    if server == "vllm_mlx":
+        # vllm-mlx (pip install vllm-mlx): its continuous-batching engine, as its README serves it.
+        cmd = [sys.executable, "-m", "vllm_mlx.cli", "serve", model, "--port", str(port), "--continuous-batching",
+               "--max-num-seqs", str(args.max_num_seqs), "--served-model-name", "bench"]
+        return cmd, "bench"
     cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", str(port), "--log-level", "WARNING"]
     # mlx_lm.server matches the request's model against the path it loaded.
     return cmd, model
@@ -42,12 +50,19 @@ def _command(server: str, model: str, port: int, args) -> tuple[list[str], str]:
 
 @contextlib.contextmanager
 def _running(cmd: list[str], url: str, timeout_s: float):
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    # The server's log goes to a file: an unread pipe fills up and stalls a chatty server mid-run.
+    log_file = tempfile.TemporaryFile("w+")
+    # Each server starts with its own empty MLX kernel cache: MLX-CUDA keeps compiled kernels on disk,
+    # so a server started after another would find the first one's compiles done for it.
+    kernel_dir = tempfile.TemporaryDirectory(prefix="mlx-ptx-")
+    env = {**os.environ, "MLX_PTX_CACHE_DIR": kernel_dir.name}
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[2]} exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+                log_file.seek(0)
+                raise RuntimeError(f"{cmd[2]} exited with {proc.returncode}: {log_file.read()[-2000:]}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/v1/models", timeout=2, trust_env=False).status_code == 200:
                     break
@@ -56,12 +71,23 @@ def _running(cmd: list[str], url: str, timeout_s: float):
             time.sleep(0.5)
         yield proc
     finally:
+        _print_notable(log_file)
         proc.terminate()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        log_file.close()
+        kernel_dir.cleanup()
+
+
+def _print_notable(log_file) -> None:
+    """The server log's lines a reader of the table needs: warm-up, slow steps, errors."""
+    log_file.seek(0)
+    for line in log_file:
+        if any(k in line for k in ("warm-up", "slow engine step", "Traceback", "ERROR")):
+            print("  server log:", line.rstrip()[-300:])
 
 
 def _ratios(levels: list[dict]) -> list[dict]:
@@ -103,19 +129,22 @@ def run(args: argparse.Namespace) -> int:
     path = write_json(args.output_json or default_json_path("compare"),
                       {"model": model, "levels": levels, "ratios": ratios})
     print(f"wrote {path}")
+    if args.plot is not None:  # the servers side by side
+        plot.write_plot(plot.plot_series, plot.load_series([path]), args.plot, path)
     return 0 if errors == 0 else 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model folder (default: the demo model)")
-    parser.add_argument("--servers", type=lambda s: [x for x in s.split(",") if x], default=list(_SERVERS),
+    parser.add_argument("--servers", type=lambda s: [x for x in s.split(",") if x], default=list(_DEFAULT_SERVERS),
                         help="comma list of: " + ", ".join(_SERVERS))
-    parser.add_argument("--concurrency", type=int_list, default=[1, 16])
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-requests", type=int, default=None)
-    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--startup-timeout", type=float, default=600)
-    parser.add_argument("--output-json", default=None)
+    add_load_arguments(parser, [1, 16])
+    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                        help="API route the load uses (as in `bench serve`)")
+    parser.add_argument("--warmup", type=int, default=2, help="requests sent to each server before measuring")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="mlxserve's --max-num-seqs (batch limit)")
+    parser.add_argument("--startup-timeout", type=float, default=600, metavar="SECONDS",
+                        help="how long each server may take to answer /v1/models after its start")
+    parser.add_argument("--output-json", default=None,
+                        help="result file (default: bench-results/serve-compare-<time>.json)")
+    plot.add_plot_argument(parser)

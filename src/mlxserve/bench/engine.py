@@ -15,8 +15,8 @@ from mlxserve.bench.serve import (
     TABLE_COLUMNS,
     RequestResult,
     ServeBenchConfig,
+    add_load_arguments,
     default_json_path,
-    int_list,
     make_prompt,
     summarize_level,
 )
@@ -84,14 +84,13 @@ async def run_engine_bench(cfg: ServeBenchConfig, model_path: str | None, engine
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model folder or hub id (default: the demo model)")
-    parser.add_argument("--concurrency", type=int_list, default=[1, 16])
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-requests", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--prefill-step-size", type=int, default=EngineConfig().prefill_step_size)
-    parser.add_argument("--label", default="engine")
-    parser.add_argument("--output-json", default=None)
+    add_load_arguments(parser, [1, 16])
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="the engine's --max-num-seqs (batch limit)")
+    parser.add_argument("--prefill-step-size", type=int, default=EngineConfig().prefill_step_size,
+                        help="the engine's --prefill-step-size (prompt tokens per step)")
+    parser.add_argument("--label", default="engine", help="name shown in the table and the default JSON name")
+    parser.add_argument("--output-json", default=None,
+                        help="result file (default: bench-results/serve-<label>-<time>.json)")
 
 
 def run(args: argparse.Namespace) -> int:

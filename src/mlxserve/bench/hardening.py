@@ -118,28 +118,35 @@ def startup(args) -> dict:
     return {"model": args.model_path, "startup_s": ready}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mlxserve.bench.hardening")
+def make_parser() -> argparse.ArgumentParser:
+    from mlxserve.settings import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="python -m mlxserve.bench.hardening", formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
-    s = sub.add_parser("stall")
-    s.add_argument("--streams", type=int, default=8)
-    s.add_argument("--max-tokens", type=int, default=600)
-    s.add_argument("--bodies", type=int, default=6)
-    s.add_argument("--body-mb", type=float, default=5.0)
-    r = sub.add_parser("rss")
-    r.add_argument("--pid", type=int, required=True)
-    r.add_argument("--requests", type=int, default=300)
-    r.add_argument("--words", type=int, default=200)
+    s = sub.add_parser("stall", formatter_class=HelpFormatter,
+                       help="streams' worst inter-token gap, quiet and while big request bodies arrive")
+    s.add_argument("--streams", type=int, default=8, help="streaming requests running through both phases")
+    s.add_argument("--max-tokens", type=int, default=600, help="tokens each stream generates")
+    s.add_argument("--bodies", type=int, default=6, help="big request bodies sent one after another")
+    s.add_argument("--body-mb", type=float, default=5.0, help="size of each big body in MB")
+    r = sub.add_parser("rss", formatter_class=HelpFormatter, help="server RSS after warm-up, a soak, a cache clear")
+    r.add_argument("--pid", type=int, required=True, help="the server's process id (its RSS is read from /proc)")
+    r.add_argument("--requests", type=int, default=300, help="soak: requests with distinct prompts")
+    r.add_argument("--words", type=int, default=200, help="words per prompt")
     for q in (s, r):
-        q.add_argument("--url", default="http://127.0.0.1:8000")
-        q.add_argument("--model", required=True)
-    u = sub.add_parser("startup")
-    u.add_argument("model_path")
-    u.add_argument("--port", type=int, default=18321)
-    u.add_argument("--timeout", type=float, default=600)
+        q.add_argument("--url", default="http://127.0.0.1:8000", help="the running server")
+        q.add_argument("--model", required=True, help="model name sent in each request")
+    u = sub.add_parser("startup", formatter_class=HelpFormatter, help="`mlxserve serve MODEL` until /health answers")
+    u.add_argument("model_path", help="model folder to serve")
+    u.add_argument("--port", type=int, default=18321, help="port the server is started on")
+    u.add_argument("--timeout", type=float, default=600, help="seconds to wait for /health")
     for q in (s, r, u):
         q.add_argument("--out", default=None, help="JSON results here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
     result = {"stall": stall, "rss": rss, "startup": startup}[args.what](args)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -233,13 +233,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("models", nargs="+", help="model folders (safetensors)")
     parser.add_argument("--strategies", nargs="+", choices=LOAD_STRATEGIES, default=None,
-                        help="default: all")
-    parser.add_argument("--cache", nargs="+", choices=["cold", "warm"], default=None, help="default: both")
+                        help="weight-loading strategies to time (default: all)")
+    parser.add_argument("--cache", nargs="+", choices=["cold", "warm"], default=None,
+                        help="page-cache states to load from: cold (the files evicted first) or warm (default: both)")
     parser.add_argument("--repeats", type=int, default=1, help="loads per cell (the median is shown)")
     parser.add_argument("--forward", action=argparse.BooleanOptionalAction, default=True,
                         help="time one forward pass after the load (slow for big models on CPU)")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds per child load")
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per child load (default: no limit)")
+    parser.add_argument("--output-json", default=None,
+                        help="result file (default: bench-results/serve-load-<time>.json)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ import time
 from datetime import datetime
 from typing import Any
 
+from mlxserve.bench import plot
 from mlxserve.bench.report import format_table, write_json
 from mlxserve.config import EngineConfig
 from mlxserve.engine.request import Request, SamplingParams
@@ -191,12 +192,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-prealloc", type=int, default=0,
                         help="timeline: reservation of the prealloc run (default: prompt + generated tokens)")
     parser.add_argument("--every", type=int, default=256, help="timeline: table row every N steps")
-    parser.add_argument("--burst-requests", type=int, default=16)
-    parser.add_argument("--burst-prompt-tokens", type=int, default=64)
-    parser.add_argument("--burst-max-tokens", type=int, default=512)
+    parser.add_argument("--burst-requests", type=int, default=16, help="burst: requests sent at once")
+    parser.add_argument("--burst-prompt-tokens", type=int, default=64, help="burst: prompt length of each request")
+    parser.add_argument("--burst-max-tokens", type=int, default=512, help="burst: tokens each request generates")
     parser.add_argument("--burst-kv-budget-tokens", type=int, default=0,
                         help="admission on: KV budget (default: 4 requests' worth); off: unlimited")
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--output-json", default=None, help="result file (default: bench-results/memory-<time>.json)")
+    plot.add_plot_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -212,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(result["burst"], BURST_COLUMNS))
     path = write_json(args.output_json or f"bench-results/memory-{datetime.now():%Y%m%d-%H%M%S}.json", result)
     print(f"wrote {path}")
+    if args.plot is not None:
+        plot.write_plot(plot.plot_memory, timeline, args.plot, path)
     ok = all(r["num_tokens"] == args.num_tokens for r in timeline.values())
     ok = ok and all(b["num_tokens"] == args.burst_requests * args.burst_max_tokens for b in result["burst"])
     return 0 if ok else 1

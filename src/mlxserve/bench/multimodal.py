@@ -180,16 +180,22 @@ def _summarize(raw: list[dict]) -> list[dict]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="VLM folder (default: a tiny random Qwen2.5-VL fixture)")
     parser.add_argument("--family", default="qwen2_5_vl", help="fixture family when no --model is given")
-    parser.add_argument("--resolutions", type=int_list, default=[224, 448, 768, 1024])
-    parser.add_argument("--video-frames", type=int_list, default=[4, 8, 16, 32])
+    parser.add_argument("--resolutions", type=int_list, default=[224, 448, 768, 1024],
+                        help="comma-separated square image sides in pixels, one conversation each")
+    parser.add_argument("--video-frames", type=int_list, default=[4, 8, 16, 32],
+                        help="comma-separated video lengths in frames (the request's max_frames), one conversation"
+                             " each")
     parser.add_argument("--video-size", type=int, default=224, help="video frame side in pixels")
-    parser.add_argument("--video-fps", type=float, default=2.0)
+    parser.add_argument("--video-fps", type=float, default=2.0, help="frame rate of the videos and the requests' fps")
     parser.add_argument("--caches", type=lambda s: s.split(","), default=list(SETTINGS),
                         help="comma-separated settings among " + ", ".join(SETTINGS))
     parser.add_argument("--max-tokens", type=int, default=16, help="reply length per turn")
-    parser.add_argument("--prefill-step-size", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--prefill-step-size", type=int, default=2048,
+                        help="the server's --prefill-step-size (prompt tokens per step)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="conversations per media shape and cache setting (the median is shown)")
+    parser.add_argument("--output-json", default=None,
+                        help="result file (default: bench-results/serve-multimodal-<time>.json)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -348,32 +348,39 @@ def int_list(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
+def add_load_arguments(parser: argparse.ArgumentParser, concurrency: list[int]) -> None:
+    """The load shape `bench serve`, `engine`, `compare` and `structured` share (dests = ServeBenchConfig fields)."""
+    parser.add_argument("--concurrency", type=int_list, default=concurrency,
+                        help="comma-separated numbers of requests in flight, one level (run) each")
+    parser.add_argument("--prompt-tokens", type=int, default=128,
+                        help="approximate prompt length in tokens (distinct words per request: no prefix-cache hits)")
+    parser.add_argument("--max-tokens", type=int, default=128,
+                        help="completion tokens per request (max_tokens)")
+    parser.add_argument("--num-requests", type=int, default=None,
+                        help="requests per level (default: max(4 x concurrency, 8), four waves)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000[/v1]")
     parser.add_argument("--model", required=True, help="model name sent in each request")
-    parser.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16],
-                        help="comma-separated levels, one run each (default 1,2,4,8,16)")
-    parser.add_argument("--prompt-tokens", type=int, default=128, help="approximate prompt length")
+    add_load_arguments(parser, [1, 2, 4, 8, 16])
     parser.add_argument("--prompt-tokens-mix", type=int_list, default=None, metavar="N,N,...",
                         help="prompt lengths cycled over each level's requests (a burst of mixed prompts: "
                              "--concurrency 8 --num-requests 8 with 8 lengths)")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-requests", type=int, default=None,
-                        help="requests per level (default max(4*concurrency, 8))")
-    parser.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions")
+    parser.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions",
+                        help="completions: /v1/completions with a plain prompt; chat: /v1/chat/completions with"
+                             " one user message (the chat template adds tokens)")
     parser.add_argument("--warmup", type=int, default=1, help="requests sent before measuring")
     parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                         help="don't send ignore_eos (for servers that reject unknown fields)")
     parser.add_argument("--timeout", dest="timeout_s", type=float, default=600.0,
                         help="per-request timeout in seconds")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts' words (same seed: same prompts)")
     parser.add_argument("--label", default="", help="name shown in the table, e.g. mlx_lm.server")
     parser.add_argument("--output-json", default=None,
-                        help="result file (default bench-results/serve-<label>-<time>.json)")
+                        help="result file (default: bench-results/serve-<label>-<time>.json)")
     parser.add_argument("--no-json", action="store_true", help="print the table only")
-    parser.add_argument("--plot", nargs="?", const="", default=None, metavar="PNG",
-                        help="also chart the result (matplotlib, the `plot` extra); default file: the JSON's"
-                             " name with .png")
+    plot.add_plot_argument(parser)
 
 
 def default_json_path(label: str) -> str:
@@ -401,13 +408,6 @@ def _print_progress(level: dict) -> None:
         print(f"  error: {message}", file=sys.stderr)
 
 
-def _plot(result: dict, out) -> None:
-    try:
-        print(f"wrote {plot.plot_series([(result['levels'][0]['label'], result['levels'])], out)}", file=sys.stderr)
-    except (plot.PlotUnavailableError, ValueError) as exc:
-        print(f"no plot: {exc}", file=sys.stderr)
-
-
 def run(args: argparse.Namespace) -> int:
     """CLI entry: 0 when every request succeeded, 1 when some failed, 2 when nothing ran."""
     try:
@@ -420,5 +420,6 @@ def run(args: argparse.Namespace) -> int:
     if cfg.output_json:
         print(f"wrote {cfg.output_json}", file=sys.stderr)
     if getattr(args, "plot", None) is not None:
-        _plot(result, args.plot or (cfg.output_json and plot.default_png_path(cfg.output_json)) or "bench-serve.png")
+        series = [(result["levels"][0]["label"], result["levels"])]
+        plot.write_plot(plot.plot_series, series, args.plot, cfg.output_json, "bench-serve.png")
     return 0 if all(level["num_errors"] == 0 for level in result["levels"]) else 1

@@ -15,7 +15,7 @@ import time
 
 from mlxserve.bench.engine import run_one
 from mlxserve.bench.report import format_table, write_json
-from mlxserve.bench.serve import ServeBenchConfig, default_json_path, int_list, make_prompt, summarize_level
+from mlxserve.bench.serve import ServeBenchConfig, add_load_arguments, default_json_path, make_prompt, summarize_level
 from mlxserve.config import EngineConfig
 from mlxserve.engine.request import SamplingParams
 
@@ -89,15 +89,13 @@ COLUMNS = [("concurrency", "c", "d"), ("free_tok_s", "free tok/s", ".1f"), ("jso
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model folder or hub id (default: the demo model)")
-    parser.add_argument("--concurrency", type=int_list, default=[16])
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-requests", type=int, default=None)
+    add_load_arguments(parser, [16])
     parser.add_argument("--min-items", type=int, default=64, help="array items each schema requires (keeps "
                         "constrained rows writing until max_tokens)")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--label", default="structured")
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="the engine's --max-num-seqs (batch limit)")
+    parser.add_argument("--label", default="structured", help="name shown in the default JSON name")
+    parser.add_argument("--output-json", default=None,
+                        help="result file (default: bench-results/serve-<label>-<time>.json)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,7 +2,8 @@
 prefill cache out, filling a fresh per-request cache in. Pure functions over a `KVLayout`.
 
 Attention layers travel as keys and values concatenated on the last axis (one kernel per block,
-whatever the two widths); `key_width` splits them back.
+whatever the two widths); `key_width` splits them back. Quantized KV (`--kv-bits`) travels as a tuple
+of three such arrays (packed data, scales, biases); `KVArrays` is either.
 """
 
 from __future__ import annotations
@@ -15,21 +16,43 @@ import mlx.core as mx
 from mlxserve.cache.layout import KVLayout
 
 Snapshot = list[list[mx.array]]  # per recurrent layer, its ArraysCache arrays (batch 1)
+KVArrays = mx.array | tuple[mx.array, ...]  # a float block array, or the quantized tuple
 
 
 def _cat(keys: mx.array, values: mx.array) -> mx.array:
     return mx.concatenate([keys, values], axis=-1)
 
 
-def read_row_kv(batch_cache: list[Any], layout: KVLayout, row: int, start: int, end: int) -> mx.array | None:
+def _parts(x: KVArrays) -> tuple[mx.array, ...]:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def kv_arrays(x: KVArrays | None) -> list[mx.array]:
+    """The arrays of a block's kv (one float array or the quantized three), for eval and byte counts."""
+    return [] if x is None else list(_parts(x))
+
+
+def kv_slice(span: KVArrays, start: int, end: int) -> KVArrays:
+    """Own copies of positions [start, end) of a span read by `read_row_kv` (a slice would keep the
+    whole span alive while any block is)."""
+    parts = tuple(mx.contiguous(a[:, :, start:end]) for a in _parts(span))
+    return parts if isinstance(span, tuple) else parts[0]
+
+
+def read_row_kv(batch_cache: list[Any], layout: KVLayout, row: int, start: int, end: int) -> KVArrays | None:
     """Positions [start, end) of the full-attention layers of one decode-batch row, as one array
-    [layers, kv_heads, end - start, key_width + value_width]. Rows are left-padded; all of them share
-    the row's padding."""
+    [layers, kv_heads, end - start, key_width + value_width] (per part of the tuple when quantized).
+    Rows are left-padded; all of them share the row's padding."""
     layers = [batch_cache[i] for i in layout.full_layers]
     if not layers:
         return None
-    pad = layers[0].left_padding[row].item()
+    # A lone row decoding through a plain KVCache (DecodeBatch's lean path) has no padding.
+    padding = getattr(layers[0], "left_padding", None)
+    pad = padding[row].item() if padding is not None else 0
     lo, hi = pad + start, pad + end
+    if layout.kv_bits:
+        return tuple(mx.stack([_cat(c.keys[p][row, :, lo:hi], c.values[p][row, :, lo:hi]) for c in layers])
+                     for p in range(3))
     return mx.stack([_cat(c.keys[row, :, lo:hi], c.values[row, :, lo:hi]) for c in layers])
 
 
@@ -79,17 +102,23 @@ def read_state(cache: list[Any], layout: KVLayout, row: int | None = None) -> Sn
     return [[take(a) for a in cache[i].cache] for i in layout.state_layers]
 
 
-def fill_cache(cache: list[Any], layout: KVLayout, kv: list[mx.array], swa: list[mx.array],
+def fill_cache(cache: list[Any], layout: KVLayout, kv: list[KVArrays], swa: list[mx.array],
                num_tokens: int, snapshot: Snapshot | None) -> None:
     """Fills a fresh per-request cache (make_prompt_cache) to resume after `num_tokens` prompt tokens:
     full layers from every block, sliding layers from the blocks covering their window (`swa`, in
     order, ending at `num_tokens`), recurrent layers from the snapshot taken at `num_tokens`."""
     d = layout.key_width
     if layout.full_layers:
-        full = mx.concatenate(kv, axis=2) if len(kv) > 1 else kv[0]
+        parts = [_parts(b) for b in kv]
+        full = [mx.concatenate(list(p), axis=2) if len(kv) > 1 else p[0] for p in zip(*parts)]
+        widths = layout.key_widths()
         for j, i in enumerate(layout.full_layers):
-            keys, values = full[j, :, :, :d][None], full[j, :, :, d:][None]
-            cache[i].state = (keys, values, num_tokens)
+            keys = tuple(a[j, :, :, :w][None] for a, w in zip(full, widths))
+            values = tuple(a[j, :, :, w:][None] for a, w in zip(full, widths))
+            if layout.kv_bits:  # mlx-lm's QuantizedKVCache state
+                cache[i].state = (keys, values, num_tokens, layout.kv_group_size, layout.kv_bits)
+            else:
+                cache[i].state = (keys[0], values[0], num_tokens)
     if layout.swa_layers:
         win = mx.concatenate(swa, axis=2) if len(swa) > 1 else swa[0]
         n = num_tokens - layout.window_start(num_tokens)

@@ -3,8 +3,9 @@ snapshots, as MLX arrays, with an optional SSD tier behind them (write-behind fo
 read-through on a memory miss).
 
 A block is at most two arrays (see `layout.py`): `kv` [full layers, kv_heads, block_size, key_width +
-value_width] and, for sliding-window models, `swa` with the sliding layers' KV of the same positions
-when it was still in the window at store time. One array per kind, not per layer: storing, attaching
+value_width] (under --kv-bits the quantized tuple's three arrays, each laid out so) and, for
+sliding-window models, `swa` with the sliding layers' KV of the same positions when it was still in
+the window at store time. One array per kind, not per layer: storing, attaching
 and spilling then cost a kernel launch or a device-to-host copy per block (on an H200 the per-layer
 version made a hit slower than recomputing).
 """
@@ -17,10 +18,10 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from mlxserve.cache.kv_io import Snapshot, fill_cache
+from mlxserve.cache.kv_io import KVArrays, Snapshot, fill_cache, kv_arrays
 from mlxserve.cache.layout import KVLayout
 from mlxserve.cache.snapshots import SnapshotStore
-from mlxserve.cache.spill import SpillQueue, block_from_data, snapshot_from_data
+from mlxserve.cache.spill import QUANT_TENSORS, SpillQueue, block_from_data, snapshot_from_data
 from mlxserve.cache.ssd_tier import SSDTier
 
 log = logging.getLogger(__name__)
@@ -28,12 +29,16 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class KVBlock:
-    kv: mx.array | None  # full-attention layers (None for a model without any)
+    kv: KVArrays | None  # full-attention layers (None for a model without any); a tuple when quantized
     swa: mx.array | None = None  # sliding layers; None when their KV had left the window
 
     @property
+    def arrays(self) -> list[mx.array]:
+        return kv_arrays(self.kv) + kv_arrays(self.swa)
+
+    @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.kv, self.swa) if a is not None)
+        return sum(a.nbytes for a in self.arrays)
 
 
 def snapshot_nbytes(snapshot: Snapshot) -> int:
@@ -121,7 +126,11 @@ class KVBlockStore:
     # -- SSD tier ------------------------------------------------------------------------------
     def queue_spill(self, block_hash: bytes, token_ids: tuple[int, ...], block: KVBlock) -> None:
         if self.ssd is not None:
-            tensors = {name: a for name, a in (("kv", block.kv), ("swa", block.swa)) if a is not None}
+            tensors = {name: a for name, a in (("swa", block.swa),) if a is not None}
+            if isinstance(block.kv, tuple):  # quantized: data, scales, biases
+                tensors.update(zip(QUANT_TENSORS, block.kv))
+            elif block.kv is not None:
+                tensors["kv"] = block.kv
             self._spill.add(self.ssd, block_hash, token_ids, tensors)
 
     def queue_spill_snapshot(self, block_hash: bytes, token_ids: tuple[int, ...], snapshot: Snapshot) -> None:

@@ -19,6 +19,8 @@ from typing import Any
 
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
+from mlxserve.cache.quantized_batch import QuantizedRowKVCache, quantized_width, quantized_widths
+
 KV, SWA, STATE = "kv", "swa", "state"
 
 
@@ -27,6 +29,14 @@ class KVLayout:
     kinds: tuple[str, ...]  # per layer: KV, SWA or STATE
     key_width: int = 0  # last-axis width of the attention layers' keys (their values follow it)
     window: int = 0  # the sliding layers' window (their caches' max_size), 0 without any
+    kv_bits: int = 0  # the "kv" layers' quantization (0: float KV)
+    kv_group_size: int = 0
+
+    def key_widths(self) -> tuple[int, ...]:
+        """Last-axis width of the keys' part of a "kv" block array (one per array of the block)."""
+        if not self.kv_bits:
+            return (self.key_width,)
+        return quantized_widths(self.key_width, self.kv_bits, self.kv_group_size)
 
     @property
     def full_layers(self) -> tuple[int, ...]:
@@ -49,12 +59,21 @@ class KVLayout:
 def read_layout(cache: list[Any]) -> KVLayout | None:
     """The layout of mlx-lm caches after a one-token forward, or None when the prefix cache cannot
     store it. Attention layers must agree on their shapes (one block array holds them all)."""
-    kinds, shapes, windows = [], set(), set()
+    kinds, shapes, windows, quant = [], set(), set(), set()
     for c in cache:
-        if type(c) is KVCache or (type(c) is RotatingKVCache and c.keep == 0):
+        if type(c) is QuantizedRowKVCache:
+            if c.keys is None or c.keys[1].shape[1] != c.values[1].shape[1]:
+                return None
+            kinds.append(KV)
+            quant.add((c.bits, c.group_size))
+            widths = quantized_width(c.keys, c.bits), quantized_width(c.values, c.bits)
+            shapes.add((c.keys[1].shape[1], *widths, c.keys[1].dtype))
+        elif type(c) is KVCache or (type(c) is RotatingKVCache and c.keep == 0):
             if c.keys is None or c.keys.shape[1] != c.values.shape[1]:
                 return None
             kinds.append(KV if type(c) is KVCache else SWA)
+            if type(c) is KVCache:
+                quant.add((0, 0))
             shapes.add((c.keys.shape[1], c.keys.shape[3], c.values.shape[3], c.keys.dtype))
             if type(c) is RotatingKVCache:
                 windows.add(c.max_size)
@@ -62,7 +81,8 @@ def read_layout(cache: list[Any]) -> KVLayout | None:
             kinds.append(STATE)
         else:
             return None
-    if len(shapes) > 1 or len(windows) > 1:
+    if len(shapes) > 1 or len(windows) > 1 or len(quant) > 1:
         return None
     key_width = next(iter(shapes))[1] if shapes else 0
-    return KVLayout(tuple(kinds), key_width, next(iter(windows), 0))
+    bits, group_size = next(iter(quant), (0, 0))
+    return KVLayout(tuple(kinds), key_width, next(iter(windows), 0), bits, group_size)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, make_prompt_cache
 
+from mlxserve.cache.kv_quant import KVQuantPlan
 from mlxserve.cache.kv_store import KVBlockStore
 from mlxserve.cache.layout import KVLayout, read_layout
 from mlxserve.cache.prefix_cache import PrefixCacheManager
@@ -56,17 +57,20 @@ def _layer_cost(c: Any) -> tuple[int, int]:
     return sum(p.nbytes for p in parts) // width, 0
 
 
-def probe_kv(model: Any) -> KVProbe:
+def probe_kv(model: Any, make_cache: Callable[[Any], list[Any]] = make_prompt_cache) -> KVProbe:
+    """`make_cache` makes the caches requests really get (quantized layers under --kv-bits)."""
     import mlx.core as mx
 
-    cache = make_prompt_cache(model)
+    cache = make_cache(model)
     logits = model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
     costs = [_layer_cost(c) for c in cache]
     layout = read_layout(cache)
     if layout is not None and getattr(model, "is_vlm", False) and (layout.swa_layers or layout.state_layers):
         layout = None  # multimodal prefill does not capture sliding windows or snapshots yet
-    dtype = next((c.keys.dtype for c in cache if isinstance(getattr(c, "keys", None), mx.array)), None)
+    # Quantized layers keep (data, scales, biases): the scales carry the model's float dtype.
+    dtype = next((k.dtype if isinstance(k, mx.array) else k[1].dtype
+                  for k in (getattr(c, "keys", None) for c in cache) if isinstance(k, (mx.array, tuple))), None)
     if dtype is None:  # recurrent-only models: the state's dtype
         dtype = next((a.dtype for c in cache for a in _arrays(c)), mx.float32)
     return KVProbe(
@@ -100,7 +104,9 @@ def can_share_prefix(model: Any) -> bool:
 
 
 def make_prefix_cache(
-    model: Any, config: EngineConfig, model_key: str, probe: KVProbe, memory_bytes: int | None = None
+    model: Any, config: EngineConfig, model_key: str, probe: KVProbe, memory_bytes: int | None = None,
+    kv_quant: KVQuantPlan | None = None,
+    store_cls: type[KVBlockStore] = KVBlockStore,
 ):
     """(manager, store), or (None, None) when disabled or when the model's caches cannot be shared.
     `probe` is `probe_kv(model)`, measured once by the caller. The size is `memory_bytes` (the memory
@@ -125,14 +131,15 @@ def make_prefix_cache(
         return None, None
     ssd = state_ssd = None
     if config.ssd_cache_dir:
-        meta = BlockMeta(model_key, config.block_size, num_layers, str(dtype).rsplit(".", 1)[-1])
+        meta = BlockMeta(model_key, config.block_size, num_layers, str(dtype).rsplit(".", 1)[-1],
+                         kv_quant=(kv_quant.label if kv_quant is not None else "") or "none")
         ssd_bytes = config.ssd_cache_max_bytes
         if snapshot_bytes:  # snapshots get their own folder and a quarter of the disk cap
             state_ssd = SSDTier(os.path.join(config.ssd_cache_dir, "states"), ssd_bytes // 4, meta, logger=log)
             ssd_bytes -= ssd_bytes // 4
         ssd = SSDTier(config.ssd_cache_dir, ssd_bytes, meta, logger=log)
         log.info("SSD tier at %s: %d blocks found", config.ssd_cache_dir, ssd.stats()["num_blocks"])
-    store = KVBlockStore(layout, config.block_size, ssd, dtype, snapshot_bytes, state_ssd)
+    store = store_cls(layout, config.block_size, ssd, dtype, snapshot_bytes, state_ssd)
     needs_check = bool(layout.swa_layers or layout.state_layers)
     manager = PrefixCacheManager(num_blocks, config.block_size, model_key, on_evict=lambda h, b: store.drop(b),
                                  lookup_cold=store.load_from_ssd if ssd else None,

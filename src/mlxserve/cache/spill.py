@@ -52,12 +52,25 @@ class SpillQueue:
             tier.put(block_hash, BlockData(token_ids, out))
 
 
+# A quantized block's kv tuple on disk (the header's kv_quant field says how it was quantized).
+QUANT_TENSORS = ("kv.data", "kv.scales", "kv.biases")
+
+
 def block_from_data(data: BlockData, layout: KVLayout, dtype: mx.Dtype, log: logging.Logger) -> tuple | None:
     """(kv, swa) of a block read from disk, or None (a miss) if it does not fit this layout."""
     try:
-        kv = _from_bytes(*data.tensors["kv"], dtype) if layout.full_layers else None
+        kv = None
+        if layout.full_layers and layout.kv_bits:
+            kv = tuple(_from_bytes(*data.tensors[name], dt)
+                       for name, dt in zip(QUANT_TENSORS, (mx.uint32, dtype, dtype)))
+            for part, width in zip(kv, layout.key_widths()):
+                _check_rows(part, len(layout.full_layers))
+                if part.shape[-1] <= width or part.shape[:3] != kv[0].shape[:3]:
+                    raise ValueError(f"quantized part of shape {part.shape} does not fit this layout")
+        elif layout.full_layers:
+            kv = _from_bytes(*data.tensors["kv"], dtype)
+            _check_rows(kv, len(layout.full_layers))
         swa = _from_bytes(*data.tensors["swa"], dtype) if "swa" in data.tensors else None
-        _check_rows(kv, len(layout.full_layers))
         _check_rows(swa, len(layout.swa_layers))
     except (KeyError, ValueError, TypeError) as exc:  # a file that passed the checks but not ours
         log.warning("SSD block unusable (%s): a miss", exc)

@@ -47,9 +47,16 @@ class BlockMeta:
     num_layers: int
     dtype: str
     format_version: int = FORMAT_VERSION
+    # Quantized KV (--kv-bits): bits, group size and quantized layers (KVQuantPlan.label); "none" for
+    # float KV, which files from before this field hold too (see LEGACY_FIELDS).
+    kv_quant: str = "none"
 
     def header_fields(self) -> dict[str, str]:
         return {k: str(v) for k, v in asdict(self).items()}  # safetensors metadata is str -> str
+
+
+# Header fields added after files were written without them, and the value such files stand for.
+LEGACY_FIELDS = {"kv_quant": "none"}
 
 
 @dataclass
@@ -116,8 +123,9 @@ def _read_header(f, meta: BlockMeta, file_size: int) -> tuple[dict, list[tuple[s
         header = json.loads(f.read(header_len))
         metadata = header.pop(_METADATA)
         for key, expected in meta.header_fields().items():
-            if metadata.get(key) != expected:
-                raise _Incompatible(f"{key}={metadata.get(key)!r}, expected {expected!r}")
+            found = metadata.get(key, LEGACY_FIELDS.get(key))
+            if found != expected:
+                raise _Incompatible(f"{key}={found!r}, expected {expected!r}")
         spans = sorted(((n, int(e["data_offsets"][0]), int(e["data_offsets"][1]))
                         for n, e in header.items()), key=lambda span: span[1])
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:

@@ -32,6 +32,8 @@ class EngineStats:
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     prefix_cached_blocks: int = 0
+    kv_capacity_tokens: int = 0  # KV tokens running requests may hold (the live limit)
+    kv_bytes_per_token: int = 0  # what one token's KV costs (smaller under --kv-bits)
 
 
 class AsyncEngine:
@@ -144,6 +146,16 @@ class AsyncEngine:
                 mx.synchronize()
                 mx.clear_streams()
 
+    def _read_stats(self, core) -> EngineStats:
+        prefix = core.prefix
+        return EngineStats(
+            core.scheduler.num_running,
+            core.scheduler.num_waiting,
+            *((prefix.num_queried_tokens, prefix.num_hit_tokens, prefix.pool.num_cached) if prefix else (0, 0, 0)),
+            kv_capacity_tokens=self.kv_capacity_tokens or 0,
+            kv_bytes_per_token=getattr(getattr(core, "probe", None), "bytes_per_token", 0),
+        )
+
     def _serve(self) -> None:
         import mlx.core as mx
 
@@ -159,6 +171,7 @@ class AsyncEngine:
                 self._ready.set()
                 return
             self.kv_capacity_tokens = core.kv_capacity_tokens
+            self.stats = self._read_stats(core)
             self._ready.set()
             # Idle, the loop still wakes now and then: desktop mode re-reads free memory in on_idle().
             idle_timeout = getattr(core.config, "memory_refresh_s", 0) or None
@@ -185,16 +198,11 @@ class AsyncEngine:
                 outputs = core.step()
                 elapsed = time.perf_counter() - started
                 if elapsed > _SLOW_STEP_S:
-                    log.warning("slow engine step: %.2f s with %d running, %d waiting", elapsed,
-                                core.scheduler.num_running, core.scheduler.num_waiting)
+                    log.warning("slow engine step: %.2f s with %d running, %d waiting (%s)", elapsed,
+                                core.scheduler.num_running, core.scheduler.num_waiting, core.describe_last_step())
                 # Live: desktop mode lowers it under memory pressure (the API's "can never fit" check).
                 self.kv_capacity_tokens = core.scheduler.kv_capacity_tokens
-                prefix = core.prefix
-                self.stats = EngineStats(
-                    core.scheduler.num_running,
-                    core.scheduler.num_waiting,
-                    *((prefix.num_queried_tokens, prefix.num_hit_tokens, prefix.pool.num_cached) if prefix else ()),
-                )
+                self.stats = self._read_stats(core)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
 

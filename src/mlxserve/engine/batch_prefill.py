@@ -9,12 +9,12 @@ token per row: the LM head runs on those B positions only (never B x chunk x voc
 logits are never evaluated. The rows are then cut back out of the batch cache into per-request caches.
 
 Families whose caches cannot be padded (rotating sliding windows, recurrent `ArraysCache` state,
-quantized KV) and vision-language models keep the one-prompt-per-forward path.
+quantized KV under --kv-bits) and vision-language models keep the one-prompt-per-forward path.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
@@ -23,11 +23,12 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 _PAD_TOKEN = 0
 
 
-def why_not_batched(model: Any) -> str | None:
-    """None when this model's prompts can be prefilled together; otherwise the reason, for the log."""
+def why_not_batched(model: Any, make_cache: Callable[[Any], list[Any]] = make_prompt_cache) -> str | None:
+    """None when this model's prompts (with the caches `make_cache` gives them) can be prefilled together;
+    otherwise the reason, for the log."""
     if getattr(model, "is_vlm", False):
         return "a vision-language model (positions depend on the images)"
-    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)})
+    kinds = sorted({type(c).__name__ for c in make_cache(model)})
     if kinds != ["KVCache"]:
         return f"its caches ({', '.join(kinds)}) cannot take padding"
     return None

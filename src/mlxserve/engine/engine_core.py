@@ -21,6 +21,8 @@ from mlxserve.engine.detokenizer import StopStringMatcher, make_detokenizer_fact
 from mlxserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from mlxserve.engine.runner import ModelRunner, reseed_after_failure
 from mlxserve.engine.scheduler import Scheduler
+from mlxserve.cache.kv_quant import plan_kv_quant
+from mlxserve.cache.kv_store import KVBlockStore
 from mlxserve.cache.setup import make_prefix_cache, probe_kv
 from mlxserve.memory.budget import kv_tokens, reserve_state
 from mlxserve.memory.pressure import MemoryGovernor
@@ -37,6 +39,11 @@ class _TextState:
 
 
 class EngineCore:
+    # What builds the runner and the prefix cache's physical half; a distributed server's core
+    # (distributed/engine.py) puts its own in.
+    runner_cls = ModelRunner
+    store_cls = KVBlockStore
+
     def __init__(
         self,
         model: Any,
@@ -49,14 +56,17 @@ class EngineCore:
         self.tokenizer = tokenizer
         self._make_detokenizer = make_detokenizer_factory(tokenizer)
         self.config = config
-        probe = probe_kv(model)
+        # --kv-bits: which layers hold quantized KV (raises if the group size does not fit the model).
+        self.kv_quant = plan_kv_quant(model, config.kv_bits, config.kv_group_size)
+        make_cache = self.kv_quant.make_cache if self.kv_quant is not None else make_prompt_cache
+        probe = probe_kv(model, make_cache)
         self.probe = probe
-        if config.max_num_seqs > 1 and not can_batch(make_prompt_cache(model)):
+        if config.max_num_seqs > 1 and not can_batch(make_cache(model)):
             log.warning("this model's caches (%s) have no batch version in mlx-lm: serving one request at a "
                         "time", sorted(set(probe.layer_kinds)))
             config = dataclasses.replace(config, max_num_seqs=1)
             self.config = config
-        why_not = why_not_batched(model)
+        why_not = why_not_batched(model, make_cache)
         if why_not is not None and config.max_num_prefill_rows > 1:
             config = dataclasses.replace(config, max_num_prefill_rows=1)
             self.config = config
@@ -67,7 +77,8 @@ class EngineCore:
         prefix_on = config.enable_prefix_cache and config.cache_memory_bytes != 0 and probe.shareable
         # The start-up budget; `self.governor.live` is the one in force (desktop mode follows free memory).
         is_vlm = getattr(model, "is_vlm", False)
-        self.budget = startup_budget(model, config.prefill_step_size, budget_config(config, prefix_on, is_vlm))
+        self.budget = self._startup_budget(model, config.prefill_step_size, budget_config(config, prefix_on, is_vlm),
+                                           make_cache)
         if self.budget is not None and probe.bytes_per_seq:
             self.budget = reserve_state(self.budget, probe.bytes_per_seq * config.max_num_seqs)
         per_token = probe.budget_bytes_per_token
@@ -76,7 +87,8 @@ class EngineCore:
         if self.kv_capacity_tokens is None and self.budget is not None:
             self.kv_capacity_tokens = kv_tokens(self.budget, per_token)
         prefix_bytes = self.budget.prefix_cache if self.budget is not None and prefix_on else None
-        self.prefix, store = make_prefix_cache(model, config, model_key, probe, prefix_bytes)
+        self.prefix, store = make_prefix_cache(model, config, model_key, probe, prefix_bytes, self.kv_quant,
+                                               self.store_cls)
         self.scheduler = Scheduler(config, max_model_len, self.prefix, self.kv_capacity_tokens)
         # Vision features by image hash (VLMs only): the budget's vision share, or the flag without one.
         self.vision_cache = None
@@ -87,9 +99,9 @@ class EngineCore:
             self.vision_cache = VisionCache(vision_bytes)
             log.info("vision cache: %.0f MB", vision_bytes / 1e6)
         self.grammar = GrammarSource(tokenizer, probe.logits_width, _eos_ids(tokenizer))
-        self.runner = ModelRunner(model, buckets, store, config.block_size, self.vision_cache,
-                                  kv_prealloc_tokens=config.kv_prealloc_tokens, grammar=self.grammar,
-                                  batch_prefill=config.max_num_prefill_rows > 1)
+        self.runner = self.runner_cls(model, buckets, store, config.block_size, self.vision_cache,
+                                      kv_prealloc_tokens=config.kv_prealloc_tokens, grammar=self.grammar,
+                                      make_cache=make_cache, batch_prefill=config.max_num_prefill_rows > 1)
         self.governor = None
         if self.budget is not None:
             self.governor = MemoryGovernor(self.budget, per_token, self.prefix, self.scheduler,
@@ -97,10 +109,18 @@ class EngineCore:
                                            kv_tokens_override=config.kv_budget_tokens,
                                            refresh_s=config.memory_refresh_s)
             self.governor.vision_cache = self.vision_cache
-        log.info("KV for running requests: %s tokens%s", self.kv_capacity_tokens,
+        log.info("KV for running requests: %s tokens of %d bytes%s%s", self.kv_capacity_tokens, per_token,
+                 f" ({config.kv_bits}-bit KV in {len(self.kv_quant.layers)}/{probe.num_layers} layers)"
+                 if self.kv_quant is not None else "",
                  f", {config.kv_prealloc_tokens} reserved per batch up front" if config.kv_prealloc_tokens else "")
         self._requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
+        self.last_sched = None
+        self.last_execute_s = 0.0
+
+    def _startup_budget(self, model: Any, chunk_tokens: int, rules: Any, make_cache: Any = None):
+        # A distributed core overrides this: every rank must run the same profiling forwards.
+        return startup_budget(model, chunk_tokens, rules, make_cache)
 
     @property
     def has_work(self) -> bool:
@@ -124,11 +144,14 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        self.last_sched = sched  # what the step ran, for the slow-step log line
+        started = time.perf_counter()
         try:
             step = self.runner.execute(sched, self._requests)
         except Exception as exc:  # a failure the runner could not pin on requests: the last resort
             log.exception("engine step failed")
             return self._fail_all(f"engine step failed: {exc}")
+        self.last_execute_s = time.perf_counter() - started
         if step.failed_block_ids:
             self.prefix.discard_stores(step.failed_block_ids)
         outputs = [self._fail(rid, why) for rid, why in step.failed.items() if rid in self._requests]
@@ -157,18 +180,68 @@ class EngineCore:
         return RequestOutput(request_id, [], "", request.num_prompt_tokens, request.num_output_tokens, error=message)
 
     def warmup(self, max_batch: int, prompt_len: int = 16) -> None:
-        """Runs the batch through every size from 1 to `max_batch` and back, so the kernels a backend
-        compiles per shape at first use (MLX's CUDA backend: seconds each) are compiled now and not
-        while clients wait. One request joins per step and each stays `max_batch + 1` tokens."""
+        """Runs the decode batch through each size it can take (its buckets, else every size from 1
+        to `max_batch`) and back, so the kernels a backend compiles per shape at first use (MLX's CUDA
+        backend: seconds each) are compiled now and not while clients wait. Requests join so that
+        the batch steps through the sizes; each stays until the largest size has run. Afterwards
+        the buffers warm-up left in MLX's cache go back: they fit shapes traffic may never use."""
+        import mlx.core as mx
+
         start = time.perf_counter()
-        params = SamplingParams(max_tokens=max_batch + 1, temperature=0.0, ignore_eos=True)
+        buckets = self.runner.buckets or list(range(1, max_batch + 1))
+        sizes = [b for b in buckets if b <= max_batch]
+        params = SamplingParams(max_tokens=len(sizes) + 2, temperature=0.0, ignore_eos=True)
         prompt = [i % 7 + 1 for i in range(prompt_len)]
-        for i in range(max_batch):
-            self.add_request(Request(f"warmup-{i}", prompt, params))
+        joined = 0
+        for size in sizes:
+            while joined < size:
+                self.add_request(Request(f"warmup-{joined}", prompt, params))
+                joined += 1
             self.step()
         while self.has_work:
             self.step()
-        log.info("warm-up over batch sizes 1..%d took %.1f s", max_batch, time.perf_counter() - start)
+        self._warm_traffic(prompt_len)
+        mx.synchronize()
+        mx.clear_cache()
+        log.info("warm-up over decode batch sizes %s took %.1f s; MLX memory after: %.2f GiB active, peak %.2f GiB",
+                 sizes if len(sizes) < 16 else f"1..{max_batch}", time.perf_counter() - start,
+                 mx.get_active_memory() / 2**30, mx.get_peak_memory() / 2**30)
+        mx.reset_peak_memory()
+
+    def _warm_traffic(self, prompt_len: int) -> None:
+        """The paths real traffic takes beyond batch sizes: several prompts of unequal lengths joining
+        a decoding batch in one step, a prompt split over steps, prompt blocks stored from a lone row
+        and from a padded batch, a prefix hit resuming mid-prompt. On an H100 a 37 s step met the
+        first burst of such joins after the size warm-up (random 0.6B 4-bit, 2026-11-24)."""
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        block = self.config.block_size
+        step_size = self.config.prefill_step_size
+        lengths = [block + 5, prompt_len, 2 * block + 17, step_size + 40, block // 2 + 3, 3 * block // 2]
+        self.add_request(Request("warmup-lone", [i % 5 + 1 for i in range(block + 9)], params))
+        self.step()
+        for i, n in enumerate(lengths):
+            self.add_request(Request(f"warmup-burst-{i}", [(i + j) % 7 + 1 for j in range(n)], params))
+        while self.has_work:
+            self.step()
+        # The same prompts again: prefix hits resume mid-prompt (a chunk after restored blocks).
+        for i, n in enumerate(lengths[:3]):
+            self.add_request(Request(f"warmup-hit-{i}", [(i + j) % 7 + 1 for j in range(n)] + [9, 9], params))
+        while self.has_work:
+            self.step()
+        if self.prefix is not None:
+            # Warm-up's blocks are no one's prefix (an SSD tier may keep the few it wrote: no real
+            # prompt is made of token ids 1-9 repeated).
+            self.prefix.clear()
+            self.prefix.num_queried_tokens = self.prefix.num_hit_tokens = 0
+
+    def describe_last_step(self) -> str:
+        sched = self.last_sched
+        if sched is None:
+            return "nothing"
+        return (f"prefill chunks {[c.num_tokens for c in sched.prefill_chunks]}, "
+                f"{len(sched.decode_request_ids)} decoding in a batch of {self.runner.num_rows}, "
+                f"{sum(len(ops) for ops in sched.store_ops.values())} blocks stored; the runner took "
+                f"{self.last_execute_s:.2f} s, prefill {self.runner.last_prefill_s:.2f} s of it")
 
     def _make_output(self, request: Request, token: int, finished: bool) -> RequestOutput:
         state = self._text[request.request_id]
@@ -212,9 +285,10 @@ class EngineCore:
         # Rebuild the runner's state from scratch: its caches may be half-updated, and so may the
         # prefix cache's planned blocks, so that starts empty too.
         old = self.runner
-        self.runner = ModelRunner(old.model, old.buckets, old.store, old.block_size, self.vision_cache,
-                                  kv_prealloc_tokens=self.config.kv_prealloc_tokens, grammar=self.grammar,
-                                  batch_prefill=self.config.max_num_prefill_rows > 1)
+        self.runner = self.runner_cls(old.model, old.buckets, old.store, old.block_size, self.vision_cache,
+                                      kv_prealloc_tokens=self.config.kv_prealloc_tokens, grammar=self.grammar,
+                                      make_cache=old.make_cache,
+                                      batch_prefill=self.config.max_num_prefill_rows > 1)
         self.scheduler.reset_after_failure()
         reseed_after_failure()
         return outputs
@@ -250,6 +324,9 @@ class EngineCore:
             "pressure": governor.status() if governor is not None else None,
             "memory": dataclasses.asdict(read_memory()),
             "kv_capacity_tokens": self.scheduler.kv_capacity_tokens,
+            "kv_bytes_per_token": self.probe.bytes_per_token,
+            "kv_dtype": str(self.probe.dtype).rsplit(".", 1)[-1],
+            "kv_quantization": self.kv_quant.status() if self.kv_quant is not None else None,
             "kv_prealloc_tokens": self.config.kv_prealloc_tokens,
             "num_running": self.scheduler.num_running,
             "structured_output": self.grammar.stats(),

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_map
 from mlx_lm.models.cache import BatchKVCache
 
 
@@ -29,19 +30,26 @@ def reserve(batch_cache: list[Any], tokens: int) -> int:
     for c in batch_cache:
         if not isinstance(c, BatchKVCache) or c.keys is None:
             continue
-        width = c.keys.shape[2]
+        width = _width(c)
         if width >= tokens:
             continue
+        before = c.nbytes
         keys, values, offset, left_padding, idx = c.state
         pad = [(0, 0), (0, 0), (0, tokens - width), (0, 0)]
-        c.state = (mx.pad(keys, pad), mx.pad(values, pad), offset, left_padding, idx)
-        added += c.keys.nbytes + c.values.nbytes - keys.nbytes - values.nbytes
+        # Quantized KV (BatchQuantizedKVCache) pads each part of its (data, scales, biases) tuples.
+        keys, values = tree_map(lambda a: mx.pad(a, pad), (keys, values))
+        c.state = (keys, values, offset, left_padding, idx)
+        added += c.nbytes - before
     return added
+
+
+def _width(c: BatchKVCache) -> int:
+    return (c.keys[0] if isinstance(c.keys, tuple) else c.keys).shape[2]
 
 
 def room(batch_cache: list[Any]) -> int | None:
     """Positions the batch can still write in place (None without a plain batch cache)."""
     for c in batch_cache:
         if isinstance(c, BatchKVCache) and c.keys is not None:
-            return c.keys.shape[2] - c.size()
+            return _width(c) - c.size()
     return None

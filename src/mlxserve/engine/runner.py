@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxserve.cache.kv_io import read_prefill_window, read_row_kv, read_row_window, read_state
+from mlxserve.cache.kv_io import kv_slice, read_prefill_window, read_row_kv, read_row_window, read_state
 from mlxserve.cache.kv_store import KVBlock, KVBlockStore
 from mlxserve.engine.batch import DecodeBatch
 from mlxserve.engine.batch_prefill import pick_rows, prefill_rows, why_not_batched
@@ -56,9 +56,11 @@ class ModelRunner:
         vision_cache: Any = None,
         kv_prealloc_tokens: int = 0,
         grammar: "GrammarSource | None" = None,
+        make_cache: Callable[[Any], list[Any]] = make_prompt_cache,
         batch_prefill: bool = True,
     ) -> None:
         self.model = model
+        self.make_cache = make_cache  # a request's fresh caches (quantized layers under --kv-bits)
         self.grammar = grammar
         self.buckets = buckets
         self.store = store
@@ -80,7 +82,8 @@ class ModelRunner:
         self._prefill_snaps: dict[str, tuple[int, list]] = {}
         self._joined_last_step: list[str] = []
         # Prompts prefilled together in one forward where the model's caches take padding.
-        self._batch_prefill = batch_prefill and why_not_batched(model) is None
+        self._batch_prefill = batch_prefill and why_not_batched(model, make_cache) is None
+        self.last_prefill_s = 0.0
 
     @property
     def num_rows(self) -> int:
@@ -102,6 +105,7 @@ class ModelRunner:
             self._prefill_snaps.pop(rid, None)
         self._drop(sched.finished_request_ids)
         joined: list[tuple[str, list[Any], mx.array]] = []
+        started = time.perf_counter()
         together = [c for c in sched.prefill_chunks if self._can_prefill_together(requests[c.request_id])]
         together = [together[i] for i in pick_rows([c.start + c.num_tokens for c in together])]
         for chunk in sched.prefill_chunks:
@@ -110,6 +114,7 @@ class ModelRunner:
                 joined.append(done)
         if together:
             joined.extend(self._prefill_together(together, requests, out))
+        self.last_prefill_s = time.perf_counter() - started  # for the slow-step log line
         try:
             self._joined_last_step = [j[0] for j in joined]
             if joined:
@@ -174,14 +179,14 @@ class ModelRunner:
         new = []
         for op in ops:
             # Each block its own copy: a slice would keep the whole span alive while any block is.
-            kv = mx.contiguous(span[:, :, op.start - first : op.start - first + bs]) if span is not None else None
+            kv = kv_slice(span, op.start - first, op.start - first + bs) if span is not None else None
             swa = captured.get(op.start)
             if swa is None and window is not None:
                 swa = window.block(op.start, bs)
             block = KVBlock(kv, swa)
             store.put(op.block_id, op.block_hash, block)
             store.queue_spill(op.block_hash, op.token_ids, block)
-            new.extend(a for a in (kv, swa) if a is not None)
+            new.extend(block.arrays)
             if not store.wants_snapshots:
                 continue
             snap = None
@@ -224,7 +229,7 @@ class ModelRunner:
         rid = request.request_id
         cache = self._prefill_caches.get(rid)
         if cache is None:
-            cache = make_prompt_cache(self.model)
+            cache = self.make_cache(self.model)
             if request.cached_block_ids:
                 self.store.make_cache(request.cached_block_ids, cache)
             self._prefill_caches[rid] = cache

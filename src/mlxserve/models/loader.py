@@ -38,6 +38,9 @@ class LoadedModel:
     strategy: str = "mlx-lm"  # how the weights were read (LOAD_STRATEGIES)
     # Seconds per stage ("weights": files to evaluated parameters, "tokenizer"), for logs and benchmarks.
     timings: dict = field(default_factory=dict)
+    # What builds this model's engine core (EngineCore's signature); None: EngineCore. A distributed
+    # server's rank 0 puts its own (distributed/engine.py).
+    make_engine_core: Any = None
 
     @property
     def is_vlm(self) -> bool:

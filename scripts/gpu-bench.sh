@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU comparison of issue #19 in one device call: random 4-bit Qwen3 shapes, mlx-lm's raw
+# generate_step, mlxserve, mlx_lm.server and vllm-mlx under the same load generator.
+#
+# Here (once):  bash ../shared/tools/device-bundle.sh .device mlx-lm==0.32.2 mlx-vlm==0.7.10 vllm-mlx==0.6.0 \
+#                 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic pydantic-core typing-inspection \
+#                 annotated-types annotated-doc opentelemetry-api importlib-metadata llguidance swagger-ui-bundle \
+#                 platformdirs python-multipart jsonschema jsonschema-specifications referencing rpds-py pytz mcp \
+#                 sse-starlette httpx-sse pydantic-settings python-dotenv
+# On the device (carry .device):  bash scripts/gpu-bench.sh [SHAPE ...] (default: qwen3-0.6b)
+# Env: SERVERS (default mlxserve,mlx_lm,vllm_mlx), CONC (default 1,16,32), STEPS (default decode,compare,burst).
+set -uo pipefail
+mkdir -p /tmp/site && tar -xJf .device/site.tar.xz -C /tmp/site
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+out=${OUT:-/tmp/gpu-bench}; mkdir -p "$out"
+shapes=("${@:-qwen3-0.6b}")
+servers=${SERVERS:-mlxserve,mlx_lm,vllm_mlx}
+conc=${CONC:-1,16,32}
+steps=${STEPS:-decode,compare,burst}
+python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+for shape in "${shapes[@]}"; do
+  m=/tmp/models/$shape
+  [ -f "$m/config.json" ] || python3 -m mlxserve.cli demo-model "$m" --shape "$shape" --bits 4 >/dev/null
+  echo "=== $shape"
+  if [[ $steps == *decode* ]]; then
+    python3 -m mlxserve.cli bench decode --model "$m" --max-tokens 256 --output-json "$out/decode-$shape.json"
+  fi
+  if [[ $steps == *compare* ]]; then
+    python3 -m mlxserve.cli bench compare --model "$m" --servers "$servers" --concurrency "$conc" \
+      --endpoint chat --warmup 4 --output-json "$out/compare-$shape.json" > "$out/compare-$shape.log" 2>&1
+    # Straight to a file: a pipe through grep holds the output back, and a timeout then loses all of it.
+    grep -v "httpx\|^level" "$out/compare-$shape.log" | tail -30
+  fi
+  if [[ $steps == *burst* ]] && python3 -m mlxserve.cli bench serve --help | grep -q -- --burst; then
+    python3 -m mlxserve.cli bench compare --model "$m" --servers "$servers" --burst 8 \
+      --output-json "$out/burst-$shape.json" 2>&1 | tail -12
+  fi
+done

@@ -1,0 +1,130 @@
+"""`mlxserve bench decode`: where single-stream decode time goes.
+
+One greedy stream of `--max-tokens` tokens through four layers of the stack, same model, same prompt:
+mlx-lm's own `generate_step` (the reference), the engine core stepped in a plain loop (scheduler +
+runner + detokenizer, no threads), the async engine (engine thread + asyncio hand-off), and the step
+times of the core loop split into the forward/sampling launch and the host wait. The gaps between the
+rows are the costs of each layer; `--lean off` shows what the one-row fast path buys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+import uuid
+
+from mlxserve.bench.report import format_table, write_json
+from mlxserve.bench.serve import default_json_path, make_prompt
+from mlxserve.config import EngineConfig
+from mlxserve.engine.request import Request, SamplingParams
+
+_COLUMNS = [("path", "path", "s"), ("tok_s", "tok/s", ".1f"), ("ratio", "vs raw", ".2f"),
+            ("step_p50_ms", "step p50 ms", ".2f"), ("step_max_ms", "step max ms", ".1f")]
+
+
+def _raw(model, prompt_ids: list[int], max_tokens: int) -> dict:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    times = []
+    last = None
+    for _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
+        now = time.perf_counter()
+        if last is not None:
+            times.append(now - last)
+        last = now
+    return _row("mlx-lm generate_step", times)
+
+
+def _core(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens: int, label: str) -> dict:
+    from mlxserve.engine.engine_core import EngineCore
+
+    core = EngineCore(loaded.model, loaded.tokenizer, cfg, 1 << 20)
+    best = None
+    for rep in range(2):  # the first pass compiles kernels / fills caches; the second is measured
+        core.add_request(Request(f"{label}-{rep}", prompt_ids,
+                                 SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), []))
+        times, last = [], None
+        while core.has_work:
+            outs = core.step()
+            now = time.perf_counter()
+            if outs:
+                if last is not None:
+                    times.append(now - last)
+                last = now
+        best = times
+    return _row(label, best)
+
+
+async def _async(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens: int,
+                 switch_s: float | None = None) -> dict:
+    import sys
+
+    from mlxserve.server import make_engine
+
+    previous = sys.getswitchinterval()
+    if switch_s is not None:
+        sys.setswitchinterval(switch_s)
+
+    engine = make_engine(loaded, cfg, 1 << 20)
+    engine.start(asyncio.get_running_loop())
+    try:
+        times = []
+        for _ in range(2):
+            times, last = [], None
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            async for _out in engine.generate(Request(uuid.uuid4().hex, prompt_ids, params, [])):
+                now = time.perf_counter()
+                if last is not None:
+                    times.append(now - last)
+                last = now
+    finally:
+        engine.stop()
+        sys.setswitchinterval(previous)
+    label = "async engine (engine thread + asyncio)"
+    return _row(label if switch_s is None else f"{label}, GIL switch {switch_s * 1000:g} ms", times)
+
+
+def _row(path: str, gaps: list[float]) -> dict:
+    gaps = gaps[1:] or gaps  # the gap after the first token still holds prefill bookkeeping
+    total = sum(gaps)
+    return {"path": path, "tok_s": len(gaps) / total if total else None,
+            "step_p50_ms": statistics.median(gaps) * 1000 if gaps else None,
+            "step_max_ms": max(gaps) * 1000 if gaps else None}
+
+
+def run(args: argparse.Namespace) -> int:
+    from mlxserve.models.demo import ensure_demo_model
+    from mlxserve.models.loader import load_model
+
+    loaded = load_model(args.model or str(ensure_demo_model()))
+    prompt_ids = loaded.tokenizer.encode(make_prompt(0, "decode", 0, args.prompt_tokens))
+    rows = []
+    for rep in range(args.repeat):
+        rows.append(_raw(loaded.model, prompt_ids, args.max_tokens))
+        base = EngineConfig(max_num_seqs=args.max_num_seqs, enable_prefix_cache=False)
+        rows.append(_core(loaded, base, prompt_ids, args.max_tokens, "engine core loop"))
+        rows.append(asyncio.run(_async(loaded, base, prompt_ids, args.max_tokens)))
+        for switch_s in args.switch_intervals:
+            rows.append(asyncio.run(_async(loaded, base, prompt_ids, args.max_tokens, switch_s)))
+    raw = statistics.median(r["tok_s"] for r in rows if r["path"].startswith("mlx-lm"))
+    for r in rows:
+        r["ratio"] = r["tok_s"] / raw if r["tok_s"] and raw else None
+    print(format_table(rows, _COLUMNS))
+    path = write_json(args.output_json or default_json_path("decode"),
+                      {"model": args.model, "max_tokens": args.max_tokens, "rows": rows})
+    print(f"wrote {path}")
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model folder or hub id (default: the demo model)")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="approximate prompt length")
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens generated per stream")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="the engine's batch limit (as served)")
+    parser.add_argument("--repeat", type=int, default=2, help="rounds over all paths (spread between runs)")
+    parser.add_argument("--switch-intervals", type=lambda t: [float(x) / 1000 for x in t.split(",") if x],
+                        default=[], metavar="MS,...", help="also run the async engine with these GIL switch intervals")
+    parser.add_argument("--output-json", default=None, help="result file (default: bench-results/decode-*.json)")

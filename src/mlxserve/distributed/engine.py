@@ -1,0 +1,293 @@
+"""The engine core of a distributed server: rank 0 plans, every rank runs the same step.
+
+Each step rank 0 sends a `StepPlan`: the scheduler's output, the requests that start prefilling (plain
+data), and the calls the scheduler made on the prefix cache's physical half since the last step
+(evictions, SSD loads, resume checks). The other ranks replay those calls on their own shard of the
+cache and run the same `ModelRunner.execute`, so their KV caches, prefix blocks and random state
+stay the same as rank 0's. Sampling needs no exchange: after mlx-lm's all-reduce (tensor parallel)
+or all-gather (pipeline) every rank holds the same logits, and all ranks start from one seed. That
+is checked, not assumed: each plan carries a checksum of the tokens rank 0 sampled last step, and a
+rank that sampled others stops (and with it the server) instead of serving a diverged model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+from mlxserve.cache.kv_store import KVBlockStore
+from mlxserve.distributed.channel import Channel
+from mlxserve.distributed.config import DistributedConfig
+from mlxserve.engine.engine_core import EngineCore
+from mlxserve.engine.request import Request
+from mlxserve.engine.runner import ModelRunner, StepTokens
+from mlxserve.engine.scheduler import SchedulerOutput
+from mlxserve.memory.profile import startup_budget
+
+log = logging.getLogger(__name__)
+
+
+class DivergenceError(RuntimeError):
+    """This rank's state no longer matches rank 0's: it must stop."""
+
+
+@dataclass
+class RankContext:
+    dist: DistributedConfig
+    channel: Channel
+    seed: int
+    supervisor: Any = None  # rank 0 only: supervisor.Supervisor
+
+    @property
+    def rank(self) -> int:
+        return self.channel.rank
+
+
+@dataclass
+class StepPlan:
+    step: int
+    sched: SchedulerOutput | None  # None: shut down
+    new_requests: list[Request] = field(default_factory=list)
+    store_calls: list[tuple[str, tuple, Any]] = field(default_factory=list)
+    digest: int = 0  # of the tokens rank 0 got from the previous step
+
+
+def step_digest(out: StepTokens) -> int:
+    return zlib.crc32(pickle.dumps((out.request_ids, out.token_ids, sorted(out.failed))))
+
+
+class RecordingStore(KVBlockStore):
+    """Rank 0's physical half of the prefix cache, recording the calls the scheduler makes on it
+    between runner steps, for the other ranks to replay on their shards (same block ids, same
+    hashes). Calls made inside a runner step are not recorded: every rank makes those itself."""
+
+    _REPLAYED = ("drop", "load_from_ssd", "can_resume", "release", "clear_ssd")
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.recording = False
+        self._calls: list[tuple[str, tuple, Any]] = []
+        self._depth = 0
+
+    def _call(self, name: str, args: tuple) -> Any:
+        self._depth += 1
+        try:
+            result = getattr(super(), name)(*args)
+        finally:
+            self._depth -= 1
+        if self.recording and self._depth == 0:  # not the calls a recorded call makes itself
+            self._calls.append((name, args, result))
+        return result
+
+    def drop(self, block_id: int) -> None:
+        self._call("drop", (block_id,))
+
+    def load_from_ssd(self, block_hash: bytes, token_ids: Sequence[int], block_id: int) -> bool:
+        return self._call("load_from_ssd", (block_hash, tuple(token_ids), block_id))
+
+    def can_resume(self, request_id: str, block_ids: Sequence[int], block_hash: bytes,
+                   token_ids: Sequence[int]) -> bool:
+        return self._call("can_resume", (request_id, list(block_ids), block_hash, tuple(token_ids)))
+
+    def release(self, request_id: str) -> None:
+        self._call("release", (request_id,))
+
+    def clear_ssd(self) -> int:
+        return self._call("clear_ssd", ())
+
+    def take_calls(self) -> list[tuple[str, tuple, Any]]:
+        calls, self._calls = self._calls, []
+        return calls
+
+    def replay(self, calls: list[tuple[str, tuple, Any]]) -> None:
+        for name, args, expected in calls:
+            if name not in self._REPLAYED:
+                raise DivergenceError(f"unknown prefix-cache call {name!r} from rank 0")
+            result = getattr(KVBlockStore, name)(self, *args)
+            if name in ("load_from_ssd", "can_resume") and result != expected:
+                raise DivergenceError(f"prefix cache: {name}{args[:1]} gave {result} here, {expected} on rank 0 "
+                                      "(this rank's SSD tier or snapshots differ)")
+
+
+class StagedForward:
+    """A pipelined model whose every forward is evaluated before the next is built.
+
+    A pipeline stage's forward holds a recv (from the stage before) or a send, then an all-gather. Two
+    forwards left lazy together (a prompt's last two chunks, two prompts finishing in one step, a
+    prefill next to the decode) have no data dependency between their transfers, so each rank may run
+    them in another order and the ranks deadlock. Evaluating each forward's output whole (the LM head
+    of a prefill chunk too: a few percent of the chunk's work) keeps every rank's transfers in call
+    order. The price is the decode's CPU/device overlap (the forward is awaited, not pipelined)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def __call__(self, *args, cache=None, **kwargs):
+        out = self.model(*args, cache=cache, **kwargs)
+        mx.eval(out, [c.state for c in cache] if cache is not None else [])
+        return out
+
+    def __getattr__(self, name: str) -> Any:  # make_prompt_cache, layers, is_vlm, ...
+        return getattr(self.model, name)
+
+
+class DistributedRunner(ModelRunner):
+    """The runner of every rank. Rank 0 calls `execute` (it sends the plan first); the others call
+    `follow` in a loop, which receives the plan and runs the same step."""
+
+    ctx: RankContext
+
+    def attach(self, ctx: RankContext) -> None:
+        self.ctx = ctx
+        self._step = 0
+        self._digest = 0
+        self._sent: set[str] = set()  # rank 0: requests the other ranks know
+        self._requests: dict[str, Request] = {}  # the other ranks: the requests in flight
+        if ctx.dist.pipeline_parallel > 1:
+            self.model = StagedForward(self.model)
+
+    @property
+    def num_steps(self) -> int:
+        return self._step
+
+    # -- rank 0 --------------------------------------------------------------------------------
+    def execute(self, sched: SchedulerOutput, requests: dict[str, Request]) -> StepTokens:
+        ctx = self.ctx
+        new = [requests[c.request_id] for c in sched.prefill_chunks if c.request_id not in self._sent]
+        self._sent.update(r.request_id for r in new)
+        calls = self.store.take_calls() if isinstance(self.store, RecordingStore) else []
+        plan = StepPlan(self._step, sched, new, calls, self._digest)
+        ctx.supervisor.step_started()
+        try:
+            ctx.channel.broadcast(plan)
+        except RuntimeError as exc:  # the ring backend raises when a peer's connection closes
+            ctx.supervisor.fatal(f"sending step {self._step} failed: {exc}")
+        out = self._run(sched, requests)
+        if out.failed:
+            # A rank that died mid-forward fails the step's rows here; say so as the loss it is.
+            dead = ctx.supervisor.dead_rank(wait_s=0.5)
+            if dead is not None:
+                ctx.supervisor.fatal(dead)
+        ctx.supervisor.step_done()
+        self._sent.difference_update(sched.finished_request_ids, out.failed)
+        return out
+
+    def shutdown(self) -> None:
+        # Calls made since the last step (e.g. DELETE /v1/cache's SSD clear) still reach every rank.
+        calls = self.store.take_calls() if isinstance(self.store, RecordingStore) else []
+        self.ctx.channel.broadcast(StepPlan(self._step, None, store_calls=calls))
+
+    # -- every rank ----------------------------------------------------------------------------
+    def _run(self, sched: SchedulerOutput, requests: dict[str, Request]) -> StepTokens:
+        recording = isinstance(self.store, RecordingStore) and self.store.recording
+        if recording:
+            self.store.recording = False  # the step's own store calls happen on every rank
+        try:
+            out = super().execute(sched, requests)
+        finally:
+            if recording:
+                self.store.recording = True
+        self._digest = step_digest(out)
+        if out.failed:
+            # A failed prefill or decode re-seeded mlx's generator from the clock: re-seed all ranks alike.
+            mx.random.seed((self.ctx.seed + self._step) % 2**32)
+        self._step += 1
+        return out
+
+    # -- ranks > 0 -----------------------------------------------------------------------------
+    def follow(self) -> bool:
+        """Receives and runs one step; False when rank 0 shuts down."""
+        plan: StepPlan = self.ctx.channel.broadcast()
+        if plan.sched is not None and (plan.step != self._step or plan.digest != self._digest):
+            raise DivergenceError(f"step {self._step}: rank 0 sampled other tokens in the previous step (or is at "
+                                  f"step {plan.step}); the ranks diverged")
+        if plan.store_calls:
+            if not isinstance(self.store, RecordingStore):
+                raise DivergenceError("rank 0 has a prefix cache and this rank has none")
+            self.store.replay(plan.store_calls)
+        if plan.sched is None:
+            return False
+        for request in plan.new_requests:
+            self._requests[request.request_id] = request
+        out = self._run(plan.sched, self._requests)
+        for rid in (*plan.sched.finished_request_ids, *out.failed):
+            self._requests.pop(rid, None)
+        return True
+
+
+class DistributedEngineCore(EngineCore):
+    runner_cls = DistributedRunner
+    store_cls = RecordingStore
+
+    def __init__(self, model: Any, tokenizer: Any, config: Any, max_model_len: int, buckets: list[int] | None = None,
+                 model_key: str = "", *, ctx: RankContext) -> None:
+        self.ctx = ctx
+        if config.ssd_cache_dir:  # each rank keeps its own shard of every block, in its own folder
+            config = dataclasses.replace(config, ssd_cache_dir=os.path.join(
+                config.ssd_cache_dir, f"{ctx.dist.layout}-rank{ctx.rank}"))
+        mx.random.seed(ctx.seed)  # one random stream on every rank: sampling stays identical
+        # The rank layout is part of the key: blocks of another layout (other shards) never match.
+        super().__init__(model, tokenizer, config, max_model_len, buckets, f"{model_key}:{ctx.dist.layout}")
+        self.runner.attach(ctx)
+        if isinstance(self.runner.store, RecordingStore):
+            self.runner.store.recording = ctx.rank == 0
+        self._agree_on_capacity()
+
+    def _startup_budget(self, model: Any, chunk_tokens: int, rules: Any, make_cache: Any = None):
+        # Every rank must run the same profiling forwards (they hold collectives): rank 0's timing decides.
+        return startup_budget(model, chunk_tokens, rules, make_cache,
+                              agree=lambda slow: bool(self.ctx.channel.broadcast(slow)))
+
+    def _agree_on_capacity(self) -> None:
+        """Rank 0 admits for every rank: it takes the smallest KV capacity and prefix-cache size of all."""
+        mine = (self.kv_capacity_tokens, self.prefix.max_cached_blocks if self.prefix is not None else None)
+        everyone = self.ctx.channel.gather(mine)
+        if self.ctx.rank != 0:
+            return
+        kv = [k for k, _ in everyone if k is not None]
+        if kv and (self.kv_capacity_tokens is None or min(kv) < self.kv_capacity_tokens):
+            self.kv_capacity_tokens = self.scheduler.kv_capacity_tokens = min(kv)
+            log.info("KV capacity: %d tokens, the smallest rank's", self.kv_capacity_tokens)
+        blocks = [b for _, b in everyone if b is not None]
+        if self.prefix is not None and blocks and min(blocks) < self.prefix.max_cached_blocks:
+            self.prefix.set_max_cached_blocks(min(blocks))
+            log.info("prefix cache: %d blocks, the smallest rank's", min(blocks))
+        if len(blocks) not in (0, len(everyone)):
+            raise ValueError("some ranks have a prefix cache and others none: start them with the same flags")
+
+    def status(self) -> dict:
+        dist = self.ctx.dist
+        return {**super().status(), "distributed": {
+            "tensor_parallel": dist.tensor_parallel, "pipeline_parallel": dist.pipeline_parallel,
+            "backend": dist.backend, "world_size": dist.world_size, "num_steps": self.runner.num_steps}}
+
+    def _fail_all(self, message: str):
+        self.ctx.supervisor.fatal(f"engine step failed on rank 0: {message}")
+        outputs = super()._fail_all(message)  # only after a shutdown began (fatal returned)
+        self.runner.attach(self.ctx)  # the rebuilt runner
+        return outputs
+
+    def close(self) -> None:
+        if self.ctx.rank == 0:
+            self.ctx.supervisor.closing()
+            try:
+                self.runner.shutdown()
+            except RuntimeError as exc:
+                log.warning("telling the other ranks to stop failed: %s", exc)
+        super().close()
+
+
+def follow_until_shutdown(core: DistributedEngineCore) -> None:
+    """The loop of a rank > 0: plans in, steps run, until rank 0 shuts down."""
+    try:
+        while core.runner.follow():
+            pass
+    finally:
+        core.close()

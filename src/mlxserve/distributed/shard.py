@@ -1,0 +1,83 @@
+"""Loading this rank's part of a model through mlx-lm's own sharding: `Model.shard(group)` (tensor
+parallel) or `Model.model.pipeline(group)` (pipeline parallel).
+
+The model is built lazily first, then sharded, then evaluated: a tensor-parallel rank materializes
+only its slices, a pipeline rank only its layers (the others are dropped before anything is read).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from mlxserve.distributed.config import DistributedConfig
+from mlxserve.models.loader import LoadedModel, check_safetensors, materialize, weight_files
+
+log = logging.getLogger(__name__)
+
+
+def local_folder(source: str) -> Path:
+    """A model folder on this host; a hub id is fetched (whole) into the Hugging Face cache first."""
+    path = Path(source)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(source))
+
+
+def fingerprint(folder: Path) -> str:
+    """What must be equal on every rank: config.json and the weight files' names and sizes (not paths
+    or modification times, which differ between machines holding the same model)."""
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    for f in weight_files(folder):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def check_shardable(config: dict, dist: DistributedConfig) -> None:
+    """Refuses what mlx-lm cannot split this way, before any weight is read."""
+    from mlxserve.models.encoder import encoder_type
+    from mlxserve.models.vlm import is_vlm_config
+
+    if is_vlm_config(config) or encoder_type(config) is not None:
+        raise ValueError("tensor / pipeline parallel serve text generation models only (mlx-lm families)")
+    tp = dist.tensor_parallel
+    cfg = config.get("text_config", config)
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = cfg.get(key)
+        if tp > 1 and heads and heads % tp:
+            raise ValueError(f"--tensor-parallel {tp} does not divide the model's {key} ({heads})")
+
+
+def load_sharded(source: str, group: Any, dist: DistributedConfig) -> LoadedModel:
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    folder = local_folder(source)
+    for path in weight_files(folder):
+        check_safetensors(path)
+    config = json.loads((folder / "config.json").read_text())
+    check_shardable(config, dist)
+    start = time.perf_counter()
+    model, config = load_model(folder, lazy=True)
+    model_type = config.get("model_type")
+    if dist.tensor_parallel > 1:
+        if not hasattr(model, "shard"):
+            raise ValueError(f"mlx-lm's {model_type} model cannot be tensor-parallel (it has no shard()); "
+                             "try --pipeline-parallel if it pipelines")
+        model.shard(group)
+    else:
+        if not hasattr(getattr(model, "model", None), "pipeline"):
+            raise ValueError(f"mlx-lm's {model_type} model cannot be pipelined (it has no pipeline()); "
+                             "try --tensor-parallel")
+        model.model.pipeline(group)
+    materialize(model)
+    weights_s = time.perf_counter() - start
+    tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+    log.info("rank %d/%d loaded its %s shard of %s in %.2f s", group.rank(), group.size(), dist.layout, source,
+             weights_s)
+    return LoadedModel(model, tokenizer, config, source, "sharded", {"weights": weights_s})

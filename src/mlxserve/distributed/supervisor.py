@@ -1,0 +1,99 @@
+"""Rank 0's watch over the other ranks: a rank that dies or stops answering ends the server.
+
+A lost rank cannot be replaced (it held part of every layer, or whole layers), so the only honest
+answer is to stop: every open stream ends with a 503 error event, then the process exits. It must
+never hang, so the checks run on their own thread: a rank process that exited (the ones mlxserve
+started itself), and a step that has not come back within `step_timeout_s` (a rank that stopped
+answering without closing its connection: the collective would wait forever).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable
+
+from mlxserve.distributed.launch import LocalRanks
+
+log = logging.getLogger(__name__)
+
+FATAL_EXIT_CODE = 3
+_POLL_S = 0.2
+_FLUSH_S = 1.0  # time for the ended streams' error events to leave before the process goes
+
+
+class Supervisor:
+    def __init__(self, ranks: LocalRanks, step_timeout_s: float, exit: Callable[[int], None] = os._exit) -> None:
+        self.ranks = ranks
+        self.step_timeout_s = step_timeout_s
+        self._exit = exit
+        self._loop: Any = None
+        self._end_streams: Callable[[str], Any] | None = None
+        self._step_started: float | None = None
+        self._closing = False
+        self._fatal = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="mlxserve-rank-watch", daemon=True)
+
+    def start(self) -> None:
+        """Starts watching, once the start-up checks passed: a rank that fails them exits on purpose, and
+        rank 0 reports why itself."""
+        self._thread.start()
+
+    def attach(self, loop: Any, end_streams: Callable[[str], Any]) -> None:
+        """The event loop and the app's `end_streams(reason)`, once the server runs."""
+        self._loop, self._end_streams = loop, end_streams
+
+    def step_started(self) -> None:
+        self._step_started = time.monotonic()
+
+    def step_done(self) -> None:
+        self._step_started = None
+
+    def closing(self) -> None:
+        """A normal shutdown: ranks exiting now are expected."""
+        self._closing = True
+        self._stop.set()
+
+    def dead_rank(self, wait_s: float = 0.0) -> str | None:
+        """Which rank process exited, if any (waiting up to `wait_s` for one to be reaped)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, child in enumerate(self.ranks.children, start=1):
+                code = child.poll()
+                if code is not None:
+                    return f"rank {rank} (pid {child.pid}) exited with code {code}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def fatal(self, reason: str) -> None:
+        """Ends every stream with `reason`, stops the other ranks and exits. Never returns."""
+        with self._fatal:  # the first caller does it; a second one waits for the exit
+            if self._closing:
+                log.warning("after shutdown: %s", reason)
+                return
+            log.critical("distributed serving cannot go on: %s; ending all streams and exiting", reason)
+            message = f"the server lost a rank and is exiting: {reason}"
+            if self._loop is not None and self._end_streams is not None:
+                try:
+                    self._loop.call_soon_threadsafe(self._end_streams, message)
+                except RuntimeError:  # the loop is closed already
+                    pass
+                time.sleep(_FLUSH_S)
+            self.ranks.stop(timeout_s=2.0)
+            logging.shutdown()
+            self._exit(FATAL_EXIT_CODE)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(_POLL_S):
+            dead = self.dead_rank()
+            if dead is not None:
+                self.fatal(dead)
+                return
+            started = self._step_started
+            if started is not None and time.monotonic() - started > self.step_timeout_s:
+                self.fatal(f"a step got no answer from the other ranks for {self.step_timeout_s:.0f} s")
+                return

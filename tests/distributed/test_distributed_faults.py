@@ -1,0 +1,70 @@
+"""A rank that dies or stops answering: clients get an error (503), the server exits, nothing hangs.
+Every wait is bounded; the exit code says the supervisor, not a crash, ended the server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+
+import httpx
+import openai
+import pytest
+
+from mlxserve.distributed.supervisor import FATAL_EXIT_CODE
+from tests.distributed.conftest import SERVED_NAME, start_dist_server
+
+_EXIT_BOUND_S = 60  # the server must be gone within this (it takes ~1-2 s; the bound only stops a hang)
+
+
+def _stream_until_error(server, started: threading.Event, result: dict) -> None:
+    try:
+        with openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=_EXIT_BOUND_S) as client:
+            stream = client.completions.create(model=SERVED_NAME, prompt="once upon a time", max_tokens=100000,
+                                               temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+            for chunk in stream:
+                result.setdefault("tokens", 0)
+                result["tokens"] += 1
+                started.set()
+        result["outcome"] = "finished without an error"
+    except Exception as exc:  # the error event, or the connection closed by the exiting server
+        result["outcome"] = exc
+    finally:
+        started.set()
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_lost_rank_ends_streams_and_the_server(qwen3_model_dir, tmp_path, fault):
+    # "stop": SIGSTOP keeps the rank's connection open, so only the step timeout can notice it.
+    server = start_dist_server(qwen3_model_dir, tmp_path, "--tensor-parallel", "2", "--distributed-timeout", "5",
+                               "--max-model-len", "200000")
+    (rank1,) = server.rank_pids()
+    try:
+        started, result = threading.Event(), {}
+        client = threading.Thread(target=_stream_until_error, args=(server, started, result), daemon=True)
+        client.start()
+        assert started.wait(_EXIT_BOUND_S), server.log()
+        assert result.get("tokens"), result
+        os.kill(rank1, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        client.join(_EXIT_BOUND_S)
+        assert not client.is_alive(), "the stream hung"
+        outcome = result["outcome"]
+        # The stream's last event is the error (the openai client raises it), not a cut connection.
+        assert isinstance(outcome, openai.APIError), repr(outcome)
+        assert "lost a rank" in str(outcome), repr(outcome)
+        try:
+            code = server.proc.wait(_EXIT_BOUND_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server did not exit:\n" + server.log())
+        assert code == FATAL_EXIT_CODE, server.log()
+        assert "distributed serving cannot go on" in server.log()
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(server.url + "/health", timeout=5)
+    finally:
+        if fault == "stop":
+            try:
+                os.kill(rank1, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        server.stop()
