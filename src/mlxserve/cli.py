@@ -49,6 +49,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
     p.add_argument("--decode-buckets", choices=["auto", "on", "off"], default=d.decode_buckets,
                    help="pad the decode batch to a few fixed sizes (auto: on for CUDA, which compiles per shape)")
+    p.add_argument("--speculative", choices=["off", "ngram", "draft"], default=d.speculative,
+                   help="speculative decoding in the decode batch: ngram (prompt lookup, no extra model) or draft"
+                        " (--draft-model); greedy output is unchanged, sampled output keeps its distribution")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="small model with the target's tokenizer that drafts tokens (turns --speculative draft on)")
+    p.add_argument("--num-draft-tokens", type=int, default=d.num_draft_tokens, metavar="K",
+                   help="most tokens a row drafts per step (each row adapts below it from its acceptance)")
     p.add_argument("--vision-cache-memory", default="512MB",
                    help="vision-language models: encoder outputs kept by image hash (bytes or %% of RAM)")
 
@@ -124,6 +131,8 @@ def _engine_config(args) -> EngineConfig:
                         max_num_prefill_rows=args.max_num_prefill_rows,
                         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
                         warmup=args.warmup, decode_buckets=args.decode_buckets,
+                        speculative=args.speculative, draft_model=args.draft_model,
+                        num_draft_tokens=args.num_draft_tokens,
                         vision_cache_bytes=parse_memory(args.vision_cache_memory, total_ram()))
 
 
@@ -333,7 +342,7 @@ def make_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True,
                                                                       parser_class=make)
     from mlxserve.bench import burst, compare, coreml, decode, distributed, engine, kvquant, load, memory, multimodal
-    from mlxserve.bench import plot, prefix, structured
+    from mlxserve.bench import plot, prefix, speculative, structured
     from mlxserve.bench import serve as serve_bench
 
     for name, module, help_text in (
@@ -352,6 +361,8 @@ def make_parser() -> argparse.ArgumentParser:
         ("structured", structured, "aggregate tok/s with every row under a JSON schema vs free; mask time"),
         ("distributed", distributed, "one model on 1 rank vs split over N (--tensor-parallel): tok/s, long-prompt"
                                      " TTFT"),
+        ("speculative", speculative, "decode tok/s with speculative decoding off / ngram / draft models of"
+                                     " several acceptance rates, single stream and concurrent"),
         ("plot", plot, "PNG charts of `bench serve` result files, side by side (the `plot` extra)"),
         ("coreml", coreml, "an exported Core ML package on this Mac: prompt TTFT and extend tok/s per context"
                            " (macOS only)"),

@@ -57,8 +57,22 @@ class EngineConfig:
     # SSD tier: blocks written behind to one file each, found again after a restart.
     ssd_cache_dir: str | None = None
     ssd_cache_max_bytes: int = 50 * 10**9
+    # Speculative decoding inside the decode batch: "ngram" (prompt lookup in the request's own tokens),
+    # "draft" (`draft_model`, a small model with the same tokenizer) or "off". A draft model alone turns
+    # it on. `num_draft_tokens` is the most a row drafts per step (each row adapts below it).
+    speculative: str = "off"
+    draft_model: str | None = None
+    num_draft_tokens: int = 4
 
     def __post_init__(self) -> None:
+        if self.draft_model and self.speculative == "off":
+            object.__setattr__(self, "speculative", "draft")
+        if self.speculative not in ("off", "ngram", "draft"):
+            raise ValueError("speculative must be off, ngram or draft")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("speculative decoding with a draft model needs draft_model")
+        if not 1 <= self.num_draft_tokens <= 64:
+            raise ValueError("num_draft_tokens must be in 1..64")
         if self.warmup not in ("auto", "on", "off"):
             raise ValueError("warmup must be auto, on or off")
         if self.decode_buckets not in ("auto", "on", "off"):

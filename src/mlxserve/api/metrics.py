@@ -29,6 +29,15 @@ class _EngineGauges:
         g = GaugeMetricFamily("mlxserve_prefix_cache_blocks", "Blocks held by the prefix cache in memory")
         g.add_metric([], stats.prefix_cached_blocks)
         yield g
+        c = CounterMetricFamily("mlxserve_spec_draft_tokens", "Speculative decoding: draft tokens verified")
+        c.add_metric([], stats.spec_drafted_tokens)
+        yield c
+        c = CounterMetricFamily("mlxserve_spec_accepted_tokens", "Speculative decoding: draft tokens accepted")
+        c.add_metric([], stats.spec_accepted_tokens)
+        yield c
+        g = GaugeMetricFamily("mlxserve_spec_acceptance_rate", "Speculative decoding: accepted / drafted tokens")
+        g.add_metric([], stats.spec_accepted_tokens / stats.spec_drafted_tokens if stats.spec_drafted_tokens else 0.0)
+        yield g
         g = GaugeMetricFamily("mlxserve_num_requests_running", "Requests in the decode batch or prefilling")
         g.add_metric([], running)
         yield g

@@ -89,10 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens-mix", type=int_list, default=DEFAULT_MIX, metavar="N,N,...",
                         help="the burst: one prompt of each length, all sent at once")
     parser.add_argument("--repeats", type=int, default=3, help="bursts per setting (fresh prompts each)")
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--endpoint", choices=["completions", "chat"], default="chat")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--startup-timeout", type=float, default=600)
+    parser.add_argument("--max-tokens", type=int, default=16, help="completion tokens per request")
+    parser.add_argument("--endpoint", choices=["completions", "chat"], default="chat",
+                        help="chat: /v1/chat/completions (the chat template adds tokens); completions: a plain prompt")
+    parser.add_argument("--warmup", type=int, default=2, help="requests sent one by one before the bursts")
+    parser.add_argument("--startup-timeout", type=float, default=600, help="seconds a server may take to start")
     parser.add_argument("--serve-args", type=lambda s: s.split(), default=[],
                         help='more `mlxserve serve` flags, e.g. "--no-prefix-cache --warmup on"')
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--output-json", default=None, help="result file (default: a dated file under bench-results/)")

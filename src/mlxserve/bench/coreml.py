@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--extend-tokens", type=int, default=100, help="single-token extend steps per context")
     parser.add_argument("--compute-units", choices=COMPUTE_UNITS, default="all",
                         help="Core ML compute units the model may use")
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--output-json", default=None, help="result file (default: bench-results/coreml-*.json)")
 
 
 def plan(max_context: int, contexts: list[int], extend_tokens: int) -> list[tuple[int, int]]:

@@ -201,16 +201,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-bits", default="none,8,4", help="settings to compare, comma-separated (none: float)")
     parser.add_argument("--kv-group-size", type=int, default=EngineConfig().kv_group_size,
                         help="must divide the head dim (the tiny demo model's is 32)")
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight for the tok/s measurement")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt length of each request")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
     parser.add_argument("--context-tokens", type=int, default=8192, help="capacity: tokens of one context")
     parser.add_argument("--num-contexts", type=int, default=2, help="capacity: contexts held for the measurement")
     parser.add_argument("--kv-memory-gb", type=float, default=None,
                         help="capacity: the KV memory budget (default: the first setting's budget share for KV)")
-    parser.add_argument("--prefill-step-size", type=int, default=2048)
+    parser.add_argument("--prefill-step-size", type=int, default=2048, help="the engine's prefill chunk")
     parser.add_argument("--vocab", type=int, default=2000, help="prompt token ids are drawn below this")
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--output-json", default=None, help="result file (default: bench-results/kvquant-*.json)")
 
 
 def run(args: argparse.Namespace) -> int:

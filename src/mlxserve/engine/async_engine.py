@@ -34,6 +34,8 @@ class EngineStats:
     prefix_cached_blocks: int = 0
     kv_capacity_tokens: int = 0  # KV tokens running requests may hold (the live limit)
     kv_bytes_per_token: int = 0  # what one token's KV costs (smaller under --kv-bits)
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class AsyncEngine:
@@ -147,13 +149,15 @@ class AsyncEngine:
                 mx.clear_streams()
 
     def _read_stats(self, core) -> EngineStats:
-        prefix = core.prefix
+        prefix, spec = core.prefix, getattr(core, "spec", None)
         return EngineStats(
             core.scheduler.num_running,
             core.scheduler.num_waiting,
             *((prefix.num_queried_tokens, prefix.num_hit_tokens, prefix.pool.num_cached) if prefix else (0, 0, 0)),
             kv_capacity_tokens=self.kv_capacity_tokens or 0,
             kv_bytes_per_token=getattr(getattr(core, "probe", None), "bytes_per_token", 0),
+            spec_drafted_tokens=spec.stats.num_drafted if spec is not None else 0,
+            spec_accepted_tokens=spec.stats.num_accepted if spec is not None else 0,
         )
 
     def _serve(self) -> None:

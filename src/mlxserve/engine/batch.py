@@ -49,8 +49,11 @@ def _merge(caches: list[list[Any]]) -> list[Any]:
 class DecodeBatch:
     """Owns the rows' caches and next tokens; every reindexing goes through `_take`."""
 
-    def __init__(self, buckets: list[int] | None = None, kv_prealloc_tokens: int = 0) -> None:
+    def __init__(self, buckets: list[int] | None = None, kv_prealloc_tokens: int = 0, lean: bool = True) -> None:
         self.buckets = buckets
+        # A lone row through mlx-lm's KVCache; off under speculative decoding, whose per-row rewind and
+        # draft cache work on the batch caches.
+        self.lean = lean
         self.kv_prealloc_tokens = kv_prealloc_tokens  # KV width reserved after each join (0: off)
         self.row_ids: list[str | None] = []  # None: a filler row
         self.cache: list[Any] = []
@@ -58,6 +61,8 @@ class DecodeBatch:
         # [B] position each row's next fed token takes (rope delta included); kept only for models that
         # take explicit positions (VLMs: a row's position is not its cache length after an image).
         self.positions: mx.array | None = None
+        # Speculative decoding with a draft model: its batch cache, row for row beside `cache`.
+        self.draft_cache: list[Any] | None = None
 
     @property
     def num_live(self) -> int:
@@ -77,7 +82,7 @@ class DecodeBatch:
 
     def _settle(self) -> None:
         """One live row, nothing padded, plain KV in every layer: switch to mlx-lm's KVCache."""
-        if (len(self.row_ids) == 1 and self.row_ids[0] is not None and self.positions is None
+        if (self.lean and len(self.row_ids) == 1 and self.row_ids[0] is not None and self.positions is None
                 and not self.kv_prealloc_tokens and self.cache
                 and all(type(c) is BatchKVCache for c in self.cache)):
             self.cache = [c.extract(0) for c in self.cache]
@@ -89,12 +94,13 @@ class DecodeBatch:
     def _take(self, idx: list[int]) -> None:
         if not idx:
             self.row_ids, self.cache, self.tokens, self.positions = [], [], None, None
+            self.draft_cache = None
             return
         if idx == list(range(len(self.row_ids))):
             return
         self._unsettle()
         index = mx.array(idx)
-        for c in self.cache:
+        for c in [*self.cache, *(self.draft_cache or ())]:
             c.filter(index)
         self.tokens = self.tokens[index]
         if self.positions is not None:
@@ -118,12 +124,14 @@ class DecodeBatch:
         self._settle()
 
     def join(
-        self, request_ids: list[str], caches: list[list[Any]], tokens: mx.array, positions: mx.array | None = None
+        self, request_ids: list[str], caches: list[list[Any]], tokens: mx.array, positions: mx.array | None = None,
+        draft_caches: list[list[Any]] | None = None,
     ) -> None:
         """Adds requests whose prefill just finished, with their first sampled tokens [k] (and the
-        positions those tokens take, for models that need them)."""
-        if (not self.row_ids and len(request_ids) == 1 and positions is None and not self.kv_prealloc_tokens
-                and all(type(c) is KVCache for c in caches[0])):
+        positions those tokens take, for models that need them; the draft model's caches of their
+        prompts, with speculative decoding by a draft model)."""
+        if (self.lean and not self.row_ids and len(request_ids) == 1 and positions is None
+                and not self.kv_prealloc_tokens and all(type(c) is KVCache for c in caches[0])):
             # A lone request keeps its prefill cache: no merge into a batch cache and back out.
             self.row_ids, self.cache, self.tokens, self.positions = list(request_ids), list(caches[0]), tokens, None
             return
@@ -133,6 +141,13 @@ class DecodeBatch:
         if self.row_ids and len(live) < len(self.row_ids):
             self._take(live)  # fillers out; they come back after the new rows
         new = _merge(caches)
+        if draft_caches is not None:
+            new_draft = _merge(draft_caches)
+            if self.draft_cache:
+                for c, n in zip(self.draft_cache, new_draft):
+                    c.extend(n)
+            else:
+                self.draft_cache = new_draft
         if self.cache:
             for c, n in zip(self.cache, new):
                 c.extend(n)

@@ -23,6 +23,7 @@ from mlxserve.engine.runner import ModelRunner, reseed_after_failure
 from mlxserve.engine.scheduler import Scheduler
 from mlxserve.cache.kv_quant import plan_kv_quant
 from mlxserve.cache.kv_store import KVBlockStore
+from mlxserve.engine.spec_setup import make_speculative, reserve_draft
 from mlxserve.cache.setup import make_prefix_cache, probe_kv
 from mlxserve.memory.budget import kv_tokens, reserve_state
 from mlxserve.memory.pressure import MemoryGovernor
@@ -83,6 +84,10 @@ class EngineCore:
             self.budget = reserve_state(self.budget, probe.bytes_per_seq * config.max_num_seqs)
         per_token = probe.budget_bytes_per_token
         self._block_bytes = per_token * config.block_size
+        self.spec = make_speculative(model, config, probe.logits_width)
+        if self.spec is not None and self.spec.draft_model is not None:
+            # The draft model's weights are fixed; its KV grows with every running token beside the target's.
+            self.budget, per_token = reserve_draft(self.budget, self.spec.draft_model, per_token)
         self.kv_capacity_tokens = config.kv_budget_tokens  # at start-up; the scheduler holds the live one
         if self.kv_capacity_tokens is None and self.budget is not None:
             self.kv_capacity_tokens = kv_tokens(self.budget, per_token)
@@ -101,7 +106,8 @@ class EngineCore:
         self.grammar = GrammarSource(tokenizer, probe.logits_width, _eos_ids(tokenizer))
         self.runner = self.runner_cls(model, buckets, store, config.block_size, self.vision_cache,
                                       kv_prealloc_tokens=config.kv_prealloc_tokens, grammar=self.grammar,
-                                      make_cache=make_cache, batch_prefill=config.max_num_prefill_rows > 1)
+                                      make_cache=make_cache, spec=self.spec,
+                                      batch_prefill=self.config.max_num_prefill_rows > 1)
         self.governor = None
         if self.budget is not None:
             self.governor = MemoryGovernor(self.budget, per_token, self.prefix, self.scheduler,
@@ -155,19 +161,27 @@ class EngineCore:
         if step.failed_block_ids:
             self.prefix.discard_stores(step.failed_block_ids)
         outputs = [self._fail(rid, why) for rid, why in step.failed.items() if rid in self._requests]
-        finished = {r.request_id for r in self.scheduler.update(dict(zip(step.request_ids, step.token_ids)))}
+        new: dict[str, list[int]] = {}  # a speculative step gives a request several tokens
         for rid, token in zip(step.request_ids, step.token_ids):
+            new.setdefault(rid, []).append(token)
+        before = {rid: r.num_output_tokens for rid in new if (r := self._requests.get(rid)) is not None}
+        finished = {r.request_id for r in self.scheduler.update(new)}
+        for rid in new:
             request = self._requests.get(rid)
             if request is None:
                 continue
+            # What the scheduler kept: EOS or max_tokens inside a speculative run cut the rest.
+            tokens = request.output_token_ids[before[rid]:]
+            if not tokens:
+                continue
             try:
-                out = self._make_output(request, token, rid in finished)
+                out = self._make_output(request, tokens, rid in finished, before[rid])
             except Exception as exc:  # e.g. a detokenizer or parser error: this request only
                 log.exception("output of request %s failed", rid)
                 outputs.append(self._fail(rid, f"output failed: {exc}"))
                 continue
             if rid in step.logprobs:
-                out.logprobs = [step.logprobs[rid]]
+                out.logprobs = step.logprobs[rid][: len(out.new_token_ids)]
             outputs.append(out)
             if out.finished:
                 self._forget(rid)
@@ -243,12 +257,18 @@ class EngineCore:
                 f"{sum(len(ops) for ops in sched.store_ops.values())} blocks stored; the runner took "
                 f"{self.last_execute_s:.2f} s, prefill {self.runner.last_prefill_s:.2f} s of it")
 
-    def _make_output(self, request: Request, token: int, finished: bool) -> RequestOutput:
+    def _make_output(self, request: Request, tokens: list[int], finished: bool, num_before: int) -> RequestOutput:
         state = self._text[request.request_id]
-        text, hit = state.stop.feed(state.detok.add(token))
-        if hit and not finished:
-            self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
-            finished = True
+        text, hit = "", False
+        for n, token in enumerate(tokens, 1):
+            piece, hit = state.stop.feed(state.detok.add(token))
+            text += piece
+            if hit:
+                break
+        if hit and (not finished or n < len(tokens)):
+            # A stop string ends the output at the token that completed it, even inside a speculative run.
+            self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED, num_before + n)
+            tokens, finished = tokens[:n], True
         elif finished and not hit:
             tail, hit = state.stop.feed(state.detok.flush())
             text += tail if hit else tail + state.stop.flush()
@@ -261,7 +281,7 @@ class EngineCore:
                      request.request_id, request.num_output_tokens, sorted(set(request.output_token_ids))[:8])
         return RequestOutput(
             request_id=request.request_id,
-            new_token_ids=[token],
+            new_token_ids=list(tokens),
             text=text,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
@@ -285,9 +305,11 @@ class EngineCore:
         # Rebuild the runner's state from scratch: its caches may be half-updated, and so may the
         # prefix cache's planned blocks, so that starts empty too.
         old = self.runner
+        if self.spec is not None:
+            self.spec.drop(list(self.spec.row_ids))
         self.runner = self.runner_cls(old.model, old.buckets, old.store, old.block_size, self.vision_cache,
                                       kv_prealloc_tokens=self.config.kv_prealloc_tokens, grammar=self.grammar,
-                                      make_cache=old.make_cache,
+                                      make_cache=old.make_cache, spec=self.spec,
                                       batch_prefill=self.config.max_num_prefill_rows > 1)
         self.scheduler.reset_after_failure()
         reseed_after_failure()
@@ -332,7 +354,14 @@ class EngineCore:
             "structured_output": self.grammar.stats(),
             "num_waiting": self.scheduler.num_waiting,
             "prefix_cache": self.cache_stats(),
+            "speculative": self.spec_stats(),
         }
+
+    def spec_stats(self) -> dict:
+        """Speculative decoding's counters (mode "off" when it is not running)."""
+        if self.spec is None:
+            return {"mode": "off"}
+        return {"mode": self.spec.mode, "num_draft_tokens": self.spec.max_k, **self.spec.stats.as_dict()}
 
     def vision_stats(self) -> dict | None:
         if self.vision_cache is None:

@@ -26,6 +26,7 @@ from mlxserve.engine.request import Request, SamplingParams, TokenLogprob
 from mlxserve.engine.grammar import GrammarSource
 from mlxserve.engine.sampling import RowSampler, gather_logprobs, sample_batch
 from mlxserve.engine.scheduler import PrefillChunk, SchedulerOutput
+from mlxserve.engine.spec_decode import SpeculativeDecoder
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,9 @@ class StepTokens:
 
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # A request may get several tokens in one step (speculative decoding): consecutive entries above,
+    # and one logprob per token here.
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     # Requests this step failed for (request id -> why); the runner already dropped their state.
     failed: dict[str, str] = field(default_factory=dict)
     # Prefix-cache blocks planned this step whose copy failed: their hashes must not be found.
@@ -57,17 +60,19 @@ class ModelRunner:
         kv_prealloc_tokens: int = 0,
         grammar: "GrammarSource | None" = None,
         make_cache: Callable[[Any], list[Any]] = make_prompt_cache,
+        spec: "SpeculativeDecoder | None" = None,
         batch_prefill: bool = True,
     ) -> None:
         self.model = model
         self.make_cache = make_cache  # a request's fresh caches (quantized layers under --kv-bits)
         self.grammar = grammar
+        self.spec = spec  # speculative decoding (engine/spec_decode.py); None: off
         self.buckets = buckets
         self.store = store
         self.block_size = block_size
         self._prefill_caches: dict[str, list[Any]] = {}
         self._samplers: dict[str, RowSampler] = {}
-        self._batch = DecodeBatch(buckets, kv_prealloc_tokens)
+        self._batch = DecodeBatch(buckets, kv_prealloc_tokens, lean=spec is None)
         # Vision-language models: multimodal prefill, and decode positions carried per row.
         self.mm = MultimodalPrefill(model, vision_cache) if getattr(model, "is_vlm", False) else None
         self._deltas: dict[str, int] = {}
@@ -122,14 +127,18 @@ class ModelRunner:
                 positions = None
                 if self.mm is not None:
                     positions = mx.array([requests[r].num_prompt_tokens + self._deltas.pop(r, 0) for r in rids])
-                self._batch.join(list(rids), list(caches), mx.concatenate(tokens), positions)
-            self._decode(out)
+                draft = None
+                if self.spec is not None and self.spec.draft_model is not None:
+                    draft = [self.spec.prefill_draft(requests[r].prompt_token_ids) for r in rids]
+                self._batch.join(list(rids), list(caches), mx.concatenate(tokens), positions, draft)
+            if self.spec is None or not self._batch.num_live or not self.spec.step(self, requests, out):
+                self._decode(out)
         except Exception as exc:
             log.exception("decode step failed")
             rows = {rid for rid in self._batch.row_ids if rid is not None} | {j[0] for j in joined}
             out.failed.update({rid: f"decode step failed: {exc}" for rid in rows})
             # The batch caches may be half-written: start an empty batch before dropping the rest.
-            self._batch = DecodeBatch(self.buckets, self._batch.kv_prealloc_tokens)
+            self._batch = DecodeBatch(self.buckets, self._batch.kv_prealloc_tokens, lean=self.spec is None)
             self._drop(list(rows))
             reseed_after_failure()
             out.request_ids, out.token_ids, out.logprobs = [], [], {}
@@ -143,6 +152,8 @@ class ModelRunner:
             self._captured.pop(rid, None)
             self._snap_at.pop(rid, None)
             self._prefill_snaps.pop(rid, None)
+            if self.spec is not None:
+                self.spec.drop([rid])
             if self.mm is not None:
                 self.mm.finish(rid)
                 self._deltas.pop(rid, None)
@@ -418,7 +429,7 @@ class ModelRunner:
                 continue
             k = self._samplers[rid].params.top_logprobs
             pairs = tuple(zip(top[0][:k].tolist(), top[1][:k].tolist())) if top is not None and k else ()
-            out.logprobs[rid] = TokenLogprob(out.token_ids[out.request_ids.index(rid)], chosen.item(), pairs)
+            out.logprobs[rid] = [TokenLogprob(out.token_ids[out.request_ids.index(rid)], chosen.item(), pairs)]
 
 
 def reseed_after_failure() -> None:

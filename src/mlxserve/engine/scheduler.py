@@ -176,24 +176,31 @@ class Scheduler:
             return True
         return self._kv_bound([*self.running.values(), request]) <= self.kv_capacity_tokens
 
-    def update(self, new_tokens: dict[str, int]) -> list[Request]:
-        """Appends one sampled token per request; returns the requests that this token finished."""
+    def update(self, new_tokens: dict[str, int | list[int]]) -> list[Request]:
+        """Appends each request's new tokens (one, or several from a speculative step); returns the
+        requests they finished. Tokens after the one that finished a request (EOS, max_tokens) are
+        dropped."""
         finished = []
-        for request_id, token in new_tokens.items():
+        for request_id, tokens in new_tokens.items():
             request = self.running.get(request_id)
             if request is None:  # finished or aborted while its token was in flight
                 continue
-            request.output_token_ids.append(token)
-            status = self._check_stop(request, token)
+            status, start = None, request.num_tokens
+            for token in [tokens] if isinstance(tokens, int) else tokens:
+                request.output_token_ids.append(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    break
             if status is not None:
                 self._finish(request, status)
                 finished.append(request)
-            elif self.prefix is not None and (request.num_tokens % self.prefix.block_size == 0
-                                              or request.num_output_tokens == 1):
-                # A block just filled while decoding: cache it now, so a long generation is reusable
-                # (and survives an abort) without waiting for the request to end. The prompt's blocks
-                # are cached as soon as it is prefilled, so requests sharing it (n > 1, a burst with one
-                # system prompt) find them while this one still runs.
+            elif self.prefix is not None and (request.num_tokens // self.prefix.block_size
+                                              > start // self.prefix.block_size
+                                              or start == request.num_prompt_tokens):
+                # A block filled while decoding (by this step's token or tokens): cache it now, so a long
+                # generation is reusable (and survives an abort) without waiting for the request to end.
+                # The prompt's blocks are cached as soon as it is prefilled, so requests sharing it (n > 1,
+                # a burst with one system prompt) find them while this one still runs.
                 self._at_boundary.append(request)
         return finished
 
@@ -211,10 +218,18 @@ class Scheduler:
         if self.prefix is not None:
             self.prefix.release(request_id)
 
-    def finish(self, request_id: str, status: RequestStatus) -> None:
-        """Ends a running request for a reason found outside the scheduler (a stop string)."""
+    def finish(self, request_id: str, status: RequestStatus, num_output_tokens: int | None = None) -> None:
+        """Ends a running request for a reason found outside the scheduler (a stop string). A stop
+        string inside a speculative run ends the output early: `num_output_tokens` keeps that many
+        (the KV of the rest is never cached: blocks are planned from the tokens kept)."""
         request = self.running.get(request_id)
-        if request is not None:
+        if request is None:
+            request = next((r for r in self._finished if r.request_id == request_id), None)
+        if request is None:
+            return
+        if num_output_tokens is not None:
+            del request.output_token_ids[num_output_tokens:]
+        if request.status is RequestStatus.RUNNING:
             self._finish(request, status)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
