@@ -17,6 +17,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--prefill-step-size", type=int, default=d.prefill_step_size,
                    help="prompt tokens per engine step; longer prompts are chunked")
+    p.add_argument("--max-num-prefill-rows", type=int, default=d.max_num_prefill_rows,
+                   help="prompts prefilled together in one forward, sharing the step's tokens fairly (1: one "
+                        "prompt at a time, oldest first)")
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
                    help="max_tokens when a request names none")
     p.add_argument("--warmup", choices=["auto", "on", "off"], default=d.warmup,
@@ -125,6 +128,7 @@ def _engine_config(args) -> EngineConfig:
                         ssd_cache_dir=args.ssd_cache_dir,
                         ssd_cache_max_bytes=parse_memory(args.ssd_cache_max_size, total_ram()),
                         max_num_seqs=args.max_num_seqs, prefill_step_size=args.prefill_step_size,
+                        max_num_prefill_rows=args.max_num_prefill_rows,
                         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
                         warmup=args.warmup, decode_buckets=args.decode_buckets,
                         speculative=args.speculative, draft_model=args.draft_model,
@@ -337,7 +341,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True,
                                                                       parser_class=make)
-    from mlxserve.bench import compare, coreml, decode, distributed, engine, kvquant, load, memory, multimodal
+    from mlxserve.bench import burst, compare, coreml, decode, distributed, engine, kvquant, load, memory, multimodal
     from mlxserve.bench import plot, prefix, speculative, structured
     from mlxserve.bench import serve as serve_bench
 
@@ -347,6 +351,7 @@ def make_parser() -> argparse.ArgumentParser:
         ("decode", decode, "one stream: mlx-lm generate_step vs the engine core vs the async engine"),
         ("compare", compare, "mlxserve vs mlx_lm.server, same model and load, one run"),
         ("prefix", prefix, "TTFT with a shared prefix: cold vs prefix-cache hit"),
+        ("burst", burst, "TTFT of each prompt of a mixed-length burst, per --max-num-prefill-rows / step size"),
         ("memory", memory, "memory over a long generation with/without --kv-prealloc; peak of a burst with"
                            " admission on/off"),
         ("load", load, "weight-loading strategies: load time and peak RSS, cold/warm page cache"),

@@ -13,6 +13,10 @@ class EngineConfig:
     # Prompt tokens processed per engine step; a longer prompt is split into chunks of this size so
     # running streams get a decode step between chunks.
     prefill_step_size: int = 512
+    # Prompts prefilled together: the step's budget is shared fairly among this many waiting prompts and
+    # their chunks run in one forward (families with plain KV caches). 1: one prompt after another, oldest
+    # first (what families whose caches cannot be padded always get).
+    max_num_prefill_rows: int = 8
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     default_max_tokens: int = 2048
     # Requests allowed to wait for a slot; beyond this the server answers 429 instead of queueing forever.
@@ -77,6 +81,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.prefill_step_size < 1:
             raise ValueError("prefill_step_size must be >= 1")
+        if self.max_num_prefill_rows < 1:
+            raise ValueError("max_num_prefill_rows must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         if self.block_size < 1:

@@ -9,7 +9,7 @@ import pytest
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine.request import Request, RequestStatus, SamplingParams
-from mlxserve.engine.scheduler import PrefillChunk, QueueFullError, Scheduler
+from mlxserve.engine.scheduler import PrefillChunk, QueueFullError, Scheduler, split_prefill_budget
 
 EOS = 0
 
@@ -19,9 +19,10 @@ def make_request(rid: str, num_prompt: int = 4, max_tokens: int = 8, **sampling)
                    eos_token_ids=frozenset({EOS}))
 
 
-def make_scheduler(max_num_seqs=4, prefill_step_size=512, max_model_len=1024, max_num_waiting=1024) -> Scheduler:
+def make_scheduler(max_num_seqs=4, prefill_step_size=512, max_model_len=1024, max_num_waiting=1024,
+                   max_num_prefill_rows=8) -> Scheduler:
     config = EngineConfig(max_num_seqs=max_num_seqs, prefill_step_size=prefill_step_size,
-                          max_num_waiting=max_num_waiting)
+                          max_num_waiting=max_num_waiting, max_num_prefill_rows=max_num_prefill_rows)
     return Scheduler(config, max_model_len)
 
 
@@ -61,8 +62,9 @@ def test_a_finished_request_makes_room_for_the_oldest_waiting():
     assert out.decode_request_ids == ["r0"]
 
 
-def test_prefill_is_chunked_oldest_first():
-    s = make_scheduler(prefill_step_size=4)
+def test_one_prompt_per_forward_is_chunked_oldest_first():
+    # Families whose caches cannot be padded: one prompt after another, the rest of the budget to the next.
+    s = make_scheduler(prefill_step_size=4, max_num_prefill_rows=1)
     s.add_request(make_request("a", num_prompt=10))
     s.add_request(make_request("b", num_prompt=3))
     assert chunks(s.schedule()) == [("a", 0, 4, False)]
@@ -99,12 +101,62 @@ def test_decode_list_holds_requests_whose_prompt_is_done():
     s.add_request(make_request("short", num_prompt=2))
     s.add_request(make_request("long", num_prompt=20))
     out = s.schedule()
-    assert chunks(out) == [("short", 0, 2, True), ("long", 0, 6, False)]
+    assert chunks(out) == [("short", 0, 2, True), ("long", 0, 4, False)]
     assert out.decode_request_ids == []
     s.update({"short": 5})
     out = s.schedule()
     assert out.decode_request_ids == ["short"]
-    assert chunks(out) == [("long", 6, 8, False)]
+    assert chunks(out) == [("long", 4, 8, False)]
+
+
+def test_a_burst_of_short_prompts_finishes_prefill_in_one_step():
+    # Oldest first, the budget of 64 would finish three prompts this step and the rest later; shared,
+    # all eight finish now, in one forward of 8 rows x 8 positions.
+    s = make_scheduler(max_num_seqs=16, prefill_step_size=64)
+    lengths = [8, 3, 8, 5, 1, 7, 8, 2]
+    for i, n in enumerate(lengths):
+        s.add_request(make_request(f"r{i}", num_prompt=n))
+    out = s.schedule()
+    assert chunks(out) == [(f"r{i}", 0, n, True) for i, n in enumerate(lengths)]
+
+
+def test_the_budget_is_shared_fairly_and_bounds_the_padded_forward():
+    s = make_scheduler(max_num_seqs=16, prefill_step_size=64)
+    for rid, n in [("long", 300), ("mid", 40), ("short", 5), ("tiny", 1)]:
+        s.add_request(make_request(rid, num_prompt=n))
+    out = s.schedule()
+    # 4 rows: 16 each at most, so rows x longest chunk <= 64 however long the prompts are.
+    assert chunks(out) == [("long", 0, 16, False), ("mid", 0, 16, False), ("short", 0, 5, True),
+                           ("tiny", 0, 1, True)]
+    s.update({"short": 9, "tiny": 9})
+    assert chunks(s.schedule()) == [("long", 16, 32, False), ("mid", 16, 24, True)]
+    s.update({"mid": 9})
+    # Alone, a long prompt gets the whole budget again.
+    assert chunks(s.schedule()) == [("long", 48, 64, False)]
+
+
+def test_rows_per_prefill_forward_are_capped_oldest_first():
+    s = make_scheduler(max_num_seqs=16, prefill_step_size=120, max_num_prefill_rows=3)
+    for i in range(5):
+        s.add_request(make_request(f"r{i}", num_prompt=50))
+    assert chunks(s.schedule()) == [("r0", 0, 40, False), ("r1", 0, 40, False), ("r2", 0, 40, False)]
+    assert chunks(s.schedule()) == [("r0", 40, 10, True), ("r1", 40, 10, True), ("r2", 40, 10, True)]
+    assert chunks(s.schedule()) == [("r3", 0, 50, True), ("r4", 0, 50, True)]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_split_prefill_budget_never_exceeds_the_budget(rows):
+    rng = __import__("random").Random(rows)
+    for _ in range(500):
+        left = [rng.randint(1, 300) for _ in range(rng.randint(0, 12))]
+        budget = rng.randint(1, 256)
+        sizes = split_prefill_budget(left, budget, rows)
+        assert all(0 <= n <= need for n, need in zip(sizes, left))
+        busy = [n for n in sizes if n]
+        assert sum(sizes) <= budget
+        if rows > 1:  # one forward: rows x its longest chunk stay within the budget
+            assert len(busy) <= rows and len(busy) * max(busy, default=0) <= budget
+        assert left == [] or sizes[0] > 0  # the oldest always moves
 
 
 def run_one(s: Scheduler, r: Request, tokens: list[int]) -> list[str | None]:
@@ -210,7 +262,7 @@ def test_abort_running_request_is_reported_next_step():
 
 
 def test_abort_while_prefilling_stops_its_chunks():
-    s = make_scheduler(prefill_step_size=4)
+    s = make_scheduler(prefill_step_size=4, max_num_prefill_rows=1)
     s.add_request(make_request("a", num_prompt=12))
     s.add_request(make_request("b", num_prompt=4))
     assert chunks(s.schedule()) == [("a", 0, 4, False)]

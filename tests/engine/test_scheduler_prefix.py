@@ -205,7 +205,7 @@ def test_request_aborted_after_its_first_token_stores_what_it_computed():
 
 
 def test_reset_after_failure_leaves_no_held_blocks():
-    s = make_scheduler(prefill_step_size=8)
+    s = make_scheduler(prefill_step_size=24)
     warm(s, prompt_of(9))
     # One request that just finished, one decoding with a hit, one mid-prefill with a hit.
     s.add_request(make_request("done", prompt_of(5, seed=5), max_tokens=1))

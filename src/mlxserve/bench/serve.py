@@ -42,7 +42,7 @@ _PROMPT_OVERHEAD_TOKENS = 6
 
 TABLE_COLUMNS = [  # (level key, header, format); times in ms
     ("label", "label", ""), ("concurrency", "conc", "d"), ("num_requests", "reqs", "d"),
-    ("ttft_p50_ms", "ttft p50", ".1f"), ("ttft_p99_ms", "ttft p99", ".1f"),
+    ("ttft_p50_ms", "ttft p50", ".1f"), ("ttft_p99_ms", "ttft p99", ".1f"), ("ttft_max_ms", "ttft max", ".1f"),
     ("itl_p50_ms", "itl p50", ".2f"), ("itl_p99_ms", "itl p99", ".2f"),
     ("decode_tok_s_per_req", "tok/s/req", ".1f"), ("agg_tok_s", "agg tok/s", ".1f"),
     ("req_s", "req/s", ".2f"), ("num_errors", "errors", "d"),
@@ -59,6 +59,9 @@ class ServeBenchConfig:
     model: str
     concurrency: list[int]  # each level is one run
     prompt_tokens: int = 128  # approximate prompt length
+    # Lengths cycled over each level's requests instead (e.g. a burst of mixed prompts: concurrency =
+    # num_requests = len(list) sends them all at once).
+    prompt_tokens_mix: list[int] | None = None
     max_tokens: int = 128
     num_requests: int | None = None  # per level; None -> a few waves (see num_requests_for)
     endpoint: str = "completions"  # or "chat"
@@ -75,7 +78,7 @@ class ServeBenchConfig:
             raise ValueError(f"url must look like http://host:port, got {self.url!r}")
         if not self.concurrency or any(c < 1 for c in self.concurrency):
             raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
-        if self.prompt_tokens < 1 or self.max_tokens < 1:
+        if self.prompt_tokens < 1 or self.max_tokens < 1 or any(n < 1 for n in self.prompt_tokens_mix or ()):
             raise ValueError("prompt_tokens and max_tokens must be >= 1")
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError("num_requests must be >= 1")
@@ -96,6 +99,9 @@ class ServeBenchConfig:
     @property
     def display_label(self) -> str:
         return self.label or urlsplit(self.url).netloc
+
+    def prompt_tokens_for(self, index: int) -> int:
+        return self.prompt_tokens_mix[index % len(self.prompt_tokens_mix)] if self.prompt_tokens_mix else self.prompt_tokens
 
     def num_requests_for(self, concurrency: int) -> int:
         if self.num_requests is not None:
@@ -202,7 +208,9 @@ async def _stream_request(
                 chunk_times.append(now)
     end = time.perf_counter()
     if not chunk_times:
-        result.error = "stream ended without content"
+        # Tokens without text are the model's own output (e.g. special tokens, skipped in replies).
+        result.error = "stream ended without content" + (f" ({usage_tokens} tokens that decode to no text)"
+                                                           if usage_tokens else "")
         return result
     result.ttft_s = chunk_times[0] - start
     result.e2e_s = end - start
@@ -262,6 +270,7 @@ def summarize_level(
         "wall_s": wall_s,
         "ttft_p50_ms": percentile(ttft, 50, scale=1000),
         "ttft_p99_ms": percentile(ttft, 99, scale=1000),
+        "ttft_max_ms": max(ttft) * 1000 if ttft else None,
         "ttft_mean_ms": mean(ttft, scale=1000),
         "itl_p50_ms": percentile(itl, 50, scale=1000),
         "itl_p99_ms": percentile(itl, 99, scale=1000),
@@ -281,7 +290,7 @@ async def run_level(cfg: ServeBenchConfig, concurrency: int, *, tag: str | None 
     """One concurrency level: keep `concurrency` requests in flight until all are sent."""
     tag = tag or f"c{concurrency}"
     num_requests = cfg.num_requests_for(concurrency)
-    prompts = [make_prompt(cfg.seed, tag, i, cfg.prompt_tokens) for i in range(num_requests)]
+    prompts = [make_prompt(cfg.seed, tag, i, cfg.prompt_tokens_for(i)) for i in range(num_requests)]
     results: list[RequestResult | None] = [None] * num_requests
     pending = iter(range(num_requests))
 
@@ -355,6 +364,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000[/v1]")
     parser.add_argument("--model", required=True, help="model name sent in each request")
     add_load_arguments(parser, [1, 2, 4, 8, 16])
+    parser.add_argument("--prompt-tokens-mix", type=int_list, default=None, metavar="N,N,...",
+                        help="prompt lengths cycled over each level's requests (a burst of mixed prompts: "
+                             "--concurrency 8 --num-requests 8 with 8 lengths)")
     parser.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions",
                         help="completions: /v1/completions with a plain prompt; chat: /v1/chat/completions with"
                              " one user message (the chat template adds tokens)")

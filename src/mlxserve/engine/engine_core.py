@@ -15,6 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine.batch import can_batch
+from mlxserve.engine.batch_prefill import why_not_batched
 from mlxserve.engine.grammar import GrammarSource
 from mlxserve.engine.detokenizer import StopStringMatcher, make_detokenizer_factory
 from mlxserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 class _TextState:
     detok: Any  # IncrementalDetokenizer or ByteLevelDetokenizer
     stop: StopStringMatcher
+    has_text: bool = False
 
 
 class EngineCore:
@@ -65,6 +67,14 @@ class EngineCore:
                         "time", sorted(set(probe.layer_kinds)))
             config = dataclasses.replace(config, max_num_seqs=1)
             self.config = config
+        why_not = why_not_batched(model, make_cache)
+        if why_not is not None and config.max_num_prefill_rows > 1:
+            config = dataclasses.replace(config, max_num_prefill_rows=1)
+            self.config = config
+        if why_not is None and config.max_num_prefill_rows == 1:
+            why_not = "--max-num-prefill-rows 1"
+        log.info("prefill: %s", f"up to {config.max_num_prefill_rows} prompts per forward" if why_not is None
+                 else f"one prompt per forward ({why_not})")
         prefix_on = config.enable_prefix_cache and config.cache_memory_bytes != 0 and probe.shareable
         # The start-up budget; `self.governor.live` is the one in force (desktop mode follows free memory).
         is_vlm = getattr(model, "is_vlm", False)
@@ -96,7 +106,8 @@ class EngineCore:
         self.grammar = GrammarSource(tokenizer, probe.logits_width, _eos_ids(tokenizer))
         self.runner = self.runner_cls(model, buckets, store, config.block_size, self.vision_cache,
                                       kv_prealloc_tokens=config.kv_prealloc_tokens, grammar=self.grammar,
-                                      make_cache=make_cache, spec=self.spec)
+                                      make_cache=make_cache, spec=self.spec,
+                                      batch_prefill=self.config.max_num_prefill_rows > 1)
         self.governor = None
         if self.budget is not None:
             self.governor = MemoryGovernor(self.budget, per_token, self.prefix, self.scheduler,
@@ -263,6 +274,13 @@ class EngineCore:
         elif finished and not hit:
             tail, hit = state.stop.feed(state.detok.flush())
             text += tail if hit else tail + state.stop.flush()
+        if text:
+            state.has_text = True
+        elif finished and not state.has_text:
+            # An empty reply is the model's own output (e.g. a random model repeating a special token,
+            # which replies skip as every server does); say so, or it looks like a lost stream.
+            log.info("request %s ended after %d tokens without any text: token ids %s decode to nothing",
+                     request.request_id, request.num_output_tokens, sorted(set(request.output_token_ids))[:8])
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=list(tokens),
@@ -293,7 +311,8 @@ class EngineCore:
             self.spec.drop(list(self.spec.row_ids))
         self.runner = self.runner_cls(old.model, old.buckets, old.store, old.block_size, self.vision_cache,
                                       kv_prealloc_tokens=self.config.kv_prealloc_tokens, grammar=self.grammar,
-                                      make_cache=old.make_cache, spec=self.spec)
+                                      make_cache=old.make_cache, spec=self.spec,
+                                      batch_prefill=self.config.max_num_prefill_rows > 1)
         self.scheduler.reset_after_failure()
         reseed_after_failure()
         return outputs

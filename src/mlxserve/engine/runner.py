@@ -20,6 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxserve.cache.kv_io import kv_slice, read_prefill_window, read_row_kv, read_row_window, read_state
 from mlxserve.cache.kv_store import KVBlock, KVBlockStore
 from mlxserve.engine.batch import DecodeBatch
+from mlxserve.engine.batch_prefill import pick_rows, prefill_rows, why_not_batched
 from mlxserve.engine.mm_prefill import MultimodalPrefill
 from mlxserve.engine.request import Request, SamplingParams, TokenLogprob
 from mlxserve.engine.grammar import GrammarSource
@@ -60,6 +61,7 @@ class ModelRunner:
         grammar: "GrammarSource | None" = None,
         make_cache: Callable[[Any], list[Any]] = make_prompt_cache,
         spec: "SpeculativeDecoder | None" = None,
+        batch_prefill: bool = True,
     ) -> None:
         self.model = model
         self.make_cache = make_cache  # a request's fresh caches (quantized layers under --kv-bits)
@@ -84,6 +86,8 @@ class ModelRunner:
         self._snap_at: dict[str, int] = {}
         self._prefill_snaps: dict[str, tuple[int, list]] = {}
         self._joined_last_step: list[str] = []
+        # Prompts prefilled together in one forward where the model's caches take padding.
+        self._batch_prefill = batch_prefill and why_not_batched(model, make_cache) is None
         self.last_prefill_s = 0.0
 
     @property
@@ -107,17 +111,14 @@ class ModelRunner:
         self._drop(sched.finished_request_ids)
         joined: list[tuple[str, list[Any], mx.array]] = []
         started = time.perf_counter()
+        together = [c for c in sched.prefill_chunks if self._can_prefill_together(requests[c.request_id])]
+        together = [together[i] for i in pick_rows([c.start + c.num_tokens for c in together])]
         for chunk in sched.prefill_chunks:
-            try:
-                done = self._prefill(chunk, requests[chunk.request_id])
-            except Exception as exc:
-                log.exception("prefill of request %s failed", chunk.request_id)
-                out.failed[chunk.request_id] = f"prefill failed: {exc}"
-                self._drop([chunk.request_id])
-                reseed_after_failure()
-                continue
+            done = None if chunk in together else self._prefill_or_fail(chunk, requests[chunk.request_id], out)
             if done is not None:
                 joined.append(done)
+        if together:
+            joined.extend(self._prefill_together(together, requests, out))
         self.last_prefill_s = time.perf_counter() - started  # for the slow-step log line
         try:
             self._joined_last_step = [j[0] for j in joined]
@@ -234,7 +235,8 @@ class ModelRunner:
         return new
 
     # -- prefill -------------------------------------------------------------------------------
-    def _prefill(self, chunk: PrefillChunk, request: Request):
+    def _begin_prefill(self, request: Request) -> list[Any]:
+        """The request's prefill cache, made (and its sampler set up) at its first chunk."""
         rid = request.request_id
         cache = self._prefill_caches.get(rid)
         if cache is None:
@@ -249,6 +251,11 @@ class ModelRunner:
             self._samplers[rid] = sampler
             if request.media:
                 self._deltas[rid] = self.mm.start(request)
+        return cache
+
+    def _prefill(self, chunk: PrefillChunk, request: Request):
+        rid = request.request_id
+        cache = self._begin_prefill(request)
         if request.media:
             def forward(start: int, end: int):
                 return self.mm.forward(request, start, end, cache)
@@ -279,17 +286,78 @@ class ModelRunner:
             # Same reason: the last position alone gets logits (what mlx-lm's generate_step does).
             forward(start, end - 1)
         logits = forward(end - 1, end)
+        return self._first_token(rid, cache, logits[:, -1, :])
+
+    def _first_token(self, rid: str, cache: list[Any], logits: mx.array):
+        """Samples a finished prompt's first token from its last position's logits [1, vocab]."""
         del self._prefill_caches[rid]
         self._snap_at.pop(rid, None)
         if self.mm is not None:
             self.mm.finish(rid)
         sampler = self._samplers[rid]
-        logits = logits[:, -1, :]
         if sampler.matcher is not None:
             logits = self.grammar.mask(logits, [(0, sampler.matcher)])
         tokens, logprobs = sample_batch(logits, [sampler])
         self._keep_logprobs([rid], [sampler], tokens, logprobs)
         return rid, cache, tokens
+
+    def _can_prefill_together(self, request: Request) -> bool:
+        # A request whose prefill captures prefix-cache data (sliding windows, recurrent snapshots) runs
+        # its own forwards (`_capture` reads batch-1 caches); those families never batch anyway.
+        return self._batch_prefill and not request.media and request.request_id not in self._captured
+
+    def _prefill_together(self, chunks: list[PrefillChunk], requests: dict[str, Request], out: StepTokens):
+        """Several requests' chunks in one forward (batch_prefill.py). Returns the prompts it finished, as
+        `_prefill` does; a request whose prefill fails, fails alone."""
+        rows = []
+        for chunk in chunks:
+            try:
+                rows.append((chunk, self._begin_prefill(requests[chunk.request_id])))
+            except Exception as exc:  # e.g. a grammar that does not compile: this request only
+                self._fail_prefill(chunk.request_id, exc, out)
+        if not rows:
+            return []
+        try:
+            logits, grown = prefill_rows(self.model, [cache for _, cache in rows], [
+                requests[c.request_id].prompt_token_ids[c.start : c.start + c.num_tokens] for c, _ in rows])
+            going_on = [layers for (c, _), layers in zip(rows, grown) if not c.is_last]
+            if going_on:  # bound the lazy graph, as `_prefill` does between chunks
+                mx.eval([c.state for layers in going_on for c in layers])
+        except Exception:
+            # The rows' own caches are untouched: run them one by one, so a request that cannot be
+            # prefilled fails alone.
+            log.warning("batched prefill of requests %s failed; prefilling them one at a time",
+                        ", ".join(c.request_id for c, _ in rows), exc_info=True)
+            reseed_after_failure()
+            grown = None
+        joined = []
+        for i, (chunk, cache) in enumerate(rows):
+            if grown is None:
+                done = self._prefill_or_fail(chunk, requests[chunk.request_id], out)
+            elif chunk.is_last:
+                cache[:] = grown[i]
+                try:
+                    done = self._first_token(chunk.request_id, cache, logits[i : i + 1])
+                except Exception as exc:
+                    done = self._fail_prefill(chunk.request_id, exc, out)
+            else:
+                cache[:], done = grown[i], None
+            if done is not None:
+                joined.append(done)
+        return joined
+
+    def _prefill_or_fail(self, chunk: PrefillChunk, request: Request, out: StepTokens):
+        """`_prefill`; if it raises, only this request fails."""
+        try:
+            return self._prefill(chunk, request)
+        except Exception as exc:
+            return self._fail_prefill(chunk.request_id, exc, out)
+
+    def _fail_prefill(self, rid: str, exc: Exception, out: StepTokens) -> None:
+        log.error("prefill of request %s failed", rid, exc_info=exc)
+        out.failed[rid] = f"prefill failed: {exc}"
+        self._drop([rid])
+        reseed_after_failure()
 
     def _start_captures(self, request: Request) -> None:
         store = self.store

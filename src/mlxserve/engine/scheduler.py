@@ -2,8 +2,9 @@
 
 The scheduler owns the waiting queue and the running set. Each call to `schedule()` admits waiting
 requests in FIFO order up to `max_num_seqs`, hands out at most `prefill_step_size` prompt tokens of
-prefill work (oldest request first, so a long prompt is split across steps and never freezes the
-streams that are already decoding), and lists the requests whose state the runner must drop.
+prefill work (shared by several waiting prompts, whose chunks the runner runs as one forward; a long
+prompt is split across steps and never freezes the streams that are already decoding), and lists the
+requests whose state the runner must drop.
 """
 
 from __future__ import annotations
@@ -41,6 +42,31 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not (self.prefill_chunks or self.decode_request_ids or self.finished_request_ids)
+
+
+def split_prefill_budget(num_left: list[int], budget: int, max_rows: int) -> list[int]:
+    """Prompt tokens each prefilling request (oldest first) gets this step.
+
+    `max_rows` 1: one prompt after another, oldest first; what one leaves of the budget goes to the next
+    (each chunk is its own forward). Otherwise the first `max_rows` prompts share it fairly, since their
+    chunks run as one forward padded to the longest: each gets at most budget // rows, so a burst of short
+    prompts finishes together in one step and the padded forward never exceeds `budget` tokens (the
+    bound the memory budget and the decode streams' step time rely on)."""
+    sizes = [0] * len(num_left)
+    if max_rows == 1:
+        for i, n in enumerate(num_left):
+            sizes[i] = min(n, budget)
+            budget -= sizes[i]
+            if budget == 0:
+                break
+        return sizes
+    rows = min(len(num_left), max_rows, budget)
+    if rows == 0:
+        return sizes
+    share = budget // rows
+    for i in range(rows):
+        sizes[i] = min(num_left[i], share)
+    return sizes
 
 
 class Scheduler:
@@ -127,16 +153,14 @@ class Scheduler:
                 request.num_cached_tokens = len(request.cached_block_ids) * self.prefix.block_size
                 request.num_computed_tokens = request.num_cached_tokens
 
-        budget = self.config.prefill_step_size
-        for request in self.running.values():
-            if budget == 0:
-                break
-            if request.is_prefill_done:
+        prefilling = [r for r in self.running.values() if not r.is_prefill_done]
+        sizes = split_prefill_budget([r.num_prompt_tokens_left for r in prefilling], self.config.prefill_step_size,
+                                     self.config.max_num_prefill_rows)
+        for request, n in zip(prefilling, sizes):
+            if n == 0:
                 continue
-            n = min(request.num_prompt_tokens_left, budget)
             start = request.num_computed_tokens
             request.num_computed_tokens += n
-            budget -= n
             out.prefill_chunks.append(
                 PrefillChunk(request.request_id, start, n, is_last=request.is_prefill_done)
             )
