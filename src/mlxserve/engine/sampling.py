@@ -73,16 +73,21 @@ class RowSampler:
         return sub
 
 
-def _sample_rows(logprobs: mx.array, sp: SamplingParams, key: mx.array | None) -> mx.array:
-    if sp.is_greedy:
-        return mx.argmax(logprobs, axis=-1)
+def apply_filters(logprobs: mx.array, sp: SamplingParams) -> mx.array:
+    """`sp`'s top-p, min-p and top-k (mlx-lm's filters), in the order sampling applies them."""
     if 0.0 < sp.top_p < 1.0:
         logprobs = apply_top_p(logprobs, sp.top_p)
     if sp.min_p > 0.0:
         logprobs = apply_min_p(logprobs, sp.min_p)
     if sp.top_k > 0:
         logprobs = apply_top_k(logprobs, sp.top_k)
-    return mx.random.categorical(logprobs * (1.0 / sp.temperature), key=key)
+    return logprobs
+
+
+def _sample_rows(logprobs: mx.array, sp: SamplingParams, key: mx.array | None) -> mx.array:
+    if sp.is_greedy:
+        return mx.argmax(logprobs, axis=-1)
+    return mx.random.categorical(apply_filters(logprobs, sp) * (1.0 / sp.temperature), key=key)
 
 
 def sample_batch(logits: mx.array, rows: list[RowSampler]) -> tuple[mx.array, mx.array]:

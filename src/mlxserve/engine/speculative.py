@@ -17,21 +17,15 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from mlxserve.engine.request import SamplingParams
+from mlxserve.engine.sampling import apply_filters
 
 
 def target_logprobs(logprobs: mx.array, sp: SamplingParams) -> mx.array:
     """The distribution plain sampling draws from for `sp` (filters, then temperature), as
     normalized log-probabilities [N, V]; `logprobs` [N, V] are the model's."""
-    if 0.0 < sp.top_p < 1.0:
-        logprobs = apply_top_p(logprobs, sp.top_p)
-    if sp.min_p > 0.0:
-        logprobs = apply_min_p(logprobs, sp.min_p)
-    if sp.top_k > 0:
-        logprobs = apply_top_k(logprobs, sp.top_k)
-    scaled = logprobs * (1.0 / sp.temperature)
+    scaled = apply_filters(logprobs, sp) * (1.0 / sp.temperature)
     return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
 
 
