@@ -32,8 +32,10 @@ for shape in "${shapes[@]}"; do
     # Straight to a file: a pipe through grep holds the output back, and a timeout then loses all of it.
     grep -v "httpx\|^level" "$out/compare-$shape.log" | tail -30
   fi
-  if [[ $steps == *burst* ]] && python3 -m mlxserve.cli bench serve --help | grep -q -- --burst; then
-    python3 -m mlxserve.cli bench compare --model "$m" --servers "$servers" --burst 8 \
-      --output-json "$out/burst-$shape.json" 2>&1 | tail -12
+  if [[ $steps == *burst* ]]; then
+    # 8 mixed-length prompts at once, prefilled one by one (rows 1) vs together (rows 8).
+    timeout 300 python3 -m mlxserve.cli bench burst --model "$m" --rows 1,8 --prefill-step-sizes 512,2048 \
+      --repeats 3 --max-tokens 64 --output-json "$out/burst-$shape.json" > "$out/burst-$shape.log" 2>&1
+    grep -v "httpx" "$out/burst-$shape.log" | tail -12
   fi
 done
