@@ -74,9 +74,12 @@ def num_running(live) -> float:
 
 
 def wait_for(driver, condition, message: str):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, WAIT_S, poll_frequency=0.1).until(lambda d: condition(d), message)
+    # The dashboard redraws its tables every 2 s: an element found a moment ago may be gone; look again.
+    wait = WebDriverWait(driver, WAIT_S, poll_frequency=0.1, ignored_exceptions=(StaleElementReferenceException,))
+    return wait.until(lambda d: condition(d), message)
 
 
 def text_of(driver, selector: str) -> str:
