@@ -93,3 +93,38 @@ def test_warmup_leaves_nothing_behind(loaded):
 
     fresh = EngineCore(loaded.model, loaded.tokenizer, config, 4096, make_buckets(8))
     assert tokens(warmed) == tokens(fresh)
+
+
+def test_lone_row_decodes_through_a_plain_kv_cache(loaded):
+    """A batch of one plain-KV row runs on mlx-lm's KVCache (no padding mask, one rope offset), goes back
+    to a batch cache when a second request joins and back again when it is alone; the tokens are those
+    of mlx-lm's generate_step throughout."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    core = EngineCore(loaded.model, loaded.tokenizer, EngineConfig(max_num_seqs=4, enable_prefix_cache=False), 4096)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    first, second = list(range(5, 30)), list(range(40, 52))
+    core.add_request(Request("first", first, greedy))
+    got: dict[str, list[int]] = {"first": [], "second": []}
+    kinds = []
+    for step in range(200):
+        if not core.has_work:
+            break
+        if step == 6:
+            core.add_request(Request("second", second, SamplingParams(max_tokens=8, temperature=0.0,
+                                                                      ignore_eos=True)))
+        for out in core.step():
+            got[out.request_id] += out.new_token_ids
+        cache = core.runner._batch.cache
+        kinds.append(type(cache[0]) if cache else None)
+    assert kinds[1] is KVCache  # alone
+    assert BatchKVCache in kinds  # while the second request ran
+    assert kinds.index(BatchKVCache) < len(kinds) - 1 - kinds[::-1].index(KVCache)  # alone again afterwards
+
+    def reference(prompt, n):
+        return [int(t) for t, _ in zip((tok for tok, _ in generate_step(mx.array(prompt), loaded.model)), range(n))]
+
+    assert got["first"] == reference(first, 24)
+    assert got["second"] == reference(second, 8)
