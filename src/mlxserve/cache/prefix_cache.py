@@ -181,6 +181,10 @@ class PrefixCacheManager:
             return False
         return self.pool.num_cached < self.max_cached_blocks or self.pool.evict_unreferenced(1) == 1
 
+    def reset_stats(self) -> None:
+        """Hit counters from zero (after start-up's warm-up traffic, which is no one's)."""
+        self.num_queried_tokens = self.num_hit_tokens = 0
+
     def clear(self) -> int:
         """Drops every unreferenced block. Call between steps only: the blocks planned in the last
         step are then copied, but stay held until the next `schedule()`, which never comes while

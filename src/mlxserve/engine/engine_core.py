@@ -248,7 +248,7 @@ class EngineCore:
             # Warm-up's blocks are no one's prefix (an SSD tier may keep the few it wrote: no real
             # prompt is made of token ids 1-9 repeated).
             self.prefix.clear()
-            self.prefix.num_queried_tokens = self.prefix.num_hit_tokens = 0
+            self.prefix.reset_stats()
 
     def describe_last_step(self) -> str:
         sched = self.last_sched
