@@ -56,6 +56,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="small model with the target's tokenizer that drafts tokens (turns --speculative draft on)")
     p.add_argument("--num-draft-tokens", type=int, default=d.num_draft_tokens, metavar="K",
                    help="most tokens a row drafts per step (each row adapts below it from its acceptance)")
+    p.add_argument("--cudnn-attention", choices=["auto", "on", "off"], default=d.cudnn_attention,
+                   help="MLX-CUDA: multi-token attention through cuDNN, which builds a graph per new shape (40-80 ms)"
+                        "; auto: off under --speculative, else on. MLX_CUDA_USE_CUDNN_SDPA in the environment wins")
     p.add_argument("--vision-cache-memory", default="512MB",
                    help="vision-language models: encoder outputs kept by image hash (bytes or %% of RAM)")
 
@@ -132,7 +135,7 @@ def _engine_config(args) -> EngineConfig:
                         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
                         warmup=args.warmup, decode_buckets=args.decode_buckets,
                         speculative=args.speculative, draft_model=args.draft_model,
-                        num_draft_tokens=args.num_draft_tokens,
+                        num_draft_tokens=args.num_draft_tokens, cudnn_attention=args.cudnn_attention,
                         vision_cache_bytes=parse_memory(args.vision_cache_memory, total_ram()))
 
 

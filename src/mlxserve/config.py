@@ -63,6 +63,9 @@ class EngineConfig:
     speculative: str = "off"
     draft_model: str | None = None
     num_draft_tokens: int = 4
+    # MLX-CUDA only (models/cudnn_attention.py): cuDNN attention builds a graph per new shape (40-80 ms);
+    # "auto" turns it off under speculative decoding, whose verify shapes are new at every step.
+    cudnn_attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.draft_model and self.speculative == "off":
@@ -75,6 +78,8 @@ class EngineConfig:
             raise ValueError("num_draft_tokens must be in 1..64")
         if self.warmup not in ("auto", "on", "off"):
             raise ValueError("warmup must be auto, on or off")
+        if self.cudnn_attention not in ("auto", "on", "off"):
+            raise ValueError("cudnn_attention must be auto, on or off")
         if self.decode_buckets not in ("auto", "on", "off"):
             raise ValueError("decode_buckets must be auto, on or off")
         if self.max_num_seqs < 1:

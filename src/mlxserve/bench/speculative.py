@@ -105,8 +105,11 @@ def measure(loaded, mode: str, draft_dir: Path | None, args, workload: str, c: i
 
 
 def run_spec_bench(args) -> dict:
+    from mlxserve.models.cudnn_attention import apply_cudnn_attention
     from mlxserve.models.loader import load_model
 
+    # One attention path for every row, the "off" baseline included (MLX decides once per process).
+    print(f"cuDNN attention: {apply_cudnn_attention(args.cudnn_attention, speculative=True)}", flush=True)
     drafts = [d for d in args.drafts.split(",") if d]
     with tempfile.TemporaryDirectory(prefix="mlxserve-bench-spec-") as tmp:
         t0 = time.perf_counter()
@@ -153,6 +156,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt length of each request")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="most tokens a row drafts per step")
+    parser.add_argument("--cudnn-attention", choices=["auto", "on", "off"], default="auto",
+                        help="MLX-CUDA: cuDNN attention for every row, the baseline too (auto: off, as serve does"
+                             " under --speculative)")
     parser.add_argument("--output-json", default=None, help="result file (default: bench-results/speculative-*.json)")
 
 

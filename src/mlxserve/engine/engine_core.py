@@ -28,6 +28,7 @@ from mlxserve.cache.setup import make_prefix_cache, probe_kv
 from mlxserve.memory.budget import kv_tokens, reserve_state
 from mlxserve.memory.pressure import MemoryGovernor
 from mlxserve.memory.profile import budget_config, startup_budget
+from mlxserve.models.cudnn_attention import apply_cudnn_attention
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class EngineCore:
         buckets: list[int] | None = None,
         model_key: str = "",
     ) -> None:
+        # Before any forward of this process: MLX reads the switch at its first attention call.
+        self.cudnn_attention = apply_cudnn_attention(config.cudnn_attention, config.speculative != "off")
         self.tokenizer = tokenizer
         self._make_detokenizer = make_detokenizer_factory(tokenizer)
         self.config = config
@@ -357,6 +360,7 @@ class EngineCore:
             "num_waiting": self.scheduler.num_waiting,
             "prefix_cache": self.cache_stats(),
             "speculative": self.spec_stats(),
+            "cudnn_attention": self.cudnn_attention,
         }
 
     def spec_stats(self) -> dict:
