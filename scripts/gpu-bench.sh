@@ -4,7 +4,7 @@
 #
 # Here (once):  bash ../shared/tools/device-bundle.sh .device mlx-lm==0.32.2 mlx-vlm==0.7.10 vllm-mlx==0.6.0 \
 #                 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic pydantic-core typing-inspection \
-#                 annotated-types annotated-doc opentelemetry-api importlib-metadata llguidance swagger-ui-bundle \
+#                 annotated-types annotated-doc opentelemetry-api importlib-metadata llguidance fastapi-offline swagger-ui-bundle \
 #                 platformdirs python-multipart jsonschema jsonschema-specifications referencing rpds-py pytz mcp \
 #                 sse-starlette httpx-sse pydantic-settings python-dotenv
 # On the device (carry .device):  bash scripts/gpu-bench.sh [SHAPE ...] (default: qwen3-0.6b)
