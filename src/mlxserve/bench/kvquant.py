@@ -35,7 +35,8 @@ from mlxserve.engine.request import Request, SamplingParams
 _MIB = 1 << 20
 COLUMNS = [
     ("kv", "KV", ""), ("attention", "attention", ""), ("bytes_per_token", "bytes/token", "d"),
-    ("agg_tok_s", "agg tok/s", ".1f"), ("decode_tok_s", "decode tok/s", ".1f"), ("same_as_float", "same as float", ".2f"),
+    ("agg_tok_s", "agg tok/s", ".1f"), ("decode_tok_s", "decode tok/s", ".1f"),
+    ("same_as_float", "same as float", ".2f"),
     ("measured_mib_per_context", "MiB/context", ".1f"), ("contexts_admitted", "contexts (admission)", "d"),
     ("contexts_measured", "contexts (measured)", "d"), ("capacity_vs_float", "vs float", ".2f"),
 ]

@@ -81,14 +81,16 @@ def probe_attention(model: Any, plan: KVQuantPlan) -> None:
 
     Two prompts of several tokens, each one request's prefill (every query head of a GQA group against
     the quantized keys), then one decode step of both rows in one batch cache (left padding, the mask)."""
-    rows = []
-    for n in (33, 7):
+    rows, lengths = [], (33, 7)
+    for n in lengths:
         cache = plan.make_cache(model)
         mx.eval(model(mx.arange(1, n + 1)[None], cache=cache))
         rows.append(cache)
     if all(getattr(type(c), "merge", None) is not None for c in rows[0]):
         batch = [type(layer[0]).merge(list(layer)) for layer in zip(*rows)]
-        mx.eval(model(mx.array([[2], [3]]), cache=batch))
+        # A VLM's batch decode takes each row's position, as the runner gives it.
+        kw = {"positions": mx.array([[n] for n in lengths])} if getattr(model, "is_vlm", False) else {}
+        mx.eval(model(mx.array([[2], [3]]), cache=batch, **kw))
     else:  # caches without a batch version decode one request at a time
         mx.eval(model(mx.array([[2]]), cache=rows[0]))
 
