@@ -6,7 +6,7 @@ packed uint32 data, scales, biases; attention through `mx.quantized_matmul` in
 but no batch version, so its server serves quantized KV one request at a time. `BatchQuantizedKVCache`
 is that batch version: mlx-lm's `BatchKVCache` (left padding, offsets, masks, trim) with every array
 operation applied to the three parts of each tuple. `QuantizedRowKVCache` is mlx-lm's per-request
-cache plus the two things the batch needs from it: `size()` and `merge`.
+cache plus what the batch needs from it (`size()`, `merge`) and the mode below.
 
 Every attention, prefill included, reads the quantized KV: a prompt's KV is quantized as it is
 written, not after the prefill. Then a position's KV does not depend on how the prompt was chunked,
