@@ -49,6 +49,9 @@ class EngineConfig:
     # QuantizedKVCache format) for the decode batch, prefills and the prefix cache; None: float KV.
     kv_bits: int | None = None
     kv_group_size: int = 64
+    # How attention reads quantized KV: "quantized" (MLX's quantized matmuls), "dequantized" (a float copy
+    # of each layer's KV, for backends whose kernels reject the shapes), "auto" (the first that runs).
+    kv_quant_mode: str = "auto"
     # Set per model by a multi-model server (memory/budget.py BudgetConfig.reserved_bytes / share).
     memory_reserved_bytes: int = 0
     memory_share: float = 1.0
@@ -106,6 +109,8 @@ class EngineConfig:
             raise ValueError(f"kv_bits must be 4 or 8 (or unset for float KV), got {self.kv_bits}")
         if self.kv_group_size not in (32, 64, 128):
             raise ValueError(f"kv_group_size must be 32, 64 or 128, got {self.kv_group_size}")
+        if self.kv_quant_mode not in ("auto", "quantized", "dequantized"):
+            raise ValueError(f"kv_quant_mode must be auto, quantized or dequantized, got {self.kv_quant_mode!r}")
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,12 @@ def test_kvquant_bench_small(qwen3_model_dir, tmp_path, capsys):
     assert args.func(args) == 0
     printed = capsys.readouterr().out
     assert "contexts (admission)" in printed and "4-bit" in printed
+    assert "8-bit: 2/2 layers quantized, quantized attention" in printed  # the CPU runs the quantized kernels
     rows = {r["kv"]: r for r in json.loads(out.read_text())["rows"]}
     assert [rows[k]["bytes_per_token"] for k in ("float", "8-bit", "4-bit")] == [1024, 320, 192]
     assert all(r["num_tokens"] == 4 * 8 and r["agg_tok_s"] > 0 for r in rows.values())
     assert rows["float"]["same_as_float"] == 1.0
+    assert [rows[k]["attention"] for k in ("float", "8-bit", "4-bit")] == [None] + ["quantized attention"] * 2
     assert rows["float"]["contexts_admitted"] == (1 << 30) // (1024 * 300)
     assert rows["8-bit"]["capacity_vs_float"] >= 3.0 and rows["4-bit"]["capacity_vs_float"] >= 5.0
     # Measured: the batch really holds fewer bytes per context (2 x 300 tokens, buffers in 256-token steps).

@@ -1,6 +1,7 @@
 """--kv-bits through the real server: /v1/status shows the KV capacity in tokens (×1.8 with 8-bit, ×3 with
 4-bit KV against the bf16 KV of the same model and budget), the bytes per token and the quantization;
-/metrics has gauges for both; completions run on the quantized batch, concurrently.
+/metrics has gauges for both; completions run on the quantized batch, concurrently. The same with KV
+dequantized per layer (what MLX-CUDA gets): the same capacity, and the status says which attention runs.
 
 The fixture is bf16 with head_dim 64 (real models keep bf16/fp16 KV; a float32 fixture would give larger
 factors), served in dedicated mode so the three servers get the same budget."""
@@ -20,10 +21,12 @@ def bf16_dir(tmp_path_factory):
     return build_model_folder(tmp_path_factory.mktemp("qwen3-bf16"), DemoModelConfig(dtype="bfloat16", head_dim=64))
 
 
-def test_status_and_metrics_show_the_larger_capacity(make_server, bf16_dir):
+@pytest.mark.parametrize("mode,attention", [("auto", "quantized attention"),
+                                            ("dequantized", "dequantized per layer")])
+def test_status_and_metrics_show_the_larger_capacity(make_server, bf16_dir, mode, attention):
     statuses, gauges = {}, {}
     for bits in (None, 8, 4):
-        live = make_server(bf16_dir, memory_mode="dedicated", kv_bits=bits)
+        live = make_server(bf16_dir, memory_mode="dedicated", kv_bits=bits, kv_quant_mode=mode)
         statuses[bits] = httpx.get(live.base_url + "/status", timeout=30).json()
         gauges[bits] = live.metrics()
         if bits == 4:
@@ -44,6 +47,7 @@ def test_status_and_metrics_show_the_larger_capacity(make_server, bf16_dir):
     assert [statuses[b]["kv_bytes_per_token"] for b in (None, 8, 4)] == [1024, 544, 288]
     assert statuses[None]["kv_quantization"] is None
     assert statuses[8]["kv_quantization"]["bits"] == 8 and statuses[8]["kv_quantization"]["group_size"] == 64
+    assert statuses[8]["kv_quantization"]["attention"] == statuses[4]["kv_quantization"]["attention"] == attention
     for bits in (None, 8, 4):
         assert gauges[bits]["mlxserve_kv_bytes_per_token"] == statuses[bits]["kv_bytes_per_token"]
         assert gauges[bits]["mlxserve_kv_capacity_tokens"] == statuses[bits]["kv_capacity_tokens"]

@@ -7,6 +7,11 @@
   written under other KV settings are a miss, never served;
 * the flags are validated, and the budget counts the smaller bytes per token (capacity ×1.8 / ×3 against
   bf16 KV, on a bf16 fixture with head_dim 64 and the default group 64).
+
+Each runs in both attention modes: "quantized" (MLX's quantized matmuls, what Metal and the CPU run) and
+"dequantized" (float copies of each layer's KV, what the plan picks where those kernels reject the shapes,
+as MLX-CUDA's do); the KV kept is the same. The plan's choice between them is tested with a probe that
+raises as MLX-CUDA's quantized matmul does.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxserve.cache.kv_quant import plan_kv_quant
+from mlxserve.cache.kv_quant import DEQUANTIZED, QUANTIZED_ATTENTION, plan_kv_quant, probe_attention
 from mlxserve.cache.quantized_batch import BatchQuantizedKVCache
 from mlxserve.config import EngineConfig
 from mlxserve.engine.engine_core import EngineCore
@@ -28,6 +33,7 @@ from mlxserve.models.loader import load_model
 BS = 16
 GS = 32  # the fixture's head_dim is 32
 NEW = 8
+MODES = ["quantized", "dequantized"]
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +74,10 @@ def one(core: EngineCore, prompt: list[int], rid: str = "r") -> dict:
     return drain(core)[rid]
 
 
-def reference(model, prompt: list[int], bits: int, n: int = NEW) -> list[int]:
+def reference(model, prompt: list[int], bits: int, n: int = NEW, mode: str = "quantized") -> list[int]:
     """Greedy decoding through per-request quantized caches alone (mlx-lm's QuantizedKVCache from
     the first token): prompt but the last token in one forward, then one token at a time."""
-    cache = plan_kv_quant(model, bits, GS).make_cache(model)
+    cache = plan_kv_quant(model, bits, GS, mode).make_cache(model)
     model(mx.array([prompt[:-1]]), cache=cache)
     token, out = prompt[-1], []
     for _ in range(n):
@@ -90,10 +96,11 @@ def _logits(model, make_cache, prompt: list[int], fed: list[int]) -> mx.array:
     return mx.concatenate(rows).astype(mx.float32)
 
 
-def test_logits_stay_within_tolerance_of_float_kv(loaded):
+@pytest.mark.parametrize("mode", MODES)
+def test_logits_stay_within_tolerance_of_float_kv(loaded, mode):
     """Max abs logit difference over a 64-token prompt and 32 decode steps (fed the float run's greedy
     tokens, so both see the same inputs). Measured on this fixture (logit std ~1.1, range ~10):
-    8-bit 0.07 max / 0.009 mean, 4-bit 1.04 / 0.15. Bounds: 8-bit 0.15 / 0.02, 4-bit 1.5 / 0.25."""
+    8-bit 0.07 max / 0.009 mean, 4-bit 1.04 / 0.15, in both modes. Bounds: 8-bit 0.15 / 0.02, 4-bit 1.5 / 0.25."""
     model = loaded.model
     prompt = tokens(0, 64)
     fed, cache = [], make_prompt_cache(model)
@@ -104,22 +111,33 @@ def test_logits_stay_within_tolerance_of_float_kv(loaded):
     base = _logits(model, make_prompt_cache, prompt, fed)
     diffs = {}
     for bits, max_bound, mean_bound in ((8, 0.15, 0.02), (4, 1.5, 0.25)):
-        d = mx.abs(_logits(model, plan_kv_quant(model, bits, GS).make_cache, prompt, fed) - base)
+        d = mx.abs(_logits(model, plan_kv_quant(model, bits, GS, mode).make_cache, prompt, fed) - base)
         diffs[bits] = d.max().item()
         assert diffs[bits] < max_bound and d.mean().item() < mean_bound, (bits, diffs[bits], d.mean().item())
     assert 0 < diffs[8] < diffs[4]  # really quantized, and 8 bits closer than 4
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_both_modes_attend_over_the_same_kv(loaded, bits):
+    """Dequantized attention reads exactly the values quantized attention reads: float32 logits agree to
+    rounding (identical on the CPU backend), far inside the gap to float KV."""
+    model, prompt = loaded.model, tokens(1, 40)
+    fed = tokens(2, 8)
+    quant, dequant = (_logits(model, plan_kv_quant(model, bits, GS, mode).make_cache, prompt, fed) for mode in MODES)
+    assert mx.abs(quant - dequant).max().item() < 1e-3
+
+
 # -- batching --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("bits", [8, 4])
-def test_greedy_tokens_alone_among_8_and_joining(loaded, bits):
+def test_greedy_tokens_alone_among_8_and_joining(loaded, bits, mode):
     prompts = [tokens(10 + i, 5 + 7 * i) for i in range(8)]
-    expected = [reference(loaded.model, p, bits) for p in prompts]
-    alone = make_core(loaded, kv_bits=bits, enable_prefix_cache=False)
+    expected = [reference(loaded.model, p, bits, mode=mode) for p in prompts]
+    alone = make_core(loaded, kv_bits=bits, kv_quant_mode=mode, enable_prefix_cache=False)
     assert one(alone, prompts[3]) == {"ids": expected[3], "cached": 0}
-    together = make_core(loaded, kv_bits=bits, enable_prefix_cache=False)
+    together = make_core(loaded, kv_bits=bits, kv_quant_mode=mode, enable_prefix_cache=False)
     for i, p in enumerate(prompts[:5]):
         together.add_request(Request(f"r{i}", p, greedy()))
     early: dict[str, list[int]] = {}
@@ -127,24 +145,27 @@ def test_greedy_tokens_alone_among_8_and_joining(loaded, bits):
         for o in together.step():
             early.setdefault(o.request_id, []).extend(o.new_token_ids)
     held = together.runner._batch.cache  # the decode batch holds quantized KV
-    assert all(isinstance(c, BatchQuantizedKVCache) and c.bits == bits for c in held) and len(held) == 2
+    assert all(isinstance(c, BatchQuantizedKVCache) and c.kv_bits == bits for c in held) and len(held) == 2
+    # Only with quantized attention does the cache have `bits`, which sends mlx-lm's attention there.
+    assert all(hasattr(c, "bits") == (mode == "quantized") for c in held)
     for i, p in enumerate(prompts[5:], start=5):
         together.add_request(Request(f"r{i}", p, greedy()))
     out = drain(together)
     assert [early.get(f"r{i}", []) + out[f"r{i}"]["ids"] for i in range(8)] == expected
-    batch = make_core(loaded, kv_bits=bits, enable_prefix_cache=False)
+    batch = make_core(loaded, kv_bits=bits, kv_quant_mode=mode, enable_prefix_cache=False)
     for i, p in enumerate(prompts):
         batch.add_request(Request(f"r{i}", p, greedy()))
     out = drain(batch)
     assert [out[f"r{i}"]["ids"] for i in range(8)] == expected
 
 
-def test_buckets_and_kv_prealloc_keep_the_tokens(loaded):
+@pytest.mark.parametrize("mode", MODES)
+def test_buckets_and_kv_prealloc_keep_the_tokens(loaded, mode):
     """Filler rows (bucketed batch sizes) and KV reserved up front: the same tokens, written in place."""
     prompts = [tokens(40 + i, 6 + 5 * i) for i in range(5)]
-    expected = [reference(loaded.model, p, 8) for p in prompts]
+    expected = [reference(loaded.model, p, 8, mode=mode) for p in prompts]
     config = EngineConfig(max_num_seqs=8, kv_bits=8, kv_group_size=GS, kv_prealloc_tokens=300,
-                          enable_prefix_cache=False)
+                          enable_prefix_cache=False, kv_quant_mode=mode)
     core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len=4096, buckets=[1, 2, 4, 8])
     for i, p in enumerate(prompts):
         core.add_request(Request(f"r{i}", p, greedy()))
@@ -164,33 +185,38 @@ def test_buckets_and_kv_prealloc_keep_the_tokens(loaded):
 # -- prefix cache and SSD tier ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("bits", [8, 4])
-def test_prefix_hits_give_the_same_tokens(loaded, bits):
+def test_prefix_hits_give_the_same_tokens(loaded, bits, mode):
     prompt = tokens(21, 3 * BS + 5)
-    expected = reference(loaded.model, prompt, bits)
-    core = make_core(loaded, kv_bits=bits)
+    expected = reference(loaded.model, prompt, bits, mode=mode)
+    core = make_core(loaded, kv_bits=bits, kv_quant_mode=mode)
     assert one(core, prompt, "a") == {"ids": expected, "cached": 0}
     assert one(core, prompt, "b") == {"ids": expected, "cached": 3 * BS}
     # A prompt sharing two blocks, then going elsewhere: resumes from the quantized blocks.
     other = prompt[: 2 * BS] + tokens(22, 9)
-    assert one(core, other, "c") == {"ids": reference(loaded.model, other, bits), "cached": 2 * BS}
+    assert one(core, other, "c") == {"ids": reference(loaded.model, other, bits, mode=mode), "cached": 2 * BS}
     stats = core.cache_stats()
     assert stats["memory"]["block_bytes"] == stats["num_cached_blocks"] * BS * core.probe.bytes_per_token
 
 
-def test_ssd_restart_gives_the_same_tokens_and_other_settings_miss(loaded, tmp_path):
+@pytest.mark.parametrize("modes", [("quantized", "quantized"), ("dequantized", "dequantized"),
+                                   ("quantized", "dequantized")])
+def test_ssd_restart_gives_the_same_tokens_and_other_settings_miss(loaded, tmp_path, modes):
+    """The last case: blocks written with quantized attention serve an engine that dequantizes (a Mac's
+    SSD files on a CUDA box): the same bytes, so a hit."""
     prompt = tokens(31, 2 * BS + 1)
-    expected = reference(loaded.model, prompt, 8)
-    first = make_core(loaded, kv_bits=8, ssd_cache_dir=str(tmp_path))
-    assert one(first, prompt) == {"ids": expected, "cached": 0}
+    first = make_core(loaded, kv_bits=8, kv_quant_mode=modes[0], ssd_cache_dir=str(tmp_path))
+    assert one(first, prompt) == {"ids": reference(loaded.model, prompt, 8, mode=modes[0]), "cached": 0}
     first.close()
-    second = make_core(loaded, kv_bits=8, ssd_cache_dir=str(tmp_path))
+    expected = reference(loaded.model, prompt, 8, mode=modes[1])
+    second = make_core(loaded, kv_bits=8, kv_quant_mode=modes[1], ssd_cache_dir=str(tmp_path))
     assert one(second, prompt) == {"ids": expected, "cached": 2 * BS}
     assert second.cache_stats()["ssd"]["hits"] == 2
     second.close()
     # Blocks quantized otherwise (or float) are foreign files: a miss, and the output is that setting's own.
-    for kw, ids in (({"kv_bits": 4}, reference(loaded.model, prompt, 4)), ({}, None)):
-        core = make_core(loaded, ssd_cache_dir=str(tmp_path), **kw)
+    for kw, ids in (({"kv_bits": 4}, reference(loaded.model, prompt, 4, mode=modes[1])), ({}, None)):
+        core = make_core(loaded, ssd_cache_dir=str(tmp_path), kv_quant_mode=modes[1], **kw)
         out = one(core, prompt)
         assert out["cached"] == 0 and core.cache_stats()["ssd"]["hits"] == 0
         if ids is not None:
@@ -206,6 +232,8 @@ def test_flags_are_validated(loaded):
         EngineConfig(kv_bits=3)
     with pytest.raises(ValueError, match="kv_group_size must be 32, 64 or 128"):
         EngineConfig(kv_bits=8, kv_group_size=48)
+    with pytest.raises(ValueError, match="kv_quant_mode must be auto, quantized or dequantized"):
+        EngineConfig(kv_bits=8, kv_quant_mode="float")
     with pytest.raises(ValueError, match=r"kv_group_size 64 must divide the attention head dim \(32\); "
                                          r"try --kv-group-size 32"):
         make_core(loaded, kv_bits=8, kv_group_size=64)
@@ -222,9 +250,11 @@ def bf16_loaded(tmp_path_factory):
     return load_model(str(path))
 
 
-def test_capacity_in_tokens_grows_with_fewer_bits(bf16_loaded):
+@pytest.mark.parametrize("mode,attention", [("quantized", QUANTIZED_ATTENTION), ("dequantized", DEQUANTIZED)])
+def test_capacity_in_tokens_grows_with_fewer_bits(bf16_loaded, mode, attention):
     def core(**kw):
-        config = EngineConfig(max_num_seqs=4, memory_mode="dedicated", enable_prefix_cache=False, **kw)
+        config = EngineConfig(max_num_seqs=4, memory_mode="dedicated", enable_prefix_cache=False,
+                              kv_quant_mode=mode, **kw)
         return EngineCore(bf16_loaded.model, bf16_loaded.tokenizer, config, max_model_len=4096)
 
     float_kv, q8, q4 = core(), core(kv_bits=8), core(kv_bits=4)
@@ -235,4 +265,35 @@ def test_capacity_in_tokens_grows_with_fewer_bits(bf16_loaded):
     assert q8.status()["kv_capacity_tokens"] >= 1.8 * base
     assert q4.status()["kv_capacity_tokens"] >= 3.0 * base
     assert q4.status()["kv_quantization"] == {"bits": 4, "group_size": 64, "quantized_layers": 2,
-                                              "num_layers": 2, "note": None}
+                                              "num_layers": 2, "attention": attention, "note": None}
+
+
+# -- choosing the attention mode -------------------------------------------------------------------------
+
+
+def cuda_like(model, plan) -> None:
+    """The probe as on MLX-CUDA 0.32: its quantized matmul rejects mlx-lm's GQA-broadcast shapes."""
+    if not plan.dequantize:
+        raise ValueError('[quantized_matmul] No implementation for problem shape: 2x2x32x4, transpose: true')
+    probe_attention(model, plan)
+
+
+def test_plan_dequantizes_where_quantized_attention_raises(loaded):
+    model = loaded.model
+    native = plan_kv_quant(model, 8, GS)  # the CPU backend runs quantized attention
+    assert native.attention == QUANTIZED_ATTENTION and not native.note
+    plan = plan_kv_quant(model, 8, GS, probe=cuda_like)
+    assert plan.dequantize and plan.layers == (0, 1) and plan.label == native.label
+    assert plan.status()["attention"] == DEQUANTIZED and "No implementation for problem shape" in plan.note
+    assert not any(hasattr(c, "bits") for c in plan.make_cache(model))
+
+    def broken(model, plan):
+        raise RuntimeError(f"no kernel ({plan.attention})")
+
+    fallback = plan_kv_quant(model, 8, GS, probe=broken)  # neither runs: float KV, both reasons said
+    assert fallback.layers == () and fallback.attention is None and fallback.label == ""
+    assert "no kernel (quantized attention)" in fallback.note and "no kernel (dequantized per layer)" in fallback.note
+    # A mode asked for is the only one tried.
+    assert plan_kv_quant(model, 8, GS, "quantized", probe=cuda_like).layers == ()
+    assert plan_kv_quant(model, 8, GS, "dequantized", probe=cuda_like).attention == DEQUANTIZED
+

@@ -5,7 +5,8 @@ that a request alone, among 8 concurrent rows and on a prefix-cache hit gives th
 * hybrid (qwen3_next): the attention layer is quantized, the recurrent state never is;
 * MLA (deepseek_v2): no layer can be (DeepSeek's attention multiplies the cached rope part itself): float KV,
   with a note in /v1/status;
-* attention sinks (gpt_oss): mlx-lm's quantized attention refuses sinks: float KV, with a note;
+* attention sinks (gpt_oss): mlx-lm's quantized attention refuses sinks, so the global layer's quantized KV
+  is dequantized per layer for float attention (which takes sinks), with a note;
 * head dim 16 (nemotron_h): no supported group size divides it: a clear error.
 """
 
@@ -23,12 +24,12 @@ from mlxserve.models.loader import load_model
 
 BS = 16
 NEW = 10
-# family -> (layers quantized of 2, words the plan's note must contain)
+# family -> (layers quantized of 2, words the plan's note must contain, how attention reads them)
 EXPECTED = {
-    "gemma3_text": (1, "RotatingKVCache"),
-    "qwen3_next": (1, "ArraysCache"),
-    "deepseek_v2": (0, "MLA"),
-    "gpt_oss": (0, "sinks"),
+    "gemma3_text": (1, "RotatingKVCache", "quantized attention"),
+    "qwen3_next": (1, "ArraysCache", "quantized attention"),
+    "deepseek_v2": (0, "MLA", None),
+    "gpt_oss": (1, "sinks", "dequantized per layer"),
 }
 
 
@@ -65,12 +66,13 @@ def run(core: EngineCore, prompts: dict[str, list[int]]) -> dict[str, tuple[list
 
 def test_quantized_layers_alone_among_8_and_on_a_hit(family):
     name, loaded = family
-    num_quantized, note = EXPECTED[name]
+    num_quantized, note, attention = EXPECTED[name]
     prompts = {f"r{i}": prompt(100 + i, 20 + 5 * i) for i in range(8)}
     alone = make_core(loaded, enable_prefix_cache=False)
     plan = alone.kv_quant
     assert len(plan.layers) == num_quantized and note in plan.note, plan
     assert alone.status()["kv_quantization"]["quantized_layers"] == num_quantized
+    assert alone.status()["kv_quantization"]["attention"] == attention
     expected = {rid: run(alone, {rid: p})[rid][0] for rid, p in prompts.items()}
     core = make_core(loaded)
     together = run(core, prompts)

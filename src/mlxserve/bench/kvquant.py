@@ -10,6 +10,9 @@
     probe) and by measurement (MLX active memory held by `--num-contexts` such contexts in the decode batch,
     the 256-position buffer steps included).
 
+Each quantized setting prints how attention reads its KV: "quantized attention" (MLX's quantized matmuls) or
+"dequantized per layer" (where those kernels reject the model's shapes, as MLX-CUDA's do).
+
 The prefix cache is off (random prompts never hit; its blocks would blur the memory reading) and the
 memory mode is dedicated, so every setting sees the same budget.
 """
@@ -31,8 +34,9 @@ from mlxserve.engine.request import Request, SamplingParams
 
 _MIB = 1 << 20
 COLUMNS = [
-    ("kv", "KV", ""), ("bytes_per_token", "bytes/token", "d"), ("agg_tok_s", "agg tok/s", ".1f"),
-    ("decode_tok_s", "decode tok/s", ".1f"), ("same_as_float", "same as float", ".2f"),
+    ("kv", "KV", ""), ("attention", "attention", ""), ("bytes_per_token", "bytes/token", "d"),
+    ("agg_tok_s", "agg tok/s", ".1f"), ("decode_tok_s", "decode tok/s", ".1f"),
+    ("same_as_float", "same as float", ".2f"),
     ("measured_mib_per_context", "MiB/context", ".1f"), ("contexts_admitted", "contexts (admission)", "d"),
     ("contexts_measured", "contexts (measured)", "d"), ("capacity_vs_float", "vs float", ".2f"),
 ]
@@ -143,11 +147,13 @@ def run_kvquant_bench(args: argparse.Namespace) -> dict:
                 raise SystemExit("no memory budget could be computed here: pass --kv-memory-gb")
             budget_bytes = core.budget.kv  # the first setting's (float KV when listed first)
         per_token = core.probe.bytes_per_token
-        # A model (or backend) whose attention cannot read quantized KV falls back to float: say so.
+        # How attention reads the KV (a backend whose quantized matmuls reject the shapes dequantizes per
+        # layer), and why some layers (or all) stay float.
         quant = core.kv_quant.status() if core.kv_quant is not None else None
-        if quant is not None and quant["note"]:
-            print(f"{_label(bits)}: {quant['quantized_layers']}/{quant['num_layers']} layers quantized; "
-                  f"{quant['note']}", flush=True)
+        if quant is not None:
+            print(f"{_label(bits)}: {quant['quantized_layers']}/{quant['num_layers']} layers quantized, "
+                  f"{quant['attention'] or 'float attention'}" + (f"; {quant['note']}" if quant["note"] else ""),
+                  flush=True)
         _run_batch(core, warm, min(args.max_tokens, 16))
         run = _run_batch(core, prompts, args.max_tokens)
         if bits is None:
@@ -162,7 +168,7 @@ def run_kvquant_bench(args: argparse.Namespace) -> dict:
         rows.append({"kv": _label(bits), "kv_bits": bits, "bytes_per_token": per_token,
                      "agg_tok_s": run["agg_tok_s"], "decode_tok_s": run["decode_tok_s"],
                      "num_tokens": run["num_tokens"], "wall_s": run["wall_s"], "same_as_float": same,
-                     "kv_quantization": quant,
+                     "kv_quantization": quant, "attention": quant["attention"] if quant else None,
                      "measured_mib_per_context": per_context / _MIB,
                      "contexts_admitted": budget_bytes // (per_token * args.context_tokens),
                      "contexts_measured": int(budget_bytes // per_context) if per_context > 0 else None})

@@ -65,8 +65,8 @@ def read_layout(cache: list[Any]) -> KVLayout | None:
             if c.keys is None or c.keys[1].shape[1] != c.values[1].shape[1]:
                 return None
             kinds.append(KV)
-            quant.add((c.bits, c.group_size))
-            widths = quantized_width(c.keys, c.bits), quantized_width(c.values, c.bits)
+            quant.add((c.kv_bits, c.group_size))
+            widths = quantized_width(c.keys, c.kv_bits), quantized_width(c.values, c.kv_bits)
             shapes.add((c.keys[1].shape[1], *widths, c.keys[1].dtype))
         elif type(c) is KVCache or (type(c) is RotatingKVCache and c.keep == 0):
             if c.keys is None or c.keys.shape[1] != c.values.shape[1]:

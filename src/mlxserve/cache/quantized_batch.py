@@ -6,11 +6,17 @@ packed uint32 data, scales, biases; attention through `mx.quantized_matmul` in
 but no batch version, so its server serves quantized KV one request at a time. `BatchQuantizedKVCache`
 is that batch version: mlx-lm's `BatchKVCache` (left padding, offsets, masks, trim) with every array
 operation applied to the three parts of each tuple. `QuantizedRowKVCache` is mlx-lm's per-request
-cache plus the two things the batch needs from it: `size()` and `merge`.
+cache plus what the batch needs from it (`size()`, `merge`) and the mode below.
 
 Every attention, prefill included, reads the quantized KV: a prompt's KV is quantized as it is
 written, not after the prefill. Then a position's KV does not depend on how the prompt was chunked,
 whether it came from the prefix cache, or which batch it ran in, so those paths give the same tokens.
+
+Two modes, one storage. With quantized attention (`dequantize=False`) the caches have `bits`, so mlx-lm's
+models read the KV through `quantized_scaled_dot_product_attention`. Some backends' quantized matmul
+rejects its GQA-broadcast shapes (MLX-CUDA 0.32: "No implementation for problem shape"); there
+(`dequantize=True`) `update_and_fetch` returns float keys and values and the cache has no `bits`, so the
+models take their float SDPA. The KV kept, the prefix-cache blocks and the SSD files are the same bytes.
 """
 
 from __future__ import annotations
@@ -44,8 +50,74 @@ def quantized_width(q: Quantized, bits: int) -> int:
     return q[0].shape[-1] * 32 // bits
 
 
-class QuantizedRowKVCache(QuantizedKVCache):
+def _write(stored: tuple[Quantized, Quantized] | None, prev: int, keys: mx.array, values: mx.array, step: int,
+           bits: int, group_size: int) -> tuple[Quantized, Quantized]:
+    """Quantizes `keys`/`values` into positions [prev, prev + n) of the stored tuples, first growing them
+    in `step`s (dropping what lies past `prev`) when they are too short, as mlx-lm's caches do."""
+    n = keys.shape[2]
+    if stored is None or prev + n > stored[0][0].shape[2]:
+        B, H = keys.shape[:2]
+        grow = (step + n - 1) // step * step
+        new = (_zeros(B, H, grow, keys.shape[3], keys.dtype, bits, group_size),
+               _zeros(B, H, grow, values.shape[3], values.dtype, bits, group_size))
+        if stored is None:
+            stored = new
+        else:
+            if prev % step != 0:
+                stored = tree_map(lambda x: x[..., :prev, :], stored)
+            stored = tuple(tuple(mx.concatenate([a, b], axis=2) for a, b in zip(old, grown))
+                           for old, grown in zip(stored, new))
+    for q, target in zip((mx.quantize(keys, group_size=group_size, bits=bits),
+                          mx.quantize(values, group_size=group_size, bits=bits)), stored):
+        for i in range(3):
+            target[i][..., prev : prev + n, :] = q[i]
+    return stored
+
+
+class _QuantizedKV:
+    """The mode both caches share. `kv_bits` is always set; `bits` only with quantized attention."""
+
+    kv_bits: int
+    group_size: int
+    dequantize: bool
+
+    @property
+    def bits(self) -> int:
+        if self.dequantize:
+            # mlx-lm's attention reads quantized KV when `hasattr(cache, "bits")`: here it must not.
+            raise AttributeError("bits (KV is dequantized per layer for float attention)")
+        return self.kv_bits
+
+    def _fetched(self, keys: Quantized, values: Quantized):
+        """What attention gets: the quantized tuples, or float copies of them. A float copy is transient:
+        one layer's, released once that layer's attention has run; only the quantized KV is kept."""
+        if not self.dequantize:
+            return keys, values
+        return tuple(mx.dequantize(*q, group_size=self.group_size, bits=self.kv_bits) for q in (keys, values))
+
+
+class QuantizedRowKVCache(_QuantizedKV, QuantizedKVCache):
     """One request's quantized KV (mlx-lm's cache), which the decode batch can merge."""
+
+    def __init__(self, group_size: int = 64, bits: int = 8, dequantize: bool = False) -> None:
+        # Not the parent's __init__: it sets `bits`, which the dequantize mode must not have.
+        self.keys = self.values = None
+        self.offset = 0
+        self.group_size, self.kv_bits, self.dequantize = group_size, bits, dequantize
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        stored = None if self.keys is None else (self.keys, self.values)
+        self.keys, self.values = _write(stored, self.offset, keys, values, self.step, self.kv_bits, self.group_size)
+        self.offset += keys.shape[2]
+        return self._fetched(*self.keys_and_values())
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset, self.group_size, self.kv_bits
+
+    @state.setter
+    def state(self, v) -> None:
+        self.keys, self.values, self.offset, self.group_size, self.kv_bits = v
 
     def size(self) -> int:
         return self.offset
@@ -55,37 +127,21 @@ class QuantizedRowKVCache(QuantizedKVCache):
         return BatchQuantizedKVCache.merge(caches)
 
 
-class BatchQuantizedKVCache(BatchKVCache):
+class BatchQuantizedKVCache(_QuantizedKV, BatchKVCache):
     """mlx-lm's BatchKVCache whose keys and values are quantized tuples. The bookkeeping (offsets,
     left padding, `_idx`, masks, trim, prepare) is the parent's; what touches arrays is here."""
 
-    def __init__(self, left_padding: list[int], group_size: int = 64, bits: int = 8) -> None:
+    def __init__(self, left_padding: list[int], group_size: int = 64, bits: int = 8,
+                 dequantize: bool = False) -> None:
         super().__init__(left_padding)
-        self.group_size = group_size
-        self.bits = bits  # its presence sends the models' attention through quantized_matmul
+        self.group_size, self.kv_bits, self.dequantize = group_size, bits, dequantize
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        prev, n = self._idx, keys.shape[2]
-        if self.keys is None or prev + n > self.keys[0].shape[2]:
-            B, H = keys.shape[:2]
-            grow = (self.step + n - 1) // self.step * self.step
-            new_k = _zeros(B, H, grow, keys.shape[3], keys.dtype, self.bits, self.group_size)
-            new_v = _zeros(B, H, grow, values.shape[3], values.dtype, self.bits, self.group_size)
-            if self.keys is not None:
-                if prev % self.step != 0:
-                    self.keys, self.values = tree_map(lambda x: x[..., :prev, :], (self.keys, self.values))
-                self.keys = tuple(mx.concatenate([a, b], axis=2) for a, b in zip(self.keys, new_k))
-                self.values = tuple(mx.concatenate([a, b], axis=2) for a, b in zip(self.values, new_v))
-            else:
-                self.keys, self.values = new_k, new_v
-        self.offset = self.offset + n
-        self._idx += n
-        qk = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
-        qv = mx.quantize(values, group_size=self.group_size, bits=self.bits)
-        for i in range(3):
-            self.keys[i][..., prev : self._idx, :] = qk[i]
-            self.values[i][..., prev : self._idx, :] = qv[i]
-        return self.keys_and_values()
+        stored = None if self.keys is None else (self.keys, self.values)
+        self.keys, self.values = _write(stored, self._idx, keys, values, self.step, self.kv_bits, self.group_size)
+        self.offset = self.offset + keys.shape[2]
+        self._idx += keys.shape[2]
+        return self._fetched(*self.keys_and_values())
 
     def keys_and_values(self):
         idx = self._idx
@@ -120,15 +176,15 @@ class BatchQuantizedKVCache(BatchKVCache):
         max_idx = max(self._idx, other._idx)
         ref = self if self.keys is not None else other
         H, dtype = ref.keys[1].shape[1], ref.keys[1].dtype
-        Dk, Dv = quantized_width(ref.keys, self.bits), quantized_width(ref.values, self.bits)
+        Dk, Dv = quantized_width(ref.keys, self.kv_bits), quantized_width(ref.values, self.kv_bits)
         max_size = max(c.keys[0].shape[2] for c in (self, other) if c.keys is not None)
 
         def pad(c):
             k, v = c.keys, c.values
             if k is None:
                 rows = c.offset.shape[0]
-                k = _zeros(rows, H, 0, Dk, dtype, self.bits, self.group_size)
-                v = _zeros(rows, H, 0, Dv, dtype, self.bits, self.group_size)
+                k = _zeros(rows, H, 0, Dk, dtype, self.kv_bits, self.group_size)
+                v = _zeros(rows, H, 0, Dv, dtype, self.kv_bits, self.group_size)
             left = max_idx - c._idx
             right = max_size - k[0].shape[2] - left
             if right < 0:
@@ -146,7 +202,7 @@ class BatchQuantizedKVCache(BatchKVCache):
         self._idx = max_idx
 
     def extract(self, idx: int) -> QuantizedRowKVCache:
-        cache = QuantizedRowKVCache(self.group_size, self.bits)
+        cache = QuantizedRowKVCache(self.group_size, self.kv_bits, self.dequantize)
         padding = self.left_padding.tolist()[idx]
         cache.keys, cache.values = tree_map(lambda x: mx.contiguous(x[idx : idx + 1, :, padding : self._idx]),
                                             (self.keys, self.values))
@@ -157,11 +213,11 @@ class BatchQuantizedKVCache(BatchKVCache):
     def merge(cls, caches: list[Any]) -> "BatchQuantizedKVCache":
         """Per-request quantized caches (batch 1) -> one batch cache, left-padded to the longest."""
         first = next((c for c in caches if c.keys is not None), caches[0])
-        group_size, bits = first.group_size, first.bits
+        group_size, bits, dequantize = first.group_size, first.kv_bits, first.dequantize
         lengths = [c.offset for c in caches]
         max_length = max(lengths)
         if max_length == 0:
-            return cls([0] * len(caches), group_size, bits)
+            return cls([0] * len(caches), group_size, bits, dequantize)
         padding = [max_length - n for n in lengths]
         H, dtype = first.keys[1].shape[1], first.keys[1].dtype
         B, Dk, Dv = len(caches), quantized_width(first.keys, bits), quantized_width(first.values, bits)
@@ -173,7 +229,7 @@ class BatchQuantizedKVCache(BatchKVCache):
             for part in range(3):
                 keys[part][i : i + 1, :, p : p + c.offset] = c.keys[part][..., : c.offset, :]
                 values[part][i : i + 1, :, p : p + c.offset] = c.values[part][..., : c.offset, :]
-        cache = cls(padding, group_size, bits)
+        cache = cls(padding, group_size, bits, dequantize)
         cache.keys, cache.values = keys, values
         cache.offset += max_length
         cache._idx = max_length

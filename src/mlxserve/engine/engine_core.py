@@ -61,7 +61,7 @@ class EngineCore:
         self._make_detokenizer = make_detokenizer_factory(tokenizer)
         self.config = config
         # --kv-bits: which layers hold quantized KV (raises if the group size does not fit the model).
-        self.kv_quant = plan_kv_quant(model, config.kv_bits, config.kv_group_size)
+        self.kv_quant = plan_kv_quant(model, config.kv_bits, config.kv_group_size, config.kv_quant_mode)
         make_cache = self.kv_quant.make_cache if self.kv_quant is not None else make_prompt_cache
         probe = probe_kv(model, make_cache)
         self.probe = probe
@@ -119,7 +119,8 @@ class EngineCore:
                                            refresh_s=config.memory_refresh_s)
             self.governor.vision_cache = self.vision_cache
         log.info("KV for running requests: %s tokens of %d bytes%s%s", self.kv_capacity_tokens, per_token,
-                 f" ({config.kv_bits}-bit KV in {len(self.kv_quant.layers)}/{probe.num_layers} layers)"
+                 f" ({config.kv_bits}-bit KV in {len(self.kv_quant.layers)}/{probe.num_layers} layers"
+                 f"{', ' + self.kv_quant.attention if self.kv_quant.attention else ''})"
                  if self.kv_quant is not None else "",
                  f", {config.kv_prealloc_tokens} reserved per batch up front" if config.kv_prealloc_tokens else "")
         self._requests: dict[str, Request] = {}
