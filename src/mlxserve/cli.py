@@ -56,6 +56,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="small model with the target's tokenizer that drafts tokens (turns --speculative draft on)")
     p.add_argument("--num-draft-tokens", type=int, default=d.num_draft_tokens, metavar="K",
                    help="most tokens a row drafts per step (each row adapts below it from its acceptance)")
+    p.add_argument("--spec-max-batch", type=int, default=d.spec_max_batch, metavar="N",
+                   help="speculate only while at most N requests decode; larger batches decode plainly, where "
+                        "verifying drafts costs more than it saves")
     p.add_argument("--vision-cache-memory", default="512MB",
                    help="vision-language models: encoder outputs kept by image hash (bytes or %% of RAM)")
 
@@ -132,7 +135,7 @@ def _engine_config(args) -> EngineConfig:
                         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
                         warmup=args.warmup, decode_buckets=args.decode_buckets,
                         speculative=args.speculative, draft_model=args.draft_model,
-                        num_draft_tokens=args.num_draft_tokens,
+                        num_draft_tokens=args.num_draft_tokens, spec_max_batch=args.spec_max_batch,
                         vision_cache_bytes=parse_memory(args.vision_cache_memory, total_ram()))
 
 

@@ -25,7 +25,9 @@ def loaded(qwen3_model_dir):
 
 
 def make_core(loaded, **kw) -> EngineCore:
-    config = EngineConfig(**{"max_num_seqs": 16, "block_size": 16, "cache_memory_bytes": 32 << 20, **kw})
+    # Speculation in batches of up to 16 rows: what these tests check is its identity there.
+    config = EngineConfig(**{"max_num_seqs": 16, "block_size": 16, "cache_memory_bytes": 32 << 20,
+                             "spec_max_batch": 16, **kw})
     return EngineCore(loaded.model, loaded.tokenizer, config, max_model_len=4096, model_key="spec")
 
 
