@@ -59,6 +59,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cudnn-attention", choices=["auto", "on", "off"], default=d.cudnn_attention,
                    help="MLX-CUDA: multi-token attention through cuDNN, which builds a graph per new shape (40-80 ms)"
                         "; auto: off under --speculative, else on. MLX_CUDA_USE_CUDNN_SDPA in the environment wins")
+    p.add_argument("--spec-max-batch", type=int, default=d.spec_max_batch, metavar="N",
+                   help="speculate only while at most N requests decode; larger batches decode plainly, where "
+                        "verifying drafts costs more than it saves")
     p.add_argument("--vision-cache-memory", default="512MB",
                    help="vision-language models: encoder outputs kept by image hash (bytes or %% of RAM)")
 
@@ -135,7 +138,8 @@ def _engine_config(args) -> EngineConfig:
                         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
                         warmup=args.warmup, decode_buckets=args.decode_buckets,
                         speculative=args.speculative, draft_model=args.draft_model,
-                        num_draft_tokens=args.num_draft_tokens, cudnn_attention=args.cudnn_attention,
+                        num_draft_tokens=args.num_draft_tokens, spec_max_batch=args.spec_max_batch,
+                        cudnn_attention=args.cudnn_attention,
                         vision_cache_bytes=parse_memory(args.vision_cache_memory, total_ram()))
 
 

@@ -69,6 +69,9 @@ class EngineConfig:
     # MLX-CUDA only (models/cudnn_attention.py): cuDNN attention builds a graph per new shape (40-80 ms);
     # "auto" turns it off under speculative decoding, whose verify shapes are new at every step.
     cudnn_attention: str = "auto"
+    # Speculate only while at most this many requests decode: verifying drafts is nearly free while
+    # decode is memory-bound (small batches) and costs compute beyond (35-50% lost at 16 rows, H200).
+    spec_max_batch: int = 4
 
     def __post_init__(self) -> None:
         if self.draft_model and self.speculative == "off":
@@ -79,6 +82,8 @@ class EngineConfig:
             raise ValueError("speculative decoding with a draft model needs draft_model")
         if not 1 <= self.num_draft_tokens <= 64:
             raise ValueError("num_draft_tokens must be in 1..64")
+        if self.spec_max_batch < 1:
+            raise ValueError("spec_max_batch must be >= 1")
         if self.warmup not in ("auto", "on", "off"):
             raise ValueError("warmup must be auto, on or off")
         if self.cudnn_attention not in ("auto", "on", "off"):

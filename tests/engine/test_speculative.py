@@ -25,7 +25,9 @@ def loaded(qwen3_model_dir):
 
 
 def make_core(loaded, **kw) -> EngineCore:
-    config = EngineConfig(**{"max_num_seqs": 16, "block_size": 16, "cache_memory_bytes": 32 << 20, **kw})
+    # Speculation in batches of up to 16 rows: what these tests check is its identity there.
+    config = EngineConfig(**{"max_num_seqs": 16, "block_size": 16, "cache_memory_bytes": 32 << 20,
+                             "spec_max_batch": 16, **kw})
     return EngineCore(loaded.model, loaded.tokenizer, config, max_model_len=4096, model_key="spec")
 
 
@@ -120,13 +122,80 @@ def test_greedy_identity_16_concurrent(loaded, drafts, concurrent_requests, plai
     assert 0 < stats["num_accepted"] <= stats["num_drafted"]
 
 
+def _draft_in_step(core: EngineCore) -> bool:
+    """A draft model's cache of each live row holds all the row's KV but its last emitted token."""
+    batch = core.runner._batch
+    live = [i for i, rid in enumerate(batch.row_ids) if rid is not None]
+    target, draft = batch.cache[0].offset.tolist(), batch.draft_cache[0].offset.tolist()
+    return all(draft[i] == target[i] - 1 for i in live)
+
+
+@pytest.mark.parametrize("mode", ["ngram", "self"])
+def test_batches_over_spec_max_batch_decode_plainly(loaded, drafts, mode):
+    """More rows than --spec-max-batch: steps decode plainly (no drafts, no verification); as rows finish
+    and the batch shrinks, speculation resumes, and greedy output stays token-identical. A draft model's
+    cache catches up on what the plain steps decoded: the target drafting for itself is still always right."""
+    reqs = [greedy(f"r{i}", echo_prompt(i), max_tokens=6 + 8 * i) for i in range(6)]
+    plain = run(make_core(loaded), copy(reqs))
+    core = make_core(loaded, spec_max_batch=2, **drafts[mode])
+    for r in copy(reqs):
+        core.add_request(r)
+    got: dict[str, list[int]] = {}
+    sizes = {"big": 0, "small": 0}
+    while core.has_work:
+        before = core.spec_stats()
+        for o in core.step():
+            assert o.error is None
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        after = core.spec_stats()
+        num_live = core.runner._batch.num_live  # the rows this step decoded (finished ones leave next step)
+        if not num_live:
+            continue
+        big = after["num_big_batch_steps"] - before["num_big_batch_steps"]
+        spec = after["num_steps"] - before["num_steps"]
+        assert big == (num_live > 2)
+        if num_live > 2:
+            assert spec == 0 and after["num_drafted"] == before["num_drafted"]
+            sizes["big"] += 1
+        elif spec:
+            sizes["small"] += 1
+            if mode == "self":
+                assert _draft_in_step(core)
+    assert sizes["big"] > 0 and sizes["small"] > 0
+    assert {r.request_id: got[r.request_id] for r in reqs} == {r.request_id: plain[r.request_id]["ids"] for r in reqs}
+    stats = core.spec_stats()
+    assert stats["spec_max_batch"] == 2 and stats["num_plain_steps"] >= stats["num_big_batch_steps"] == sizes["big"]
+    if mode == "self":
+        assert stats["acceptance_rate"] == 1.0
+
+
+def test_a_row_whose_drafts_keep_failing_pauses_drafting(loaded, drafts):
+    """A draft that is rarely right (another random model): after a few rejected drafts the row stops
+    drafting, tries again after longer and longer pauses, and catches the draft's cache up each time."""
+    req = [greedy("a", echo_prompt(2), max_tokens=120)]
+    plain = run(make_core(loaded), copy(req))
+    core = make_core(loaded, **drafts["other"])
+    core.add_request(copy(req)[0])
+    ids = []
+    while core.has_work:
+        before = core.spec_stats()["num_steps"]
+        for o in core.step():
+            ids += o.new_token_ids
+        if core.spec_stats()["num_steps"] > before and core.runner._batch.num_live:
+            assert _draft_in_step(core)
+    assert ids == plain["a"]["ids"]
+    stats = core.spec_stats()
+    assert stats["num_row_pauses"] >= 2 and stats["num_plain_steps"] > stats["num_steps"]
+    assert stats["num_drafted"] < 40  # drafting every step would propose a token or more each of ~120 steps
+
+
 def test_mixed_batch_constrained_penalized_logprobs(loaded, qwen3_model_dir):
     """Constrained and penalized rows ride in speculative steps without drafts; logprobs of emitted tokens
     (accepted drafts included) match plain decoding's."""
     schema = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}
     reqs = [
         greedy("lp", echo_prompt(0), max_tokens=20, logprobs=True, top_logprobs=3),
-        greedy("pen", echo_prompt(1), max_tokens=20, repetition_penalty=1.3),
+        greedy("pen", echo_prompt(1), max_tokens=20, repetition_penalty=1.3, logprobs=True, top_logprobs=2),
         Request("json", echo_prompt(4), SamplingParams(max_tokens=60, temperature=0.0,
                                                       constraint=json_schema_constraint(schema)),
                 eos_token_ids=loaded.eos_token_ids),
@@ -138,12 +207,13 @@ def test_mixed_batch_constrained_penalized_logprobs(loaded, qwen3_model_dir):
     for r in reqs:
         assert got[r.request_id]["ids"] == plain[r.request_id]["ids"], r.request_id
     jsonschema.validate(json.loads(got["json"]["text"]), schema)
-    a, b = got["lp"]["lp"], plain["lp"]["lp"]
-    assert len(a) == len(b) == 20
-    for x, y in zip(a, b):
-        assert x.token_id == y.token_id
-        assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
-        assert [t for t, _ in x.top] == [t for t, _ in y.top]
+    for rid in ("lp", "pen"):  # a drafting row, and a penalized one riding along without a draft
+        a, b = got[rid]["lp"], plain[rid]["lp"]
+        assert len(a) == len(b) == 20
+        for x, y in zip(a, b):
+            assert x.token_id == y.token_id
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
     assert core.spec_stats()["num_accepted"] > 0
 
 

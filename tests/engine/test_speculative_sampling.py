@@ -120,7 +120,7 @@ def test_engine_sampling_distribution_with_a_draft_model(loaded, qwen3_model_dir
     mx.random.seed(1234)  # a fixed draw: the bound's 1-in-10,000 false alarm cannot make the suite flaky
     params = SamplingParams(max_tokens=4, temperature=1.0, top_k=4, ignore_eos=True)
     config = EngineConfig(max_num_seqs=128, max_num_waiting=n, enable_prefix_cache=False, num_draft_tokens=3,
-                          draft_model=str(qwen3_model_dir))
+                          draft_model=str(qwen3_model_dir), spec_max_batch=128)
     core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len=4096)
     for i in range(n):
         core.add_request(Request(f"r{i}", prompt, params))

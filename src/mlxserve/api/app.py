@@ -285,8 +285,9 @@ def _sum_stats(engines) -> EngineStats:
     """The engines' counters added up: /metrics shows the server, whichever models are loaded."""
     stats = [e.stats for e in engines]
     totals = {f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(EngineStats)}
-    # Bytes per token is a property of a model, not an amount: the largest of them, not a sum.
+    # Bytes per token and the speculation threshold are settings of a model, not amounts: the largest.
     totals["kv_bytes_per_token"] = max((s.kv_bytes_per_token for s in stats), default=0)
+    totals["spec_max_batch"] = max((s.spec_max_batch for s in stats), default=0)
     return EngineStats(**totals)
 
 

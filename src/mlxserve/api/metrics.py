@@ -38,6 +38,14 @@ class _EngineGauges:
         g = GaugeMetricFamily("mlxserve_spec_acceptance_rate", "Speculative decoding: accepted / drafted tokens")
         g.add_metric([], stats.spec_accepted_tokens / stats.spec_drafted_tokens if stats.spec_drafted_tokens else 0.0)
         yield g
+        g = GaugeMetricFamily("mlxserve_spec_max_batch",
+                              "Speculative decoding: most decoding requests a step speculates for (0: off)")
+        g.add_metric([], stats.spec_max_batch)
+        yield g
+        c = CounterMetricFamily("mlxserve_spec_big_batch_steps",
+                                "Speculative decoding: decode steps without it, the batch over the maximum")
+        c.add_metric([], stats.spec_big_batch_steps)
+        yield c
         g = GaugeMetricFamily("mlxserve_num_requests_running", "Requests in the decode batch or prefilling")
         g.add_metric([], running)
         yield g

@@ -26,7 +26,8 @@ from mlxserve.engine.request import Request, SamplingParams
 
 _COLUMNS = [
     ("workload", "workload", ""), ("concurrency", "c", "d"), ("mode", "speculative", ""),
-    ("acceptance", "accepted", ".2f"), ("tokens_per_step", "tok/row-step", ".2f"), ("tok_s", "tok/s", ".1f"),
+    ("acceptance", "accepted", ".2f"), ("tokens_per_step", "tok/row-step", ".2f"), ("plain_steps", "plain steps", "d"),
+    ("tok_s", "tok/s", ".1f"),
     ("speedup", "vs off", ".2f"),
 ]
 
@@ -85,7 +86,7 @@ def measure(loaded, mode: str, draft_dir: Path | None, args, workload: str, c: i
 
     spec = {"speculative": "ngram"} if mode == "ngram" else ({"draft_model": str(draft_dir)} if draft_dir else {})
     config = EngineConfig(max_num_seqs=max(c, 1), enable_prefix_cache=False, num_draft_tokens=args.num_draft_tokens,
-                          **spec)
+                          spec_max_batch=args.spec_max_batch, **spec)
     core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len=args.prompt_tokens + args.max_tokens + 64)
     # A warm-up wave of the same shape first: MLX-CUDA compiles kernels per new shape.
     run_wave(core, make_prompts(workload, c, args.prompt_tokens, vocab, seed=1), args.max_tokens)
@@ -98,7 +99,9 @@ def measure(loaded, mode: str, draft_dir: Path | None, args, workload: str, c: i
         drafted = after["num_drafted"] - before["num_drafted"]
         accepted = after["num_accepted"] - before["num_accepted"]
         row.update(acceptance=accepted / drafted if drafted else 0.0, drafted=drafted, accepted=accepted,
-                   spec_steps=after["num_steps"] - before["num_steps"])
+                   spec_steps=after["num_steps"] - before["num_steps"],
+                   plain_steps=after["num_plain_steps"] - before["num_plain_steps"],
+                   row_pauses=after["num_row_pauses"] - before["num_row_pauses"])
         if row["spec_steps"]:  # tokens a row emits per speculative step (1 without speculation)
             row["tokens_per_step"] = (after["num_emitted"] - before["num_emitted"]) / (row["spec_steps"] * c)
     return row
@@ -159,6 +162,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cudnn-attention", choices=["auto", "on", "off"], default="auto",
                         help="MLX-CUDA: cuDNN attention for every row, the baseline too (auto: off, as serve does"
                              " under --speculative)")
+    parser.add_argument("--spec-max-batch", type=int, default=EngineConfig.spec_max_batch,
+                        help="speculate only while at most this many requests decode (the server's --spec-max-batch); "
+                             "set it to the largest concurrency to measure speculation at every level")
     parser.add_argument("--output-json", default=None, help="result file (default: bench-results/speculative-*.json)")
 
 

@@ -36,6 +36,8 @@ class EngineStats:
     kv_bytes_per_token: int = 0  # what one token's KV costs (smaller under --kv-bits)
     spec_drafted_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_max_batch: int = 0  # --spec-max-batch (0: speculation off)
+    spec_big_batch_steps: int = 0  # decode steps that did not speculate: the batch was over spec_max_batch
 
 
 class AsyncEngine:
@@ -158,6 +160,8 @@ class AsyncEngine:
             kv_bytes_per_token=getattr(getattr(core, "probe", None), "bytes_per_token", 0),
             spec_drafted_tokens=spec.stats.num_drafted if spec is not None else 0,
             spec_accepted_tokens=spec.stats.num_accepted if spec is not None else 0,
+            spec_max_batch=spec.max_batch if spec is not None else 0,
+            spec_big_batch_steps=spec.stats.num_big_batch_steps if spec is not None else 0,
         )
 
     def _serve(self) -> None:

@@ -368,7 +368,8 @@ class EngineCore:
         """Speculative decoding's counters (mode "off" when it is not running)."""
         if self.spec is None:
             return {"mode": "off"}
-        return {"mode": self.spec.mode, "num_draft_tokens": self.spec.max_k, **self.spec.stats.as_dict()}
+        return {"mode": self.spec.mode, "num_draft_tokens": self.spec.max_k, "spec_max_batch": self.spec.max_batch,
+                **self.spec.stats.as_dict()}
 
     def vision_stats(self) -> dict | None:
         if self.vision_cache is None:

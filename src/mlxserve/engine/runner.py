@@ -24,7 +24,7 @@ from mlxserve.engine.batch_prefill import pick_rows, prefill_rows, why_not_batch
 from mlxserve.engine.mm_prefill import MultimodalPrefill
 from mlxserve.engine.request import Request, SamplingParams, TokenLogprob
 from mlxserve.engine.grammar import GrammarSource
-from mlxserve.engine.sampling import RowSampler, gather_logprobs, sample_batch
+from mlxserve.engine.sampling import RowSampler, gather_logprobs, pending_arrays, sample_batch, to_logprob
 from mlxserve.engine.scheduler import PrefillChunk, SchedulerOutput
 from mlxserve.engine.spec_decode import SpeculativeDecoder
 
@@ -128,8 +128,8 @@ class ModelRunner:
                 if self.mm is not None:
                     positions = mx.array([requests[r].num_prompt_tokens + self._deltas.pop(r, 0) for r in rids])
                 draft = None
-                if self.spec is not None and self.spec.draft_model is not None:
-                    draft = [self.spec.prefill_draft(requests[r].prompt_token_ids) for r in rids]
+                if self.spec is not None and self.spec.draft is not None:
+                    draft = [self.spec.draft.prefill(r, requests[r].prompt_token_ids) for r in rids]
                 self._batch.join(list(rids), list(caches), mx.concatenate(tokens), positions, draft)
             if self.spec is None or not self._batch.num_live or not self.spec.step(self, requests, out):
                 self._decode(out)
@@ -418,18 +418,17 @@ class ModelRunner:
         nxt, logprobs = sample_batch(logits, rows)
         self._keep_logprobs(rids, rows, nxt, logprobs)
         batch.tokens = nxt
-        mx.async_eval(nxt, *(a for v in self._pending_lp.values() for a in _flat(v)))
+        mx.async_eval(nxt, *(a for v in self._pending_lp.values() for a in pending_arrays(v)))
 
         for rid, token in zip(rids, fed_ids if fed_ids is not None else fed.tolist()):
             if rid is not None and rid not in out.failed:
                 out.request_ids.append(rid)
                 out.token_ids.append(token)
-        for rid, (chosen, top) in fed_lp.items():
+        for rid, pending in fed_lp.items():
             if rid in out.failed:
                 continue
-            k = self._samplers[rid].params.top_logprobs
-            pairs = tuple(zip(top[0][:k].tolist(), top[1][:k].tolist())) if top is not None and k else ()
-            out.logprobs[rid] = [TokenLogprob(out.token_ids[out.request_ids.index(rid)], chosen.item(), pairs)]
+            token = out.token_ids[out.request_ids.index(rid)]
+            out.logprobs[rid] = [to_logprob(token, pending, self._samplers[rid].params.top_logprobs)]
 
 
 def reseed_after_failure() -> None:
@@ -437,7 +436,3 @@ def reseed_after_failure() -> None:
     placeholder array there and every later unseeded sample would fail. Start a fresh key."""
     mx.random.seed(time.time_ns() % 2**32)
 
-
-def _flat(pending: tuple) -> list[mx.array]:
-    chosen, top = pending
-    return [chosen, *top] if top is not None else [chosen]

@@ -8,7 +8,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from mlxserve.engine.request import SamplingParams
+from mlxserve.engine.request import SamplingParams, TokenLogprob
 
 # OpenAI's presence/frequency penalties look at everything generated so far; mlx-lm's processors
 # take a context window, so we pass one as large as any generation.
@@ -141,3 +141,22 @@ def gather_logprobs(
     top_ids = mx.argsort(-logprobs, axis=-1)[:, :top_k]
     top_vals = mx.take_along_axis(logprobs, top_ids, axis=-1)
     return chosen, top_ids, top_vals
+
+
+def to_logprob(token: int, pending: tuple, k: int) -> TokenLogprob:
+    """A token's entry from its pending (chosen, (top ids, top logprobs)): arrays the device evaluated
+    already (read whole: a slice would be a new op, queued behind the next forward), or the Python
+    values a speculative step read back."""
+    chosen, top = pending
+    value = chosen if isinstance(chosen, float) else chosen.item()
+    pairs = ()
+    if top is not None and k:
+        ids, vals = (t if isinstance(t, list) else t.tolist() for t in top)
+        pairs = tuple(zip(ids[:k], vals[:k]))
+    return TokenLogprob(token, value, pairs)
+
+
+def pending_arrays(pending: tuple) -> list[mx.array]:
+    """The arrays of a pending (chosen, top) to evaluate (a speculative step leaves Python values)."""
+    chosen, top = pending
+    return [a for a in (chosen, *(top or ())) if isinstance(a, mx.array)]

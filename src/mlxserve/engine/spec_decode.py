@@ -14,7 +14,9 @@ decodes as usual, pipelined. Drafts are point masses (copied tokens, the draft m
 sampled rows: `speculative.verify_group` keeps their distribution exact.
 
 A speculative step waits for its verification (the rewind needs the accepted counts), so it gives up
-the overlap of scheduling with the device that plain steps have.
+the overlap of scheduling with the device that plain steps have; it reads everything it needs (the
+accepted counts, the tokens, the logprobs of emitted tokens) in one evaluation. Batches over
+`--spec-max-batch` requests and rows whose drafts keep failing do not speculate (spec_policy.py).
 """
 
 from __future__ import annotations
@@ -24,16 +26,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 from mlxserve.engine.ngram import NgramIndex
-from mlxserve.engine.request import Request, SamplingParams, TokenLogprob
-from mlxserve.engine.sampling import gather_logprobs, sample_batch
+from mlxserve.engine.request import Request, SamplingParams
+from mlxserve.engine.sampling import gather_logprobs, pending_arrays, sample_batch, to_logprob
+from mlxserve.engine.spec_draft import DraftModel, last_emitted
+from mlxserve.engine.spec_policy import DraftLength, can_speculate
 from mlxserve.engine.speculative import can_rewind, rewind, verify_group
 
 log = logging.getLogger(__name__)
 
-_DRAFT_PREFILL_STEP = 512
 _FILLER = SamplingParams(max_tokens=1, temperature=0.0)  # filler rows of a bucketed batch verify greedily
 
 
@@ -43,6 +45,11 @@ class SpecStats:
     num_drafted: int = 0  # draft tokens proposed to the target (padding not counted)
     num_accepted: int = 0
     num_emitted: int = 0  # tokens emitted by speculative steps (accepted drafts and the fed token)
+    # Decode steps that did not speculate: the batch was over --spec-max-batch (counted in both), or
+    # no row drafted (paused rows, prompt lookup finding nothing).
+    num_plain_steps: int = 0
+    num_big_batch_steps: int = 0
+    num_row_pauses: int = 0  # times a row stopped drafting because its drafts kept failing
 
     def as_dict(self) -> dict:
         rate = self.num_accepted / self.num_drafted if self.num_drafted else 0.0
@@ -51,19 +58,25 @@ class SpecStats:
 
 @dataclass
 class _Row:
-    k: int  # this row's draft length, adapted to its recent acceptance
+    length: DraftLength  # this row's draft length, adapted to its recent acceptance
     index: NgramIndex = field(default_factory=NgramIndex)
 
 
 class SpeculativeDecoder:
     """Per-row draft state and the speculative step. `draft_model` None: prompt lookup (n-grams)."""
 
-    def __init__(self, num_draft_tokens: int, draft_model: Any = None, vocab_width: int = 0) -> None:
+    def __init__(self, num_draft_tokens: int, draft_model: Any = None, vocab_width: int = 0,
+                 max_batch: int = 4) -> None:
         self.max_k = num_draft_tokens
-        self.draft_model = draft_model
-        self.vocab_width = vocab_width
+        self.max_batch = max_batch  # --spec-max-batch
+        self.draft = DraftModel(draft_model, vocab_width) if draft_model is not None else None
         self.stats = SpecStats()
         self._rows: dict[str, _Row] = {}
+        self._clock = 0  # decode steps seen, plain ones included: what rows' pauses count in
+
+    @property
+    def draft_model(self) -> Any:
+        return self.draft.model if self.draft is not None else None
 
     @property
     def row_ids(self) -> list[str]:
@@ -71,64 +84,68 @@ class SpeculativeDecoder:
 
     @property
     def mode(self) -> str:
-        return "draft" if self.draft_model is not None else "ngram"
+        return "draft" if self.draft is not None else "ngram"
 
     def drop(self, request_ids) -> None:
+        request_ids = list(request_ids)
         for rid in request_ids:
             self._rows.pop(rid, None)
-
-    def prefill_draft(self, prompt: list[int]) -> list[Any]:
-        """The draft model's cache over the prompt but its last token (it has no prefix cache of its
-        own). The draft's cache always stops one token short of the row's last emitted token: each
-        step feeds that token and the pending one together (see `_draft`)."""
-        cache = make_prompt_cache(self.draft_model)
-        for start in range(0, len(prompt) - 1, _DRAFT_PREFILL_STEP):
-            self.draft_model(mx.array(prompt[start : min(start + _DRAFT_PREFILL_STEP, len(prompt) - 1)])[None],
-                             cache=cache)
-            mx.eval([c.state for c in cache])
-        return cache
+        if self.draft is not None:
+            self.draft.drop(request_ids)
 
     # -- the step ------------------------------------------------------------------------------
     def step(self, runner: Any, requests: dict[str, Request], out: Any) -> bool:
+        """One speculative decode step of the runner's batch; False: this step decodes plainly."""
         batch = runner._batch
+        self._clock += 1
         if not can_rewind(batch.cache):
             return False
+        if not can_speculate(batch.num_live, self.max_batch):
+            self.stats.num_plain_steps += 1
+            self.stats.num_big_batch_steps += 1
+            return False
         rids = list(batch.row_ids)
-        last = batch.tokens
         samplers = [runner._samplers[rid] if rid is not None else None for rid in rids]
         special = [i for i, s in enumerate(samplers) if s is not None and (s.matcher is not None or s.has_processors)]
         plain = [i for i, s in enumerate(samplers) if s is not None and i not in special]
         rows = {i: self._row(rids[i], requests[rids[i]]) for i in plain}
-        if self.draft_model is None and not any(r.index.propose(1) for r in rows.values()):
-            # No row is inside a span its history already holds (judged without `last`, which is still
-            # being computed): decode plainly, pipelined, instead of waiting for `last` here.
-            return False
-        last_ids = last.tolist()
-        lengths = [0] * len(rids)
-        ngram_drafts: dict[int, list[int]] = {}
+        # Each row's draft budget: its adapted length (0 while paused); emitted this step are `last`
+        # and the accepted drafts, and max_tokens bounds how many can count.
+        budget = {}
         for i, row in rows.items():
             request = requests[rids[i]]
-            # Emitted this step: `last` and the accepted drafts; max_tokens bounds how many can count.
-            k = max(0, min(row.k, request.sampling.max_tokens - request.num_output_tokens - 1))
-            if self.draft_model is None:
-                row.index.extend([last_ids[i]])
-                ngram_drafts[i] = row.index.propose(k)
-                lengths[i] = len(ngram_drafts[i])
-            else:
-                lengths[i] = k
-        num_k = max(lengths, default=0)
-        if self.draft_model is None and num_k == 0:
+            k = min(row.length.length(self._clock), request.sampling.max_tokens - request.num_output_tokens - 1)
+            if k > 0:
+                budget[i] = k
+        lookup = self.draft is None
+        if not budget or (lookup and not any(rows[i].index.propose(1) for i in budget)):
+            # No row drafts (with prompt lookup: none is inside a span its history already holds, judged
+            # without `last`, which is still being computed): decode plainly, pipelined.
+            self.stats.num_plain_steps += 1
             return False
-        if self.draft_model is not None:
-            num_k = max(num_k, 1)  # the draft cache's bookkeeping assumes one draft position at least
-
-        # Drafts and the fed tokens [B, K+1].
-        if self.draft_model is None:
-            fed = mx.array([[t, *ngram_drafts.get(i, ()), *[0] * (num_k - len(ngram_drafts.get(i, ())))]
+        last = batch.tokens
+        lengths = [0] * len(rids)
+        last_ids = None
+        if lookup:
+            last_ids = last.tolist()  # the drafts continue from `last`
+            drafts_of: dict[int, list[int]] = {}
+            for i, k in budget.items():
+                rows[i].index.extend([last_ids[i]])
+                drafts_of[i] = rows[i].index.propose(k)
+                lengths[i] = len(drafts_of[i])
+            num_k = max(lengths)
+            if num_k == 0:
+                self.stats.num_plain_steps += 1
+                return False
+            fed = mx.array([[t, *drafts_of.get(i, ()), *[0] * (num_k - len(drafts_of.get(i, ())))]
                             for i, t in enumerate(last_ids)], dtype=last.dtype)
         else:
-            prev = [_last_emitted(requests[rid]) if rid is not None else 0 for rid in rids]
-            fed = self._draft(mx.array(prev, dtype=last.dtype), last, num_k, batch.draft_cache)
+            for i, k in budget.items():
+                lengths[i] = k
+            num_k = max(lengths)
+            self.draft.catch_up(rids, requests, batch.draft_cache)
+            prev = [last_emitted(requests[rid]) if rid is not None else 0 for rid in rids]
+            fed = self.draft.propose(mx.array(prev, dtype=last.dtype), last, num_k, batch.draft_cache)
         drafts = fed[:, 1:]
         if batch.positions is not None:  # vision-language models: each row's positions carry its rope delta
             logits = runner.model(fed, cache=batch.cache, positions=batch.positions[:, None] + mx.arange(num_k + 1))
@@ -142,6 +159,8 @@ class SpeculativeDecoder:
             first = logits[mx.array(special), 0, :]
             constrained = [(j, samplers[i].matcher) for j, i in enumerate(special) if samplers[i].matcher is not None]
             if constrained:
+                if last_ids is None:
+                    last_ids = last.tolist()  # the grammars advance on the host
                 fed_ids = [last_ids[i] for i in special]
                 rejected = runner.grammar.advance(constrained, fed_ids)
                 for j in rejected:
@@ -180,22 +199,37 @@ class SpeculativeDecoder:
         inv = mx.array(inverse)
         accepted = mx.concatenate(accepted_parts)[inv]
         final = mx.concatenate([f.astype(last.dtype) for f in final_parts])[inv]
-        mx.eval(accepted, final, drafts)
-        accepted_ids, draft_ids = accepted.tolist(), drafts.tolist()
+        # Logprobs: the fed tokens' (pending from the step before), then the next tokens' of rows
+        # without a draft (sampled their own way), and lazily those of the other rows' emitted tokens.
+        pending = runner._pending_lp
+        fed_lps = {rid: pending.pop(rid) for rid in rids if rid in pending}
+        if special and lp_special is not None:
+            runner._keep_logprobs([rids[i] for i in special], [samplers[i] for i in special],
+                                  final[mx.array(special)], lp_special)
+        wanted = [i for i in plain if samplers[i].params.logprobs]
+        gathered = self._gather_logprobs(samplers, wanted, logprobs, drafts, accepted, final)
+
+        # The one wait of the step: accepted counts, fed tokens and drafts, and every logprob to emit.
+        head = mx.concatenate([accepted[:, None].astype(fed.dtype), fed], axis=1)
+        mx.eval(head, final, *gathered, *(a for v in (*fed_lps.values(), *pending.values()) for a in pending_arrays(v)))
+        host = head.tolist()
+        accepted_ids = [h[0] for h in host]
+        last_ids, draft_ids = [h[1] for h in host], [h[2:] for h in host]
 
         # Rewind every row past what it rejected (fillers and rows without a draft: all K).
         num_drop = [num_k - a for a in accepted_ids]
         rewind(batch.cache, num_drop)
         if batch.draft_cache is not None:
             rewind(batch.draft_cache, num_drop)
+            for i, rid in enumerate(rids):
+                if rid is not None:
+                    self.draft.advance(requests[rid], accepted_ids[i])
         batch.tokens = final
         if batch.positions is not None:
             batch.positions = batch.positions + 1 + accepted
 
-        self._emit(runner, rids, last_ids, draft_ids, accepted_ids, logprobs, final, out)
-        if special and lp_special is not None:
-            runner._keep_logprobs([rids[i] for i in special], [samplers[i] for i in special],
-                                  final[mx.array(special)], lp_special)
+        self._emit(rids, last_ids, draft_ids, accepted_ids, out)
+        self._emit_logprobs(runner, fed_lps, wanted, rids, last_ids, draft_ids, accepted_ids, num_k, gathered, out)
         self._adapt(rids, plain, lengths, accepted_ids)
         return True
 
@@ -203,8 +237,8 @@ class SpeculativeDecoder:
         """The row's state; with prompt lookup its index brought up to the request's known tokens."""
         row = self._rows.get(rid)
         if row is None:
-            row = self._rows[rid] = _Row(self.max_k)
-        if self.draft_model is None:
+            row = self._rows[rid] = _Row(DraftLength(self.max_k))
+        if self.draft is None:
             known = len(row.index.tokens) - request.num_prompt_tokens
             if known < 0 or known > request.num_output_tokens:
                 row.index = NgramIndex()
@@ -213,52 +247,56 @@ class SpeculativeDecoder:
             row.index.extend(request.output_token_ids[known:])
         return row
 
-    def _draft(self, prev: mx.array, last: mx.array, num_k: int, cache: list[Any]) -> mx.array:
-        """The draft model's greedy continuation [B, 1 + K] of `last`, in K forwards: the first feeds the
-        row's last emitted token `prev` and `last` together, the others d1 .. d(K-1). Its cache thus
-        grows by K + 1 positions, like the target's, and keeps `accepted + 1` of them (everything up to
-        the row's new last emitted token, which the next step feeds again): the same rewind."""
-        tokens, x = [last], mx.stack([prev, last], axis=1)
-        for _ in range(num_k):
-            logits = self.draft_model(x, cache=cache)
-            nxt = mx.argmax(logits[:, -1, : self.vocab_width or None], axis=-1).astype(last.dtype)
-            tokens.append(nxt)
-            x = nxt[:, None]
-        return mx.stack(tokens, axis=1)
+    @staticmethod
+    def _gather_logprobs(samplers, wanted, logprobs, drafts, accepted, final) -> tuple:
+        """Lazily, for the drafting rows that asked for logprobs: at every position 0..K the logprob
+        of the token emitted there if that many drafts are accepted (the draft, or at the row's
+        accepted count its next token), and the top alternatives. Which positions count is read back
+        with the accepted counts, in the same evaluation."""
+        if not wanted:
+            return ()
+        t = drafts.shape[1] + 1
+        at = mx.arange(t)[None, :] == accepted[:, None]
+        emitted = mx.where(at, final[:, None], mx.pad(drafts, [(0, 0), (0, 1)]))  # [B, K+1]
+        w = mx.array(wanted)
+        k = max(samplers[i].params.top_logprobs for i in wanted)
+        lp = logprobs[w].reshape(len(wanted) * t, logprobs.shape[-1])
+        return tuple(a for a in gather_logprobs(emitted[w].reshape(-1), lp, k) if a is not None)
 
-    def _emit(self, runner, rids, last_ids, draft_ids, accepted_ids, logprobs, final, out) -> None:
-        pending = runner._pending_lp
+    def _emit(self, rids, last_ids, draft_ids, accepted_ids, out) -> None:
         stats = self.stats
         stats.num_steps += 1
-        wanted = []
         for i, rid in enumerate(rids):
-            if rid is None:
+            if rid is None or rid in out.failed:
                 continue
-            a = accepted_ids[i]
-            fed_lp = pending.pop(rid, None)
-            if rid in out.failed:
-                continue
-            tokens = [last_ids[i], *draft_ids[i][:a]]
+            tokens = [last_ids[i], *draft_ids[i][: accepted_ids[i]]]
             out.request_ids.extend([rid] * len(tokens))
             out.token_ids.extend(tokens)
             stats.num_emitted += len(tokens)
-            params = runner._samplers[rid].params
-            if params.logprobs:
-                wanted.append((i, rid, a, fed_lp, params.top_logprobs))
-        for i, rid, a, fed_lp, k in wanted:
-            # Accepted drafts: drawn at positions 0..a-1; the next token (fed next step) at position a.
-            row_tokens = mx.array([*draft_ids[i][:a], 0])
-            row_tokens[a] = final[i]
-            chosen, top_ids, top_vals = gather_logprobs(row_tokens, logprobs[i, : a + 1], k)
-            lps = []
-            if fed_lp is not None:
-                lps.append(_to_logprob(last_ids[i], fed_lp, k))
-            chosen_l = chosen.tolist()
-            for j in range(a):
-                top = (top_ids[j], top_vals[j]) if top_ids is not None else None
-                lps.append(_to_logprob(draft_ids[i][j], (chosen_l[j], top), k))
-            out.logprobs[rid] = lps
-            pending[rid] = (chosen[a], (top_ids[a], top_vals[a]) if top_ids is not None else None)
+
+    @staticmethod
+    def _emit_logprobs(runner, fed_lps, wanted, rids, last_ids, draft_ids, accepted_ids, num_k, gathered,
+                       out) -> None:
+        """Logprobs of the fed tokens and of the accepted drafts; a drafting row's next token's stay
+        pending until it is fed (rows without a draft: `_keep_logprobs` set theirs)."""
+        for i, rid in enumerate(rids):
+            fed_lp = fed_lps.get(rid)
+            if fed_lp is not None and rid not in out.failed:
+                out.logprobs[rid] = [to_logprob(last_ids[i], fed_lp, runner._samplers[rid].params.top_logprobs)]
+        if not wanted:
+            return
+        chosen = gathered[0].tolist()
+        top_ids, top_vals = (gathered[1].tolist(), gathered[2].tolist()) if len(gathered) == 3 else (None, None)
+        t = num_k + 1
+        for n, i in enumerate(wanted):
+            rid, a = rids[i], accepted_ids[i]
+            if rid in out.failed:
+                continue
+            k = runner._samplers[rid].params.top_logprobs
+            entries = [(chosen[p], (top_ids[p], top_vals[p]) if top_ids is not None else None)
+                       for p in range(n * t, n * t + a + 1)]
+            out.logprobs.setdefault(rid, []).extend(to_logprob(draft_ids[i][j], entries[j], k) for j in range(a))
+            runner._pending_lp[rid] = entries[a]
 
     def _adapt(self, rids, plain, lengths, accepted_ids) -> None:
         stats = self.stats
@@ -268,18 +306,6 @@ class SpeculativeDecoder:
                 continue
             stats.num_drafted += n
             stats.num_accepted += a
-            row = self._rows[rids[i]]
-            # Grow after a fully accepted draft, shrink to just past what was accepted otherwise.
-            row.k = min(self.max_k, row.k + 1) if a == n else max(1, a + 1)
-
-
-def _last_emitted(request: Request) -> int:
-    return request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1]
-
-
-def _to_logprob(token: int, pending: tuple, k: int) -> TokenLogprob:
-    chosen, top = pending
-    value = chosen if isinstance(chosen, float) else chosen.item()
-    pairs = tuple(zip(top[0][:k].tolist(), top[1][:k].tolist())) if top is not None and k else ()
-    return TokenLogprob(token, value, pairs)
+            if self._rows[rids[i]].length.update(self._clock, n, a):
+                stats.num_row_pauses += 1
 

@@ -56,7 +56,7 @@ def make_speculative(model: Any, config: EngineConfig, vocab_width: int) -> Spec
         draft = loaded.model
         if getattr(draft, "is_vlm", False) or not rewindable(draft):
             raise ValueError(f"draft model {config.draft_model}: needs a text model with plain KV caches")
-    log.info("speculative decoding: %s, up to %d draft tokens per row and step",
+    log.info("speculative decoding: %s, up to %d draft tokens per row and step, while at most %d requests decode",
              "draft model " + str(config.draft_model) if draft is not None else "n-gram prompt lookup",
-             config.num_draft_tokens)
-    return SpeculativeDecoder(config.num_draft_tokens, draft, vocab_width)
+             config.num_draft_tokens, config.spec_max_batch)
+    return SpeculativeDecoder(config.num_draft_tokens, draft, vocab_width, config.spec_max_batch)

@@ -1,0 +1,83 @@
+"""The draft model of speculative decoding: its batch cache beside the target's, row for row.
+
+The draft's cache of a row stops one token short of the row's last emitted token: each speculative
+step feeds that token and the pending one together (`propose`). Steps that decode without it (a
+batch over --spec-max-batch, or no row drafting) leave it behind; the next speculative step feeds it
+what it missed first (`catch_up`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxserve.engine.request import Request
+from mlxserve.engine.speculative import rewind
+
+_PREFILL_STEP = 512
+
+
+class DraftModel:
+    def __init__(self, model: Any, vocab_width: int = 0) -> None:
+        self.model = model
+        self.vocab_width = vocab_width
+        self._held: dict[str, int] = {}  # per request: how many of its tokens the draft's cache holds
+
+    def drop(self, request_ids) -> None:
+        for rid in request_ids:
+            self._held.pop(rid, None)
+
+    def prefill(self, request_id: str, prompt: list[int]) -> list[Any]:
+        """The draft's cache over the prompt but its last token (it has no prefix cache of its own)."""
+        cache = make_prompt_cache(self.model)
+        for start in range(0, len(prompt) - 1, _PREFILL_STEP):
+            self.model(mx.array(prompt[start : min(start + _PREFILL_STEP, len(prompt) - 1)])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+        self._held[request_id] = len(prompt) - 1
+        return cache
+
+    def catch_up(self, rids: list[str | None], requests: dict[str, Request], cache: list[Any]) -> None:
+        """Feeds the draft the tokens that steps without it emitted. Rows with less to feed are padded
+        to the longest and the padding rewound, as a rejected draft is."""
+        todo = [_tokens(requests[rid], self._held[rid], requests[rid].num_tokens - 1) if rid is not None else []
+                for rid in rids]
+        while any(todo):
+            width = min(_PREFILL_STEP, max(map(len, todo)))
+            chunk = [t[:width] for t in todo]
+            self.model(mx.array([c + [0] * (width - len(c)) for c in chunk]), cache=cache)
+            rewind(cache, [width - len(c) for c in chunk])
+            todo = [t[width:] for t in todo]
+            if any(todo):
+                mx.eval([c.state for c in cache])  # bound the lazy graph, as a prefill does between chunks
+
+    def propose(self, prev: mx.array, last: mx.array, num_k: int, cache: list[Any]) -> mx.array:
+        """The draft's greedy continuation [B, 1 + K] of `last`, in K forwards: the first feeds the
+        row's last emitted token `prev` and `last` together, the others d1 .. d(K-1). Its cache thus
+        grows by K + 1 positions, like the target's, and keeps `accepted + 1` of them (everything up to
+        the row's new last emitted token, which the next step feeds again): the same rewind."""
+        tokens, x = [last], mx.stack([prev, last], axis=1)
+        for _ in range(num_k):
+            logits = self.model(x, cache=cache)
+            nxt = mx.argmax(logits[:, -1, : self.vocab_width or None], axis=-1).astype(last.dtype)
+            tokens.append(nxt)
+            x = nxt[:, None]
+        return mx.stack(tokens, axis=1)
+
+    def advance(self, request: Request, num_accepted: int) -> None:
+        """After a speculative step (before the scheduler appends its tokens): the row emitted `last`
+        and `num_accepted` drafts, and its cache keeps all of them but the last."""
+        self._held[request.request_id] = request.num_tokens + num_accepted
+
+
+def last_emitted(request: Request) -> int:
+    return request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1]
+
+
+def _tokens(request: Request, start: int, stop: int) -> list[int]:
+    """Tokens [start, stop) of the request's prompt followed by its output."""
+    p = request.num_prompt_tokens
+    if start >= p:
+        return request.output_token_ids[start - p : stop - p]
+    return request.prompt_token_ids[start:stop] + request.output_token_ids[: max(0, stop - p)]
