@@ -78,6 +78,17 @@ def block_from_data(data: BlockData, layout: KVLayout, dtype: mx.Dtype, log: log
     return kv, swa
 
 
+def window_from_data(data: BlockData, layout: KVLayout, dtype: mx.Dtype, log: logging.Logger) -> mx.array | None:
+    """A block's sliding KV read from its own file, or None (a miss) if it does not fit this layout."""
+    try:
+        swa = _from_bytes(*data.tensors["swa"], dtype)
+        _check_rows(swa, len(layout.swa_layers))
+    except (KeyError, ValueError, TypeError) as exc:
+        log.warning("SSD window unusable (%s): a miss", exc)
+        return None
+    return swa
+
+
 def snapshot_from_data(data: BlockData, layout: KVLayout, log: logging.Logger) -> list[list[Any]] | None:
     """A recurrent-state snapshot read from disk, or None (a miss) if it does not fit this layout."""
     try:

@@ -224,7 +224,7 @@ def _random_model(config: dict, seed: int):
     from mlx.utils import tree_flatten, tree_unflatten
 
     model = make_model(config)
-    dtype = getattr(mx, config["dtype"])
+    dtype = getattr(mx, config.get("dtype", "float32"))
     params = tree_flatten(model.parameters())
     # One key per parameter, in the model's own (stable) order, so a given seed always gives the same weights.
     keys = mx.random.split(mx.random.key(seed), len(params))
