@@ -1,8 +1,8 @@
 """Arrays to and from the SSD tier's raw-byte tensors (this module touches MLX).
 
 Blocks and snapshots stored in one step are copied to the host in one go the step after (by then
-they are computed, so the copy never waits on the device): on MLX-CUDA a copy per block cost more
-than recomputing the prefix (0.6B model on an H200: 32 blocks, ~400 ms).
+they are computed, so the copy never waits on the device), or at once when the engine goes idle: on
+MLX-CUDA a copy per block cost more than recomputing the prefix (0.6B model on an H200: 32 blocks, ~400 ms).
 """
 
 from __future__ import annotations
