@@ -207,10 +207,10 @@ def _demo_model(args) -> int:
     import dataclasses
 
     from mlxserve.models.demo import SHAPES, build_model_folder, ensure_demo_model
-    from mlxserve.models.families import FAMILIES, build_family_folder
+    from mlxserve.models.families import FAMILIES, FAMILY_SHAPES, build_family_folder
     from mlxserve.models.vlm_demo import CLI_SHAPES as VLM_SHAPES, build_vlm_folder
 
-    if args.shape in FAMILIES:
+    if args.shape in FAMILIES or args.shape in FAMILY_SHAPES:
         if args.path is None or args.bits is not None:
             raise SystemExit("family shapes need a PATH and take no --bits")
         print(build_family_folder(args.path, args.shape))
@@ -314,15 +314,16 @@ def make_parser() -> argparse.ArgumentParser:
     list_cmd.add_argument("--no-hf-cache", action="store_true", help="skip the Hugging Face cache")
     list_cmd.set_defaults(func=catalog.run_list)
 
-    from mlxserve.models.families import FAMILIES
+    from mlxserve.models.families import FAMILIES, FAMILY_SHAPES
 
     demo = sub.add_parser("demo-model", help="build the offline demo model (tiny, random weights)")
     demo.add_argument("path", nargs="?", default=None, help="output folder (default: the user cache dir)")
     demo.add_argument("--shape", default="tiny",
                       choices=["tiny", "qwen3-0.6b", "qwen3-8b", "qwen2-vl-tiny", "qwen2.5-vl-tiny", "qwen3-vl-tiny",
-                               "qwen2.5-vl-3b", "qwen3-vl-2b", "gemma3-tiny", *FAMILIES],
-                      help="a real model's shape with random weights (for benchmarks); *-vl-*, gemma3-*: "
-                           "vision-language; tiny test fixtures of each mlx-lm family: " + ", ".join(FAMILIES))
+                               "qwen2.5-vl-3b", "qwen3-vl-2b", "gemma3-tiny", *FAMILIES, *FAMILY_SHAPES],
+                      help="a real model's shape with random weights (for benchmarks); *-vl-*, gemma3-tiny: "
+                           "vision-language; tiny test fixtures of each mlx-lm family: " + ", ".join(FAMILIES)
+                           + "; bfloat16 text models for GPU benchmarks: " + ", ".join(FAMILY_SHAPES))
     demo.add_argument("--bits", type=int, default=None, help="quantize to this many bits")
     demo.add_argument("--group-size", type=int, default=64, help="quantization group size (with --bits)")
     demo.set_defaults(func=_demo_model)

@@ -112,6 +112,9 @@ def test_restart_from_the_ssd_tier(family, tmp_path):
     assert stats["ssd"]["hits"] > 0
     if name in ("qwen3_next", "nemotron_h", "lfm2"):
         assert stats["ssd_snapshots"]["hits"] > 0 and stats["memory"]["num_snapshots"] > 0
+    if name in ("gemma3_text", "gpt_oss"):
+        # Sliding KV is read back only for the blocks inside the window where a hit resumes.
+        assert 0 < stats["ssd_windows"]["hits"] < stats["ssd"]["hits"]
 
 
 def test_cache_stats_count_blocks_and_snapshots_in_the_budget(family):
@@ -158,3 +161,24 @@ def test_bad_snapshot_files_are_recomputed(tmp_path, tmp_path_factory, fault):
     assert out["cached"] == 0  # the blocks are there, but no snapshot to resume from
     assert not any(os.scandir(states))  # a bad file is removed (at the scan, or when read)
     assert second.cache_stats()["ssd_snapshots"]["corrupt_removed" if fault != "foreign" else "incompatible_removed"] == 1
+
+
+def test_bad_window_files_are_recomputed(tmp_path, tmp_path_factory):
+    loaded = load_model(str(build_family_folder(tmp_path_factory.mktemp("gemma3_text"), "gemma3_text")))
+    prompt = tokens(11, 3 * BS + 4)
+    first = make_core(loaded, ssd_cache_dir=str(tmp_path))
+    expected = one(first, prompt)["ids"]
+    first.close()
+    windows = tmp_path / "windows"
+    files = sorted(windows.iterdir())
+    assert files, "no sliding window was written"
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0x40
+        path.write_bytes(bytes(data))
+    second = make_core(loaded, ssd_cache_dir=str(tmp_path))
+    out = one(second, prompt)
+    second.close()
+    assert out["ids"] == expected
+    assert out["cached"] == 0  # the blocks' full-attention KV is there, but no window to resume with
+    assert second.cache_stats()["ssd_windows"]["corrupt_removed"] >= 1

@@ -4,10 +4,12 @@ import json
 import mlx.core as mx
 import mlx_lm
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxserve.cli import main
-from mlxserve.models.families import FAMILIES, FAMILY_CACHE_KIND, build_family_folder, cache_kind
+from mlxserve.models.families import (FAMILIES, FAMILY_CACHE_KIND, build_family_folder, cache_kind, family_config,
+                                      make_model)
 
 PROMPT = "def hello(name):\n    return"
 NUM_TOKENS = 12
@@ -80,3 +82,37 @@ def test_cli_builds_a_family(tmp_path, capsys):
 def test_cli_family_takes_no_bits(tmp_path):
     with pytest.raises(SystemExit, match="no --bits"):
         main(["demo-model", str(tmp_path / "m"), "--shape", "lfm2", "--bits", "4"])
+
+
+def _layer_caches(name):
+    # The model stays lazy: its billions of parameters are never computed or allocated.
+    model = make_model(family_config(name, vocab_size=1000, eos_token_id=1, pad_token_id=0))
+    cache = make_prompt_cache(model)
+    return sum(v.size for _, v in tree_flatten(model.parameters())), [type(c).__name__ for c in cache], cache
+
+
+def test_gpu_shape_gemma3_4b_has_gemma_3_4b_layers():
+    config = family_config("gemma3-4b", vocab_size=1000, eos_token_id=1, pad_token_id=0)
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+    num_params, kinds, cache = _layer_caches("gemma3-4b")
+    assert 3.0e9 < num_params < 3.5e9  # Gemma 3 4B less its 262k-token embedding
+    assert kinds == (["RotatingKVCache"] * 5 + ["KVCache"]) * 5 + ["RotatingKVCache"] * 4
+    assert {c.max_size for c in cache if hasattr(c, "max_size")} == {1024}
+
+
+def test_gpu_shape_qwen3_5_4b_is_hybrid():
+    num_params, kinds, _ = _layer_caches("qwen3.5-4b")
+    assert 3.3e9 < num_params < 3.9e9
+    assert kinds == (["ArraysCache"] * 3 + ["KVCache"]) * 8
+
+
+def test_gpu_shape_builds_in_bfloat16(tmp_path):
+    # The GPU shape's build path at fixture size: bfloat16 weights on disk, loadable and generating.
+    small = {"hidden_size": 64, "num_hidden_layers": 6, "intermediate_size": 128, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 16}
+    path = build_family_folder(tmp_path / "g", "gemma3-4b", overrides=small)
+    weights = mx.load(str(path / "model.safetensors"))
+    assert {v.dtype for v in weights.values()} == {mx.bfloat16}
+    model, tokenizer = mlx_lm.load(str(path))
+    responses = list(mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=NUM_TOKENS))
+    assert len(responses) == NUM_TOKENS and len({r.token for r in responses}) >= 2

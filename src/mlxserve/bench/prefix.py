@@ -8,6 +8,7 @@ off. Requests run one at a time so the numbers are the cache's, not the batcher'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import tempfile
@@ -22,8 +23,23 @@ from mlxserve.engine.request import Request, SamplingParams
 _COLUMNS = [
     ("block_size", "block", "d"), ("prefix_tokens", "prefix", "d"), ("ttft_cold_ms", "ttft cold", ".1f"),
     ("ttft_hit_ms", "ttft hit", ".1f"), ("speedup", "speed-up", ".1f"), ("hit_tokens", "hit tok", "d"),
-    ("ttft_ssd_ms", "ttft ssd", ".1f"), ("ssd_speedup", "ssd speed-up", ".1f"),
+    ("restore_hit_ms", "restore", ".1f"), ("ttft_ssd_ms", "ttft ssd", ".1f"), ("ssd_speedup", "ssd speed-up", ".1f"),
+    ("ssd_read_ms", "ssd read", ".1f"), ("restore_ssd_ms", "ssd restore", ".1f"),
 ]
+
+
+def _restore_timings(core) -> tuple[float, float]:
+    """(restore s, SSD read s) the prefix cache spent so far: blocks into caches, blocks from disk."""
+    timings = core.cache_stats().get("timings", {})
+    return timings.get("restore_seconds", 0.0), timings.get("ssd_read_seconds", 0.0)
+
+
+def _run_timed(core, prompt: list[int]) -> tuple[float, int, float, float]:
+    """(ttft s, cached tokens, restore s, SSD read s) of a one-token request run alone."""
+    before = _restore_timings(core)
+    ttft, _, cached = _run_one(core, prompt, 1)
+    after = _restore_timings(core)
+    return ttft, cached, after[0] - before[0], after[1] - before[1]
 
 
 def _run_one(core, prompt: list[int], max_tokens: int, out_ids: list[int] | None = None) -> tuple[float, float, int]:
@@ -52,15 +68,24 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def run_prefix_bench(args) -> dict:
+    with contextlib.ExitStack() as stack:
+        if args.shape:
+            from mlxserve.models.families import build_family_folder
+
+            # GPU shapes write gigabytes: the folder goes when the run ends.
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"mlxserve-bench-{args.shape}-"))
+            started = time.perf_counter()
+            args.model = str(build_family_folder(folder, args.shape))
+            print(f"built {args.shape} in {time.perf_counter() - started:.1f} s", flush=True)
+        return _run_prefix_bench(args)
+
+
+def _run_prefix_bench(args) -> dict:
     from mlxserve.engine.engine_core import EngineCore
     from mlxserve.models.demo import ensure_demo_model
     from mlxserve.models.loader import load_model
     from mlxserve.server import model_key, resolve_max_model_len
 
-    if args.shape:
-        from mlxserve.models.families import build_family_folder
-
-        args.model = str(build_family_folder(tempfile.mkdtemp(prefix=f"mlxserve-bench-{args.shape}-"), args.shape))
     loaded = load_model(args.model or str(ensure_demo_model()))
     vocab = min(len(loaded.tokenizer), 2000)
     rows = []
@@ -79,24 +104,32 @@ def run_prefix_bench(args) -> dict:
             _run_one(core, _prompt(rng, 64, vocab), 4)  # warm-up
             for p in args.prefix_tokens:
                 cold, hit, ssd, hit_tokens = [], [], [], 0
+                restore, ssd_read, ssd_restore = [], [], []
                 for _ in range(args.repeats):
                     prefix = _prompt(rng, p, vocab)
                     turn1, answer = prefix + _prompt(rng, args.suffix_tokens, vocab), []
                     cold.append(_run_one(core, turn1, 1 + args.answer_tokens, answer)[0])
                     if args.answer_tokens:  # turn 2 of a conversation: turn 1, its answer, a new message
                         prefix = turn1 + answer
-                    ttft, _, hit_tokens = _run_one(core, prefix + _prompt(rng, args.suffix_tokens, vocab), 1)
+                    ttft, hit_tokens, restored, _ = _run_timed(core, prefix + _prompt(rng, args.suffix_tokens, vocab))
                     hit.append(ttft)
+                    restore.append(restored)
                     if args.ssd:
                         # A restart: memory empty, the SSD tier found again by scanning its folder.
                         core.close()
                         core = make_core()
-                        ssd.append(_run_one(core, prefix + _prompt(rng, args.suffix_tokens, vocab), 1)[0])
+                        ttft, _, restored, read = _run_timed(core, prefix + _prompt(rng, args.suffix_tokens, vocab))
+                        ssd.append(ttft)
+                        ssd_restore.append(restored)
+                        ssd_read.append(read)
                 c, h = statistics.median(cold), statistics.median(hit)
                 row = {"block_size": block_size, "prefix_tokens": p, "ttft_cold_ms": c * 1000,
-                       "ttft_hit_ms": h * 1000, "speedup": c / h, "hit_tokens": hit_tokens}
+                       "ttft_hit_ms": h * 1000, "speedup": c / h, "hit_tokens": hit_tokens,
+                       "restore_hit_ms": statistics.median(restore) * 1000}
                 if ssd:
-                    row.update(ttft_ssd_ms=statistics.median(ssd) * 1000, ssd_speedup=c / statistics.median(ssd))
+                    row.update(ttft_ssd_ms=statistics.median(ssd) * 1000, ssd_speedup=c / statistics.median(ssd),
+                               ssd_read_ms=statistics.median(ssd_read) * 1000,
+                               restore_ssd_ms=statistics.median(ssd_restore) * 1000)
                 rows.append(row)
                 print(format_table(rows[-1:], _COLUMNS), flush=True)
             core.close()
@@ -126,8 +159,9 @@ def _decode_on_off(loaded, args, vocab: int) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model folder (default: the demo model)")
     parser.add_argument("--shape", default=None,
-                        help="instead of --model, a tiny random fixture of this family (models/families.py), "
-                             "e.g. gemma3_text (sliding window) or qwen3_next (recurrent state)")
+                        help="instead of --model, a random-weight fixture (models/families.py): a tiny one per "
+                             "family, e.g. gemma3_text (sliding window) or qwen3_next (recurrent state), or a GPU-sized "
+                             "bfloat16 one: gemma3-4b (sliding window), qwen3.5-4b (hybrid)")
     parser.add_argument("--answer-tokens", type=int, default=0,
                         help="multi-turn: the cold request answers this many tokens and the hit request is "
                              "turn 2 (the cold prompt, its answer, a new message); 0: shared prefix, other suffix")

@@ -129,7 +129,7 @@ def make_prefix_cache(
     if num_blocks < 1:
         log.info("prefix cache off: %d bytes hold no block of %d bytes", memory_bytes, block_bytes)
         return None, None
-    ssd = state_ssd = None
+    ssd = state_ssd = window_ssd = None
     if config.ssd_cache_dir:
         meta = BlockMeta(model_key, config.block_size, num_layers, str(dtype).rsplit(".", 1)[-1],
                          kv_quant=(kv_quant.label if kv_quant is not None else "") or "none")
@@ -137,9 +137,13 @@ def make_prefix_cache(
         if snapshot_bytes:  # snapshots get their own folder and a quarter of the disk cap
             state_ssd = SSDTier(os.path.join(config.ssd_cache_dir, "states"), ssd_bytes // 4, meta, logger=log)
             ssd_bytes -= ssd_bytes // 4
+        if layout.swa_layers:  # sliding KV gets its own folder, its layers' share of the rest
+            window_bytes = ssd_bytes * len(layout.swa_layers) // (len(layout.swa_layers) + len(layout.full_layers))
+            window_ssd = SSDTier(os.path.join(config.ssd_cache_dir, "windows"), window_bytes, meta, logger=log)
+            ssd_bytes -= window_bytes
         ssd = SSDTier(config.ssd_cache_dir, ssd_bytes, meta, logger=log)
         log.info("SSD tier at %s: %d blocks found", config.ssd_cache_dir, ssd.stats()["num_blocks"])
-    store = store_cls(layout, config.block_size, ssd, dtype, snapshot_bytes, state_ssd)
+    store = store_cls(layout, config.block_size, ssd, dtype, snapshot_bytes, state_ssd, window_ssd)
     needs_check = bool(layout.swa_layers or layout.state_layers)
     manager = PrefixCacheManager(num_blocks, config.block_size, model_key, on_evict=lambda h, b: store.drop(b),
                                  lookup_cold=store.load_from_ssd if ssd else None,

@@ -1,8 +1,8 @@
 """Arrays to and from the SSD tier's raw-byte tensors (this module touches MLX).
 
 Blocks and snapshots stored in one step are copied to the host in one go the step after (by then
-they are computed, so the copy never waits on the device): on MLX-CUDA a copy per block cost more
-than recomputing the prefix (0.6B model on an H200: 32 blocks, ~400 ms).
+they are computed, so the copy never waits on the device), or at once when the engine goes idle: on
+MLX-CUDA a copy per block cost more than recomputing the prefix (0.6B model on an H200: 32 blocks, ~400 ms).
 """
 
 from __future__ import annotations
@@ -76,6 +76,17 @@ def block_from_data(data: BlockData, layout: KVLayout, dtype: mx.Dtype, log: log
         log.warning("SSD block unusable (%s): a miss", exc)
         return None
     return kv, swa
+
+
+def window_from_data(data: BlockData, layout: KVLayout, dtype: mx.Dtype, log: logging.Logger) -> mx.array | None:
+    """A block's sliding KV read from its own file, or None (a miss) if it does not fit this layout."""
+    try:
+        swa = _from_bytes(*data.tensors["swa"], dtype)
+        _check_rows(swa, len(layout.swa_layers))
+    except (KeyError, ValueError, TypeError) as exc:
+        log.warning("SSD window unusable (%s): a miss", exc)
+        return None
+    return swa
 
 
 def snapshot_from_data(data: BlockData, layout: KVLayout, log: logging.Logger) -> list[list[Any]] | None:

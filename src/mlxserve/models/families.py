@@ -136,6 +136,26 @@ FAMILIES: dict[str, dict] = {
                "time_step_rank": "auto"},
 }
 
+# Real models' dimensions over a family's fixture, in bfloat16, for GPU benchmarks (`bench prefix --shape`):
+# name -> (family, overrides). The vocabulary stays the fixture tokenizer's (only the embedding and the LM
+# head shrink), so a build takes seconds on a GPU and writes ~7 GB; far too big for the CPU tests.
+FAMILY_SHAPES: dict[str, tuple[str, dict]] = {
+    # Gemma 3 4B's text model: 29 sliding layers (window 1024) and 5 global ones (every 6th), linear rope
+    # scaling on the global layers.
+    "gemma3-4b": ("gemma3_text", {"hidden_size": 2560, "num_hidden_layers": 34, "num_attention_heads": 8,
+                                  "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 10240,
+                                  "query_pre_attn_scalar": 256, "sliding_window": 1024,
+                                  "sliding_window_pattern": 6, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                                  "max_position_embeddings": 131072, "dtype": "bfloat16"}),
+    # Qwen3.5 4B's text model: 24 gated-delta (linear attention) layers, every 4th of 32 full attention.
+    "qwen3.5-4b": ("qwen3_5", {"hidden_size": 2560, "num_hidden_layers": 32, "num_attention_heads": 16,
+                               "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 9216,
+                               "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                               "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                               "full_attention_interval": 4, "max_position_embeddings": 262144,
+                               "dtype": "bfloat16"}),
+}
+
 # What mlx_lm.models.cache.make_prompt_cache gives each family: "kv" (KVCache only), "sliding" (some
 # RotatingKVCache), "hybrid" (some ArraysCache: recurrent state), "mla" (KVCache whose keys and values
 # differ in width).
@@ -167,15 +187,18 @@ def cache_kind(prompt_cache) -> str:
 
 
 def _require_family(family: str) -> None:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    if family not in FAMILIES and family not in FAMILY_SHAPES:
+        raise ValueError(f"unknown family {family!r}; known: {', '.join([*FAMILIES, *FAMILY_SHAPES])}")
 
 
-def family_config(family: str, vocab_size: int, eos_token_id: int, pad_token_id: int) -> dict:
-    """The full config.json of a family's fixture."""
+def family_config(family: str, vocab_size: int, eos_token_id: int, pad_token_id: int,
+                  overrides: dict | None = None) -> dict:
+    """The full config.json of a family's fixture or of a FAMILY_SHAPES shape, `overrides` on top."""
     _require_family(family)
-    config = copy.deepcopy(FAMILIES[family])
+    base, shape = FAMILY_SHAPES.get(family, (family, {}))
+    config = copy.deepcopy({**FAMILIES[base], **shape, **(overrides or {})})
     config.setdefault("max_position_embeddings", MAX_POSITION_EMBEDDINGS)
+    dtype = config.pop("dtype", "float32")
     config.update({
         "vocab_size": vocab_size,
         "bos_token_id": None,
@@ -184,18 +207,24 @@ def family_config(family: str, vocab_size: int, eos_token_id: int, pad_token_id:
         "initializer_range": INIT_STD,
         "use_cache": True,
         # Both names: transformers 5 reads "dtype", mlx-lm's converter reads "torch_dtype".
-        "dtype": "float32",
-        "torch_dtype": "float32",
+        "dtype": dtype,
+        "torch_dtype": dtype,
     })
     return config
+
+
+def make_model(config: dict):
+    """mlx-lm's model of a config, its parameters still lazy (nothing is computed before an eval)."""
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    return arch.Model(arch.ModelArgs.from_dict(config))
 
 
 def _random_model(config: dict, seed: int):
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
 
-    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    model = arch.Model(arch.ModelArgs.from_dict(config))
+    model = make_model(config)
+    dtype = getattr(mx, config.get("dtype", "float32"))
     params = tree_flatten(model.parameters())
     # One key per parameter, in the model's own (stable) order, so a given seed always gives the same weights.
     keys = mx.random.split(mx.random.key(seed), len(params))
@@ -205,22 +234,24 @@ def _random_model(config: dict, seed: int):
         if leaf == "A_log":
             # SSM / gated-delta decay rates A in [1, 16) as mlx-lm's own init draws them, but from our key
             # (qwen3_next's constructor draws them from the global generator).
-            new_value = mx.log(mx.random.uniform(1.0, 16.0, value.shape, key=keys[i]))
+            new_value = mx.log(mx.random.uniform(1.0, 16.0, value.shape, key=keys[i])).astype(dtype)
         elif leaf in _KEEP_NAMES or (value.ndim == 1 and leaf == "weight"):
             # Norm gains stay at mlx-lm's init of ones (Gemma's (1 + w) norms thus scale by 2, harmless):
             # random gains near 0 would flatten the activations. Step biases, skips, sinks and router
             # corrections keep their constant init.
-            new_value = value
+            new_value = value.astype(dtype)
         else:
-            new_value = INIT_STD * mx.random.normal(value.shape, key=keys[i])
-        new_params.append((name, new_value.astype(mx.float32)))
+            # Drawn in the target dtype: a 4B model never holds a float32 copy of its weights.
+            new_value = INIT_STD * mx.random.normal(value.shape, dtype=dtype, key=keys[i])
+        new_params.append((name, new_value))
     model.update(tree_unflatten(new_params))
     mx.eval(model.parameters())
     return model
 
 
-def build_family_folder(out_dir, family: str, seed: int = 0) -> pathlib.Path:
-    """Write a tiny random-weight model folder of `family` (a FAMILIES key) at out_dir and return its path."""
+def build_family_folder(out_dir, family: str, seed: int = 0, overrides: dict | None = None) -> pathlib.Path:
+    """Write a random-weight model folder of `family` (a FAMILIES or FAMILY_SHAPES key, `overrides` on its
+    config) at out_dir and return its path."""
     from mlx_lm.utils import save_config, save_model
     from tokenizers import Tokenizer
 
@@ -231,7 +262,7 @@ def build_family_folder(out_dir, family: str, seed: int = 0) -> pathlib.Path:
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     eos_token_id = tokenizer.token_to_id(EOS_TOKEN)
     pad_token_id = tokenizer.token_to_id(PAD_TOKEN)
-    config = family_config(family, tokenizer.get_vocab_size(), eos_token_id, pad_token_id)
+    config = family_config(family, tokenizer.get_vocab_size(), eos_token_id, pad_token_id, overrides)
     model = _random_model(config, seed)
     save_model(out, model)
     save_config(config, config_path=out / "config.json")
