@@ -134,6 +134,8 @@ class DecodeBatch:
                 and not self.kv_prealloc_tokens and all(type(c) is KVCache for c in caches[0])):
             # A lone request keeps its prefill cache: no merge into a batch cache and back out.
             self.row_ids, self.cache, self.tokens, self.positions = list(request_ids), list(caches[0]), tokens, None
+            # A draft model's cache stays a batch cache: speculation rewinds it per row.
+            self.draft_cache = _merge(draft_caches) if draft_caches is not None else None
             return
         self._unsettle()
         live = [i for i, rid in enumerate(self.row_ids) if rid is not None]

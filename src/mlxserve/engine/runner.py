@@ -72,7 +72,7 @@ class ModelRunner:
         self.block_size = block_size
         self._prefill_caches: dict[str, list[Any]] = {}
         self._samplers: dict[str, RowSampler] = {}
-        self._batch = DecodeBatch(buckets, kv_prealloc_tokens, lean=spec is None)
+        self._batch = DecodeBatch(buckets, kv_prealloc_tokens)
         # Vision-language models: multimodal prefill, and decode positions carried per row.
         self.mm = MultimodalPrefill(model, vision_cache) if getattr(model, "is_vlm", False) else None
         self._deltas: dict[str, int] = {}
@@ -138,7 +138,7 @@ class ModelRunner:
             rows = {rid for rid in self._batch.row_ids if rid is not None} | {j[0] for j in joined}
             out.failed.update({rid: f"decode step failed: {exc}" for rid in rows})
             # The batch caches may be half-written: start an empty batch before dropping the rest.
-            self._batch = DecodeBatch(self.buckets, self._batch.kv_prealloc_tokens, lean=self.spec is None)
+            self._batch = DecodeBatch(self.buckets, self._batch.kv_prealloc_tokens)
             self._drop(list(rows))
             reseed_after_failure()
             out.request_ids, out.token_ids, out.logprobs = [], [], {}

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxserve.engine.request import SamplingParams
 from mlxserve.engine.sampling import apply_filters
@@ -76,6 +76,7 @@ def rewind(cache: list[Any], num_drop: list[int]) -> None:
 
 
 def can_rewind(cache: list[Any]) -> bool:
-    """Whether every layer is a plain batch KV cache (sliding windows and recurrent state cannot be
-    rewound: a rotating buffer overwrote what a rejected draft displaced, a state has no history)."""
-    return bool(cache) and all(isinstance(c, BatchKVCache) for c in cache)
+    """Whether every layer is a plain KV cache: a batch one, or mlx-lm's `KVCache` of a lone row's lean
+    path (its `trim` drops that row's tail). Sliding windows and recurrent state cannot be rewound: a
+    rotating buffer overwrote what a rejected draft displaced, a state has no history."""
+    return bool(cache) and all(isinstance(c, BatchKVCache) or type(c) is KVCache for c in cache)
