@@ -291,6 +291,9 @@ class FakeResume:
     def release(self, request_id: str) -> None:
         self.released.append(request_id)
 
+    def take_lost_windows(self) -> list[int]:
+        return []
+
 
 def test_a_hit_stops_at_the_deepest_depth_the_physical_half_can_resume():
     resume = FakeResume({2})

@@ -178,7 +178,28 @@ def test_bad_window_files_are_recomputed(tmp_path, tmp_path_factory):
         path.write_bytes(bytes(data))
     second = make_core(loaded, ssd_cache_dir=str(tmp_path))
     out = one(second, prompt)
+    again = one(second, prompt)  # the recompute stored the blocks whole again
     second.close()
-    assert out["ids"] == expected
+    assert out["ids"] == again["ids"] == expected
     assert out["cached"] == 0  # the blocks' full-attention KV is there, but no window to resume with
+    assert again["cached"] > 0
     assert second.cache_stats()["ssd_windows"]["corrupt_removed"] >= 1
+
+
+def test_missing_window_files_make_their_blocks_misses(tmp_path, tmp_path_factory):
+    """Window files gone (a crash between the two writes, evicted on their own): their blocks are misses,
+    recomputed and stored whole, so the next request hits again."""
+    loaded = load_model(str(build_family_folder(tmp_path_factory.mktemp("gemma3_text"), "gemma3_text")))
+    prompt = tokens(11, 3 * BS + 4)
+    first = make_core(loaded, ssd_cache_dir=str(tmp_path))
+    expected = one(first, prompt)["ids"]
+    first.close()
+    files = sorted((tmp_path / "windows").iterdir())
+    assert files, "no sliding window was written"
+    for path in files:
+        path.unlink()
+    second = make_core(loaded, ssd_cache_dir=str(tmp_path))
+    out, again = one(second, prompt), one(second, prompt)
+    second.close()
+    assert out["ids"] == again["ids"] == expected
+    assert out["cached"] == 0 < again["cached"]

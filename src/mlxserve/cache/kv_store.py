@@ -26,6 +26,8 @@ from mlxserve.cache.kv_io import KVArrays, Snapshot, fill_cache, kv_arrays
 from mlxserve.cache.layout import KVLayout
 from mlxserve.cache.snapshots import SnapshotStore
 from mlxserve.cache.spill import QUANT_TENSORS, SpillQueue, block_from_data, snapshot_from_data, window_from_data
+
+WINDOW_MARK = "window"  # a block file's tensor: its sliding KV is in a window file of its own
 from mlxserve.cache.ssd_tier import SSDTier
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ class KVBlockStore:
         self.ssd = ssd
         self.state_ssd = state_ssd  # snapshots' own files (same format, own folder and cap)
         self.window_ssd = window_ssd  # blocks' sliding KV, likewise; None: inside the block files
+        self._lost_windows: list[int] = []  # blocks whose window file turned out unreadable
         # Blocks read from the SSD tier without their sliding KV, which `window_ssd` holds: block id ->
         # (hash, tokens) to read it by once a hit resumes with the block inside its window.
         self._window_on_disk: dict[int, tuple[bytes, tuple[int, ...]]] = {}
@@ -152,6 +155,9 @@ class KVBlockStore:
             if block.swa is not None:
                 if self.window_ssd is not None:
                     self._spill.add(self.window_ssd, block_hash, token_ids, {"swa": block.swa})
+                    # The block file says it has a window file: without that file (a crash between the
+                    # two writes, an eviction) the block is a miss, recomputed and stored whole again.
+                    tensors[WINDOW_MARK] = mx.ones((1,), dtype=mx.uint8)
                 else:
                     tensors["swa"] = block.swa
             if isinstance(block.kv, tuple):  # quantized: data, scales, biases
@@ -186,6 +192,9 @@ class KVBlockStore:
         self.ssd_read_seconds += time.perf_counter() - started
         if block is None:
             return False
+        has_window = WINDOW_MARK in data.tensors
+        if has_window and (self.window_ssd is None or not self.window_ssd.contains(block_hash)):
+            return False
         self.put(block_id, block_hash, KVBlock(*block))
         if block[1] is None and self.window_ssd is not None and self.window_ssd.contains(block_hash):
             self._window_on_disk[block_id] = (block_hash, tuple(token_ids))
@@ -201,12 +210,20 @@ class KVBlockStore:
         data = self.window_ssd.get(*entry)
         swa = window_from_data(data, self.layout, self.dtype, log) if data is not None else None
         self.ssd_read_seconds += time.perf_counter() - started
-        if swa is None:
-            return False
         del self._window_on_disk[block_id]
+        if swa is None:
+            # The block stays without sliding KV: its hash must go, or no later request could store
+            # it whole (a store skips hashes already cached). The prefix cache forgets it.
+            self._lost_windows.append(block_id)
+            return False
         block.swa = swa
         self._block_bytes += swa.nbytes
         return True
+
+    def take_lost_windows(self) -> list[int]:
+        """Blocks whose sliding KV could not be read back since the last call (for the prefix cache)."""
+        lost, self._lost_windows = self._lost_windows, []
+        return lost
 
     def _load_snapshot(self, block_hash: bytes, token_ids: Sequence[int]) -> bool:
         if self.state_ssd is None or not self.state_ssd.contains(block_hash):

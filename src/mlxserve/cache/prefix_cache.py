@@ -30,6 +30,8 @@ class ResumeCheck(Protocol):
 
     def release(self, request_id: str) -> None: ...
 
+    def take_lost_windows(self) -> list[int]: ...
+
 from mlxserve.cache.block_pool import Block, BlockPool
 from mlxserve.cache.hashing import block_hashes
 
@@ -93,6 +95,8 @@ class PrefixCacheManager:
             while hits and not self._resume.can_resume(request_id, [b.block_id for b in hits],
                                                        hits[-1].block_hash, hits[-1].token_ids):
                 self.pool.free([hits.pop()])
+            for block_id in self._resume.take_lost_windows():
+                self.pool.uncache(self.pool.blocks[block_id])  # stored whole again by the recompute
         self._held[request_id] = hits
         self.num_queried_tokens += len(token_ids)
         self.num_hit_tokens += len(hits) * bs

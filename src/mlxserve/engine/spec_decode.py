@@ -80,7 +80,9 @@ class SpeculativeDecoder:
 
     @property
     def row_ids(self) -> list[str]:
-        return list(self._rows)
+        """Every request it keeps state for: rows that speculated, and rows whose draft cache it tracks."""
+        held = self.draft.request_ids if self.draft is not None else []
+        return list(dict.fromkeys([*self._rows, *held]))
 
     @property
     def mode(self) -> str:

@@ -25,6 +25,10 @@ class DraftModel:
         self.vocab_width = vocab_width
         self._held: dict[str, int] = {}  # per request: how many of its tokens the draft's cache holds
 
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._held)
+
     def drop(self, request_ids) -> None:
         for rid in request_ids:
             self._held.pop(rid, None)
