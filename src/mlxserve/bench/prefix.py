@@ -59,6 +59,7 @@ def _run_one(core, prompt: list[int], max_tokens: int, out_ids: list[int] | None
             cached = out.num_cached_tokens
             if out_ids is not None:
                 out_ids.extend(out.new_token_ids)
+    core.on_idle()  # as the server's engine thread does: this request's blocks go to the SSD tier now
     rate = (n - 1) / (last - first) if n > 1 and last > first else 0.0
     return first - start, rate, cached
 

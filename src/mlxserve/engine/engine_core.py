@@ -189,10 +189,6 @@ class EngineCore:
             outputs.append(out)
             if out.finished:
                 self._forget(rid)
-        if not self.has_work and self.prefix is not None and self.runner.store.ssd is not None:
-            # Going idle: the blocks stored this step go to the SSD tier now, not in the first step of
-            # the next request (a conversation's next turn would wait for its previous turn's copy).
-            self.runner.store.spill_pending()
         return outputs
 
     def _fail(self, request_id: str, message: str) -> RequestOutput:
