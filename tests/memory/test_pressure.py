@@ -188,3 +188,25 @@ def test_the_vision_cache_gives_back_what_the_budget_takes():
     assert gov.live.vision_cache < budget.vision_cache
     assert gov.vision_cache.max_bytes == gov.live.vision_cache
     assert gov.vision_cache.num_bytes <= gov.live.vision_cache
+
+
+def test_snapshots_keep_their_share_of_the_prefix_memory_as_it_shrinks():
+    from mlxserve.cache.snapshots import SnapshotStore
+
+    budget, prefix, sched, gov, _ = make()
+    snapshots = SnapshotStore(budget.prefix_cache // 4)  # the start-up share (cache/setup.py)
+    gov.attach_snapshots(snapshots)
+    assert gov.limits.prefix_blocks == (budget.prefix_cache - snapshots.max_bytes) // BLOCK
+    for i in range(8):  # 16 MiB each: the 128 MiB share is full
+        snapshots.put(bytes([i]), object(), 16 * MIB)
+    snapshots.pin("resuming", bytes([0]))  # the oldest, but a request is about to resume from it
+    commit(sched, "running", 1536)
+    # Another app takes 256 MiB: the prefix memory halves, and the snapshots with it.
+    assert gov.refresh(readings(4 * GIB - 256 * MIB))
+    assert snapshots.max_bytes == gov.live.prefix_cache // 4 == 64 * MIB
+    assert snapshots.nbytes <= 64 * MIB and bytes([0]) in snapshots and bytes([7]) in snapshots
+    assert bytes([1]) not in snapshots  # least recently used went first
+    assert gov.limits.prefix_blocks == (gov.live.prefix_cache - 64 * MIB) // BLOCK
+    # The pressure passes: the share grows back.
+    assert gov.refresh(START)
+    assert snapshots.max_bytes == budget.prefix_cache // 4

@@ -65,6 +65,14 @@ class SnapshotStore:
                 del self._pins[block_hash]
             self._evict_over_budget()
 
+    def set_max_bytes(self, max_bytes: int) -> int:
+        """A new budget (the memory governor's, under pressure or after it); returns how many snapshots
+        went. Pinned ones stay: a request is about to resume from each."""
+        before = self.num_evictions
+        self.max_bytes = max_bytes
+        self._evict_over_budget()
+        return self.num_evictions - before
+
     def _evict_over_budget(self) -> None:
         for block_hash in list(self._entries):
             if self.nbytes <= self.max_bytes:

@@ -118,6 +118,8 @@ class EngineCore:
                                            kv_tokens_override=config.kv_budget_tokens,
                                            refresh_s=config.memory_refresh_s)
             self.governor.vision_cache = self.vision_cache
+            if store is not None and store.wants_snapshots:
+                self.governor.attach_snapshots(store.snapshots)
         log.info("KV for running requests: %s tokens of %d bytes%s%s", self.kv_capacity_tokens, per_token,
                  f" ({config.kv_bits}-bit KV in {len(self.kv_quant.layers)}/{probe.num_layers} layers"
                  f"{', ' + self.kv_quant.attention if self.kv_quant.attention else ''})"

@@ -33,15 +33,19 @@ class MemoryLimits:
 
     prefix_blocks: int | None
     kv_tokens: int | None
+    snapshot_bytes: int | None = None  # recurrent-state snapshots' share of the prefix memory
 
 
 def limits_for(
-    budget: MemoryBudget, kv_bytes_per_token: int, block_bytes: int | None, kv_tokens_override: int | None
+    budget: MemoryBudget, kv_bytes_per_token: int, block_bytes: int | None, kv_tokens_override: int | None,
+    snapshot_share: float = 0.0,
 ) -> MemoryLimits:
-    """An explicit `--kv-budget-tokens` is the operator's number and stays fixed."""
-    prefix = budget.prefix_cache // block_bytes if block_bytes else None
+    """An explicit `--kv-budget-tokens` is the operator's number and stays fixed. `snapshot_share`: the
+    part of the prefix memory that snapshots had at start-up; they keep that part as it shrinks."""
+    snapshots = int(budget.prefix_cache * snapshot_share) if snapshot_share else None
+    prefix = (budget.prefix_cache - (snapshots or 0)) // block_bytes if block_bytes else None
     kv = kv_tokens_override if kv_tokens_override is not None else kv_tokens(budget, kv_bytes_per_token)
-    return MemoryLimits(prefix, kv)
+    return MemoryLimits(prefix, kv, snapshots)
 
 
 class MemoryGovernor:
@@ -66,6 +70,8 @@ class MemoryGovernor:
         self.prefix = prefix
         self.scheduler = scheduler
         self.vision_cache = None  # a VLM's VisionCache, set by its owner: shrinks with the budget
+        self.snapshots = None  # recurrent-state snapshots (attach_snapshots): shrink with the prefix share
+        self._snapshot_share = 0.0
         self._per_token = kv_bytes_per_token
         self._block_bytes = block_bytes if prefix is not None else None
         self._kv_override = kv_tokens_override
@@ -77,6 +83,17 @@ class MemoryGovernor:
         self.num_refreshes = 0
         self.num_changes = 0
         self.limits = limits_for(budget, kv_bytes_per_token, self._block_bytes, kv_tokens_override)
+
+    def attach_snapshots(self, snapshots: Any) -> None:
+        """A hybrid model's SnapshotStore: it keeps the share of the prefix memory it started with."""
+        if snapshots is None or not self.startup.prefix_cache:
+            return
+        self.snapshots = snapshots
+        self._snapshot_share = min(1.0, snapshots.max_bytes / self.startup.prefix_cache)
+        self.limits = self._limits(self.live)
+
+    def _limits(self, budget: MemoryBudget) -> MemoryLimits:
+        return limits_for(budget, self._per_token, self._block_bytes, self._kv_override, self._snapshot_share)
 
     def maybe_refresh(self) -> bool:
         """Refreshes when `refresh_s` has passed since the last one; True when the limits changed."""
@@ -98,7 +115,7 @@ class MemoryGovernor:
         old = self.live
         self.live = new
         self.num_changes += 1
-        evicted = self._apply(limits_for(new, self._per_token, self._block_bytes, self._kv_override))
+        evicted = self._apply(self._limits(new))
         if evicted:
             from mlxserve.memory.release import give_back_memory
 
@@ -121,6 +138,8 @@ class MemoryGovernor:
         """(prefix-cache bytes held, KV bytes committed to running requests): budget beyond these is
         given up first, at no cost."""
         prefix = self.prefix.pool.num_cached * self._block_bytes if self._block_bytes else None
+        if prefix is not None and self.snapshots is not None:
+            prefix += self.snapshots.nbytes
         kv = self.scheduler.num_committed_kv_tokens * self._per_token if self.scheduler is not None else None
         return prefix, kv
 
@@ -137,6 +156,8 @@ class MemoryGovernor:
         evicted = 0
         if self.prefix is not None and limits.prefix_blocks is not None:
             evicted = self.prefix.set_max_cached_blocks(limits.prefix_blocks)
+        if self.snapshots is not None and limits.snapshot_bytes is not None:
+            evicted += self.snapshots.set_max_bytes(limits.snapshot_bytes)
         if self.scheduler is not None:
             self.scheduler.kv_capacity_tokens = limits.kv_tokens
         self.limits = limits
