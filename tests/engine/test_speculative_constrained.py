@@ -1,22 +1,28 @@
 """Constrained rows under speculation draft too: their grammar checks each draft token (the first it rejects
 cuts the draft there) and masks every verified position, so greedy constrained rows emit exactly what plain
-constrained decoding emits, alone and among free rows, with prompt lookup and with a draft model."""
+constrained decoding emits, alone and among free rows, with prompt lookup and with a draft model, and
+sampled ones keep plain constrained sampling's distribution."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import jsonschema
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxserve.config import EngineConfig
+from mlxserve.engine.engine_core import EngineCore
 from mlxserve.engine.grammar import GrammarSource
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.models.loader import load_model
 from mlxserve.structured.grammar import json_schema_constraint
+from mlxserve.engine.speculative import target_logprobs
 from mlxserve.structured.matcher import allocate_bitmask, apply_bitmask
 from tests.engine.test_speculative import copy, echo_prompt, greedy, make_core, run
+from tests.engine.test_speculative_sampling import chi2_bound, chi2_vs_exact
 
 COLORS = ["crimson-red", "ocean-blue", "forest-green", "sunny-yellow", "royal-purple", "burnt-orange"]
 PICK = {"type": "object", "properties": {"favorite": {"enum": COLORS},
@@ -29,6 +35,16 @@ NOTE = {"type": "object", "properties": {"note": {"type": "string", "maxLength":
 @pytest.fixture(scope="module")
 def loaded(qwen3_model_dir):
     return load_model(str(qwen3_model_dir))
+
+
+@pytest.fixture(scope="module")
+def vocab(loaded) -> int:
+    return loaded.model(mx.array([[1]])).shape[-1]  # the logits' width
+
+
+@pytest.fixture(scope="module")
+def grammar(loaded, vocab):
+    return GrammarSource(loaded.tokenizer, vocab, frozenset(loaded.eos_token_ids))
 
 
 @pytest.fixture(scope="module")
@@ -98,17 +114,56 @@ def test_sampled_constrained_rows_speculate_and_stay_valid(loaded, json_prompt):
     assert core.spec_stats()["num_accepted"] > 0
 
 
+def _exact(loaded, grammar, constraint, prompt: list[int], params: SamplingParams, depth: int) -> dict[tuple, float]:
+    """Plain constrained sampling's probability of every output prefix of `depth` tokens."""
+    probs = {(): 1.0}
+    for _ in range(depth):
+        nxt = {}
+        for prefix, p in probs.items():
+            matcher = grammar.compiler.compile(constraint)
+            for t in prefix:
+                assert grammar.feed(matcher, t)
+            logits = grammar.mask(loaded.model(mx.array(prompt + list(prefix))[None])[:, -1, :], [(0, matcher)])
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            dist = np.exp(np.array(target_logprobs(logprobs, params)[0], dtype=np.float64))
+            for t in np.nonzero(dist > 1e-12)[0]:
+                nxt[prefix + (int(t),)] = p * dist[t]
+        probs = nxt
+    return probs
+
+
+def test_sampled_constrained_distribution_with_prompt_lookup(loaded, grammar):
+    """Output prefixes of sampled constrained requests under prompt lookup (drafts copied from the prompt's
+    digit lists: accepted part of the time where the grammar leaves a choice) against the exact
+    probabilities plain constrained sampling gives them."""
+    schema = {"type": "array", "items": {"enum": [1, 2, 3, 4]}, "minItems": 4, "maxItems": 4}
+    constraint = json_schema_constraint(schema)
+    prompt = loaded.tokenizer.encode(" ".join(json.dumps([1 + (i * 7 + j * 3) % 4 for j in range(4)])
+                                              for i in range(6)))
+    n = 500
+    mx.random.seed(1234)  # a fixed draw: the bound's 1-in-10,000 false alarm cannot make the suite flaky
+    params = SamplingParams(max_tokens=7, temperature=1.0, top_k=3, constraint=constraint)
+    config = EngineConfig(max_num_seqs=128, max_num_waiting=n, enable_prefix_cache=False, num_draft_tokens=3,
+                          speculative="ngram", spec_max_batch=128)
+    core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len=4096)
+    for i in range(n):
+        core.add_request(Request(f"r{i}", prompt, params, eos_token_ids=loaded.eos_token_ids))
+    ids: dict[str, list[int]] = {}
+    while core.has_work:
+        for o in core.step():
+            assert o.error is None
+            ids.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert 0.1 < core.spec_stats()["acceptance_rate"] < 0.9  # the grammar lets drafts through that are rejected
+    for depth in (3, 5):
+        exact = _exact(loaded, grammar, constraint, prompt, params, depth)
+        cells = sorted(exact)
+        counts = Counter(tuple(v[:depth]) for v in ids.values())
+        assert set(counts) <= set(cells)
+        stat, df = chi2_vs_exact(np.array([counts[c] for c in cells]), np.array([exact[c] for c in cells]))
+        assert stat < chi2_bound(df), (depth, stat, df)
+
+
 # -- the draft walk itself ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def vocab(loaded) -> int:
-    return loaded.model(mx.array([[1]])).shape[-1]  # the logits' width
-
-
-@pytest.fixture(scope="module")
-def grammar(loaded, vocab):
-    return GrammarSource(loaded.tokenizer, vocab, frozenset(loaded.eos_token_ids))
-
-
 def allowed_after(grammar, prefix: list[int], width: int) -> np.ndarray:
     """Which tokens a fresh matcher allows after `prefix`, as the masked logits' finite entries."""
     matcher = grammar.compiler.compile(json_schema_constraint(PICK))
