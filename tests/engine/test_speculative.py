@@ -210,8 +210,8 @@ def test_a_row_whose_drafts_keep_failing_pauses_drafting(loaded, drafts):
 
 
 def test_mixed_batch_constrained_penalized_logprobs(loaded, qwen3_model_dir):
-    """Constrained and penalized rows ride in speculative steps without drafts; logprobs of emitted tokens
-    (accepted drafts included) match plain decoding's."""
+    """Constrained rows draft (their grammar checks the drafts), penalized rows ride in speculative steps
+    without drafts; logprobs of emitted tokens (accepted drafts included) match plain decoding's."""
     schema = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}
     reqs = [
         greedy("lp", echo_prompt(0), max_tokens=20, logprobs=True, top_logprobs=3),

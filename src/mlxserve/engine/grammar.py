@@ -1,5 +1,6 @@
 """The runner's side of constrained decoding: one grammar compiler per model, built on first use, and
-the per-step work on the constrained rows of a batch (advance each grammar, mask the logits).
+the per-step work on the constrained rows of a batch (advance each grammar, mask the logits; under
+speculation, check each row's draft and mask every position it is verified at).
 
 The grammar engine itself (llguidance) lives in `structured/`; this module only schedules it around
 the decode step and keeps the numbers `/v1/status` reports.
@@ -37,14 +38,51 @@ class GrammarSource:
         """Feeds each constrained row the token it is fed this step; returns the rows whose grammar
         rejected it (cannot happen for tokens sampled under its own mask, but a bug must fail one
         request, not the batch). An end-of-sequence token ends the request: nothing to advance."""
-        rejected = set()
-        for i, matcher in rows:
-            token = fed_ids[i]
-            if token in self._eos_token_ids:
-                continue
-            if not matcher.consume(token):
-                rejected.add(i)
-        return rejected
+        return {i for i, matcher in rows if not self.feed(matcher, fed_ids[i])}
+
+    def feed(self, matcher: Any, token: int) -> bool:
+        """One token into one grammar; False: rejected. EOS is not fed: it ends the request."""
+        return token in self._eos_token_ids or matcher.consume(token)
+
+    def mask_drafts(self, logits: mx.array, rows: list[tuple[int, Any, list[int]]]) -> tuple[mx.array, list[int]]:
+        """Speculative steps: `logits` [B, K+1, V]; `rows` (batch row, its matcher just past the fed token,
+        its draft). Position j of a row is masked to what its grammar allows after the first j draft
+        tokens; a draft is cut at the first token its grammar rejects (a token past the grammar's stop
+        among them: only EOS is allowed there). Returns the masked logits and each row's kept draft
+        length; every matcher is rolled back to where it was."""
+        if not rows:
+            return logits, []
+        from mlxserve.structured.matcher import allocate_bitmask, apply_bitmask
+
+        start = time.perf_counter()
+        batch, width, vocab = logits.shape
+        bitmask = allocate_bitmask(batch * width, self.compiler.vocab_size)
+        kept, masked = [], []
+        for i, matcher, draft in rows:
+            base = i * width
+            matcher.fill_mask(bitmask, base)
+            num_consumed = n = 0
+            for token in draft:
+                row = bitmask[base + n]
+                # Checked against the mask first: a token the matcher rejects leaves it failed for good.
+                if token >> 5 >= row.shape[0] or not (int(row[token >> 5]) >> (token & 31)) & 1:
+                    break
+                if token in self._eos_token_ids:
+                    bitmask[base + n + 1] = row  # EOS is not fed (`feed`): the grammar stays where it was
+                elif matcher.consume(token):
+                    num_consumed += 1
+                    matcher.fill_mask(bitmask, base + n + 1)
+                else:
+                    break
+                n += 1
+            if num_consumed:
+                matcher.rollback(num_consumed)
+            kept.append(n)
+            masked.extend(range(base, base + n + 1))
+        self.mask_seconds += time.perf_counter() - start
+        self.num_mask_steps += 1
+        flat = apply_bitmask(logits.reshape(batch * width, vocab), bitmask, masked)
+        return flat.reshape(batch, width, vocab), kept
 
     def mask(self, logits: mx.array, rows: list[tuple[int, Any]]) -> mx.array:
         """`logits` [B, V] with every disallowed token of the listed rows at -inf."""

@@ -6,12 +6,14 @@ is rewound past what it rejected (`speculative.rewind`). Emitted this step: `las
 drafts, all of which the row's KV now holds (the invariant the prefix cache relies on); the extra
 token is fed, and emitted, next step, as in plain decoding.
 
-Rows that cannot speculate still ride in the same forward with no draft: constrained rows (the grammar
-masks only the token after `last`: simplest sound choice, no draft tokens to check) and rows with
-history-dependent processors (penalties, logit bias). With prompt lookup, a step where no row is
-inside a span its history already holds (judged before waiting for `last`) returns False and the runner
-decodes as usual, pipelined. Drafts are point masses (copied tokens, the draft model's argmax), also for
-sampled rows: `speculative.verify_group` keeps their distribution exact.
+Constrained rows draft too: their grammar, advanced by `last`, cuts each draft at the first token it
+rejects and masks the logits at every position, so verification compares against the constrained
+target (`GrammarSource.mask_drafts`); after verification it advances by the accepted drafts. Rows
+with processors (penalties, logit bias) still ride in the same forward with no draft. With prompt
+lookup, a step where no row is inside a span its history already holds (judged before waiting for
+`last`) returns False and the runner decodes as usual, pipelined. Drafts are point masses (copied
+tokens, the draft model's argmax, unconstrained: the grammar cuts them), also for sampled rows:
+`speculative.verify_group` keeps their distribution exact.
 
 A speculative step waits for its verification (the rewind needs the accepted counts), so it gives up
 the overlap of scheduling with the device that plain steps have; it reads everything it needs (the
@@ -108,7 +110,9 @@ class SpeculativeDecoder:
             return False
         rids = list(batch.row_ids)
         samplers = [runner._samplers[rid] if rid is not None else None for rid in rids]
-        special = [i for i, s in enumerate(samplers) if s is not None and (s.matcher is not None or s.has_processors)]
+        # Processors see the tokens before the position they score: verifying K drafts would take K runs
+        # of them over K histories, so these rows ride along without a draft.
+        special = [i for i, s in enumerate(samplers) if s is not None and s.has_processors]
         plain = [i for i, s in enumerate(samplers) if s is not None and i not in special]
         rows = {i: self._row(rids[i], requests[rids[i]]) for i in plain}
         # Each row's draft budget: its adapted length (0 while paused); emitted this step are `last`
@@ -153,6 +157,11 @@ class SpeculativeDecoder:
             logits = runner.model(fed, cache=batch.cache, positions=batch.positions[:, None] + mx.arange(num_k + 1))
         else:
             logits = runner.model(fed, cache=batch.cache)
+
+        proposed = list(lengths)  # before grammars cut drafts: what the rows' draft lengths adapt to
+        grammar_rows = [i for i in plain if samplers[i].matcher is not None]
+        if grammar_rows:
+            logits = self._constrain(runner, logits, fed, grammar_rows, samplers, rids, lengths, out)
 
         # Rows without a draft that need their own treatment take the first position's logits.
         accepted_parts, final_parts, order = [], [], []
@@ -221,6 +230,10 @@ class SpeculativeDecoder:
         # Rewind every row past what it rejected (fillers and rows without a draft: all K).
         num_drop = [num_k - a for a in accepted_ids]
         rewind(batch.cache, num_drop)
+        for i in grammar_rows:
+            if rids[i] not in out.failed:  # the final token is fed, and checked, next step
+                for token in draft_ids[i][: accepted_ids[i]]:
+                    runner.grammar.feed(samplers[i].matcher, token)
         if batch.draft_cache is not None:
             rewind(batch.draft_cache, num_drop)
             for i, rid in enumerate(rids):
@@ -232,8 +245,26 @@ class SpeculativeDecoder:
 
         self._emit(rids, last_ids, draft_ids, accepted_ids, out)
         self._emit_logprobs(runner, fed_lps, wanted, rids, last_ids, draft_ids, accepted_ids, num_k, gathered, out)
-        self._adapt(rids, plain, lengths, accepted_ids)
+        self._adapt(rids, plain, proposed, lengths, accepted_ids)
         return True
+
+    @staticmethod
+    def _constrain(runner, logits, fed, constrained, samplers, rids, lengths, out) -> mx.array:
+        """Constrained drafting rows: each grammar takes the fed token, cuts the row's draft (`lengths`,
+        in place) and masks every position. The host work overlaps the forward."""
+        mx.async_eval(logits)
+        fed_ids = fed.tolist()
+        grammar = runner.grammar
+        rows = [(i, samplers[i].matcher) for i in constrained]
+        rejected = grammar.advance(rows, [f[0] for f in fed_ids])
+        for i in rejected:
+            out.failed[rids[i]] = f"the grammar rejected token {fed_ids[i][0]}"
+            lengths[i] = 0
+        walks = [(i, m, fed_ids[i][1 : 1 + lengths[i]]) for i, m in rows if i not in rejected]
+        logits, kept = grammar.mask_drafts(logits, walks)
+        for (i, _, _), n in zip(walks, kept):
+            lengths[i] = n
+        return logits
 
     def _row(self, rid: str, request: Request) -> _Row:
         """The row's state; with prompt lookup its index brought up to the request's known tokens."""
@@ -300,14 +331,14 @@ class SpeculativeDecoder:
             out.logprobs.setdefault(rid, []).extend(to_logprob(draft_ids[i][j], entries[j], k) for j in range(a))
             runner._pending_lp[rid] = entries[a]
 
-    def _adapt(self, rids, plain, lengths, accepted_ids) -> None:
+    def _adapt(self, rids, plain, proposed, lengths, accepted_ids) -> None:
+        """Stats count the drafts the target verified; a row's draft length adapts to what it proposed
+        (a draft its grammar cut is a draft that failed there)."""
         stats = self.stats
         for i in plain:
             n, a = lengths[i], accepted_ids[i]
-            if n == 0:
-                continue
             stats.num_drafted += n
             stats.num_accepted += a
-            if self._rows[rids[i]].length.update(self._clock, n, a):
+            if proposed[i] and self._rows[rids[i]].length.update(self._clock, proposed[i], a):
                 stats.num_row_pauses += 1
 
