@@ -42,6 +42,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None,
                    help="quantize the KV cache to 8 or 4 bits (decode batch, prefills, prefix cache and SSD tier):"
                         " about 1.9x / 3.5x the tokens of bf16 KV in the same memory; default: the model's float")
+    p.add_argument("--kv-quant-mode", choices=["auto", "quantized", "dequantized"], default=d.kv_quant_mode,
+                   help="how attention reads --kv-bits KV: quantized (MLX's quantized kernels, Metal/CPU), dequantized"
+                        " (stored quantized, dequantized per layer: MLX-CUDA); auto: the first that works")
     p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=d.kv_group_size,
                    help="values per quantization group of --kv-bits (must divide the attention head dim)")
     p.add_argument("--ssd-cache-dir", default=None, help="SSD tier of the prefix cache (survives restarts)")
@@ -130,7 +133,7 @@ def _engine_config(args) -> EngineConfig:
                                             if args.cache_memory is not None else None),
                         memory_mode=args.memory_mode, memory_utilization=args.memory_utilization,
                         kv_prealloc_tokens=args.kv_prealloc,
-                        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_quant_mode=args.kv_quant_mode,
                         ssd_cache_dir=args.ssd_cache_dir,
                         ssd_cache_max_bytes=parse_memory(args.ssd_cache_max_size, total_ram()),
                         max_num_seqs=args.max_num_seqs, prefill_step_size=args.prefill_step_size,
