@@ -19,6 +19,7 @@ from enum import Enum
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from mlxserve.config import ModelSpec
+from mlxserve.memory.release import freeze_heap
 from mlxserve.models.specs import weights_on_disk
 
 log = logging.getLogger(__name__)
@@ -208,8 +209,9 @@ class ModelManager:
     def _load_and_start(self, spec: ModelSpec):
         log.info("loading model %r from %s", spec.name, spec.source)
         served, engine = self._load_fn(spec)
-        engine.start(self._loop)
+        engine.start(self._loop)  # returns once the engine is built and warmed up
         self._started.append(engine)
+        freeze_heap()
         return served, engine
 
     async def _unload(self, slot: _Slot, reason: str) -> None:
