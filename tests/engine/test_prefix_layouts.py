@@ -133,16 +133,23 @@ def test_cache_stats_count_blocks_and_snapshots_in_the_budget(family):
         assert mem["num_snapshots"] == 0
 
 
-@pytest.mark.parametrize("fault", ["truncated", "flipped", "foreign"])
-def test_bad_snapshot_files_are_recomputed(tmp_path, tmp_path_factory, fault):
-    loaded = load_model(str(build_family_folder(tmp_path_factory.mktemp("nemotron_h"), "nemotron_h")))
-    prompt = tokens(9, 3 * BS + 4)
+def written_ssd(tmp_path, tmp_path_factory, family: str, seed: int, folder: str, what: str):
+    """A fixture of `family` whose first core served one prompt and wrote its SSD tier: (model, prompt,
+    greedy ids, the files in the tier's `folder`)."""
+    loaded = load_model(str(build_family_folder(tmp_path_factory.mktemp(family), family)))
+    prompt = tokens(seed, 3 * BS + 4)
     first = make_core(loaded, ssd_cache_dir=str(tmp_path))
     expected = one(first, prompt)["ids"]
     first.close()
+    files = sorted((tmp_path / folder).iterdir())
+    assert files, f"no {what} was written"
+    return loaded, prompt, expected, files
+
+
+@pytest.mark.parametrize("fault", ["truncated", "flipped", "foreign"])
+def test_bad_snapshot_files_are_recomputed(tmp_path, tmp_path_factory, fault):
+    loaded, prompt, expected, files = written_ssd(tmp_path, tmp_path_factory, "nemotron_h", 9, "states", "snapshot")
     states = tmp_path / "states"
-    files = sorted(states.iterdir())
-    assert files, "no snapshot was written"
     for path in files:
         data = bytearray(path.read_bytes())
         if fault == "truncated":
@@ -164,14 +171,8 @@ def test_bad_snapshot_files_are_recomputed(tmp_path, tmp_path_factory, fault):
 
 
 def test_bad_window_files_are_recomputed(tmp_path, tmp_path_factory):
-    loaded = load_model(str(build_family_folder(tmp_path_factory.mktemp("gemma3_text"), "gemma3_text")))
-    prompt = tokens(11, 3 * BS + 4)
-    first = make_core(loaded, ssd_cache_dir=str(tmp_path))
-    expected = one(first, prompt)["ids"]
-    first.close()
-    windows = tmp_path / "windows"
-    files = sorted(windows.iterdir())
-    assert files, "no sliding window was written"
+    loaded, prompt, expected, files = written_ssd(tmp_path, tmp_path_factory, "gemma3_text", 11, "windows",
+                                                  "sliding window")
     for path in files:
         data = bytearray(path.read_bytes())
         data[-3] ^= 0x40
@@ -189,13 +190,8 @@ def test_bad_window_files_are_recomputed(tmp_path, tmp_path_factory):
 def test_missing_window_files_make_their_blocks_misses(tmp_path, tmp_path_factory):
     """Window files gone (a crash between the two writes, evicted on their own): their blocks are misses,
     recomputed and stored whole, so the next request hits again."""
-    loaded = load_model(str(build_family_folder(tmp_path_factory.mktemp("gemma3_text"), "gemma3_text")))
-    prompt = tokens(11, 3 * BS + 4)
-    first = make_core(loaded, ssd_cache_dir=str(tmp_path))
-    expected = one(first, prompt)["ids"]
-    first.close()
-    files = sorted((tmp_path / "windows").iterdir())
-    assert files, "no sliding window was written"
+    loaded, prompt, expected, files = written_ssd(tmp_path, tmp_path_factory, "gemma3_text", 11, "windows",
+                                                  "sliding window")
     for path in files:
         path.unlink()
     second = make_core(loaded, ssd_cache_dir=str(tmp_path))

@@ -89,8 +89,8 @@ class _QuantizedKV:
         return self.kv_bits
 
     def _fetched(self, keys: Quantized, values: Quantized):
-        """What attention gets: the quantized tuples, or float copies of them. A float copy is transient:
-        one layer's, released once that layer's attention has run; only the quantized KV is kept."""
+        """What attention gets: the quantized tuples, or float copies of them. A float copy is transient
+        (only the quantized KV is kept) and the memory budget does not count it."""
         if not self.dequantize:
             return keys, values
         return tuple(mx.dequantize(*q, group_size=self.group_size, bits=self.kv_bits) for q in (keys, values))
