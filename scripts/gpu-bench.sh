@@ -8,7 +8,8 @@
 #                 platformdirs python-multipart jsonschema jsonschema-specifications referencing rpds-py pytz mcp \
 #                 sse-starlette httpx-sse pydantic-settings python-dotenv
 # On the device (carry .device):  bash scripts/gpu-bench.sh [SHAPE ...] (default: qwen3-0.6b)
-# Env: SERVERS (default mlxserve,mlx_lm,vllm_mlx), CONC (default 1,16,32), STEPS (default decode,compare,burst).
+# Env: SERVERS (default mlxserve,mlx_lm,vllm_mlx), CONC (default 1,16,32), STEPS (default decode,compare,burst),
+# MLXSERVE_ARGS (more `mlxserve serve` flags), TAG (suffix of the compare files, for a second configuration).
 set -uo pipefail
 mkdir -p /tmp/site && tar -xJf .device/site.tar.xz -C /tmp/site
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -28,9 +29,9 @@ for shape in "${shapes[@]}"; do
   fi
   if [[ $steps == *compare* ]]; then
     python3 -m mlxserve.cli bench compare --model "$m" --servers "$servers" --concurrency "$conc" \
-      --endpoint chat --warmup 4 --output-json "$out/compare-$shape.json" > "$out/compare-$shape.log" 2>&1
+      --endpoint chat --warmup 4 --serve-args "${MLXSERVE_ARGS:-}" --output-json "$out/compare-$shape${TAG:-}.json" > "$out/compare-$shape${TAG:-}.log" 2>&1
     # Straight to a file: a pipe through grep holds the output back, and a timeout then loses all of it.
-    grep -v "httpx\|^level" "$out/compare-$shape.log" | tail -30
+    grep -v "httpx\|^level" "$out/compare-$shape${TAG:-}.log" | tail -30
   fi
   if [[ $steps == *burst* ]]; then
     # 8 mixed-length prompts at once, prefilled one by one (rows 1) vs together (rows 8).

@@ -66,10 +66,10 @@ def make_engine(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -
 
 
 def _compiles_per_shape() -> bool:
-    import mlx.core as mx
+    from mlxserve.models.cudnn_attention import is_cuda
 
     # Only MLX's CUDA backend compiles per shape at first use; Metal and CPU gain nothing.
-    return hasattr(mx, "cuda") and mx.cuda.is_available() and mx.default_device() == mx.gpu
+    return is_cuda()
 
 
 def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAPI:

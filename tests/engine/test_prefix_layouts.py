@@ -78,6 +78,21 @@ def test_multi_turn_and_a_repeated_prompt_hit_with_identical_output(family):
     assert out["ids"] == one(off, follow)["ids"] and out["cached"] >= len(short1) - BS, name
 
 
+def test_a_last_chunk_in_one_forward_gives_the_same_tokens(family):
+    """On CUDA a short last chunk runs as one forward instead of its body and its last token apart
+    (runner.one_forward_logits); forced here, with chunks split over steps and a turn 2 that hits."""
+    name, loaded = family
+    split, whole = make_core(loaded, prefill_step_size=32), make_core(loaded, prefill_step_size=32)
+    assert split.runner.one_forward_logits == 0  # the CPU keeps the split
+    whole.runner.one_forward_logits = 1 << 40
+    turn1 = tokens(5, 3 * BS + 13)
+    first = one(split, turn1, 12)
+    assert one(whole, turn1, 12) == first, name
+    turn2 = turn1 + first["ids"] + tokens(6, 9)
+    second = one(split, turn2)
+    assert second["cached"] > 0 and one(whole, turn2) == second, name
+
+
 def test_concurrent_conversations_sharing_a_system_prompt(family):
     name, loaded = family
     on, off = make_core(loaded, prefill_step_size=24), make_core(loaded, enable_prefix_cache=False)

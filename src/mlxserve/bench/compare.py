@@ -36,7 +36,8 @@ def _command(server: str, model: str, port: int, args) -> tuple[list[str], str]:
     """The command line and the model name clients send."""
     if server == "mlxserve":
         cmd = [sys.executable, "-m", "mlxserve.cli", "serve", model, "--port", str(port),
-               "--served-model-name", "bench", "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
+               "--served-model-name", "bench", "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning",
+               *args.serve_args]
         return cmd, "bench"
     if server == "vllm_mlx":
         # vllm-mlx (pip install vllm-mlx): its continuous-batching engine, as its README serves it.
@@ -143,6 +144,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="API route the load uses (as in `bench serve`)")
     parser.add_argument("--warmup", type=int, default=2, help="requests sent to each server before measuring")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="mlxserve's --max-num-seqs (batch limit)")
+    parser.add_argument("--serve-args", type=lambda s: s.split(), default=[],
+                        help="more `mlxserve serve` flags, one quoted string (e.g. \"--cudnn-attention off\")")
     parser.add_argument("--startup-timeout", type=float, default=600, metavar="SECONDS",
                         help="how long each server may take to answer /v1/models after its start")
     parser.add_argument("--output-json", default=None,

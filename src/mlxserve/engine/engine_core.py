@@ -110,7 +110,8 @@ class EngineCore:
         self.runner = self.runner_cls(model, buckets, store, config.block_size, self.vision_cache,
                                       kv_prealloc_tokens=config.kv_prealloc_tokens, grammar=self.grammar,
                                       make_cache=make_cache, spec=self.spec,
-                                      batch_prefill=self.config.max_num_prefill_rows > 1)
+                                      batch_prefill=self.config.max_num_prefill_rows > 1,
+                                      logits_width=probe.logits_width)
         self.governor = None
         if self.budget is not None:
             self.governor = MemoryGovernor(self.budget, per_token, self.prefix, self.scheduler,
@@ -245,6 +246,14 @@ class EngineCore:
             self.add_request(Request(f"warmup-burst-{i}", [(i + j) % 7 + 1 for j in range(n)], params))
         while self.has_work:
             self.step()
+        # A step's prompt budget shared by every row count batched prefill takes: on an H200 a burst of
+        # 7 prompts of 73 tokens (a shape warm-up had not run) cost a 1.07 s step (2026-11-25).
+        for rows in range(2, self.config.max_num_prefill_rows + 1):
+            n = max(2, min(step_size // rows, longest))
+            for i in range(rows):
+                self.add_request(Request(f"warmup-rows-{rows}-{i}", [(i + j) % 7 + 1 for j in range(n)], params))
+            while self.has_work:
+                self.step()
         # The same prompts again: prefix hits resume mid-prompt (a chunk after restored blocks).
         for i, n in enumerate(lengths[:3]):
             self.add_request(Request(f"warmup-hit-{i}", [(i + j) % 7 + 1 for j in range(n)] + [9, 9], params))
@@ -318,7 +327,8 @@ class EngineCore:
         self.runner = self.runner_cls(old.model, old.buckets, old.store, old.block_size, self.vision_cache,
                                       kv_prealloc_tokens=self.config.kv_prealloc_tokens, grammar=self.grammar,
                                       make_cache=old.make_cache, spec=self.spec,
-                                      batch_prefill=self.config.max_num_prefill_rows > 1)
+                                      batch_prefill=self.config.max_num_prefill_rows > 1,
+                                      logits_width=old.logits_width)
         self.scheduler.reset_after_failure()
         reseed_after_failure()
         return outputs

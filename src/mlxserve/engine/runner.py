@@ -27,6 +27,7 @@ from mlxserve.engine.grammar import GrammarSource
 from mlxserve.engine.sampling import RowSampler, gather_logprobs, pending_arrays, sample_batch, to_logprob
 from mlxserve.engine.scheduler import PrefillChunk, SchedulerOutput
 from mlxserve.engine.spec_decode import SpeculativeDecoder
+from mlxserve.models.cudnn_attention import is_cuda
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,14 @@ class StepTokens:
     failed_block_ids: list[int] = field(default_factory=list)
 
 
+# On CUDA a last chunk whose logits (tokens x vocab) stay under this many runs as one forward, not two:
+# there a forward of a few tokens is bound by launching every layer's kernels (~20 ms for a 4B model), so
+# a prefix hit's short suffix costs one forward. A longer chunk, and any on Metal or the CPU, holds its
+# last token back: there the LM head over the chunk costs more than a forward (CPU fixtures: an 89-token
+# suffix took 65 ms as one forward, 10 ms as 88 + 1).
+_ONE_FORWARD_LOGITS = 1 << 25
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -62,8 +71,11 @@ class ModelRunner:
         make_cache: Callable[[Any], list[Any]] = make_prompt_cache,
         spec: "SpeculativeDecoder | None" = None,
         batch_prefill: bool = True,
+        logits_width: int = 0,
     ) -> None:
         self.model = model
+        self.logits_width = logits_width  # the LM head's width (vocab); 0: unknown, taken as 1M
+        self.one_forward_logits = _ONE_FORWARD_LOGITS if is_cuda() else 0
         self.make_cache = make_cache  # a request's fresh caches (quantized layers under --kv-bits)
         self.grammar = grammar
         self.spec = spec  # speculative decoding (engine/spec_decode.py); None: off
@@ -282,10 +294,11 @@ class ModelRunner:
             # evaluated, so the LM head never runs on these positions.
             mx.eval([c.state for c in cache], self._captured_arrays(rid))
             return None
-        if end - start > 1:
+        if end - start > 1 and (end - start) * (self.logits_width or 1 << 20) > self.one_forward_logits:
             # Same reason: the last position alone gets logits (what mlx-lm's generate_step does).
             forward(start, end - 1)
-        logits = forward(end - 1, end)
+            start = end - 1
+        logits = forward(start, end)
         return self._first_token(rid, cache, logits[:, -1, :])
 
     def _first_token(self, rid: str, cache: list[Any], logits: mx.array):

@@ -32,7 +32,7 @@ def apply_cudnn_attention(setting: str, speculative: bool, environ=os.environ, o
     """Set MLX's switch for this process where it matters (MLX-CUDA); returns what is in force, for logs
     and `/v1/status`: "on", "off", "env:<value>" (set by the user) or "n/a" (not CUDA)."""
     if on_cuda is None:
-        on_cuda = _on_cuda()
+        on_cuda = is_cuda()
     if not on_cuda:
         return "n/a"
     if ENV in environ and environ.get("_MLXSERVE_SET_" + ENV) != environ[ENV]:
@@ -51,7 +51,8 @@ def apply_cudnn_attention(setting: str, speculative: bool, environ=os.environ, o
     return "on" if value == "1" else "off"
 
 
-def _on_cuda() -> bool:
+def is_cuda() -> bool:
+    """Whether MLX computes on a CUDA GPU here."""
     import mlx.core as mx
 
     return hasattr(mx, "cuda") and mx.cuda.is_available() and mx.default_device() == mx.gpu
