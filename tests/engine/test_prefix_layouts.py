@@ -93,6 +93,17 @@ def test_a_last_chunk_in_one_forward_gives_the_same_tokens(family):
     assert second["cached"] > 0 and one(whole, turn2) == second, name
 
 
+def test_quantized_models_keep_the_split_last_chunk():
+    import mlx.nn as nn
+
+    from mlxserve.engine.runner import _has_quantized_weights
+
+    model = nn.Sequential(nn.Embedding(256, 64), nn.Linear(64, 64))
+    assert not _has_quantized_weights(model)
+    nn.quantize(model, group_size=64, bits=4)
+    assert _has_quantized_weights(model)
+
+
 def test_concurrent_conversations_sharing_a_system_prompt(family):
     name, loaded = family
     on, off = make_core(loaded, prefill_step_size=24), make_core(loaded, enable_prefix_cache=False)

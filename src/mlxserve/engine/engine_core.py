@@ -221,12 +221,14 @@ class EngineCore:
             self.step()
         while self.has_work:
             self.step()
+        sized = time.perf_counter()
         self._warm_traffic(prompt_len)
         mx.synchronize()
         mx.clear_cache()
-        log.info("warm-up over decode batch sizes %s took %.1f s; MLX memory after: %.2f GiB active, peak %.2f GiB",
-                 sizes if len(sizes) < 16 else f"1..{max_batch}", time.perf_counter() - start,
-                 mx.get_active_memory() / 2**30, mx.get_peak_memory() / 2**30)
+        log.info("warm-up over decode batch sizes %s took %.1f s (sizes %.1f s, then prompt shapes); MLX memory "
+                 "after: %.2f GiB active, peak %.2f GiB", sizes if len(sizes) < 16 else f"1..{max_batch}",
+                 time.perf_counter() - start, sized - start, mx.get_active_memory() / 2**30,
+                 mx.get_peak_memory() / 2**30)
         mx.reset_peak_memory()
 
     def _warm_traffic(self, prompt_len: int) -> None:
@@ -246,14 +248,6 @@ class EngineCore:
             self.add_request(Request(f"warmup-burst-{i}", [(i + j) % 7 + 1 for j in range(n)], params))
         while self.has_work:
             self.step()
-        # A step's prompt budget shared by every row count batched prefill takes: on an H200 a burst of
-        # 7 prompts of 73 tokens (a shape warm-up had not run) cost a 1.07 s step (2026-11-25).
-        for rows in range(2, self.config.max_num_prefill_rows + 1):
-            n = max(2, min(step_size // rows, longest))
-            for i in range(rows):
-                self.add_request(Request(f"warmup-rows-{rows}-{i}", [(i + j) % 7 + 1 for j in range(n)], params))
-            while self.has_work:
-                self.step()
         # The same prompts again: prefix hits resume mid-prompt (a chunk after restored blocks).
         for i, n in enumerate(lengths[:3]):
             self.add_request(Request(f"warmup-hit-{i}", [(i + j) % 7 + 1 for j in range(n)] + [9, 9], params))
