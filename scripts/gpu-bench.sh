@@ -9,7 +9,8 @@
 #                 sse-starlette httpx-sse pydantic-settings python-dotenv
 # On the device (carry .device):  bash scripts/gpu-bench.sh [SHAPE ...] (default: qwen3-0.6b)
 # Env: SERVERS (default mlxserve,mlx_lm,vllm_mlx), CONC (default 1,16,32), STEPS (default decode,compare,burst),
-# MLXSERVE_ARGS (more `mlxserve serve` flags), TAG (suffix of the compare files, for a second configuration).
+# MLXSERVE_ARGS (more `mlxserve serve` flags), TAG (suffix of the result files, for a second configuration),
+# SERVER_S (seconds each server may take, start-up and warm-up included; default 240).
 set -uo pipefail
 mkdir -p /tmp/site && tar -xJf .device/site.tar.xz -C /tmp/site
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -28,10 +29,12 @@ for shape in "${shapes[@]}"; do
     python3 -m mlxserve.cli bench decode --model "$m" --max-tokens 256 --output-json "$out/decode-$shape.json"
   fi
   if [[ $steps == *compare* ]]; then
-    python3 -m mlxserve.cli bench compare --model "$m" --servers "$servers" --concurrency "$conc" \
-      --endpoint chat --warmup 4 --serve-args "${MLXSERVE_ARGS:-}" --output-json "$out/compare-$shape${TAG:-}.json" > "$out/compare-$shape${TAG:-}.log" 2>&1
-    # Straight to a file: a pipe through grep holds the output back, and a timeout then loses all of it.
-    grep -v "httpx\|^level" "$out/compare-$shape${TAG:-}.log" | tail -30
+    # One server at a time under the same load, each within SERVER_S seconds from its start (warm-up
+    # included), its log kept in $OUT: a limit that cuts one server loses nothing of the others.
+    for server in ${servers//,/ }; do
+      extra=(); [ "$server" = mlxserve ] && read -ra extra <<< "${MLXSERVE_ARGS:-}"
+      CONC=$conc bash scripts/gpu-serve.sh "$server-$shape${TAG:-}" "${SERVER_S:-240}" "$server" "$m" "${extra[@]}"
+    done
   fi
   if [[ $steps == *burst* ]]; then
     # 8 mixed-length prompts at once, prefilled one by one (rows 1) vs together (rows 8).

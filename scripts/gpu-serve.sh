@@ -24,7 +24,9 @@ until curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null; do
   sleep 1
 done
 echo "$tag: up after $(($(date +%s) - start)) s"
-timeout $((limit - $(date +%s) + start)) python3 -m mlxserve.cli bench serve --url "http://127.0.0.1:$port" \
+left=$((limit - $(date +%s) + start))
+[ $left -gt 0 ] || { echo "$tag: no time left for the load after start-up"; left=1; }
+timeout $left python3 -m mlxserve.cli bench serve --url "http://127.0.0.1:$port" \
   --model "$name" --concurrency "${CONC:-1,16,32,64}" --endpoint chat --warmup 4 --label "$tag" \
   --output-json "$out/serve-$tag.json" > "$out/bench-$tag.log" 2>&1
 echo "$tag: bench exit $?"
