@@ -106,20 +106,23 @@ def _run_prefix_bench(args) -> dict:
             for p in args.prefix_tokens:
                 cold, hit, ssd, hit_tokens = [], [], [], 0
                 restore, ssd_read, ssd_restore = [], [], []
-                for _ in range(args.repeats):
+                for rep in range(args.repeats):
+                    # --vary-lengths: every repeat's messages are longer than the last's, so each cold and
+                    # hit prompt has a length the engine has not run before, as in real traffic.
+                    suffix = args.suffix_tokens + (3 * rep if args.vary_lengths else 0)
                     prefix = _prompt(rng, p, vocab)
-                    turn1, answer = prefix + _prompt(rng, args.suffix_tokens, vocab), []
+                    turn1, answer = prefix + _prompt(rng, suffix, vocab), []
                     cold.append(_run_one(core, turn1, 1 + args.answer_tokens, answer)[0])
                     if args.answer_tokens:  # turn 2 of a conversation: turn 1, its answer, a new message
                         prefix = turn1 + answer
-                    ttft, hit_tokens, restored, _ = _run_timed(core, prefix + _prompt(rng, args.suffix_tokens, vocab))
+                    ttft, hit_tokens, restored, _ = _run_timed(core, prefix + _prompt(rng, suffix, vocab))
                     hit.append(ttft)
                     restore.append(restored)
                     if args.ssd:
                         # A restart: memory empty, the SSD tier found again by scanning its folder.
                         core.close()
                         core = make_core()
-                        ttft, _, restored, read = _run_timed(core, prefix + _prompt(rng, args.suffix_tokens, vocab))
+                        ttft, _, restored, read = _run_timed(core, prefix + _prompt(rng, suffix, vocab))
                         ssd.append(ttft)
                         ssd_restore.append(restored)
                         ssd_read.append(read)
@@ -170,6 +173,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated shared-prefix lengths in tokens, one row each")
     parser.add_argument("--suffix-tokens", type=int, default=32,
                         help="tokens after the prefix, new in every request (what a hit still prefills)")
+    parser.add_argument("--vary-lengths", action="store_true",
+                        help="each repeat's new messages are 3 tokens longer than the last's, so every prompt "
+                             "has a length not run before (on MLX-CUDA a new length costs graph builds)")
     parser.add_argument("--block-size", type=int_list, default=[256],
                         help="comma-separated prefix-cache block sizes in tokens, one pass each")
     parser.add_argument("--prefill-step-size", type=int, default=EngineConfig().prefill_step_size,
