@@ -1,7 +1,7 @@
 """Gemma 3 served end to end: the real server on the tiny Gemma 3 fixture (sliding window 32, 16 image
 tokens), checked against mlx-vlm's own generate and forward and against caches off.
 
-Gemma's sliding-window caches turn the prefix cache off by themselves; "caches on" is the vision cache.
+"Caches on" is the prefix cache (its sliding windows restored from blocks) and the vision cache.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_image_chat_matches_mlx_vlm_generate_and_forward(on, reference, tmp_path
     assert [lp for _, lp in got] == pytest.approx([float(ref[t]) for t in top_ids], abs=1e-4)
 
 
-def test_conversation_is_identical_with_caches_off_and_reuses_features(on, off):
+def test_conversation_is_identical_with_caches_off_and_hits_the_prefix_cache(on, off):
     follow_ups = ["What colors do you see?", "Anything else?"]
     runs = {}
     for name, live in (("on", on), ("off", off)):
@@ -69,14 +69,17 @@ def test_conversation_is_identical_with_caches_off_and_reuses_features(on, off):
         for turn in range(3):
             r = chat(live, messages, logprobs=True, top_logprobs=2)
             turns.append((r.choices[0].message.content, tokens_of(r), r.usage.prompt_tokens))
-            assert r.usage.prompt_tokens_details.cached_tokens == 0  # no prefix cache with sliding windows
+            cached = r.usage.prompt_tokens_details.cached_tokens
+            if name == "off":
+                assert cached == 0
+            elif turn > 0:  # turn 1's image and text come from the prefix cache
+                assert cached >= turns[-2][2] - ENGINE["block_size"]
             if turn < 2:
                 messages += [{"role": "assistant", "content": r.choices[0].message.content},
                              {"role": "user", "content": follow_ups[turn]}]
         runs[name] = turns
     assert runs["on"] == runs["off"]
-    stats = vision_stats(on)
-    assert stats["entries"] >= 1 and stats["num_reused"] >= 2  # turns 2 and 3 reused turn 1's features
+    assert vision_stats(on)["entries"] >= 1
 
 
 def test_concurrent_image_and_text_requests_equal_their_solo_runs(on):

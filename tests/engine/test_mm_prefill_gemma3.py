@@ -12,7 +12,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxserve.cache.setup import can_share_prefix
 from mlxserve.config import EngineConfig, MediaConfig
 from mlxserve.engine.engine_core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
@@ -85,12 +84,14 @@ def test_builder_gives_the_processors_ids_and_pixels(fx):
     assert len(request.prompt_token_ids) > fx.model.lm.config.sliding_window
 
 
-def test_caches_are_mlx_lm_sliding_window_and_global_and_prefix_sharing_is_off(fx):
+def test_caches_are_mlx_lm_sliding_window_and_global_and_prefix_sharing_is_on(fx):
     kinds = [type(c).__name__ for c in fx.model.make_cache()]
     assert kinds == ["RotatingKVCache", "KVCache"]
     assert all(type(c).__module__.startswith("mlx_lm.") for c in fx.model.make_cache())
-    assert not can_share_prefix(fx.model)
-    assert fx.core(block_size=16).prefix is None
+    # Windows restored from blocks, as for text models (tests/engine/test_mm_prefix_sliding.py).
+    core = fx.core(block_size=16)
+    assert core.prefix is not None
+    assert (core.runner.store.layout.swa_layers, core.runner.store.layout.window) == ((0,), 32)
 
 
 @pytest.mark.parametrize("step", [8, 512])
@@ -122,7 +123,8 @@ def test_sampled_decode_matches_mlx_vlm_at_every_position(fx, batching):
 
 def test_vision_cache_hit_skips_the_tower(fx):
     img = noise(4)
-    core = fx.core(prefill_step_size=16, block_size=16)
+    # Prefix cache off: the repeat would resume past the image and need no features at all.
+    core = fx.core(prefill_step_size=16, block_size=16, enable_prefix_cache=False)
     ref = fx.reference(img)[0]
     for rep in range(2):
         params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True, top_logprobs=5)

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
 
 from mlxserve.cache.kv_quant import KVQuantPlan
 from mlxserve.cache.kv_store import KVBlockStore
@@ -66,8 +66,6 @@ def probe_kv(model: Any, make_cache: Callable[[Any], list[Any]] = make_prompt_ca
     mx.eval([c.state for c in cache])
     costs = [_layer_cost(c) for c in cache]
     layout = read_layout(cache)
-    if layout is not None and getattr(model, "is_vlm", False) and (layout.swa_layers or layout.state_layers):
-        layout = None  # multimodal prefill does not capture sliding windows or snapshots yet
     # Quantized layers keep (data, scales, biases): the scales carry the model's float dtype.
     dtype = next((k.dtype if isinstance(k, mx.array) else k[1].dtype
                   for k in (getattr(c, "keys", None) for c in cache) if isinstance(k, (mx.array, tuple))), None)
@@ -94,13 +92,6 @@ def _arrays(c: Any) -> list:
 # Prefix-cache size when --cache-memory is not given and no memory budget could be computed (the
 # weights alone exceed it): memory is tight, so modest.
 FALLBACK_CACHE_MEMORY_BYTES = 512 << 20
-
-
-def can_share_prefix(model: Any) -> bool:
-    """Whether the model's caches are plain KV that a prefix cache can reuse. Sliding-window (rotating)
-    and recurrent caches are not plain prefixes of a sequence. (MLA caches are KVCache too, but their
-    keys and values differ in width: `probe_kv(...).shareable` tells those apart.)"""
-    return {type(c) for c in make_prompt_cache(model)} == {KVCache}
 
 
 def make_prefix_cache(

@@ -384,7 +384,7 @@ class ModelRunner:
 
     def _start_captures(self, request: Request) -> None:
         store = self.store
-        if store is None or request.media or not (store.layout.swa_layers or store.wants_snapshots):
+        if store is None or not (store.layout.swa_layers or store.wants_snapshots):
             return
         rid = request.request_id
         self._captured[rid] = {}
