@@ -163,3 +163,17 @@ def test_restart_from_the_ssd_tier(fx, tmp_path):
     assert again["cached"] == (len(turn1.prompt_token_ids) - 1) // BS * BS
     assert_same(again, answer)
     assert second.runner.mm.num_encoded == 0  # every image token came from the SSD tier
+
+
+def test_a_vision_model_with_recurrent_layers_keeps_the_cache_off(fx, tmp_path):
+    """No recurrent-layer VLM has run snapshots with images: such a model (a recurrent text fixture
+    marked as a VLM here) gets no prefix cache, while the Gemma 3 VLM gets one."""
+    from mlxserve.cache.setup import probe_kv
+    from mlxserve.models.families import build_family_folder
+    from mlxserve.models.loader import load_model
+
+    assert probe_kv(fx.model).shareable
+    hybrid = load_model(str(build_family_folder(tmp_path, "qwen3_next"))).model
+    assert probe_kv(hybrid).shareable
+    hybrid.is_vlm = True
+    assert not probe_kv(hybrid).shareable
