@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# One server under `bench serve`'s load on the GPU machine, its log kept in $OUT even when a time limit
-# cuts the run (`bench compare` keeps logs in temporary files). Same bundle as scripts/gpu-bench.sh.
+# One server under `bench serve`'s load on the GPU machine, its log kept in $OUT even when the time limit
+# cuts the run (`bench compare` keeps logs in temporary files). Run from scripts/gpu-bench.sh, or alone
+# after unpacking the same bundle into /tmp/site.
 # usage: bash scripts/gpu-serve.sh TAG SECONDS mlxserve|vllm_mlx|mlx_lm MODEL_DIR [SERVER FLAGS...]
-# Env: CONC (default 1,16,32,64).
+# SECONDS bounds start-up, warm-up and load together. Env: CONC (default 1,16,32,64).
 set -uo pipefail
 tag=$1 limit=$2 server=$3 model=$4
 shift 4
+export PYTHONPATH=${PYTHONPATH:-/tmp/site:$PWD/src} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 out=${OUT:-/tmp/gpu-bench}; mkdir -p "$out"
 port=$((8100 + RANDOM % 800))
 case $server in
@@ -13,23 +15,37 @@ case $server in
   vllm_mlx) cmd=(python3 -m vllm_mlx.cli serve "$model" --continuous-batching --max-num-seqs 64
                  --served-model-name bench) ;;
   mlx_lm) cmd=(python3 -m mlx_lm.server --model "$model") ;;
+  *) echo "unknown server $server (mlxserve, vllm_mlx or mlx_lm)"; exit 2 ;;
 esac
 name=bench; [ "$server" = mlx_lm ] && name=$model
-export MLX_PTX_CACHE_DIR=$(mktemp -d)  # each server compiles its own kernels (see bench compare)
+kernels=$(mktemp -d)  # each server compiles its own kernels (see bench compare)
+stop() {
+  kill "$pid" 2> /dev/null
+  timeout 30 tail --pid="$pid" -f /dev/null || kill -9 "$pid" 2> /dev/null
+  rm -rf "$kernels"
+}
 start=$(date +%s)
-"${cmd[@]}" --port "$port" "$@" > "$out/server-$tag.log" 2>&1 &
+MLX_PTX_CACHE_DIR=$kernels "${cmd[@]}" --port "$port" "$@" > "$out/server-$tag.log" 2>&1 &
 pid=$!
 until curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null; do
-  kill -0 $pid 2> /dev/null || { echo "$tag: server exited"; tail -20 "$out/server-$tag.log"; exit 1; }
+  if ! kill -0 "$pid" 2> /dev/null; then
+    echo "$tag: server exited"; tail -20 "$out/server-$tag.log"; rm -rf "$kernels"; exit 1
+  fi
+  if (($(date +%s) - start >= limit)); then
+    echo "$tag: not up within $limit s"; stop
+    grep -E "warm-up|slow engine step|Traceback|ERROR" "$out/server-$tag.log" | cut -c1-300 | tail -8
+    exit 1
+  fi
   sleep 1
 done
-echo "$tag: up after $(($(date +%s) - start)) s"
 left=$((limit - $(date +%s) + start))
-[ $left -gt 0 ] || { echo "$tag: no time left for the load after start-up"; left=1; }
-timeout $left python3 -m mlxserve.cli bench serve --url "http://127.0.0.1:$port" \
-  --model "$name" --concurrency "${CONC:-1,16,32,64}" --endpoint chat --warmup 4 --label "$tag" \
-  --output-json "$out/serve-$tag.json" > "$out/bench-$tag.log" 2>&1
-echo "$tag: bench exit $?"
-kill $pid; wait $pid 2> /dev/null
-grep -v "httpx" "$out/bench-$tag.log" | grep -A8 "^label" | tail -8
-grep -E "warm-up|slow engine step|Traceback|ERROR|empty|without any text" "$out/server-$tag.log" | cut -c1-300 | tail -8
+echo "$tag: up after $(($(date +%s) - start)) s, $left s left for the load"
+if ((left > 0)); then
+  timeout "$left" python3 -m mlxserve.cli bench serve --url "http://127.0.0.1:$port" \
+    --model "$name" --concurrency "${CONC:-1,16,32,64}" --endpoint chat --warmup 4 --label "$tag" \
+    --output-json "$out/serve-$tag.json" > "$out/bench-$tag.log" 2>&1
+  echo "$tag: bench exit $?"
+fi
+stop
+grep -v "httpx" "$out/bench-$tag.log" 2> /dev/null | grep -A8 "^label" | tail -8
+grep -E "warm-up|slow engine step|Traceback|ERROR|without any text" "$out/server-$tag.log" | cut -c1-300 | tail -8

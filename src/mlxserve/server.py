@@ -66,7 +66,7 @@ def make_engine(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -
 
 
 def _compiles_per_shape() -> bool:
-    from mlxserve.models.cudnn_attention import is_cuda
+    from mlxserve.models.backend import is_cuda
 
     # Only MLX's CUDA backend compiles per shape at first use; Metal and CPU gain nothing.
     return is_cuda()

@@ -19,3 +19,24 @@ def test_prefix_bench_on_a_shape(tmp_path, capsys):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["hit_tokens"] == 256  # turn 1 (308 prompt tokens + its answer) minus the partial block
     assert row["restore_hit_ms"] > 0 and row["restore_ssd_ms"] > 0 and row["ssd_read_ms"] > 0
+
+
+def test_vary_lengths_gives_every_request_a_new_length(tmp_path, monkeypatch):
+    from mlxserve.bench import prefix
+
+    lengths, run_one = [], prefix._run_one
+
+    def record(core, prompt, *a, **kw):
+        lengths.append(len(prompt))
+        return run_one(core, prompt, *a, **kw)
+
+    monkeypatch.setattr(prefix, "_run_one", record)
+    args = make_parser().parse_args([
+        "bench", "prefix", "--prefix-tokens", "40,40", "--suffix-tokens", "4", "--block-size", "16,32",
+        "--answer-tokens", "2", "--repeats", "2", "--decode-tokens", "2", "--vary-lengths", "--output-json", str(tmp_path / "p.json"),
+    ])
+    assert args.func(args) == 0
+    # Per block size: a warm-up request, then 2 prefixes x 2 repeats x (cold, hit); then 4 decode checks.
+    assert len(lengths) == 2 * (1 + 8) + 4
+    measured = lengths[1:9] + lengths[10:18]
+    assert len(set(measured)) == len(measured), measured

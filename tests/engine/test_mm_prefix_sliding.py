@@ -176,4 +176,23 @@ def test_a_vision_model_with_recurrent_layers_keeps_the_cache_off(fx, tmp_path):
     hybrid = load_model(str(build_family_folder(tmp_path, "qwen3_next"))).model
     assert probe_kv(hybrid).shareable
     hybrid.is_vlm = True
-    assert not probe_kv(hybrid).shareable
+    probe = probe_kv(hybrid)
+    assert not probe.shareable and "recurrent" in probe.why_unshareable
+
+
+@pytest.mark.parametrize("step", [8, 24, 512])
+def test_a_last_chunk_in_one_forward_on_cuda(fx, step, monkeypatch):
+    """On CUDA a short last chunk (image or text) runs as one forward, not its body and its last token
+    apart, and matches the split."""
+    monkeypatch.setattr("mlxserve.engine.runner.is_cuda", lambda: False)
+    split = core(fx, step)
+    monkeypatch.setattr("mlxserve.engine.runner.is_cuda", lambda: True)
+    whole = core(fx, step)
+    assert split.runner.one_forward_logits == 0 < whole.runner.one_forward_logits
+    turn1 = ask(fx, [user()], [noise(0)], 12)
+    first = one(split, turn1)
+    assert_same(one(whole, turn1), first)
+    turn2 = then(turn1, first["ids"], fx, "<end_of_turn>\n<start_of_turn>user\nand its colours?")
+    second = one(split, turn2)
+    assert second["cached"] > 0
+    assert_same(one(whole, turn2), second)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 
+import numpy as np
 import pytest
 
 from mlxserve.config import EngineConfig
@@ -78,30 +79,49 @@ def test_multi_turn_and_a_repeated_prompt_hit_with_identical_output(family):
     assert out["ids"] == one(off, follow)["ids"] and out["cached"] >= len(short1) - BS, name
 
 
-def test_a_last_chunk_in_one_forward_gives_the_same_tokens(family):
+def with_logprobs(core: EngineCore, prompt: list[int], max_tokens: int = 8) -> tuple[list[int], list[float], int]:
+    """(greedy ids, their logprobs, cached tokens): a random model's greedy ids alone often repeat one token."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=True)
+    core.add_request(Request("r", prompt, params))
+    ids, lps, cached = [], [], 0
+    while core.has_work:
+        for o in core.step():
+            assert o.error is None, o.error
+            ids += o.new_token_ids
+            lps += [e.logprob for e in o.logprobs or ()]
+            cached = o.num_cached_tokens
+    return ids, lps, cached
+
+
+def one_forward_matches_the_split(loaded, monkeypatch, name: str) -> None:
     """On CUDA a short last chunk runs as one forward instead of its body and its last token apart
-    (runner.one_forward_logits); forced here, with chunks split over steps and a turn 2 that hits."""
-    name, loaded = family
-    split, whole = make_core(loaded, prefill_step_size=32), make_core(loaded, prefill_step_size=32)
-    assert split.runner.one_forward_logits == 0  # the CPU keeps the split
-    whole.runner.one_forward_logits = 1 << 40
+    (runner.one_forward_logits). Same tokens and logprobs, with chunks split over steps and a turn 2 that hits."""
+    monkeypatch.setattr("mlxserve.engine.runner.is_cuda", lambda: False)
+    split = make_core(loaded, prefill_step_size=32)
+    monkeypatch.setattr("mlxserve.engine.runner.is_cuda", lambda: True)
+    whole = make_core(loaded, prefill_step_size=32)
+    assert split.runner.one_forward_logits == 0 < whole.runner.one_forward_logits
     turn1 = tokens(5, 3 * BS + 13)
-    first = one(split, turn1, 12)
-    assert one(whole, turn1, 12) == first, name
-    turn2 = turn1 + first["ids"] + tokens(6, 9)
-    second = one(split, turn2)
-    assert second["cached"] > 0 and one(whole, turn2) == second, name
+    first = with_logprobs(split, turn1, 12)
+    assert_same(first, with_logprobs(whole, turn1, 12), name)
+    turn2 = turn1 + first[0] + tokens(6, 9)
+    second = with_logprobs(split, turn2)
+    assert second[2] > 0, name
+    assert_same(second, with_logprobs(whole, turn2), name)
 
 
-def test_quantized_models_keep_the_split_last_chunk():
-    import mlx.nn as nn
+def assert_same(a: tuple, b: tuple, name: str) -> None:
+    assert a[0] == b[0] and a[2] == b[2], name
+    assert np.allclose(a[1], b[1], atol=1e-4), (name, a[1], b[1])
 
-    from mlxserve.engine.runner import _has_quantized_weights
 
-    model = nn.Sequential(nn.Embedding(256, 64), nn.Linear(64, 64))
-    assert not _has_quantized_weights(model)
-    nn.quantize(model, group_size=64, bits=4)
-    assert _has_quantized_weights(model)
+def test_a_last_chunk_in_one_forward_gives_the_same_tokens(family, monkeypatch):
+    one_forward_matches_the_split(family[1], monkeypatch, family[0])
+
+
+def test_a_last_chunk_in_one_forward_plain_kv(tmp_path, monkeypatch):
+    for name in ("qwen3", "llama"):  # prompts prefilled alone take `_prefill` (a lone prompt, a burst's odd one)
+        one_forward_matches_the_split(load_model(str(build_family_folder(tmp_path / name, name))), monkeypatch, name)
 
 
 def test_concurrent_conversations_sharing_a_system_prompt(family):

@@ -15,7 +15,8 @@ import sys
 
 from mlxserve.bench.compare import _free_port, _running
 from mlxserve.bench.report import format_table, write_json
-from mlxserve.bench.serve import ServeBenchConfig, default_json_path, int_list, run_serve_bench
+from mlxserve.bench.serve import (ServeBenchConfig, add_serve_args_argument, default_json_path, int_list,
+                                  run_serve_bench)
 
 # Prompt tokens of the burst issue #19 measured on the GPU (130-1,400 words, about 180-1,900 tokens).
 DEFAULT_MIX = [180, 1900, 550, 1100, 270, 1500, 820, 400]
@@ -94,6 +95,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="chat: /v1/chat/completions (the chat template adds tokens); completions: a plain prompt")
     parser.add_argument("--warmup", type=int, default=2, help="requests sent one by one before the bursts")
     parser.add_argument("--startup-timeout", type=float, default=600, help="seconds a server may take to start")
-    parser.add_argument("--serve-args", type=lambda s: s.split(), default=[],
-                        help='more `mlxserve serve` flags, e.g. "--no-prefix-cache --warmup on"')
+    add_serve_args_argument(parser)
     parser.add_argument("--output-json", default=None, help="result file (default: a dated file under bench-results/)")

@@ -20,7 +20,8 @@ import httpx
 
 from mlxserve.bench import plot
 from mlxserve.bench.report import format_table, write_json
-from mlxserve.bench.serve import TABLE_COLUMNS, ServeBenchConfig, add_load_arguments, default_json_path, run_serve_bench
+from mlxserve.bench.serve import (TABLE_COLUMNS, ServeBenchConfig, add_load_arguments, add_serve_args_argument,
+                                  default_json_path, run_serve_bench)
 
 _SERVERS = ("mlxserve", "mlx_lm", "vllm_mlx")
 _DEFAULT_SERVERS = ("mlxserve", "mlx_lm")
@@ -144,8 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="API route the load uses (as in `bench serve`)")
     parser.add_argument("--warmup", type=int, default=2, help="requests sent to each server before measuring")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="mlxserve's --max-num-seqs (batch limit)")
-    parser.add_argument("--serve-args", type=lambda s: s.split(), default=[],
-                        help="more `mlxserve serve` flags, one quoted string (e.g. \"--cudnn-attention off\")")
+    add_serve_args_argument(parser)
     parser.add_argument("--startup-timeout", type=float, default=600, metavar="SECONDS",
                         help="how long each server may take to answer /v1/models after its start")
     parser.add_argument("--output-json", default=None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import random
 import statistics
 import tempfile
@@ -89,7 +90,7 @@ def _run_prefix_bench(args) -> dict:
 
     loaded = load_model(args.model or str(ensure_demo_model()))
     vocab = min(len(loaded.tokenizer), 2000)
-    rows = []
+    rows, fresh = [], itertools.count(1)
     for block_size in args.block_size:
         with tempfile.TemporaryDirectory(prefix="mlxserve-bench-ssd-") as ssd_dir:
             config = EngineConfig(block_size=block_size, prefill_step_size=args.prefill_step_size,
@@ -106,10 +107,10 @@ def _run_prefix_bench(args) -> dict:
             for p in args.prefix_tokens:
                 cold, hit, ssd, hit_tokens = [], [], [], 0
                 restore, ssd_read, ssd_restore = [], [], []
-                for rep in range(args.repeats):
-                    # --vary-lengths: every repeat's messages are longer than the last's, so each cold and
-                    # hit prompt has a length the engine has not run before, as in real traffic.
-                    suffix = args.suffix_tokens + (3 * rep if args.vary_lengths else 0)
+                for _ in range(args.repeats):
+                    # --vary-lengths: every repeat's messages are longer than any before (in this process:
+                    # MLX-CUDA keeps what it compiled), so each prompt has a length never run, as in real traffic.
+                    suffix = args.suffix_tokens + (3 * next(fresh) if args.vary_lengths else 0)
                     prefix = _prompt(rng, p, vocab)
                     turn1, answer = prefix + _prompt(rng, suffix, vocab), []
                     cold.append(_run_one(core, turn1, 1 + args.answer_tokens, answer)[0])

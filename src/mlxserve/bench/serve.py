@@ -11,6 +11,7 @@ import asyncio
 import json
 import random
 import re
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -346,6 +347,13 @@ def int_list(text: str) -> list[int]:
     # argparse turns the ValueError of a bad item into a usage error; ranges are
     # checked by ServeBenchConfig.
     return [int(part) for part in text.split(",") if part.strip()]
+
+
+def add_serve_args_argument(parser: argparse.ArgumentParser) -> None:
+    """--serve-args of the benches that start `mlxserve serve` themselves."""
+    parser.add_argument("--serve-args", type=shlex.split, default=[],
+                        help='more `mlxserve serve` flags as one string; a lone flag needs the = form, '
+                             'e.g. --serve-args="--no-prefix-cache" or --serve-args "--cudnn-attention off"')
 
 
 def add_load_arguments(parser: argparse.ArgumentParser, concurrency: list[int]) -> None:

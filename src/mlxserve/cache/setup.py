@@ -31,6 +31,7 @@ class KVProbe:
     shareable: bool  # a layout the prefix cache can store (see cache/layout.py)
     logits_width: int = 0  # the model's output vocabulary (may exceed the tokenizer's)
     layout: KVLayout | None = None  # None: the prefix cache cannot store these caches
+    why_unshareable: str = ""  # for the log, when not shareable
 
     @property
     def budget_bytes_per_token(self) -> int:
@@ -66,8 +67,11 @@ def probe_kv(model: Any, make_cache: Callable[[Any], list[Any]] = make_prompt_ca
     mx.eval([c.state for c in cache])
     costs = [_layer_cost(c) for c in cache]
     layout = read_layout(cache)
+    why = "" if layout is not None else (f"this model's caches are {sorted({type(c).__name__ for c in cache})}, "
+                                         "a layout the prefix cache cannot store")
     if layout is not None and getattr(model, "is_vlm", False) and layout.state_layers:
-        layout = None  # recurrent snapshots have never run with images (no such VLM fixture): cache off
+        # No served vision family has recurrent layers, so snapshots have never run with images.
+        layout, why = None, "a vision model with recurrent layers (snapshots never run with images)"
     # Quantized layers keep (data, scales, biases): the scales carry the model's float dtype.
     dtype = next((k.dtype if isinstance(k, mx.array) else k[1].dtype
                   for k in (getattr(c, "keys", None) for c in cache) if isinstance(k, (mx.array, tuple))), None)
@@ -82,6 +86,7 @@ def probe_kv(model: Any, make_cache: Callable[[Any], list[Any]] = make_prompt_ca
         shareable=layout is not None,
         logits_width=logits.shape[-1],
         layout=layout,
+        why_unshareable=why,
     )
 
 
@@ -111,8 +116,7 @@ def make_prefix_cache(
     if not config.enable_prefix_cache or memory_bytes == 0:
         return None, None
     if not probe.shareable:
-        log.info("prefix cache off: this model's caches are %s, a layout the prefix cache cannot store",
-                 sorted(set(probe.layer_kinds)))
+        log.info("prefix cache off: %s", probe.why_unshareable)
         return None, None
     layout, dtype, num_layers = probe.layout, probe.dtype, probe.num_layers
     snapshot_bytes = snapshot_budget(memory_bytes, probe) if layout.state_layers else 0

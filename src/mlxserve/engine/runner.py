@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxserve.cache.kv_io import kv_slice, read_prefill_window, read_row_kv, read_row_window, read_state
@@ -28,7 +27,7 @@ from mlxserve.engine.grammar import GrammarSource
 from mlxserve.engine.sampling import RowSampler, gather_logprobs, pending_arrays, sample_batch, to_logprob
 from mlxserve.engine.scheduler import PrefillChunk, SchedulerOutput
 from mlxserve.engine.spec_decode import SpeculativeDecoder
-from mlxserve.models.cudnn_attention import is_cuda
+from mlxserve.models.backend import is_cuda
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +51,11 @@ class StepTokens:
 
 
 # On CUDA a last chunk whose logits (tokens x vocab) stay under this many runs as one forward, not two:
-# there a forward of a few tokens is bound by launching every layer's kernels (~20 ms for a 4B model), so
-# a prefix hit's short suffix costs one forward. A longer chunk, and any on Metal or the CPU, holds its
-# last token back: there the LM head over the chunk costs more than a forward (CPU fixtures: an 89-token
-# suffix took 65 ms as one forward, 10 ms as 88 + 1). Quantized models keep it too: their LM head over
-# a chunk is a quantized matmul of a new shape, and a 4-bit 0.6B server's CUDA warm-up went from ~45 s to
-# 103-156 s with this path on (beside other warm-up changes since undone; not yet told apart).
+# there a forward of a few tokens is bound by launching its kernels (~30 ms for a 4B model), so a prefix
+# hit's suffix costs one forward (docs/BENCHMARKS.md, #14 session 6). Elsewhere, and for longer chunks,
+# the last token runs alone so the LM head never runs over the chunk: on the CPU an 89-token suffix took
+# 65 ms as one forward against 10 ms as 88 + 1.
 _ONE_FORWARD_LOGITS = 1 << 25
-
-
-def _has_quantized_weights(model: Any) -> bool:
-    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
 
 
 class ModelRunner:
@@ -82,7 +75,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.logits_width = logits_width  # the LM head's width (vocab); 0: unknown, taken as 1M
-        self.one_forward_logits = _ONE_FORWARD_LOGITS if is_cuda() and not _has_quantized_weights(model) else 0
+        self.one_forward_logits = _ONE_FORWARD_LOGITS if is_cuda() else 0
         self.make_cache = make_cache  # a request's fresh caches (quantized layers under --kv-bits)
         self.grammar = grammar
         self.spec = spec  # speculative decoding (engine/spec_decode.py); None: off

@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import os
 
+from mlxserve.models.backend import is_cuda
+
 log = logging.getLogger(__name__)
 
 ENV = "MLX_CUDA_USE_CUDNN_SDPA"
@@ -49,10 +51,3 @@ def apply_cudnn_attention(setting: str, speculative: bool, environ=os.environ, o
         log.info("MLX-CUDA attention: cuDNN %s (%s)", "on" if value == "1" else "off",
                  "speculative decoding" if speculative and setting == "auto" else f"--cudnn-attention {setting}")
     return "on" if value == "1" else "off"
-
-
-def is_cuda() -> bool:
-    """Whether MLX computes on a CUDA GPU here."""
-    import mlx.core as mx
-
-    return hasattr(mx, "cuda") and mx.cuda.is_available() and mx.default_device() == mx.gpu
