@@ -42,7 +42,7 @@ def main():
         return cache, model(x[:, n - 1:], cache=cache)[:, -1, :]
 
     for i in range(3):
-        host, total = timed(lambda: prefill(4128)[1])
+        _, total = timed(lambda: prefill(4128)[1])
         print(f"cold 4128 (512 chunks) #{i}: {total:.1f} ms")
     for n in (97, 97, 97, 101, 89, 113):
         cache, _ = prefill(4096)
