@@ -82,6 +82,17 @@ def wait_for(driver, condition, message: str):
     return wait.until(lambda d: condition(d), message)
 
 
+def click(driver, selector: str) -> None:
+    """Clicks `selector`, finding it again if a redraw replaced it between the find and the click."""
+    from selenium.webdriver.common.by import By
+
+    def attempt(d) -> bool:
+        d.find_element(By.CSS_SELECTOR, selector).click()
+        return True
+
+    wait_for(driver, attempt, f"could not click {selector}")
+
+
 def text_of(driver, selector: str) -> str:
     from selenium.webdriver.common.by import By
 
@@ -164,19 +175,19 @@ def test_chat_and_dashboard_in_chromium(live, browser, tmp_path):
     wait_for(d, lambda _: len(d.find_elements(By.CSS_SELECTOR, "#budgets .bar .seg")) == 6, "no budget bars")
     kv_width = d.execute_script("return document.querySelector('#budgets .seg.kv').getBoundingClientRect().width")
     assert kv_width > 0
-    assert "KV cache" in find("#budgets .legend").text
-    assert SERVED_NAME in find("#models-table").text and "loaded" in find("#models-table").text
+    wait_for(d, lambda _: "KV cache" in find("#budgets .legend").text, "no KV cache in the budget legend")
+    wait_for(d, lambda _: SERVED_NAME in (t := find("#models-table").text) and "loaded" in t, "model not listed")
     wait_for(d, lambda _: "prefix hit rate" in find("#caches").text, "no cache stats")
     wait_for(d, lambda _: "tokens generated" in find("#live").text and "running" in find("#live").text,
              "no live counters from /metrics")
     shot("dashboard")
 
     # Unload and load again through the buttons (POST /v1/models/NAME/unload and /load).
-    find("#models-table tbody button").click()
+    click(d, "#models-table tbody button")
     wait_for(d, lambda _: "not loaded" in find("#models-table").text, "Unload did not unload the model")
     assert httpx.get(live.base_url + "/models", headers=AUTH).json()["data"][0][
         "status"] == "not_loaded"
-    find("#models-table tbody button").click()
+    click(d, "#models-table tbody button")
     wait_for(d, lambda _: find("#models-table tbody button").text == "Unload", "Load did not load the model")
     wait_for(d, lambda _: len(d.find_elements(By.CSS_SELECTOR, "#budgets .bar")) == 1, "no bar after loading")
 
