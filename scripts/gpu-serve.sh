@@ -33,7 +33,7 @@ until curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null; do
   fi
   if (($(date +%s) - start >= limit)); then
     echo "$tag: not up within $limit s"; stop
-    grep -E "warm-up|slow engine step|Traceback|ERROR" "$out/server-$tag.log" | cut -c1-300 | tail -8
+    grep -E "warm-up|slow engine step|Traceback|ERROR" "$out/server-$tag.log" | cut -c1-300 | tail -25
     exit 1
   fi
   sleep 1
@@ -48,4 +48,4 @@ if ((left > 0)); then
 fi
 stop
 grep -v "httpx" "$out/bench-$tag.log" 2> /dev/null | grep -A8 "^label" | tail -8
-grep -E "warm-up|slow engine step|Traceback|ERROR|without any text" "$out/server-$tag.log" | cut -c1-300 | tail -8
+grep -E "warm-up|slow engine step|Traceback|ERROR|without any text" "$out/server-$tag.log" | cut -c1-300 | tail -25

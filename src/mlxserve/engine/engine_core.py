@@ -218,9 +218,9 @@ class EngineCore:
             while joined < size:
                 self.add_request(Request(f"warmup-{joined}", prompt, params))
                 joined += 1
-            self.step()
+            self._warm_step()
         while self.has_work:
-            self.step()
+            self._warm_step()
         sized = time.perf_counter()
         self._warm_traffic(prompt_len)
         mx.synchronize()
@@ -243,21 +243,30 @@ class EngineCore:
         lengths = [min(n, longest) for n in
                    (block + 5, prompt_len, 2 * block + 17, step_size + 40, block // 2 + 3, 3 * block // 2)]
         self.add_request(Request("warmup-lone", [i % 5 + 1 for i in range(min(block + 9, longest))], params))
-        self.step()
+        self._warm_step()
         for i, n in enumerate(lengths):
             self.add_request(Request(f"warmup-burst-{i}", [(i + j) % 7 + 1 for j in range(n)], params))
         while self.has_work:
-            self.step()
+            self._warm_step()
         # The same prompts again: prefix hits resume mid-prompt (a chunk after restored blocks).
         for i, n in enumerate(lengths[:3]):
             self.add_request(Request(f"warmup-hit-{i}", [(i + j) % 7 + 1 for j in range(n)] + [9, 9], params))
         while self.has_work:
-            self.step()
+            self._warm_step()
         if self.prefix is not None:
             # Warm-up's blocks are no one's prefix (an SSD tier may keep the few it wrote: no real
             # prompt is made of token ids 1-9 repeated).
             self.prefix.clear()
             self.prefix.reset_stats()
+
+    def _warm_step(self) -> None:
+        """One warm-up step; a slow one is logged with its work, so a long warm-up shows where it went
+        (on an H100 warm-up took 103-157 s with an empty kernel cache, 2026-11-25)."""
+        started = time.perf_counter()
+        self.step()
+        took = time.perf_counter() - started
+        if took > 1.0:
+            log.info("warm-up step took %.1f s: %s", took, self.describe_last_step())
 
     def describe_last_step(self) -> str:
         sched = self.last_sched
