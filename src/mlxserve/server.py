@@ -16,6 +16,7 @@ from mlxserve.api.serving import ServedModel
 from mlxserve.api.web import add_web_routes
 from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
 from mlxserve.engine.async_engine import AsyncEngine
+from mlxserve.models.backend import is_cuda
 from mlxserve.models.loader import LoadedModel, load_model
 from mlxserve.models.manager import ModelManager
 from mlxserve.models.specs import default_name, weights_on_disk, with_source_aliases
@@ -53,7 +54,7 @@ def make_engine(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -
     from mlxserve.engine.engine_core import EngineCore
 
     def make_core():
-        per_shape = _compiles_per_shape()
+        per_shape = is_cuda()  # only MLX's CUDA backend compiles per shape at first use
         use_buckets = per_shape if config.decode_buckets == "auto" else config.decode_buckets == "on"
         buckets = make_buckets(config.max_num_seqs) if use_buckets else None
         make = loaded.make_engine_core or EngineCore
@@ -63,13 +64,6 @@ def make_engine(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -
         return core
 
     return AsyncEngine(make_core, max_num_waiting=config.max_num_waiting)
-
-
-def _compiles_per_shape() -> bool:
-    from mlxserve.models.backend import is_cuda
-
-    # Only MLX's CUDA backend compiles per shape at first use; Metal and CPU gain nothing.
-    return is_cuda()
 
 
 def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAPI:

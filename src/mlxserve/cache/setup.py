@@ -67,8 +67,8 @@ def probe_kv(model: Any, make_cache: Callable[[Any], list[Any]] = make_prompt_ca
     mx.eval([c.state for c in cache])
     costs = [_layer_cost(c) for c in cache]
     layout = read_layout(cache)
-    why = "" if layout is not None else (f"this model's caches are {sorted({type(c).__name__ for c in cache})}, "
-                                         "a layout the prefix cache cannot store")
+    kinds = tuple(type(c).__name__ for c in cache)
+    why = "" if layout is not None else f"this model's caches are {sorted(set(kinds))}, a layout it cannot store"
     if layout is not None and getattr(model, "is_vlm", False) and layout.state_layers:
         # No served vision family has recurrent layers, so snapshots have never run with images.
         layout, why = None, "a vision model with recurrent layers (snapshots never run with images)"
@@ -82,7 +82,7 @@ def probe_kv(model: Any, make_cache: Callable[[Any], list[Any]] = make_prompt_ca
         bytes_per_seq=sum(s for _, s in costs),
         dtype=dtype,
         num_layers=len(cache),
-        layer_kinds=tuple(type(c).__name__ for c in cache),
+        layer_kinds=kinds,
         shareable=layout is not None,
         logits_width=logits.shape[-1],
         layout=layout,
