@@ -10,7 +10,8 @@
 # On the device (carry .device):  bash scripts/gpu-bench.sh [SHAPE ...] (default: qwen3-0.6b)
 # Env: SERVERS (default mlxserve,mlx_lm,vllm_mlx), CONC (default 1,16,32), STEPS (default decode,compare,burst),
 # MLXSERVE_ARGS (more `mlxserve serve` flags), TAG (suffix of the result files, for a second configuration),
-# SERVER_S (seconds each server may take, start-up and warm-up included; default 240).
+# SERVER_S (seconds each server may take, start-up and warm-up included; default 240), KERNELS=shared (one
+# on-disk kernel cache for every server of the call, see gpu-serve.sh).
 set -uo pipefail
 mkdir -p /tmp/site && tar -xJf .device/site.tar.xz -C /tmp/site
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1

@@ -3,7 +3,9 @@
 # cuts the run (`bench compare` keeps logs in temporary files). Run from scripts/gpu-bench.sh, or alone
 # after unpacking the same bundle into /tmp/site.
 # usage: bash scripts/gpu-serve.sh TAG SECONDS mlxserve|vllm_mlx|mlx_lm MODEL_DIR [SERVER FLAGS...]
-# SECONDS bounds start-up, warm-up and load together. Env: CONC (default 1,16,32,64).
+# SECONDS bounds start-up, warm-up and load together. Env: CONC (default 1,16,32,64); KERNELS=shared keeps
+# MLX's default on-disk kernel cache (/tmp/mlx/...), shared with the servers before and after, as on a
+# user's machine after a first start; by default each server gets an empty one of its own.
 set -uo pipefail
 tag=$1 limit=$2 server=$3 model=$4
 shift 4
@@ -19,13 +21,15 @@ case $server in
 esac
 name=bench; [ "$server" = mlx_lm ] && name=$model
 kernels=$(mktemp -d)  # each server compiles its own kernels (see bench compare)
+kernel_env=(MLX_PTX_CACHE_DIR="$kernels")
+[ "${KERNELS:-}" = shared ] && kernel_env=()
 stop() {
   kill "$pid" 2> /dev/null
   timeout 30 tail --pid="$pid" -f /dev/null || kill -9 "$pid" 2> /dev/null
   rm -rf "$kernels"
 }
 start=$(date +%s)
-MLX_PTX_CACHE_DIR=$kernels "${cmd[@]}" --port "$port" "$@" > "$out/server-$tag.log" 2>&1 &
+env "${kernel_env[@]}" "${cmd[@]}" --port "$port" "$@" > "$out/server-$tag.log" 2>&1 &
 pid=$!
 until curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null; do
   if ! kill -0 "$pid" 2> /dev/null; then
