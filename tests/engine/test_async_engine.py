@@ -100,3 +100,35 @@ def test_a_stream_left_early_aborts_once_and_a_finished_one_not_at_all():
     finally:
         engine.stop()
     assert core.aborted == ["early"]
+
+
+def test_step_trace_writes_a_line_per_step(tmp_path, monkeypatch):
+    trace = tmp_path / "steps.tsv"
+    monkeypatch.setenv("MLXSERVE_STEP_TRACE", str(trace))
+    core = _Core()
+    chunk = SimpleNamespace(num_tokens=7)
+    core.last_sched = SimpleNamespace(prefill_chunks=[chunk, chunk], decode_request_ids=["a"])
+    core.last_execute_s = 0.002
+    core.runner = SimpleNamespace(last_prefill_s=0.001, num_rows=3)
+    engine = AsyncEngine(lambda: core, max_num_waiting=10)
+
+    async def main():
+        engine.start(asyncio.get_running_loop())
+        outputs = engine.generate(_request("r"))
+        n = 0
+        async for _ in outputs:
+            n += 1
+            if n == 5:
+                break
+        engine.stop()  # while the loop still runs: the fake core's outputs never end
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+    header, *lines = trace.read_text().splitlines()
+    assert header.split("\t")[:3] == ["t_s", "inbox_ms", "step_ms"]
+    assert len(lines) >= 5
+    fields = lines[0].split("\t")
+    assert len(fields) == len(header.split("\t"))
+    assert fields[5:10] == ["2", "14", "1", "3", "1"]  # chunks, prefill tokens, decoding, rows, outputs

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 import time
@@ -23,6 +24,8 @@ log = logging.getLogger(__name__)
 
 # A step this long stalls every stream; worth a log line (kernel compiles, a huge prefill chunk).
 _SLOW_STEP_S = 1.0
+# A file to write one line per engine step to (where a step's time goes under load, e.g. on a GPU).
+STEP_TRACE_ENV = "MLXSERVE_STEP_TRACE"
 
 
 @dataclass(frozen=True)
@@ -183,16 +186,19 @@ class AsyncEngine:
             self._ready.set()
             # Idle, the loop still wakes now and then: desktop mode re-reads free memory in on_idle().
             idle_timeout = getattr(core.config, "memory_refresh_s", 0) or None
+            trace = _StepTrace.open(os.environ.get(STEP_TRACE_ENV))
             while True:
                 block = not core.has_work
                 if block:
                     core.on_idle()
+                waited = time.perf_counter()
                 try:
                     while True:
                         cmd, arg = self._inbox.get(block=block, timeout=idle_timeout if block else None)
                         block = False
                         if cmd == "stop":
                             core.close()
+                            trace.close()
                             return
                         if cmd == "add":
                             self._add(core, arg)
@@ -208,6 +214,7 @@ class AsyncEngine:
                 if elapsed > _SLOW_STEP_S:
                     log.warning("slow engine step: %.2f s with %d running, %d waiting (%s)", elapsed,
                                 core.scheduler.num_running, core.scheduler.num_waiting, core.describe_last_step())
+                trace.write(core, waited, started, elapsed, len(outputs))
                 # Live: desktop mode lowers it under memory pressure (the API's "can never fit" check).
                 self.kv_capacity_tokens = core.scheduler.kv_capacity_tokens
                 self.stats = self._read_stats(core)
@@ -247,3 +254,37 @@ class _OutputStream:
 
     async def aclose(self) -> None:
         await self._outputs.aclose()
+
+
+class _StepTrace:
+    """`MLXSERVE_STEP_TRACE=FILE`: one tab-separated line per engine step, for finding where time goes
+    under load: start (s), inbox ms (adding requests before the step), step ms, runner ms, prefill ms of
+    it, prefill chunks, prefill tokens, decoding rows, batch rows, outputs, running, waiting. Off by
+    default; a step costs one formatted line when on."""
+
+    def __init__(self, f=None) -> None:
+        self._f = f
+        self._t0 = time.perf_counter()
+
+    @classmethod
+    def open(cls, path: str | None) -> "_StepTrace":
+        if not path:
+            return cls()
+        f = open(path, "a", buffering=1)  # line by line: a crashed engine thread loses nothing
+        f.write("t_s\tinbox_ms\tstep_ms\trunner_ms\tprefill_ms\tchunks\tprefill_tokens\tdecoding\trows\t"
+                "outputs\trunning\twaiting\n")
+        return cls(f)
+
+    def write(self, core, waited: float, started: float, elapsed: float, num_outputs: int) -> None:
+        if self._f is None or core.last_sched is None:
+            return
+        sched = core.last_sched
+        self._f.write(f"{started - self._t0:.4f}\t{(started - waited) * 1e3:.2f}\t{elapsed * 1e3:.2f}\t"
+                      f"{core.last_execute_s * 1e3:.2f}\t{core.runner.last_prefill_s * 1e3:.2f}\t"
+                      f"{len(sched.prefill_chunks)}\t{sum(c.num_tokens for c in sched.prefill_chunks)}\t"
+                      f"{len(sched.decode_request_ids)}\t{core.runner.num_rows}\t{num_outputs}\t"
+                      f"{core.scheduler.num_running}\t{core.scheduler.num_waiting}\n")
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()

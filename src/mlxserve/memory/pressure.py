@@ -129,8 +129,11 @@ class MemoryGovernor:
         log.log(
             logging.INFO if bites else logging.DEBUG,
             "memory %s: ceiling %.2f -> %.2f GiB; prefix cache <= %s blocks (%d evicted), KV %s tokens for new"
-            " requests", "pressure" if new.ceiling < old.ceiling else "freed", old.ceiling / (1 << 30),
-            new.ceiling / (1 << 30), self.limits.prefix_blocks, evicted, kv,
+            " requests (read: %.2f GiB free, this process %.2f GiB, MLX %.2f GiB active + %.2f GiB cached)",
+            "pressure" if new.ceiling < old.ceiling else "freed", old.ceiling / (1 << 30),
+            new.ceiling / (1 << 30), self.limits.prefix_blocks, evicted, kv, readings.available_now / (1 << 30),
+            readings.held_by_process / (1 << 30), (readings.mlx_active or 0) / (1 << 30),
+            (readings.mlx_cache or 0) / (1 << 30),
         )
         return True
 
