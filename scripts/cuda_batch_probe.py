@@ -57,7 +57,7 @@ def main():
     sizes = [int(b) for b in (sys.argv[2] if len(sys.argv) > 2 else "32,64").split(",")]
     model, _ = load(path)
     print("MLX", mx.__version__, mx.default_device())
-    for B in sizes:
+    for B in sizes:  # B >= 2 (filter keeps B - 1 rows)
         lengths = [180 + (37 * i) % 130 for i in range(B)]  # 180-309 tokens, as rows at different stages
         batch = batch_cache(model, lengths)
         tokens = mx.random.randint(3, 1000, (B,))
