@@ -9,14 +9,16 @@ import os
 import sys
 
 from mlxserve.config import EngineConfig, MediaConfig, SecurityConfig, ServerConfig, parse_memory
+from mlxserve.models.backend import default_prefill_step_size
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences decoded together")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--prefill-step-size", type=int, default=d.prefill_step_size,
-                   help="prompt tokens per engine step; longer prompts are chunked")
+    p.add_argument("--prefill-step-size", type=int, default=None,
+                   help=f"prompt tokens per engine step; longer prompts are chunked (default: 2048 on MLX-CUDA, "
+                        f"{d.prefill_step_size} elsewhere)")
     p.add_argument("--max-num-prefill-rows", type=int, default=d.max_num_prefill_rows,
                    help="prompts prefilled together in one forward, sharing the step's tokens fairly (1: one "
                         "prompt at a time, oldest first)")
@@ -136,7 +138,9 @@ def _engine_config(args) -> EngineConfig:
                         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_quant_mode=args.kv_quant_mode,
                         ssd_cache_dir=args.ssd_cache_dir,
                         ssd_cache_max_bytes=parse_memory(args.ssd_cache_max_size, total_ram()),
-                        max_num_seqs=args.max_num_seqs, prefill_step_size=args.prefill_step_size,
+                        max_num_seqs=args.max_num_seqs,
+                        prefill_step_size=(args.prefill_step_size if args.prefill_step_size is not None
+                                           else default_prefill_step_size()),
                         max_num_prefill_rows=args.max_num_prefill_rows,
                         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
                         warmup=args.warmup, decode_buckets=args.decode_buckets,

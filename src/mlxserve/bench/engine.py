@@ -86,8 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model folder or hub id (default: the demo model)")
     add_load_arguments(parser, [1, 16])
     parser.add_argument("--max-num-seqs", type=int, default=64, help="the engine's --max-num-seqs (batch limit)")
-    parser.add_argument("--prefill-step-size", type=int, default=EngineConfig().prefill_step_size,
-                        help="the engine's --prefill-step-size (prompt tokens per step)")
+    parser.add_argument("--prefill-step-size", type=int, default=None,
+                        help="the engine's --prefill-step-size (prompt tokens per step; default: the server's, "
+                             "2048 on MLX-CUDA, 512 elsewhere)")
     parser.add_argument("--label", default="engine", help="name shown in the table and the default JSON name")
     parser.add_argument("--output-json", default=None,
                         help="result file (default: bench-results/serve-<label>-<time>.json)")
@@ -97,7 +98,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = ServeBenchConfig(url="http://in-process", model=args.model or "demo", concurrency=args.concurrency,
                            prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                            num_requests=args.num_requests, label=args.label, output_json=args.output_json)
-    engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, prefill_step_size=args.prefill_step_size)
+    from mlxserve.models.backend import default_prefill_step_size
+
+    step = args.prefill_step_size if args.prefill_step_size is not None else default_prefill_step_size()
+    engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, prefill_step_size=step)
     result = asyncio.run(run_engine_bench(cfg, args.model, engine_config))
     print(format_table(result["levels"], TABLE_COLUMNS))
     path = write_json(args.output_json or default_json_path(args.label), result)

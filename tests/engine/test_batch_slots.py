@@ -1,0 +1,110 @@
+"""Joins into filler slots (engine/batch.py `_fill_slots`): with bucketed batch sizes a finished row stays
+as a filler and a later prompt is written into its slot in place. Greedy tokens stay identical to each
+prompt decoded alone (mlx-lm's `generate_step`), with staggered arrivals of mixed lengths, a slot refilled
+several times, rows longer than the batch's width (which take the old extend path) and the trim of
+shared left padding."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+
+import mlxserve.engine.batch as batch_module
+from mlxserve.config import EngineConfig
+from mlxserve.engine.engine_core import EngineCore
+from mlxserve.engine.request import Request, SamplingParams
+from mlxserve.models.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def loaded(qwen3_model_dir):
+    return load_model(str(qwen3_model_dir))
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 2000) for _ in range(n)]
+
+
+def reference(model, ids: list[int], n: int) -> list[int]:
+    return [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=n, sampler=make_sampler(temp=0.0))]
+
+
+@pytest.fixture
+def fills(monkeypatch):
+    """How many rows each join wrote into slots (0: the join took the extend path)."""
+    counts: list[int] = []
+    real = batch_module.DecodeBatch._fill_slots
+
+    def spy(self, request_ids, *args):
+        done = real(self, request_ids, *args)
+        counts.append(len(request_ids) if done else 0)
+        return done
+
+    monkeypatch.setattr(batch_module.DecodeBatch, "_fill_slots", spy)
+    return counts
+
+
+def run_staggered(loaded, arrivals: list[tuple[int, list[int], int]], trim_at: int | None = None,
+                  monkeypatch=None, cuts: list[int] | None = None) -> dict[str, list[int]]:
+    """arrivals: (step at which it arrives, prompt, max_tokens). With `trim_at`, `cuts` collects how many
+    positions each trim cut."""
+    if trim_at is not None:
+        real_trim = batch_module.DecodeBatch._trim
+
+        def trim(self):
+            before = self.cache[0].state[4]
+            real_trim(self, trim_at)
+            cuts.append(before - self.cache[0].state[4])
+
+        monkeypatch.setattr(batch_module.DecodeBatch, "_trim", trim)
+    config = EngineConfig(max_num_seqs=8, enable_prefix_cache=False)
+    core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len=4096, buckets=[1, 2, 4, 8])
+    out: dict[str, list[int]] = {}
+    step = 0
+    pending = sorted(enumerate(arrivals), key=lambda a: a[1][0])
+    while pending or core.has_work:
+        while pending and pending[0][1][0] <= step:
+            i, (_, ids, n) = pending.pop(0)
+            core.add_request(Request(f"r{i}", ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)))
+        for o in core.step():
+            assert o.error is None, o.error
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        step += 1
+        assert step < 2000
+    return out
+
+
+def test_staggered_joins_fill_slots_and_keep_the_tokens(loaded, fills):
+    # Four long-running rows, then short ones arriving while they decode: each short one finishes and
+    # leaves a slot that the next arrival takes.
+    arrivals = [(0, prompt(i, 30 + 7 * i), 40) for i in range(4)]
+    arrivals += [(3 + 4 * k, prompt(100 + k, 5 + 3 * (k % 4)), 3 + k % 3) for k in range(10)]
+    out = run_staggered(loaded, arrivals)
+    for i, (_, ids, n) in enumerate(arrivals):
+        assert out[f"r{i}"] == reference(loaded.model, ids, n), f"r{i}"
+    assert sum(fills) >= 5  # most later arrivals went into slots
+
+
+def test_a_row_longer_than_the_batch_takes_the_extend_path(loaded, fills):
+    arrivals = [(0, prompt(1, 6), 30), (0, prompt(2, 9), 30), (0, prompt(3, 7), 4),
+                (6, prompt(4, 80), 5), (12, prompt(5, 4), 5)]
+    out = run_staggered(loaded, arrivals)
+    for i, (_, ids, n) in enumerate(arrivals):
+        assert out[f"r{i}"] == reference(loaded.model, ids, n), f"r{i}"
+    assert 0 in fills  # the 80-token prompt: longer than the batch's width
+
+
+def test_trimmed_left_padding_keeps_the_tokens(loaded, fills, monkeypatch):
+    # r1 (no left padding) leaves early; r0 and r2 keep theirs while short rows come and go in the slots.
+    arrivals = [(0, prompt(7, 12), 60), (0, prompt(8, 20), 12), (0, prompt(9, 15), 60)]
+    arrivals += [(10 + 6 * k, prompt(200 + k, 6 + k), 6) for k in range(6)]
+    cuts: list[int] = []
+    out = run_staggered(loaded, arrivals, trim_at=4, monkeypatch=monkeypatch, cuts=cuts)
+    for i, (_, ids, n) in enumerate(arrivals):
+        assert out[f"r{i}"] == reference(loaded.model, ids, n), f"r{i}"
+    assert sum(fills) >= 3 and max(cuts) >= 4
