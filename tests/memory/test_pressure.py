@@ -210,3 +210,14 @@ def test_snapshots_keep_their_share_of_the_prefix_memory_as_it_shrinks():
     # The pressure passes: the share grows back.
     assert gov.refresh(START)
     assert snapshots.max_bytes == budget.prefix_cache // 4
+
+
+def test_on_cuda_desktop_mode_keeps_the_start_up_budget(monkeypatch):
+    """Free device memory on MLX-CUDA includes CUDA's pool of MLX's freed buffers: not followed there."""
+    import mlxserve.engine.engine_core as core_module
+
+    config = EngineConfig(memory_refresh_s=2.0)
+    monkeypatch.setattr(core_module, "is_cuda", lambda: True)
+    assert core_module._follows_free_memory(config, "desktop") == 0.0
+    monkeypatch.setattr(core_module, "is_cuda", lambda: False)
+    assert core_module._follows_free_memory(config, "desktop") == 2.0
