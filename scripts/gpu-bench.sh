@@ -11,10 +11,13 @@
 # Env: SERVERS (default mlxserve,mlx_lm,vllm_mlx), CONC (default 1,16,32), STEPS (default decode,compare,burst),
 # MLXSERVE_ARGS (more `mlxserve serve` flags), TAG (suffix of the result files, for a second configuration),
 # SERVER_S (seconds each server may take, start-up and warm-up included; default 240), KERNELS=shared (one
-# on-disk kernel cache for every server of the call, see gpu-serve.sh).
+# on-disk kernel cache for every server of the call, see gpu-serve.sh; a .device/ptx.txz carried along, the
+# cache an earlier call brought back, is unpacked into it first), BURST_STEPS (prefill step sizes the burst
+# compares, default 512,2048), BURST_S (its time limit, default 300).
 set -uo pipefail
 mkdir -p /tmp/site && tar -xJf .device/site.tar.xz -C /tmp/site
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+[ "${KERNELS:-}" = shared ] && [ -f .device/ptx.txz ] && tar -xJf .device/ptx.txz -C /tmp
 out=${OUT:-/tmp/gpu-bench}; mkdir -p "$out"
 shapes=("${@:-qwen3-0.6b}")
 servers=${SERVERS:-mlxserve,mlx_lm,vllm_mlx}
@@ -39,7 +42,8 @@ for shape in "${shapes[@]}"; do
   fi
   if [[ $steps == *burst* ]]; then
     # 8 mixed-length prompts at once, prefilled one by one (rows 1) vs together (rows 8).
-    timeout 300 python3 -m mlxserve.cli bench burst --model "$m" --rows 1,8 --prefill-step-sizes 512,2048 \
+    MLXSERVE_STEP_TRACE=${MLXSERVE_STEP_TRACE:+$out/steps-burst-$shape.tsv} timeout "${BURST_S:-300}" \
+      python3 -m mlxserve.cli bench burst --model "$m" --rows 1,8 --prefill-step-sizes "${BURST_STEPS:-512,2048}" \
       --repeats 3 --max-tokens 64 --output-json "$out/burst-$shape.json" > "$out/burst-$shape.log" 2>&1
     grep -v "httpx" "$out/burst-$shape.log" | tail -12
   fi
