@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
             port = _free_port()
             url = f"http://127.0.0.1:{port}"
             print(f"starting mlxserve ({label}) on {url}", file=sys.stderr, flush=True)
-            with _running(_command(model, port, num_rows, step, args.serve_args), url, args.startup_timeout):
+            with _running(_command(model, port, num_rows, step, args.serve_args), url, args.startup_timeout,
+                          args.kernel_cache):
                 cfg = ServeBenchConfig(url=url, model="bench", concurrency=[len(mix)] * args.repeats,
                                        num_requests=len(mix), prompt_tokens_mix=mix, max_tokens=args.max_tokens,
                                        endpoint=args.endpoint, warmup=args.warmup, label=label)

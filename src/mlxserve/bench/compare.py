@@ -51,13 +51,13 @@ def _command(server: str, model: str, port: int, args) -> tuple[list[str], str]:
 
 
 @contextlib.contextmanager
-def _running(cmd: list[str], url: str, timeout_s: float):
+def _running(cmd: list[str], url: str, timeout_s: float, kernel_cache: str = "fresh"):
     # The server's log goes to a file: an unread pipe fills up and stalls a chatty server mid-run.
     log_file = tempfile.TemporaryFile("w+")
     # Each server starts with its own empty MLX kernel cache: MLX-CUDA keeps compiled kernels on disk,
     # so a server started after another would find the first one's compiles done for it.
     kernel_dir = tempfile.TemporaryDirectory(prefix="mlx-ptx-")
-    env = {**os.environ, "MLX_PTX_CACHE_DIR": kernel_dir.name}
+    env = {**os.environ, "MLX_PTX_CACHE_DIR": kernel_dir.name} if kernel_cache == "fresh" else dict(os.environ)
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         deadline = time.monotonic() + timeout_s
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         url = f"http://127.0.0.1:{port}"
         cmd, name = _command(server, model, port, args)
         print(f"starting {server} on {url}", flush=True)
-        with _running(cmd, url, args.startup_timeout):
+        with _running(cmd, url, args.startup_timeout, args.kernel_cache):
             cfg = ServeBenchConfig(url=url, model=name, concurrency=args.concurrency, prompt_tokens=args.prompt_tokens,
                                    max_tokens=args.max_tokens, num_requests=args.num_requests, label=server,
                                    warmup=args.warmup, endpoint=args.endpoint)

@@ -354,6 +354,10 @@ def add_serve_args_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve-args", type=shlex.split, default=[],
                         help='more `mlxserve serve` flags as one string; a lone flag needs the = form, '
                              'e.g. --serve-args="--no-prefix-cache" or --serve-args "--cudnn-attention off"')
+    parser.add_argument("--kernel-cache", choices=["fresh", "shared"], default="fresh",
+                        help="MLX-CUDA's on-disk kernel cache for each server started: fresh (empty, so no server "
+                             "finds another's compiles done) or shared (MLX's default folder, as on a machine "
+                             "that served before)")
 
 
 def add_load_arguments(parser: argparse.ArgumentParser, concurrency: list[int]) -> None:

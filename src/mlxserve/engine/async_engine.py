@@ -259,7 +259,9 @@ class _OutputStream:
 class _StepTrace:
     """`MLXSERVE_STEP_TRACE=FILE`: one tab-separated line per engine step, for finding where time goes
     under load: start (s), inbox ms (adding requests before the step), step ms, runner ms, prefill ms of
-    it, prefill chunks, prefill tokens, decoding rows, batch rows, outputs, running, waiting. Off by
+    it, prefill chunks, prefill tokens, decoding rows, batch rows, outputs, running, waiting, then the runner's
+    block stores, joining the prefilled rows to the batch, and the decode (its graph and the wait for the
+    previous step's tokens), ms. Off by
     default; a step costs one formatted line when on."""
 
     def __init__(self, f=None) -> None:
@@ -272,7 +274,7 @@ class _StepTrace:
             return cls()
         f = open(path, "a", buffering=1)  # line by line: a crashed engine thread loses nothing
         f.write("t_s\tinbox_ms\tstep_ms\trunner_ms\tprefill_ms\tchunks\tprefill_tokens\tdecoding\trows\t"
-                "outputs\trunning\twaiting\n")
+                "outputs\trunning\twaiting\tstore_ms\tjoin_ms\tdecode_ms\n")
         return cls(f)
 
     def write(self, core, waited: float, started: float, elapsed: float, num_outputs: int) -> None:
@@ -283,7 +285,10 @@ class _StepTrace:
                       f"{core.last_execute_s * 1e3:.2f}\t{core.runner.last_prefill_s * 1e3:.2f}\t"
                       f"{len(sched.prefill_chunks)}\t{sum(c.num_tokens for c in sched.prefill_chunks)}\t"
                       f"{len(sched.decode_request_ids)}\t{core.runner.num_rows}\t{num_outputs}\t"
-                      f"{core.scheduler.num_running}\t{core.scheduler.num_waiting}\n")
+                      f"{core.scheduler.num_running}\t{core.scheduler.num_waiting}\t"
+                      f"{getattr(core.runner, 'last_store_s', 0) * 1e3:.2f}\t"
+                      f"{getattr(core.runner, 'last_join_s', 0) * 1e3:.2f}\t"
+                      f"{getattr(core.runner, 'last_decode_s', 0) * 1e3:.2f}\n")
 
     def close(self) -> None:
         if self._f is not None:

@@ -100,7 +100,8 @@ class ModelRunner:
         self._joined_last_step: list[str] = []
         # Prompts prefilled together in one forward where the model's caches take padding.
         self._batch_prefill = batch_prefill and why_not_batched(model, make_cache) is None
-        self.last_prefill_s = 0.0
+        # Where the last step's time went, for the slow-step log line and MLXSERVE_STEP_TRACE.
+        self.last_prefill_s = self.last_store_s = self.last_join_s = self.last_decode_s = 0.0
 
     @property
     def num_rows(self) -> int:
@@ -111,10 +112,12 @@ class ModelRunner:
         only that request; a failed decode forward fails the rows of the decode batch, which share
         it. Either way the other requests and the prefix cache carry on."""
         out = StepTokens()
+        began = time.perf_counter()
         if self.store is not None and self.store.ssd is not None:
             self.store.spill_pending()
         if sched.store_ops:
             self._store_blocks(sched.store_ops, out)
+        self.last_store_s = time.perf_counter() - began
         # Prompts that joined last step had their blocks planned for this step (or all cached already):
         # what their prefill captured is no longer needed.
         for rid in self._joined_last_step:
@@ -132,6 +135,7 @@ class ModelRunner:
         if together:
             joined.extend(self._prefill_together(together, requests, out))
         self.last_prefill_s = time.perf_counter() - started  # for the slow-step log line
+        self.last_join_s = 0.0
         try:
             self._joined_last_step = [j[0] for j in joined]
             if joined:
@@ -146,8 +150,11 @@ class ModelRunner:
                 if self.spec is not None and self.spec.draft is not None:
                     draft = [self.spec.draft.prefill(r, requests[r].prompt_token_ids) for r in rids]
                 self._batch.join(list(rids), list(caches), mx.concatenate(tokens), positions, draft)
+            decoding = time.perf_counter()
+            self.last_join_s = decoding - started - self.last_prefill_s
             if self.spec is None or not self._batch.num_live or not self.spec.step(self, requests, out):
                 self._decode(out)
+            self.last_decode_s = time.perf_counter() - decoding
         except Exception as exc:
             log.exception("decode step failed")
             rows = {rid for rid in self._batch.row_ids if rid is not None} | {j[0] for j in joined}
