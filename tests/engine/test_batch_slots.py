@@ -50,7 +50,8 @@ def fills(monkeypatch):
 
 
 def run_staggered(loaded, arrivals: list[tuple[int, list[int], int]], trim_at: int | None = None,
-                  monkeypatch=None, cuts: list[int] | None = None) -> dict[str, list[int]]:
+                  monkeypatch=None, cuts: list[int] | None = None, core: EngineCore | None = None,
+                  tag: str = "r") -> dict[str, list[int]]:
     """arrivals: (step at which it arrives, prompt, max_tokens). With `trim_at`, `cuts` collects how many
     positions each trim cut."""
     if trim_at is not None:
@@ -62,15 +63,17 @@ def run_staggered(loaded, arrivals: list[tuple[int, list[int], int]], trim_at: i
             cuts.append(before - self.cache[0].state[4])
 
         monkeypatch.setattr(batch_module.DecodeBatch, "_trim", trim)
-    config = EngineConfig(max_num_seqs=8, enable_prefix_cache=False)
-    core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len=4096, buckets=[1, 2, 4, 8])
+    if core is None:
+        config = EngineConfig(max_num_seqs=8, enable_prefix_cache=False)
+        core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len=4096, buckets=[1, 2, 4, 8])
     out: dict[str, list[int]] = {}
     step = 0
     pending = sorted(enumerate(arrivals), key=lambda a: a[1][0])
     while pending or core.has_work:
         while pending and pending[0][1][0] <= step:
             i, (_, ids, n) = pending.pop(0)
-            core.add_request(Request(f"r{i}", ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)))
+            core.add_request(Request(f"{tag}{i}", ids, SamplingParams(max_tokens=n, temperature=0.0,
+                                                                       ignore_eos=True)))
         for o in core.step():
             assert o.error is None, o.error
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -108,3 +111,20 @@ def test_trimmed_left_padding_keeps_the_tokens(loaded, fills, monkeypatch):
     for i, (_, ids, n) in enumerate(arrivals):
         assert out[f"r{i}"] == reference(loaded.model, ids, n), f"r{i}"
     assert sum(fills) >= 3 and max(cuts) >= 4
+
+
+def test_blocks_stored_from_slot_rows_give_the_same_tokens_on_a_hit(loaded, fills):
+    """Rows written into slots store their prompt blocks (read back through their left padding); the same
+    prompts again resume from those blocks and decode the same tokens."""
+    config = EngineConfig(max_num_seqs=8, block_size=16, cache_memory_bytes=64 << 20)
+    core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len=4096, buckets=[1, 2, 4, 8])
+    arrivals = [(0, prompt(11, 20), 50), (0, prompt(12, 26), 50)]
+    arrivals += [(4 + 5 * k, prompt(300 + k, 34 + 3 * k), 4) for k in range(6)]
+    first = run_staggered(loaded, arrivals, core=core, tag="a")
+    assert sum(fills) >= 3
+    hits_before = core.prefix.num_hit_tokens
+    again = run_staggered(loaded, arrivals, core=core, tag="b")
+    assert core.prefix.num_hit_tokens - hits_before >= 6 * 32  # every short prompt hit its stored blocks
+    for i, (_, ids, n) in enumerate(arrivals):
+        expected = reference(loaded.model, ids, n)
+        assert first[f"a{i}"] == expected and again[f"b{i}"] == expected, i
