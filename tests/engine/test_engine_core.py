@@ -78,9 +78,18 @@ def test_warmup_leaves_nothing_behind(loaded):
     a request afterwards decodes exactly as on a core that never warmed up."""
     from mlxserve.engine.batch import make_buckets
 
+    import mlxserve.engine.runner as runner_module
+
     config = EngineConfig(max_num_seqs=8, block_size=16, prefill_step_size=48)
     warmed = EngineCore(loaded.model, loaded.tokenizer, config, 4096, make_buckets(8))
-    warmed.warmup(8)
+    together: list[int] = []
+    real = runner_module.prefill_rows
+    runner_module.prefill_rows = lambda model, caches, chunks: together.append(len(chunks)) or real(model, caches, chunks)
+    try:
+        warmed.warmup(8)
+    finally:
+        runner_module.prefill_rows = real
+    assert max(together) == config.max_num_prefill_rows  # a batched prefill as wide as traffic's
     assert not warmed.has_work and warmed.runner.num_rows == 0
     stats = warmed.cache_stats()
     assert stats["num_cached_blocks"] == 0 and stats["queried_tokens"] == 0 and stats["hit_tokens"] == 0
