@@ -68,6 +68,7 @@ def run_staggered(loaded, arrivals: list[tuple[int, list[int], int]], trim_at: i
         core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len=4096, buckets=[1, 2, 4, 8])
     out: dict[str, list[int]] = {}
     step = 0
+    pads_checked: list[int] = []
     pending = sorted(enumerate(arrivals), key=lambda a: a[1][0])
     while pending or core.has_work:
         while pending and pending[0][1][0] <= step:
@@ -77,8 +78,13 @@ def run_staggered(loaded, arrivals: list[tuple[int, list[int], int]], trim_at: i
         for o in core.step():
             assert o.error is None, o.error
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        held = core.runner._batch
+        if held._pads is not None:  # the host copy of the rows' left padding never goes stale
+            assert held._pads == held.cache[0].state[3].tolist()
+            pads_checked.append(step)
         step += 1
         assert step < 2000
+    assert pads_checked  # blocks were stored or slots trimmed through the host copy
     return out
 
 

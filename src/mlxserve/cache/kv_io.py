@@ -39,16 +39,19 @@ def kv_slice(span: KVArrays, start: int, end: int) -> KVArrays:
     return parts if isinstance(span, tuple) else parts[0]
 
 
-def read_row_kv(batch_cache: list[Any], layout: KVLayout, row: int, start: int, end: int) -> KVArrays | None:
+def read_row_kv(batch_cache: list[Any], layout: KVLayout, row: int, start: int, end: int,
+                pad: int | None = None) -> KVArrays | None:
     """Positions [start, end) of the full-attention layers of one decode-batch row, as one array
     [layers, kv_heads, end - start, key_width + value_width] (per part of the tuple when quantized).
-    Rows are left-padded; all of them share the row's padding."""
+    Rows are left-padded; all of them share the row's padding: `pad` when the caller knows it (the
+    decode batch keeps it on the host), else read from the cache, a sync with the device."""
     layers = [batch_cache[i] for i in layout.full_layers]
     if not layers:
         return None
-    # A lone row decoding through a plain KVCache (DecodeBatch's lean path) has no padding.
-    padding = getattr(layers[0], "left_padding", None)
-    pad = padding[row].item() if padding is not None else 0
+    if pad is None:
+        # A lone row decoding through a plain KVCache (DecodeBatch's lean path) has no padding.
+        padding = getattr(layers[0], "left_padding", None)
+        pad = padding[row].item() if padding is not None else 0
     lo, hi = pad + start, pad + end
     if layout.kv_bits:
         return tuple(mx.stack([_cat(c.keys[p][row, :, lo:hi], c.values[p][row, :, lo:hi]) for c in layers])

@@ -72,6 +72,9 @@ class DecodeBatch:
         self.positions: mx.array | None = None
         # Speculative decoding with a draft model: its batch cache, row for row beside `cache`.
         self.draft_cache: list[Any] | None = None
+        # The rows' left padding on the host (plain batch caches), read once after mlx-lm's merge, extend
+        # or filter changed it and kept up to date by slot joins and trims; None: not read since.
+        self._pads: list[int] | None = None
 
     @property
     def num_live(self) -> int:
@@ -89,18 +92,33 @@ class DecodeBatch:
     def is_lean(self) -> bool:
         return bool(self.cache) and type(self.cache[0]) is KVCache
 
+    def left_padding(self, row: int) -> int | None:
+        """The row's left padding without a device sync in the common case: reading it from the cache
+        (`.item()`) waits for every step in flight, once per stored row. None where the caches are not
+        all plain batch KV (the caller reads the cache)."""
+        if self.is_lean:
+            return 0
+        if not self.cache or not all(type(c) is BatchKVCache for c in self.cache):
+            return None
+        if self._pads is None:
+            self._pads = self.cache[0].state[3].tolist()
+        return self._pads[row]
+
     def _settle(self) -> None:
         """One live row, nothing padded, plain KV in every layer: switch to mlx-lm's KVCache."""
+        self._pads = None
         if (self.lean and len(self.row_ids) == 1 and self.row_ids[0] is not None and self.positions is None
                 and not self.kv_prealloc_tokens and self.cache
                 and all(type(c) is BatchKVCache for c in self.cache)):
             self.cache = [c.extract(0) for c in self.cache]
 
     def _unsettle(self) -> None:
+        self._pads = None
         if self.is_lean:
             self.cache = [BatchKVCache.merge([c]) for c in self.cache]
 
     def _take(self, idx: list[int]) -> None:
+        self._pads = None  # mlx-lm's filter moves rows and trims shared padding
         if not idx:
             self.row_ids, self.cache, self.tokens, self.positions = [], [], None, None
             self.draft_cache = None
@@ -174,6 +192,7 @@ class DecodeBatch:
             self.cache, self.tokens, self.positions = new, tokens, positions
         if self.kv_prealloc_tokens:
             reserve(self.cache, self.kv_prealloc_tokens)
+        self._pads = None  # extend pads the old rows or the new ones
         self.row_ids = self.row_ids + list(request_ids)
         target = self._bucket(num_live)
         if target > num_live:
@@ -208,20 +227,27 @@ class DecodeBatch:
             offset[at] = mx.array(lengths)
             left[at] = mx.array([idx - n for n in lengths])
             c.state = (keys, values, offset, left, idx)
+        if self._pads is not None:
+            for slot, n in zip(slots, lengths):
+                self._pads[slot] = width - n
         self.tokens[at] = tokens
         for slot, rid in zip(slots, request_ids):
             self.row_ids[slot] = rid
         self._trim()
         return True
 
-    def _trim(self, at_least: int = 256) -> None:
+    def _trim(self, at_least: int = 64) -> None:
         """Cuts the positions every live row has as left padding, once they are `at_least`: a batch whose
         slots are refilled never empties, and its write position would otherwise only grow (the width
-        every step's attention covers). One copy of the batch's KV per `at_least` positions."""
-        left = self.cache[0].state[3].tolist()
+        every step's attention covers). One copy of the batch's KV per `at_least` positions, against
+        attention over them every step: on an H100 a 64-row step took ~1 ms longer per 100 positions
+        (scripts/cuda_decode_probe.py) and a copy of the batch's KV ~4 ms."""
+        self.left_padding(0)  # the host copy, read if it is not known
+        left = self._pads
         cut = min(left[i] for i, rid in enumerate(self.row_ids) if rid is not None)
         if cut < at_least:
             return
         for c in self.cache:
             keys, values, offset, pad, idx = c.state
             c.state = (keys[..., cut:, :], values[..., cut:, :], offset, mx.maximum(pad - cut, 0), idx - cut)
+        self._pads = [max(p - cut, 0) for p in left]

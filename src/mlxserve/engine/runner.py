@@ -203,7 +203,7 @@ class ModelRunner:
         store, bs, cache = self.store, self.block_size, self._batch.cache
         layout = store.layout
         first, end = ops[0].start, ops[-1].start + bs
-        span = read_row_kv(cache, layout, row_index, first, end)
+        span = read_row_kv(cache, layout, row_index, first, end, self._batch.left_padding(row_index))
         captured = self._captured.pop(rid, {})
         prefill_snap = self._prefill_snaps.pop(rid, None)
         window = None
