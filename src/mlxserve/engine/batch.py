@@ -106,16 +106,16 @@ class DecodeBatch:
 
     def _settle(self) -> None:
         """One live row, nothing padded, plain KV in every layer: switch to mlx-lm's KVCache."""
-        self._pads = None
         if (self.lean and len(self.row_ids) == 1 and self.row_ids[0] is not None and self.positions is None
                 and not self.kv_prealloc_tokens and self.cache
                 and all(type(c) is BatchKVCache for c in self.cache)):
             self.cache = [c.extract(0) for c in self.cache]
+            self._pads = None
 
     def _unsettle(self) -> None:
-        self._pads = None
         if self.is_lean:
             self.cache = [BatchKVCache.merge([c]) for c in self.cache]
+            self._pads = None
 
     def _take(self, idx: list[int]) -> None:
         self._pads = None  # mlx-lm's filter moves rows and trims shared padding
