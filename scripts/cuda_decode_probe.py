@@ -2,25 +2,13 @@
 mlx-lm's BatchKVCache (per-row offsets, an array mask: MLX-CUDA's vector attention kernel takes no mask,
 so attention falls back) against a plain KVCache holding the same B rows (scalar offset, no mask), and
 attention alone both ways. usage: python3 scripts/cuda_decode_probe.py MODEL_DIR"""
-import statistics
 import sys
-import time
 
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-
-def ms(fn, repeats=9):
-    times = []
-    for i in range(repeats + 1):
-        mx.synchronize()
-        t = time.perf_counter()
-        mx.eval(fn())
-        mx.synchronize()
-        if i:
-            times.append((time.perf_counter() - t) * 1000)
-    return statistics.median(times)
+from cuda_batch_probe import ms  # scripts/, beside this file
 
 
 def model_dtype(model):
@@ -74,15 +62,15 @@ def main():
                             c.offset -= 1
                     return mx.argmax(out[:, -1, :], axis=-1)
 
-                row[name] = ms(step)
+                row[name] = ms(step, 9)
             dt = model_dtype(model)
             q = mx.random.normal((B, heads, 1, dim)).astype(dt)
             k = mx.random.normal((B, kv, W, dim)).astype(dt)
             v = mx.random.normal((B, kv, W, dim)).astype(dt)
             mask = mx.arange(W)[None, None, None, :] >= mx.array([i % 7 for i in range(B)])[:, None, None, None]
             sdpa = mx.fast.scaled_dot_product_attention
-            a_mask = ms(lambda: [sdpa(q, k, v, scale=0.1, mask=mask) for _ in range(28)])
-            a_none = ms(lambda: [sdpa(q, k, v, scale=0.1) for _ in range(28)])
+            a_mask = ms(lambda: [sdpa(q, k, v, scale=0.1, mask=mask) for _ in range(28)], 9)
+            a_none = ms(lambda: [sdpa(q, k, v, scale=0.1) for _ in range(28)], 9)
             print(f"B={B:3d} W={W:5d}: step batch cache {row['batch']:7.2f} ms, plain cache {row['plain']:7.2f} ms;"
                   f" 28 attentions with mask {a_mask:7.2f} ms, without {a_none:7.2f} ms", flush=True)
 
