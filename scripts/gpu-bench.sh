@@ -13,7 +13,9 @@
 # SERVER_S (seconds each server may take, start-up and warm-up included; default 240), KERNELS=shared (one
 # on-disk kernel cache for every server of the call, see gpu-serve.sh; a .device/ptx.txz carried along, the
 # cache an earlier call brought back, is unpacked into it first), BURST_STEPS (prefill step sizes the burst
-# compares, default 512,2048), BURST_S (its time limit, default 300).
+# compares, default 512,2048), BURST_ROWS (default 1,8), BURST_CUDNN (--cudnn-attention values the burst runs
+# under, default auto; e.g. auto,off), BURST_S (each burst run's time limit, default 300). SERVERS may name
+# mlxserve-cudnn-off: mlxserve again with --cudnn-attention off.
 set -uo pipefail
 mkdir -p /tmp/site && tar -xJf .device/site.tar.xz -C /tmp/site
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -23,6 +25,7 @@ shapes=("${@:-qwen3-0.6b}")
 servers=${SERVERS:-mlxserve,mlx_lm,vllm_mlx}
 conc=${CONC:-1,16,32}
 steps=${STEPS:-decode,compare,burst}
+BURST_CUDNN=${BURST_CUDNN:-auto}
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for shape in "${shapes[@]}"; do
@@ -36,15 +39,24 @@ for shape in "${shapes[@]}"; do
     # One server at a time under the same load, each within SERVER_S seconds from its start (warm-up
     # included), its log kept in $OUT: a limit that cuts one server loses nothing of the others.
     for server in ${servers//,/ }; do
-      extra=(); [ "$server" = mlxserve ] && read -ra extra <<< "${MLXSERVE_ARGS:-}"
-      CONC=$conc bash scripts/gpu-serve.sh "$server-$shape${TAG:-}" "${SERVER_S:-240}" "$server" "$m" "${extra[@]}"
+      extra=() kind=$server
+      case $server in
+        mlxserve) read -ra extra <<< "${MLXSERVE_ARGS:-}" ;;
+        mlxserve-cudnn-off) kind=mlxserve; read -ra extra <<< "${MLXSERVE_ARGS:-} --cudnn-attention off" ;;
+      esac
+      CONC=$conc bash scripts/gpu-serve.sh "$server-$shape${TAG:-}" "${SERVER_S:-240}" "$kind" "$m" "${extra[@]}"
     done
   fi
   if [[ $steps == *burst* ]]; then
-    # 8 mixed-length prompts at once, prefilled one by one (rows 1) vs together (rows 8).
-    MLXSERVE_STEP_TRACE=${MLXSERVE_STEP_TRACE:+$out/steps-burst-$shape.tsv} timeout "${BURST_S:-300}" \
-      python3 -m mlxserve.cli bench burst --model "$m" --rows 1,8 --prefill-step-sizes "${BURST_STEPS:-512,2048}" \
-      --repeats 3 --max-tokens 64 --output-json "$out/burst-$shape.json" > "$out/burst-$shape.log" 2>&1
-    grep -v "httpx" "$out/burst-$shape.log" | tail -12
+    # 8 mixed-length prompts at once, prefilled one by one (rows 1) vs together (rows 8), per cuDNN setting.
+    cache=fresh; [ "${KERNELS:-}" = shared ] && cache=shared
+    for cudnn in ${BURST_CUDNN//,/ }; do
+      MLXSERVE_STEP_TRACE=${MLXSERVE_STEP_TRACE:+$out/steps-burst-$shape-$cudnn.tsv} timeout "${BURST_S:-300}" \
+        python3 -m mlxserve.cli bench burst --model "$m" --rows "${BURST_ROWS:-1,8}" \
+        --prefill-step-sizes "${BURST_STEPS:-512,2048}" --repeats 3 --max-tokens 64 --kernel-cache "$cache" \
+        --serve-args "--cudnn-attention $cudnn" --output-json "$out/burst-$shape-$cudnn.json" \
+        > "$out/burst-$shape-$cudnn.log" 2>&1
+      grep -v "httpx" "$out/burst-$shape-$cudnn.log" | tail -12
+    done
   fi
 done
