@@ -23,6 +23,8 @@ name=bench; [ "$server" = mlx_lm ] && name=$model
 kernels=$(mktemp -d)  # each server compiles its own kernels (see bench compare)
 kernel_env=(MLX_PTX_CACHE_DIR="$kernels")
 [ "${KERNELS:-}" = shared ] && kernel_env=()
+# With MLXSERVE_STEP_TRACE set, each server's step trace goes to its own file in $OUT.
+[ -n "${MLXSERVE_STEP_TRACE:-}" ] && kernel_env+=(MLXSERVE_STEP_TRACE="$out/steps-$tag.tsv")
 stop() {
   kill "$pid" 2> /dev/null
   timeout 30 tail --pid="$pid" -f /dev/null || kill -9 "$pid" 2> /dev/null
