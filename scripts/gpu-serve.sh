@@ -21,17 +21,17 @@ case $server in
 esac
 name=bench; [ "$server" = mlx_lm ] && name=$model
 kernels=$(mktemp -d)  # each server compiles its own kernels (see bench compare)
-kernel_env=(MLX_PTX_CACHE_DIR="$kernels")
-[ "${KERNELS:-}" = shared ] && kernel_env=()
+server_env=(MLX_PTX_CACHE_DIR="$kernels")
+[ "${KERNELS:-}" = shared ] && server_env=()
 # With MLXSERVE_STEP_TRACE set, each server's step trace goes to its own file in $OUT.
-[ -n "${MLXSERVE_STEP_TRACE:-}" ] && kernel_env+=(MLXSERVE_STEP_TRACE="$out/steps-$tag.tsv")
+[ -n "${MLXSERVE_STEP_TRACE:-}" ] && server_env+=(MLXSERVE_STEP_TRACE="$out/steps-$tag.tsv")
 stop() {
   kill "$pid" 2> /dev/null
   timeout 30 tail --pid="$pid" -f /dev/null || kill -9 "$pid" 2> /dev/null
   rm -rf "$kernels"
 }
 start=$(date +%s)
-env "${kernel_env[@]}" "${cmd[@]}" --port "$port" "$@" > "$out/server-$tag.log" 2>&1 &
+env "${server_env[@]}" "${cmd[@]}" --port "$port" "$@" > "$out/server-$tag.log" 2>&1 &
 pid=$!
 until curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null; do
   if ! kill -0 "$pid" 2> /dev/null; then
