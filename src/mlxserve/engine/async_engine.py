@@ -261,7 +261,8 @@ class _StepTrace:
     under load: start (s), inbox ms (adding requests before the step), step ms, runner ms, prefill ms of
     it, prefill chunks, prefill tokens, decoding rows, batch rows, outputs, running, waiting, then the runner's
     block stores, joining the prefilled rows to the batch, and the decode (its graph and the wait for the
-    previous step's tokens), ms. Off by
+    previous step's tokens), ms. Times are the host's: a prefill's device work shows in whichever column
+    first waits for it (a lone prompt's in join or decode, a batched prefill's in prefill). Off by
     default; a step costs one formatted line when on."""
 
     def __init__(self, f=None) -> None:
