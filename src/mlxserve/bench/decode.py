@@ -4,7 +4,7 @@ One greedy stream of `--max-tokens` tokens through four layers of the stack, sam
 mlx-lm's own `generate_step` (the reference), the engine core stepped in a plain loop (scheduler +
 runner + detokenizer, no threads), the async engine (engine thread + asyncio hand-off), and the step
 times of the core loop split into the forward/sampling launch and the host wait. The gaps between the
-rows are the costs of each layer; `--lean off` shows what the one-row fast path buys.
+rows are the costs of each layer.
 """
 
 from __future__ import annotations

@@ -60,8 +60,8 @@ class DecodeBatch:
 
     def __init__(self, buckets: list[int] | None = None, kv_prealloc_tokens: int = 0, lean: bool = True) -> None:
         self.buckets = buckets
-        # A lone row through mlx-lm's KVCache; off under speculative decoding, whose per-row rewind and
-        # draft cache work on the batch caches.
+        # A lone row through mlx-lm's KVCache, and joins into filler slots; off, every row stays in batch
+        # caches joined by mlx-lm's extend (the path before either existed).
         self.lean = lean
         self.kv_prealloc_tokens = kv_prealloc_tokens  # KV width reserved after each join (0: off)
         self.row_ids: list[str | None] = []  # None: a filler row
@@ -103,6 +103,11 @@ class DecodeBatch:
         if self._pads is None:
             self._pads = self.cache[0].state[3].tolist()
         return self._pads[row]
+
+    def padding_changed(self) -> None:
+        """The caches' left padding moved outside the batch (speculative decoding's per-row rewind rolls
+        rows into it): the host copy is read again when next needed."""
+        self._pads = None
 
     def _settle(self) -> None:
         """One live row, nothing padded, plain KV in every layer: switch to mlx-lm's KVCache."""
@@ -204,11 +209,11 @@ class DecodeBatch:
                     positions: mx.array | None, draft_caches: list[list[Any]] | None) -> bool:
         """Writes the joining rows into filler slots, in place; False (nothing done) where it cannot:
         too few fillers, a row longer than the batch's write position, cache kinds other than plain KV,
-        explicit positions (VLMs), speculative decoding (`lean` off: its rewinds and draft caches work
-        on whole batch caches) or reserved KV."""
+        explicit positions (VLMs), a draft model's caches (merged whole) or reserved KV. n-gram
+        speculation's rewinds move rows' padding and say so (`padding_changed`)."""
         free = [i for i, rid in enumerate(self.row_ids) if rid is None]
         if (not self.lean or self.kv_prealloc_tokens or positions is not None or draft_caches is not None
-                or self.positions is not None or len(request_ids) > len(free) or not self.cache
+                or self.draft_cache is not None or self.positions is not None or len(request_ids) > len(free) or not self.cache
                 or not all(type(c) is BatchKVCache for c in self.cache)
                 or not all(type(c) is KVCache for row in caches for c in row)):
             return False

@@ -230,6 +230,7 @@ class SpeculativeDecoder:
         # Rewind every row past what it rejected (fillers and rows without a draft: all K).
         num_drop = [num_k - a for a in accepted_ids]
         rewind(batch.cache, num_drop)
+        batch.padding_changed()
         for i in grammar_rows:
             if rids[i] not in out.failed:  # the final token is fed, and checked, next step
                 for token in draft_ids[i][: accepted_ids[i]]:
