@@ -105,9 +105,15 @@ def test_a_stream_left_early_aborts_once_and_a_finished_one_not_at_all():
 def test_step_trace_writes_a_line_per_step(tmp_path, monkeypatch):
     trace = tmp_path / "steps.tsv"
     monkeypatch.setenv("MLXSERVE_STEP_TRACE", str(trace))
-    core = _Core()
     chunk = SimpleNamespace(num_tokens=7)
-    core.last_sched = SimpleNamespace(prefill_chunks=[chunk, chunk], decode_request_ids=["a"])
+
+    class _Traced(_Core):
+        def step(self):
+            self.last_sched = SimpleNamespace(prefill_chunks=[chunk, chunk], decode_request_ids=["a"])
+            return super().step()
+
+    core = _Traced()
+    core.last_sched = None
     core.last_execute_s = 0.002
     core.runner = SimpleNamespace(last_prefill_s=0.001, num_rows=3)
     engine = AsyncEngine(lambda: core, max_num_waiting=10)

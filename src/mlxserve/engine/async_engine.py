@@ -268,6 +268,7 @@ class _StepTrace:
     def __init__(self, f=None) -> None:
         self._f = f
         self._t0 = time.perf_counter()
+        self._last = None  # the schedule last written: a step that scheduled nothing leaves it in place
 
     @classmethod
     def open(cls, path: str | None) -> "_StepTrace":
@@ -279,9 +280,12 @@ class _StepTrace:
         return cls(f)
 
     def write(self, core, waited: float, started: float, elapsed: float, num_outputs: int) -> None:
-        if self._f is None or core.last_sched is None:
+        if self._f is None:
             return
         sched = core.last_sched
+        if sched is None or sched is self._last:
+            return
+        self._last = sched
         self._f.write(f"{started - self._t0:.4f}\t{(started - waited) * 1e3:.2f}\t{elapsed * 1e3:.2f}\t"
                       f"{core.last_execute_s * 1e3:.2f}\t{core.runner.last_prefill_s * 1e3:.2f}\t"
                       f"{len(sched.prefill_chunks)}\t{sum(c.num_tokens for c in sched.prefill_chunks)}\t"
