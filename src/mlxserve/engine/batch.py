@@ -100,9 +100,14 @@ class DecodeBatch:
             return 0
         if not self.cache or not all(type(c) is BatchKVCache for c in self.cache):
             return None
+        return self._host_pads()[row]
+
+    def _host_pads(self) -> list[int]:
+        """The host copy of the rows' left padding (plain batch caches), read from the device only when
+        mlx-lm's merge, extend or filter or a speculative rewind has moved it since."""
         if self._pads is None:
             self._pads = self.cache[0].state[3].tolist()
-        return self._pads[row]
+        return self._pads
 
     def padding_changed(self) -> None:
         """The caches' left padding moved outside the batch (speculative decoding's per-row rewind rolls
@@ -222,6 +227,7 @@ class DecodeBatch:
         if max(lengths) > width:
             return False
         slots = free[: len(request_ids)]
+        pads = self._host_pads()
         at = mx.array(slots)
         for layer, c in enumerate(self.cache):
             keys, values, offset, left, idx = c.state
@@ -232,9 +238,8 @@ class DecodeBatch:
             offset[at] = mx.array(lengths)
             left[at] = mx.array([idx - n for n in lengths])
             c.state = (keys, values, offset, left, idx)
-        if self._pads is not None:
-            for slot, n in zip(slots, lengths):
-                self._pads[slot] = width - n
+        for slot, n in zip(slots, lengths):
+            pads[slot] = width - n
         self.tokens[at] = tokens
         for slot, rid in zip(slots, request_ids):
             self.row_ids[slot] = rid
@@ -247,8 +252,7 @@ class DecodeBatch:
         every step's attention covers). One copy of the batch's KV per `at_least` positions, against
         attention over them every step: on an H100 a 64-row step took ~1 ms longer per 100 positions
         (scripts/cuda_decode_probe.py) and a copy of the batch's KV ~4 ms."""
-        self.left_padding(0)  # the host copy, read if it is not known
-        left = self._pads
+        left = self._host_pads()
         cut = min(left[i] for i, rid in enumerate(self.row_ids) if rid is not None)
         if cut < at_least:
             return
