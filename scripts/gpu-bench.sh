@@ -15,7 +15,8 @@
 # cache an earlier call brought back, is unpacked into it first), BURST_STEPS (prefill step sizes the burst
 # compares, default 512,2048), BURST_ROWS (default 1,8), BURST_CUDNN (--cudnn-attention values the burst runs
 # under, default auto; e.g. auto,off), BURST_S (each burst run's time limit, default 300). SERVERS may name
-# mlxserve-cudnn-off: mlxserve again with --cudnn-attention off.
+# mlxserve-cudnn-off: mlxserve again with --cudnn-attention off, and mlxserve-TAG: mlxserve again with the flags
+# in $ARGS_TAG (e.g. SERVERS=mlxserve,mlxserve-wait4 ARGS_wait4="--prefill-wait-steps 4").
 set -uo pipefail
 mkdir -p /tmp/site && tar -xJf .device/site.tar.xz -C /tmp/site
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -43,6 +44,7 @@ for shape in "${shapes[@]}"; do
       case $server in
         mlxserve) read -ra extra <<< "${MLXSERVE_ARGS:-}" ;;
         mlxserve-cudnn-off) kind=mlxserve; read -ra extra <<< "${MLXSERVE_ARGS:-} --cudnn-attention off" ;;
+        mlxserve-*) kind=mlxserve; v="ARGS_${server#mlxserve-}"; read -ra extra <<< "${MLXSERVE_ARGS:-} ${!v:-}" ;;
       esac
       CONC=$conc bash scripts/gpu-serve.sh "$server-$shape${TAG:-}" "${SERVER_S:-240}" "$kind" "$m" "${extra[@]}"
     done

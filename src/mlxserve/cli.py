@@ -22,6 +22,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-prefill-rows", type=int, default=d.max_num_prefill_rows,
                    help="prompts prefilled together in one forward, sharing the step's tokens fairly (1: one "
                         "prompt at a time, oldest first)")
+    p.add_argument("--prefill-wait-steps", type=int, default=d.prefill_wait_steps,
+                   help="while rows decode, let a new prompt wait up to N engine steps for others, so several "
+                        "prefill in one forward (fewer, fuller prefill steps; TTFT up by at most N decode steps); "
+                        "0: at once")
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
                    help="max_tokens when a request names none")
     p.add_argument("--warmup", choices=["auto", "on", "off"], default=d.warmup,
@@ -142,6 +146,7 @@ def _engine_config(args) -> EngineConfig:
                         prefill_step_size=(args.prefill_step_size if args.prefill_step_size is not None
                                            else default_prefill_step_size()),
                         max_num_prefill_rows=args.max_num_prefill_rows,
+                        prefill_wait_steps=args.prefill_wait_steps,
                         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
                         warmup=args.warmup, decode_buckets=args.decode_buckets,
                         speculative=args.speculative, draft_model=args.draft_model,

@@ -17,6 +17,11 @@ class EngineConfig:
     # their chunks run in one forward (families with plain KV caches). 1: one prompt after another, oldest
     # first (what families whose caches cannot be padded always get).
     max_num_prefill_rows: int = 8
+    # While rows decode, a new prompt may wait up to this many engine steps for others to arrive, so
+    # several prefill in one forward (TGI's max-waiting-tokens idea): a prefill forward costs much the
+    # same for one prompt as for eight. It waits no longer once `max_num_prefill_rows` prompts wait,
+    # and never when nothing decodes or a prompt is mid-prefill. 0: admitted at once.
+    prefill_wait_steps: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     default_max_tokens: int = 2048
     # Requests allowed to wait for a slot; beyond this the server answers 429 instead of queueing forever.
@@ -94,6 +99,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.prefill_step_size < 1:
             raise ValueError("prefill_step_size must be >= 1")
+        if self.prefill_wait_steps < 0:
+            raise ValueError("prefill_wait_steps must be >= 0")
         if self.max_num_prefill_rows < 1:
             raise ValueError("max_num_prefill_rows must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:

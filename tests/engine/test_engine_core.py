@@ -84,7 +84,7 @@ def test_warmup_leaves_nothing_behind(loaded):
     warmed = EngineCore(loaded.model, loaded.tokenizer, config, 4096, make_buckets(8))
     together: list[int] = []
     real = runner_module.prefill_rows
-    runner_module.prefill_rows = lambda model, caches, chunks: together.append(len(chunks)) or real(model, caches, chunks)
+    runner_module.prefill_rows = lambda model, caches, chunks, **kw: together.append(len(chunks)) or real(model, caches, chunks, **kw)
     try:
         warmed.warmup(8)
     finally:

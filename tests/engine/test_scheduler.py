@@ -144,6 +144,75 @@ def test_rows_per_prefill_forward_are_capped_oldest_first():
     assert chunks(s.schedule()) == [("r3", 0, 50, True), ("r4", 0, 50, True)]
 
 
+def hold_back_scheduler(wait: int, rows: int = 3) -> Scheduler:
+    config = EngineConfig(max_num_seqs=16, prefill_step_size=512, max_num_prefill_rows=rows, prefill_wait_steps=wait)
+    return Scheduler(config, 1024)
+
+
+def test_new_prompts_wait_for_others_while_rows_decode():
+    s = hold_back_scheduler(wait=2)
+    s.add_request(make_request("a"))
+    assert chunks(s.schedule()) == [("a", 0, 4, True)]  # nothing decodes: admitted at once
+    s.update({"a": 5})
+    s.add_request(make_request("b"))
+    assert chunks(s.schedule()) == []  # a decodes: b waits (1 step)
+    s.update({"a": 5})
+    s.add_request(make_request("c"))
+    assert chunks(s.schedule()) == []  # b: 2 steps
+    s.update({"a": 5})
+    out = s.schedule()  # b has waited its 2 steps: b and c prefill together
+    assert chunks(out) == [("b", 0, 4, True), ("c", 0, 4, True)] and out.decode_request_ids == ["a"]
+
+
+def test_enough_waiting_prompts_fill_a_prefill_at_once():
+    s = hold_back_scheduler(wait=10, rows=3)
+    s.add_request(make_request("a"))
+    s.schedule()
+    s.update({"a": 5})
+    s.add_request(make_request("b"))
+    s.add_request(make_request("c"))
+    assert chunks(s.schedule()) == []
+    s.update({"a": 5})
+    for rid in "def":
+        s.add_request(make_request(rid))
+    # 5 wait, at least the 3 rows of one batched prefill: no more waiting; all five are admitted and
+    # the prefill takes the oldest three.
+    assert [c[0] for c in chunks(s.schedule())] == ["b", "c", "d"]
+    assert list(s.running) == ["a", "b", "c", "d", "e", "f"]
+
+
+def test_a_prompt_mid_prefill_lets_new_ones_join_its_forward():
+    s = hold_back_scheduler(wait=5)
+    s.config = EngineConfig(max_num_seqs=16, prefill_step_size=8, max_num_prefill_rows=3, prefill_wait_steps=5)
+    s.add_request(make_request("a"))
+    s.schedule()
+    s.update({"a": 5})
+    s.add_request(make_request("long", num_prompt=30))
+    for _ in range(5):
+        assert chunks(s.schedule()) == []
+        s.update({"a": 5})
+    assert chunks(s.schedule()) == [("long", 0, 8, False)]
+    s.update({"a": 5})
+    s.add_request(make_request("b"))
+    assert chunks(s.schedule()) == [("long", 8, 4, False), ("b", 0, 4, True)]  # no wait: long is mid-prefill
+
+
+def test_an_aborted_waiting_prompt_leaves_no_hold_behind():
+    s = hold_back_scheduler(wait=3)
+    s.add_request(make_request("a"))
+    s.schedule()
+    s.update({"a": 5})
+    s.add_request(make_request("b"))
+    assert chunks(s.schedule()) == []
+    assert s.abort("b") is not None and s.num_waiting == 0
+    s.update({"a": 5})
+    s.add_request(make_request("c"))
+    assert chunks(s.schedule()) == []  # c waits from its own arrival, not b's
+    assert s.abort("a") is not None
+    out = s.schedule()  # nothing decodes any more: c goes at once
+    assert chunks(out) == [("c", 0, 4, True)]
+
+
 @pytest.mark.parametrize("rows", [1, 2, 8])
 def test_split_prefill_budget_never_exceeds_the_budget(rows):
     rng = __import__("random").Random(rows)

@@ -130,8 +130,10 @@ class KVBlockStore:
     def release(self, request_id: str) -> None:
         self.snapshots.unpin(request_id)
 
-    def make_cache(self, block_ids: list[int], cache: list[Any]) -> None:
-        """Fills a fresh per-request cache with the given blocks (and the snapshot at their end)."""
+    def make_cache(self, block_ids: list[int], cache: list[Any], sync: bool = True) -> None:
+        """Fills a fresh per-request cache with the given blocks (and the snapshot at their end). With
+        `sync` the copy is waited for, so `restore_seconds` holds its device time; without, only launched
+        (while other rows decode, a wait here would idle the device) and the time is the host's share."""
         started = time.perf_counter()
         layout, bs = self.layout, self.block_size
         depth = len(block_ids) * bs
@@ -144,7 +146,7 @@ class KVBlockStore:
                 raise RuntimeError("the pinned state snapshot of a prefix hit is gone")
         fill_cache(cache, layout, [b.kv for b in blocks], swa, depth, snapshot)
         # Evaluated now rather than inside the prefill's graph, so the restore's time is its own.
-        mx.eval([c.state for c in cache])
+        (mx.eval if sync else mx.async_eval)([c.state for c in cache])
         self.num_restores += 1
         self.restore_seconds += time.perf_counter() - started
 

@@ -57,16 +57,22 @@ def pick_rows(ends: list[int]) -> list[int]:
     return sorted(picked) if len(picked) > 1 else []
 
 
-def prefill_rows(model: Any, caches: list[list[KVCache]], chunks: list[list[int]]) -> tuple[mx.array, list]:
+def prefill_rows(model: Any, caches: list[list[KVCache]], chunks: list[list[int]],
+                 bound: Callable[..., None] = mx.eval, pad_to: int = 1) -> tuple[mx.array, list]:
     """Runs `chunks[i]` (non-empty) after `caches[i]` for every row i in one batch. Returns the lazy
     logits [B, vocab] at each chunk's last token and each row's per-layer caches grown by its chunk
-    (new objects: the given caches are left as they were, so a failed forward can be retried)."""
+    (new objects: the given caches are left as they were, so a failed forward can be retried).
+
+    `bound` ends the first pass's graph (`mx.eval`, or `mx.async_eval` where a later read waits for it).
+    `pad_to` > 1 rounds the first pass's length up to a multiple of it (more right padding), so a server
+    meets few distinct forward shapes: on MLX-CUDA every new attention shape costs a cuDNN graph."""
     lengths = [len(c) for c in chunks]
     cached = [layers[0].offset for layers in caches]
     batch = [BatchKVCache.merge(list(layer)) for layer in zip(*caches)]
 
     body = max(lengths) - 1
     if body > 0:
+        body = -(-body // pad_to) * pad_to
         right = [body - (n - 1) for n in lengths]
         tokens = mx.array([c[:-1] + [_PAD_TOKEN] * r for c, r in zip(chunks, right)])
         for c in batch:
@@ -75,7 +81,7 @@ def prefill_rows(model: Any, caches: list[list[KVCache]], chunks: list[list[int]
         for c in batch:
             c.finalize()  # the padded tail becomes left padding: rows end at the same index again
         # Bound the lazy graph, and only the cache: the first pass's LM head is never computed.
-        mx.eval([c.state for c in batch])
+        bound([c.state for c in batch])
     logits = model(mx.array([[c[-1]] for c in chunks]), cache=batch)[:, -1, :]
 
     grown = [[_take_row(c, i, cached[i] + n) for c in batch] for i, n in enumerate(lengths)]

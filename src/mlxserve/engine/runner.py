@@ -56,6 +56,7 @@ class StepTokens:
 # the last token runs alone so the LM head never runs over the chunk: on the CPU an 89-token suffix took
 # 65 ms as one forward against 10 ms as 88 + 1.
 _ONE_FORWARD_LOGITS = 1 << 25
+_PREFILL_PAD_TO = 32
 
 
 class ModelRunner:
@@ -76,6 +77,10 @@ class ModelRunner:
         self.model = model
         self.logits_width = logits_width  # the LM head's width (vocab); 0: unknown, taken as 1M
         self.one_forward_logits = _ONE_FORWARD_LOGITS if is_cuda() else 0
+        # Batched prefill's first pass padded to a multiple of this many tokens: on MLX-CUDA a new
+        # attention shape costs a cuDNN graph (45-71 ms, models/cudnn_attention.py), and without padding
+        # nearly every batch of prompts is a new shape. Elsewhere shapes cost nothing and padding would.
+        self.prefill_pad_to = _PREFILL_PAD_TO if is_cuda() else 1
         self.make_cache = make_cache  # a request's fresh caches (quantized layers under --kv-bits)
         self.grammar = grammar
         self.spec = spec  # speculative decoding (engine/spec_decode.py); None: off
@@ -264,7 +269,8 @@ class ModelRunner:
         if cache is None:
             cache = self.make_cache(self.model)
             if request.cached_block_ids:
-                self.store.make_cache(request.cached_block_ids, cache)
+                # Timed on its own (a synced restore) only where it delays nothing: no rows decoding.
+                self.store.make_cache(request.cached_block_ids, cache, sync=not self._batch.num_live)
             self._prefill_caches[rid] = cache
             self._start_captures(request)
             sampler = RowSampler.make(request.sampling, request.prompt_token_ids)
@@ -302,7 +308,7 @@ class ModelRunner:
             forward(start, end)
             # Bound the lazy graph: a chunk is evaluated before the next is built. Only the cache is
             # evaluated, so the LM head never runs on these positions.
-            mx.eval([c.state for c in cache], self._captured_arrays(rid))
+            self._bound([c.state for c in cache], self._captured_arrays(rid))
             return None
         if end - start > 1 and (end - start) * (self.logits_width or 1 << 20) > self.one_forward_logits:
             # Same reason: the last position alone gets logits (what mlx-lm's generate_step does).
@@ -342,10 +348,11 @@ class ModelRunner:
             return []
         try:
             logits, grown = prefill_rows(self.model, [cache for _, cache in rows], [
-                requests[c.request_id].prompt_token_ids[c.start : c.start + c.num_tokens] for c, _ in rows])
+                requests[c.request_id].prompt_token_ids[c.start : c.start + c.num_tokens] for c, _ in rows],
+                bound=self._bound, pad_to=self.prefill_pad_to)
             going_on = [layers for (c, _), layers in zip(rows, grown) if not c.is_last]
             if going_on:  # bound the lazy graph, as `_prefill` does between chunks
-                mx.eval([c.state for layers in going_on for c in layers])
+                self._bound([c.state for layers in going_on for c in layers])
         except Exception:
             # The rows' own caches are untouched: run them one by one, so a request that cannot be
             # prefilled fails alone.
@@ -368,6 +375,16 @@ class ModelRunner:
             if done is not None:
                 joined.append(done)
         return joined
+
+    def _bound(self, *arrays) -> None:
+        """Ends a lazy graph at `arrays` (a prefill chunk's caches). While rows decode, the arrays are only
+        launched: the decode's read-back at the end of the step waits for them anyway, and waiting here
+        would leave the device idle while the host builds the rest of the step (the join, the decode
+        graph). With no decode rows nothing else would bound the work queued, so it is waited for."""
+        if self._batch.num_live:
+            mx.async_eval(*arrays)
+        else:
+            mx.eval(*arrays)
 
     def _prefill_or_fail(self, chunk: PrefillChunk, request: Request, out: StepTokens):
         """`_prefill`; if it raises, only this request fails."""

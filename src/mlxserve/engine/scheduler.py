@@ -87,6 +87,8 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._finished: list[Request] = []
         self._at_boundary: list[Request] = []
+        self._num_steps = 0
+        self._arrived: dict[str, int] = {}  # waiting request id -> the step count when it arrived
 
     # -- queue -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -96,6 +98,7 @@ class Scheduler:
             )
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        self._arrived[request.request_id] = self._num_steps
 
     def abort(self, request_id: str) -> Request | None:
         """Drops a request wherever it is; returns it, or None if it already finished."""
@@ -106,6 +109,7 @@ class Scheduler:
         for request in self.waiting:
             if request.request_id == request_id:
                 self.waiting.remove(request)
+                self._arrived.pop(request_id, None)
                 request.status = RequestStatus.FINISHED_ABORTED
                 return request
         return None
@@ -142,8 +146,11 @@ class Scheduler:
         # Requests whose prompt finished in an earlier step decode now.
         out.decode_request_ids = [r.request_id for r in self.running.values() if r.is_prefill_done]
 
-        while self.waiting and len(self.running) < self.config.max_num_seqs and self.can_admit(self.waiting[0]):
+        self._num_steps += 1
+        while (self.waiting and len(self.running) < self.config.max_num_seqs and self.can_admit(self.waiting[0])
+               and not self._holds_back()):
             request = self.waiting.popleft()
+            del self._arrived[request.request_id]
             request.status = RequestStatus.RUNNING
             self.running[request.request_id] = request
             if self.prefix is not None:
@@ -165,6 +172,17 @@ class Scheduler:
                 PrefillChunk(request.request_id, start, n, is_last=request.is_prefill_done)
             )
         return out
+
+    def _holds_back(self) -> bool:
+        """Whether new prompts wait this step for others to prefill with (`prefill_wait_steps`): only while
+        rows decode and no prompt is mid-prefill (whose forward they could join for free), until the oldest
+        has waited its steps or enough wait to fill a batched prefill."""
+        wait = self.config.prefill_wait_steps
+        if not wait or not self.running or len(self.waiting) >= self.config.max_num_prefill_rows:
+            return False
+        if any(not r.is_prefill_done for r in self.running.values()):
+            return False
+        return self._num_steps - self._arrived[self.waiting[0].request_id] <= wait
 
     def can_admit(self, request: Request) -> bool:
         """Whether the KV budget holds `request` next to the running ones at their longest.
