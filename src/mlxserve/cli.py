@@ -67,7 +67,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="most tokens a row drafts per step (each row adapts below it from its acceptance)")
     p.add_argument("--cudnn-attention", choices=["auto", "on", "off"], default=d.cudnn_attention,
                    help="MLX-CUDA: multi-token attention through cuDNN, which builds a graph per new shape (40-80 ms)"
-                        "; auto: off under --speculative, else on. MLX_CUDA_USE_CUDNN_SDPA in the environment wins")
+                        "; auto: off (served prompts rarely repeat a shape), on: MLX's default. MLX_CUDA_USE_CUDNN_SDPA in the "
+                        "environment wins")
     p.add_argument("--spec-max-batch", type=int, default=d.spec_max_batch, metavar="N",
                    help="speculate only while at most N requests decode; larger batches decode plainly, where "
                         "verifying drafts costs more than it saves")

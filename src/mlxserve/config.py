@@ -72,7 +72,7 @@ class EngineConfig:
     draft_model: str | None = None
     num_draft_tokens: int = 4
     # MLX-CUDA only (models/cudnn_attention.py): cuDNN attention builds a graph per new shape (40-80 ms);
-    # "auto" turns it off under speculative decoding, whose verify shapes are new at every step.
+    # "auto" turns it off (served traffic rarely repeats a shape), "on" keeps MLX's default.
     cudnn_attention: str = "auto"
     # Speculate only while at most this many requests decode: verifying drafts is nearly free while
     # decode is memory-bound (small batches) and costs compute beyond (35-50% lost at 16 rows, H200).

@@ -119,11 +119,15 @@ def test_trimmed_left_padding_keeps_the_tokens(loaded, fills, monkeypatch):
     assert sum(fills) >= 3 and max(cuts) >= 4
 
 
-def test_blocks_stored_from_slot_rows_give_the_same_tokens_on_a_hit(loaded, fills):
+@pytest.mark.parametrize("cuda_like", [False, True])
+def test_blocks_stored_from_slot_rows_give_the_same_tokens_on_a_hit(loaded, fills, cuda_like):
     """Rows written into slots store their prompt blocks (read back through their left padding); the same
-    prompts again resume from those blocks and decode the same tokens."""
+    prompts again resume from those blocks and decode the same tokens. `cuda_like`: with what MLX-CUDA
+    changes (batched prefill padded to 32-token shapes) and MLXSERVE_STEP_SYNC's waits after each phase."""
     config = EngineConfig(max_num_seqs=8, block_size=16, cache_memory_bytes=64 << 20)
     core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len=4096, buckets=[1, 2, 4, 8])
+    if cuda_like:
+        core.runner.prefill_pad_to, core.runner.sync_phases = 32, True
     arrivals = [(0, prompt(11, 20), 50), (0, prompt(12, 26), 50)]
     arrivals += [(4 + 5 * k, prompt(300 + k, 34 + 3 * k), 4) for k in range(6)]
     first = run_staggered(loaded, arrivals, core=core, tag="a")

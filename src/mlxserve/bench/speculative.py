@@ -113,7 +113,7 @@ def run_spec_bench(args) -> dict:
     from mlxserve.models.loader import load_model
 
     # One attention path for every row, the "off" baseline included (MLX decides once per process).
-    print(f"cuDNN attention: {apply_cudnn_attention(args.cudnn_attention, speculative=True)}", flush=True)
+    print(f"cuDNN attention: {apply_cudnn_attention(args.cudnn_attention)}", flush=True)
     drafts = [d for d in args.drafts.split(",") if d]
     with tempfile.TemporaryDirectory(prefix="mlxserve-bench-spec-") as tmp:
         t0 = time.perf_counter()
@@ -161,8 +161,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="most tokens a row drafts per step")
     parser.add_argument("--cudnn-attention", choices=["auto", "on", "off"], default="auto",
-                        help="MLX-CUDA: cuDNN attention for every row, the baseline too (auto: off, as serve does"
-                             " under --speculative)")
+                        help="MLX-CUDA: cuDNN attention for every row, the baseline too (auto: off, as serve)")
     parser.add_argument("--spec-max-batch", type=int, default=EngineConfig.spec_max_batch,
                         help="speculate only while at most this many requests decode (the server's --spec-max-batch); "
                              "set it to the largest concurrency to measure speculation at every level")

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 _SLOW_STEP_S = 1.0
 # A file to write one line per engine step to (where a step's time goes under load, e.g. on a GPU).
 STEP_TRACE_ENV = "MLXSERVE_STEP_TRACE"
+STEP_SYNC_ENV = "MLXSERVE_STEP_SYNC"
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,8 @@ class AsyncEngine:
             # Idle, the loop still wakes now and then: desktop mode re-reads free memory in on_idle().
             idle_timeout = getattr(core.config, "memory_refresh_s", 0) or None
             trace = _StepTrace.open(os.environ.get(STEP_TRACE_ENV))
+            if os.environ.get(STEP_SYNC_ENV) == "1":
+                core.runner.sync_phases = True
             while True:
                 block = not core.has_work
                 if block:
@@ -262,8 +265,9 @@ class _StepTrace:
     it, prefill chunks, prefill tokens, decoding rows, batch rows, outputs, running, waiting, then the runner's
     block stores, joining the prefilled rows to the batch, and the decode (its graph and the wait for the
     previous step's tokens), ms. Times are the host's: a prefill's device work shows in whichever column
-    first waits for it (a lone prompt's in join or decode, a batched prefill's in prefill). Off by
-    default; a step costs one formatted line when on."""
+    first waits for it (a lone prompt's in join or decode, a batched prefill's in decode), unless
+    MLXSERVE_STEP_SYNC=1 makes the runner wait for the device after each phase (diagnosis only: the host
+    no longer runs ahead of the device). Off by default; a step costs one formatted line when on."""
 
     def __init__(self, f=None) -> None:
         self._f = f

@@ -23,7 +23,7 @@ from mlxserve.engine.runner import ModelRunner, reseed_after_failure
 from mlxserve.engine.scheduler import Scheduler
 from mlxserve.cache.kv_quant import plan_kv_quant
 from mlxserve.cache.kv_store import KVBlockStore
-from mlxserve.engine.spec_setup import make_speculative, reserve_draft, will_speculate
+from mlxserve.engine.spec_setup import make_speculative, reserve_draft
 from mlxserve.cache.setup import make_prefix_cache, probe_kv
 from mlxserve.memory.budget import kv_tokens, reserve_state
 from mlxserve.memory.pressure import MemoryGovernor
@@ -57,7 +57,7 @@ class EngineCore:
         model_key: str = "",
     ) -> None:
         # Before any forward of this process: MLX reads the switch at its first attention call.
-        self.cudnn_attention = apply_cudnn_attention(config.cudnn_attention, will_speculate(model, config))
+        self.cudnn_attention = apply_cudnn_attention(config.cudnn_attention)
         self.tokenizer = tokenizer
         self._make_detokenizer = make_detokenizer_factory(tokenizer)
         self.config = config

@@ -107,6 +107,9 @@ class ModelRunner:
         self._batch_prefill = batch_prefill and why_not_batched(model, make_cache) is None
         # Where the last step's time went, for the slow-step log line and MLXSERVE_STEP_TRACE.
         self.last_prefill_s = self.last_store_s = self.last_join_s = self.last_decode_s = 0.0
+        # MLXSERVE_STEP_SYNC (diagnosis only, slows every step): wait for the device after the stores, the
+        # prefill and the join, so those columns of the step trace hold their device time too.
+        self.sync_phases = False
 
     @property
     def num_rows(self) -> int:
@@ -122,6 +125,7 @@ class ModelRunner:
             self.store.spill_pending()
         if sched.store_ops:
             self._store_blocks(sched.store_ops, out)
+        self._sync_phase()
         self.last_store_s = time.perf_counter() - began
         # Prompts that joined last step had their blocks planned for this step (or all cached already):
         # what their prefill captured is no longer needed.
@@ -139,6 +143,8 @@ class ModelRunner:
                 joined.append(done)
         if together:
             joined.extend(self._prefill_together(together, requests, out))
+        if joined:
+            self._sync_phase(*(j[2] for j in joined))
         self.last_prefill_s = time.perf_counter() - started  # for the slow-step log line
         self.last_join_s = 0.0
         try:
@@ -155,6 +161,7 @@ class ModelRunner:
                 if self.spec is not None and self.spec.draft is not None:
                     draft = [self.spec.draft.prefill(r, requests[r].prompt_token_ids) for r in rids]
                 self._batch.join(list(rids), list(caches), mx.concatenate(tokens), positions, draft)
+                self._sync_phase(self._batch.tokens, [c.state for c in self._batch.cache])
             decoding = time.perf_counter()
             self.last_join_s = decoding - started - self.last_prefill_s
             if self.spec is None or not self._batch.num_live or not self.spec.step(self, requests, out):
@@ -170,6 +177,11 @@ class ModelRunner:
             reseed_after_failure()
             out.request_ids, out.token_ids, out.logprobs = [], [], {}
         return out
+
+    def _sync_phase(self, *arrays) -> None:
+        if self.sync_phases:
+            mx.eval(*arrays)
+            mx.synchronize()
 
     def _drop(self, request_ids: list[str]) -> None:
         for rid in request_ids:

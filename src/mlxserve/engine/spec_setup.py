@@ -19,11 +19,6 @@ def rewindable(model: Any) -> bool:
     return all(type(c) is KVCache for c in make_prompt_cache(model))
 
 
-def will_speculate(model: Any, config: EngineConfig) -> bool:
-    """What `make_speculative` will decide, without loading a draft: asked before any forward runs."""
-    return config.speculative != "off" and not config.kv_bits and rewindable(model)
-
-
 def reserve_draft(budget: Any, draft: Any, per_token: int) -> tuple[Any, int]:
     """The memory budget with the draft model's weights moved from KV to weights, and the KV bytes per
     running token with the draft's own KV added (both models hold every running token)."""
