@@ -145,7 +145,7 @@ class KVBlockStore:
             if snapshot is None:
                 raise RuntimeError("the pinned state snapshot of a prefix hit is gone")
         fill_cache(cache, layout, [b.kv for b in blocks], swa, depth, snapshot)
-        # Evaluated now rather than inside the prefill's graph, so the restore's time is its own.
+        # Evaluated (or launched) now rather than inside the prefill's graph, so the restore's time is its own.
         (mx.eval if sync else mx.async_eval)([c.state for c in cache])
         self.num_restores += 1
         self.restore_seconds += time.perf_counter() - started

@@ -77,9 +77,10 @@ class ModelRunner:
         self.model = model
         self.logits_width = logits_width  # the LM head's width (vocab); 0: unknown, taken as 1M
         self.one_forward_logits = _ONE_FORWARD_LOGITS if is_cuda() else 0
-        # Batched prefill's first pass padded to a multiple of this many tokens: on MLX-CUDA a new
-        # attention shape costs a cuDNN graph (45-71 ms, models/cudnn_attention.py), and without padding
-        # nearly every batch of prompts is a new shape. Elsewhere shapes cost nothing and padding would.
+        # Batched prefill's first pass padded to a multiple of this many tokens on MLX-CUDA, so the server
+        # meets few distinct forward shapes: with `--cudnn-attention on` every new attention shape costs a
+        # graph (45-71 ms, models/cudnn_attention.py). Runs 13-16 (docs/BENCHMARKS.md) measured with it
+        # on, cuDNN off as well; it was not measured apart. Elsewhere shapes cost nothing and padding would.
         self.prefill_pad_to = _PREFILL_PAD_TO if is_cuda() else 1
         self.make_cache = make_cache  # a request's fresh caches (quantized layers under --kv-bits)
         self.grammar = grammar
