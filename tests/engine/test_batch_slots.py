@@ -99,6 +99,22 @@ def test_staggered_joins_fill_slots_and_keep_the_tokens(loaded, fills):
     assert sum(fills) >= 5  # most later arrivals went into slots
 
 
+def test_rows_of_a_batched_prefill_join_as_views_of_it(loaded, fills):
+    """Prompts prefilled together join the decode batch as views of the prefill's batch cache (no copy
+    per row); a row of the same prefill that goes on keeps a copy of its own. Bursts of mixed lengths
+    arrive while rows decode, with 48 prompt tokens a step, so some prefills finish only part of their rows."""
+    arrivals = [(0, prompt(31, 40), 45), (0, prompt(32, 12), 45)]
+    arrivals += [(4, prompt(500 + k, 3 + 9 * k), 5 if k < 3 else 30) for k in range(5)]
+    arrivals += [(14, prompt(600 + k, 25 - 6 * k), 4 + k) for k in range(3)]
+    arrivals += [(26, prompt(700 + k, (60, 12, 9)[k]), 3) for k in range(3)]
+    config = EngineConfig(max_num_seqs=8, enable_prefix_cache=False, prefill_step_size=48)
+    core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len=4096, buckets=[1, 2, 4, 8])
+    out = run_staggered(loaded, arrivals, core=core)
+    for i, (_, ids, n) in enumerate(arrivals):
+        assert out[f"r{i}"] == reference(loaded.model, ids, n), f"r{i}"
+    assert sum(fills) >= 4 and 0 in fills  # rows went into slots, and some joins took the extend path
+
+
 def test_a_row_longer_than_the_batch_takes_the_extend_path(loaded, fills):
     arrivals = [(0, prompt(1, 6), 30), (0, prompt(2, 9), 30), (0, prompt(3, 7), 4),
                 (6, prompt(4, 80), 5), (12, prompt(5, 4), 5)]

@@ -58,10 +58,16 @@ def pick_rows(ends: list[int]) -> list[int]:
 
 
 def prefill_rows(model: Any, caches: list[list[KVCache]], chunks: list[list[int]],
-                 bound: Callable[..., None] = mx.eval, pad_to: int = 1) -> tuple[mx.array, list]:
+                 bound: Callable[..., None] = mx.eval, pad_to: int = 1,
+                 joining: list[bool] | None = None) -> tuple[mx.array, list]:
     """Runs `chunks[i]` (non-empty) after `caches[i]` for every row i in one batch. Returns the lazy
     logits [B, vocab] at each chunk's last token and each row's per-layer caches grown by its chunk
     (new objects: the given caches are left as they were, so a failed forward can be retried).
+
+    A row marked in `joining` (its prompt ends here and it joins the decode batch this step, which
+    copies it) is cut out as a view, not a copy: a join of 8 such rows into a 16-row batch (28 layers,
+    CPU) took 30 ms instead of 64-127 ms. The others are copied, as they are kept across steps and a
+    view would hold the whole batch's buffers.
 
     `bound` ends the first pass's graph (`mx.eval`, or `mx.async_eval` where a later read waits for it).
     `pad_to` > 1 rounds the first pass's length up to a multiple of it (more right padding), so a server
@@ -84,15 +90,18 @@ def prefill_rows(model: Any, caches: list[list[KVCache]], chunks: list[list[int]
         bound([c.state for c in batch])
     logits = model(mx.array([[c[-1]] for c in chunks]), cache=batch)[:, -1, :]
 
-    grown = [[_take_row(c, i, cached[i] + n) for c in batch] for i, n in enumerate(lengths)]
+    joining = joining or [False] * len(chunks)
+    grown = [[_take_row(c, i, cached[i] + n, copy=not joining[i]) for c in batch] for i, n in enumerate(lengths)]
     return logits, grown
 
 
-def _take_row(cache: BatchKVCache, row: int, length: int) -> KVCache:
+def _take_row(cache: BatchKVCache, row: int, length: int, copy: bool = True) -> KVCache:
     """Row `row`'s last `length` positions (its real tokens; padding sits left of them) as a KVCache."""
     end = cache.size()
     out = KVCache()
-    out.keys = mx.contiguous(cache.keys[row : row + 1, :, end - length : end])
-    out.values = mx.contiguous(cache.values[row : row + 1, :, end - length : end])
+    out.keys = cache.keys[row : row + 1, :, end - length : end]
+    out.values = cache.values[row : row + 1, :, end - length : end]
+    if copy:
+        out.keys, out.values = mx.contiguous(out.keys), mx.contiguous(out.values)
     out.offset = length
     return out

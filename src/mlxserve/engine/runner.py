@@ -362,7 +362,7 @@ class ModelRunner:
         try:
             logits, grown = prefill_rows(self.model, [cache for _, cache in rows], [
                 requests[c.request_id].prompt_token_ids[c.start : c.start + c.num_tokens] for c, _ in rows],
-                bound=self._bound, pad_to=self.prefill_pad_to)
+                bound=self._bound, pad_to=self.prefill_pad_to, joining=[c.is_last for c, _ in rows])
             going_on = [layers for (c, _), layers in zip(rows, grown) if not c.is_last]
             if going_on:  # bound the lazy graph, as `_prefill` does between chunks
                 self._bound([c.state for layers in going_on for c in layers])
