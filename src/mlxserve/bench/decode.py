@@ -1,10 +1,10 @@
 """`mlxserve bench decode`: where single-stream decode time goes.
 
-One greedy stream of `--max-tokens` tokens through four layers of the stack, same model, same prompt:
+One greedy stream of `--max-tokens` tokens through the layers of the stack, same model, same prompt:
 mlx-lm's own `generate_step` (the reference), the engine core stepped in a plain loop (scheduler +
-runner + detokenizer, no threads), the async engine (engine thread + asyncio hand-off), and the step
-times of the core loop split into the forward/sampling launch and the host wait. The gaps between the
-rows are the costs of each layer.
+runner + detokenizer, no threads), the same loop on a thread of its own (MLX gives each thread its own
+default stream; the model was loaded on the main thread's), and the async engine (engine thread +
+asyncio hand-off). The gaps between the rows are the costs of each layer.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import threading
 import time
 import uuid
 
@@ -56,6 +57,25 @@ def _core(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens: int, lab
                 last = now
         best = times
     return _row(label, best)
+
+
+def _core_on_thread(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens: int) -> dict:
+    """The core loop on a new thread, as the engine thread runs it, without asyncio: tells a cost of
+    running MLX off the loading thread apart from the hand-off to asyncio."""
+    out: dict = {}
+
+    def body() -> None:
+        try:
+            out["row"] = _core(loaded, cfg, prompt_ids, max_tokens, "engine core loop (own thread)")
+        except BaseException as exc:  # re-raised on the caller's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=body, name="bench-core")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["row"]
 
 
 async def _async(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens: int,
@@ -106,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append(_raw(loaded.model, prompt_ids, args.max_tokens))
         base = EngineConfig(max_num_seqs=args.max_num_seqs, enable_prefix_cache=False)
         rows.append(_core(loaded, base, prompt_ids, args.max_tokens, "engine core loop"))
+        rows.append(_core_on_thread(loaded, base, prompt_ids, args.max_tokens))
         rows.append(asyncio.run(_async(loaded, base, prompt_ids, args.max_tokens)))
         for switch_s in args.switch_intervals:
             rows.append(asyncio.run(_async(loaded, base, prompt_ids, args.max_tokens, switch_s)))
