@@ -218,6 +218,6 @@ def test_on_cuda_desktop_mode_keeps_the_start_up_budget(monkeypatch):
 
     config = EngineConfig(memory_refresh_s=2.0)
     monkeypatch.setattr(core_module, "is_cuda", lambda: True)
-    assert core_module._follows_free_memory(config, "desktop") == 0.0
+    assert core_module._memory_refresh_s(config, "desktop") == 0.0
     monkeypatch.setattr(core_module, "is_cuda", lambda: False)
-    assert core_module._follows_free_memory(config, "desktop") == 2.0
+    assert core_module._memory_refresh_s(config, "desktop") == 2.0

@@ -118,7 +118,7 @@ class EngineCore:
             self.governor = MemoryGovernor(self.budget, per_token, self.prefix, self.scheduler,
                                            block_bytes=self._block_bytes,
                                            kv_tokens_override=config.kv_budget_tokens,
-                                           refresh_s=_follows_free_memory(config, self.budget.mode))
+                                           refresh_s=_memory_refresh_s(config, self.budget.mode))
             self.governor.vision_cache = self.vision_cache
             if store is not None and store.wants_snapshots:
                 self.governor.attach_snapshots(store.snapshots)
@@ -438,7 +438,7 @@ def _eos_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _follows_free_memory(config: EngineConfig, mode: str) -> float:
+def _memory_refresh_s(config: EngineConfig, mode: str) -> float:
     """Seconds between desktop mode's reads of free memory; 0 (the start-up budget stays) on MLX-CUDA.
     There free device memory cannot tell other processes' use from ours: MLX-CUDA hands freed buffers to
     CUDA's memory pool, which keeps them beyond what MLX counts. Under load on an H100 (random Qwen3-0.6B
