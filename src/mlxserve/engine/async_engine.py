@@ -295,8 +295,9 @@ class _StepTrace:
                       f"{len(sched.prefill_chunks)}\t{sum(c.num_tokens for c in sched.prefill_chunks)}\t"
                       f"{len(sched.decode_request_ids)}\t{core.runner.num_rows}\t{num_outputs}\t"
                       f"{core.scheduler.num_running}\t{core.scheduler.num_waiting}\t"
-                      f"{core.runner.last_store_s * 1e3:.2f}\t{core.runner.last_join_s * 1e3:.2f}\t"
-                      f"{core.runner.last_decode_s * 1e3:.2f}\n")
+                      f"{getattr(core.runner, 'last_store_s', 0) * 1e3:.2f}\t"
+                      f"{getattr(core.runner, 'last_join_s', 0) * 1e3:.2f}\t"
+                      f"{getattr(core.runner, 'last_decode_s', 0) * 1e3:.2f}\n")
 
     def close(self) -> None:
         if self._f is not None:
