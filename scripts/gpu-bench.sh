@@ -16,7 +16,8 @@
 # compares, default 512,2048), BURST_ROWS (default 1,8), BURST_CUDNN (--cudnn-attention values the burst runs
 # under, default auto; e.g. auto,off), BURST_S (each burst run's time limit, default 300). SERVERS may name
 # mlxserve-cudnn-off: mlxserve again with --cudnn-attention off, and mlxserve-TAG: mlxserve again with the flags
-# in $ARGS_TAG (e.g. SERVERS=mlxserve,mlxserve-wait4 ARGS_wait4="--prefill-wait-steps 4").
+# in $ARGS_TAG and the environment in $ENV_TAG (e.g. SERVERS=mlxserve,mlxserve-wait4 ARGS_wait4="--prefill-wait-steps 4",
+# SERVERS=mlxserve,mlxserve-nofold ENV_nofold=MLXSERVE_FOLD_ROWS=0).
 set -uo pipefail
 mkdir -p /tmp/site && tar -xJf .device/site.tar.xz -C /tmp/site
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -40,13 +41,14 @@ for shape in "${shapes[@]}"; do
     # One server at a time under the same load, each within SERVER_S seconds from its start (warm-up
     # included), its log kept in $OUT: a limit that cuts one server loses nothing of the others.
     for server in ${servers//,/ }; do
-      extra=() kind=$server
+      extra=() kind=$server envs=()
       case $server in
         mlxserve) read -ra extra <<< "${MLXSERVE_ARGS:-}" ;;
         mlxserve-cudnn-off) kind=mlxserve; read -ra extra <<< "${MLXSERVE_ARGS:-} --cudnn-attention off" ;;
-        mlxserve-*) kind=mlxserve; v="ARGS_${server#mlxserve-}"; read -ra extra <<< "${MLXSERVE_ARGS:-} ${!v:-}" ;;
+        mlxserve-*) kind=mlxserve; v="ARGS_${server#mlxserve-}" e="ENV_${server#mlxserve-}"
+                    read -ra extra <<< "${MLXSERVE_ARGS:-} ${!v:-}"; read -ra envs <<< "${!e:-}" ;;
       esac
-      CONC=$conc bash scripts/gpu-serve.sh "$server-$shape${TAG:-}" "${SERVER_S:-240}" "$kind" "$m" "${extra[@]}"
+      env "${envs[@]}" CONC=$conc bash scripts/gpu-serve.sh "$server-$shape${TAG:-}" "${SERVER_S:-240}" "$kind" "$m" "${extra[@]}"
     done
   fi
   if [[ $steps == *burst* ]]; then

@@ -57,6 +57,8 @@ def check_shardable(config: dict, dist: DistributedConfig) -> None:
 def load_sharded(source: str, group: Any, dist: DistributedConfig) -> LoadedModel:
     from mlx_lm.utils import load_model, load_tokenizer
 
+    from mlxserve.models.quantized_rows import fold_on_cuda
+
     folder = local_folder(source)
     for path in weight_files(folder):
         check_safetensors(path)
@@ -76,6 +78,7 @@ def load_sharded(source: str, group: Any, dist: DistributedConfig) -> LoadedMode
                              "try --tensor-parallel")
         model.model.pipeline(group)
     materialize(model)
+    fold_on_cuda(model)  # a pipeline stage's layers; tensor-parallel ones are mlx-lm's own types
     weights_s = time.perf_counter() - start
     tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
     log.info("rank %d/%d loaded its %s shard of %s in %.2f s", group.rank(), group.size(), dist.layout, source,
