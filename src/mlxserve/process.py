@@ -110,8 +110,25 @@ class GracefulServer(uvicorn.Server):
         self._captured_signals.clear()
 
 
+# The HTTP thread and the engine thread share one GIL. Python makes a thread that wants it wait up to the
+# switch interval (5 ms by default) before the holder must let go, and under load the HTTP thread holds it
+# for long runs of SSE chunks while the engine thread's step waits to build its next graph.
+SWITCH_INTERVAL_ENV = "MLXSERVE_SWITCH_INTERVAL_MS"
+
+
+def switch_interval_s(environ=os.environ) -> float | None:
+    """The GIL switch interval the serving process sets, in seconds; None keeps Python's."""
+    value = environ.get(SWITCH_INTERVAL_ENV)
+    return float(value) / 1000 if value else None
+
+
 def run(app: Any, sock: socket.socket, log_level: str, shutdown_timeout_s: float) -> None:
     """Serves `app` on the already bound `sock` until a signal, then shuts down gracefully."""
+    interval = switch_interval_s()
+    if interval is not None:
+        import sys
+
+        sys.setswitchinterval(interval)
     config = uvicorn.Config(app, log_level=log_level,
                             # uvicorn's own bound, behind ours: streams are ended at the deadline already.
                             timeout_graceful_shutdown=shutdown_timeout_s + _CLOSE_GRACE_S)

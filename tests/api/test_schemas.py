@@ -268,6 +268,24 @@ def test_stream_chunks():
     assert parse(sse({"x": "é"})) == {"x": "é"}
 
 
+@pytest.mark.parametrize("chat", [True, False])
+def test_text_chunks_from_the_template_equal_the_whole_object(chat):
+    from mlxserve.api.chat_output import OutputSpec
+
+    spec = OutputSpec(reasoning_tags=("<think>", "</think>"), starts_in_reasoning=True) if chat else None
+    builder = ResponseBuilder("id", "tiny", chat, ByteTokenizer(), output=spec)
+    texts = ['a "quoted" \\ line\n', "é ✓ 中", "\x00\t\u2028", "<"]
+    for key in (["content", "reasoning_content"] if chat else [None]):
+        for text in texts:
+            whole = sse(builder._chunk({key: text} if chat else text, None))
+            assert builder._text_sse(key, text) == whole
+    if chat:  # through the reasoning parser: a reasoning delta, then content, each one templated chunk
+        chunks = [builder.chunk(out(t)) for t in ("why", "</think>", "so")]
+        assert chunks[1] is None  # the tag alone: nothing to say
+        assert chunks[0] == sse(builder._chunk({"reasoning_content": "why"}, None))
+        assert chunks[2] == sse(builder._chunk({"content": "so"}, None))
+
+
 def test_logprob_shapes():
     entries = [TokenLogprob(65, -0.5, ((65, -0.5), (66, -1.5))), TokenLogprob(67, -0.25, ((67, -0.25), (68, -2.0)))]
     chat = ResponseBuilder("id", "tiny", True, ByteTokenizer()).logprobs(entries)

@@ -38,7 +38,7 @@ class ResponseBuilder:
         self.chat = chat
         self.created = int(time.time())
         self._tok = tokenizer
-        self._text_template: list[str] | None = None
+        self._text_templates: dict[str | None, list[str]] = {}  # delta key -> text chunk around the text
 
     def _envelope(self, obj: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
@@ -111,15 +111,21 @@ class ResponseBuilder:
         if not out.text and not out.finish_reason and not out.logprobs:
             return None
         if not out.finish_reason and not out.logprobs:
-            # The common chunk (text only) from a template: one small dumps instead of a whole object.
-            if self._text_template is None:
-                marker = "\x00"
-                body = sse(self._chunk({"content": marker} if self.chat else marker, None))
-                self._text_template = body.split(json.dumps(marker))
-            head, tail = self._text_template
-            return head + json.dumps(out.text, ensure_ascii=False) + tail
+            return self._text_sse("content" if self.chat else None, out.text)
         body = ({"content": out.text} if out.text else {}) if self.chat else out.text
         return sse(self._chunk(body, out.finish_reason, out.logprobs))
+
+    def _text_sse(self, key: str | None, text: str) -> str:
+        """The common chunk, text only (`key`: the chat delta's field; None: a completion's text), from a
+        template: one small dumps instead of a whole object. Under load the HTTP thread spends its GIL
+        time on these chunks, time the engine thread then waits for."""
+        template = self._text_templates.get(key)
+        if template is None:
+            marker = "\x00"
+            body = sse(self._chunk({key: marker} if self.chat else marker, None))
+            template = self._text_templates[key] = body.split(json.dumps(marker))
+        head, tail = template
+        return head + json.dumps(text, ensure_ascii=False) + tail
 
     def _parsed_chunks(self, out: RequestOutput) -> str | None:
         """One SSE chunk per reasoning / content / tool-call event (OpenAI's delta shapes), the finish
@@ -146,6 +152,10 @@ class ResponseBuilder:
             deltas.append({})
         if not deltas:
             return None
+        if len(deltas) == 1 and not finish and not out.logprobs and len(deltas[0]) == 1:
+            (key, text), = deltas[0].items()
+            if isinstance(text, str):  # reasoning or content; a tool call's delta is a list
+                return self._text_sse(key, text)
         return "".join(sse(self._chunk(d, finish if i == len(deltas) - 1 else None, out.logprobs if i == 0 else None))
                        for i, d in enumerate(deltas))
 
