@@ -6,7 +6,7 @@
 #                 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic pydantic-core typing-inspection \
 #                 annotated-types annotated-doc opentelemetry-api importlib-metadata llguidance fastapi-offline swagger-ui-bundle \
 #                 platformdirs python-multipart jsonschema jsonschema-specifications referencing rpds-py pytz mcp \
-#                 sse-starlette httpx-sse pydantic-settings python-dotenv
+#                 sse-starlette httpx-sse pydantic-settings python-dotenv httptools
 # On the device (carry .device):  bash scripts/gpu-bench.sh [SHAPE ...] (default: qwen3-0.6b)
 # Env: SERVERS (default mlxserve,mlx_lm,vllm_mlx), CONC (default 1,16,32), STEPS (default decode,compare,burst),
 # MLXSERVE_ARGS (more `mlxserve serve` flags), TAG (suffix of the result files, for a second configuration),
