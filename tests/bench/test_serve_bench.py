@@ -139,6 +139,17 @@ def test_completions_levels(server, tmp_path):
     assert len(saved["levels"]) == 2
 
 
+def test_each_finished_level_is_saved_before_the_next_runs(server, tmp_path):
+    # A run cut by a time limit (the GPU scripts' `timeout`) keeps the levels it finished.
+    url, _ = server
+    out = tmp_path / "serve.json"
+    cfg = ServeBenchConfig(url=url, model="fake", concurrency=[1, 2], num_requests=2, prompt_tokens=16,
+                           max_tokens=8, output_json=str(out))
+    saved = []
+    asyncio.run(run_serve_bench(cfg, on_level=lambda level: saved.append(json.loads(out.read_text()))))
+    assert [[lv["concurrency"] for lv in s["levels"]] for s in saved] == [[1], [1, 2]]
+
+
 def test_url_with_v1_and_chat_without_usage(server):
     url, received = server
     cfg = ServeBenchConfig(url=url + "/v1/", model="no-usage", concurrency=[2], num_requests=3,

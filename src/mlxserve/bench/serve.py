@@ -310,7 +310,7 @@ async def run_level(cfg: ServeBenchConfig, concurrency: int, *, tag: str | None 
 
 
 async def run_serve_bench(cfg: ServeBenchConfig, on_level=None) -> dict:
-    """All levels in order -> {"config", "warmup", "levels"}; writes JSON if cfg.output_json.
+    """All levels in order -> {"config", "warmup", "levels"}; writes JSON if cfg.output_json, after each level.
 
     `on_level(level_dict)` is called after each level, for progress output.
     """
@@ -324,22 +324,22 @@ async def run_serve_bench(cfg: ServeBenchConfig, on_level=None) -> dict:
             # The server is down or rejects the request shape: every level would only
             # count errors (perhaps after long timeouts), so stop here and say why.
             raise ServeBenchError(f"all warmup requests failed: {warmup_results[0].error}")
-    levels = []
-    for pos, concurrency in enumerate(cfg.concurrency):
-        # The level's position is in the tag, so a repeated level gets fresh prompts too.
-        level = await run_level(cfg, concurrency, tag=f"L{pos}c{concurrency}")
-        levels.append(level)
-        if on_level is not None:
-            on_level(level)
     num_warmup_errors = sum(not r.ok for r in warmup_results)
     result = {
         "config": asdict(cfg),
         "request_url": cfg.request_url,
         "warmup": {"num_requests": len(warmup_results), "num_errors": num_warmup_errors},
-        "levels": levels,
+        "levels": [],
     }
-    if cfg.output_json:
-        write_json(cfg.output_json, result)
+    for pos, concurrency in enumerate(cfg.concurrency):
+        # The level's position is in the tag, so a repeated level gets fresh prompts too.
+        level = await run_level(cfg, concurrency, tag=f"L{pos}c{concurrency}")
+        result["levels"].append(level)
+        if cfg.output_json:
+            # After every level: a run cut by a time limit keeps the levels it finished.
+            write_json(cfg.output_json, result)
+        if on_level is not None:
+            on_level(level)
     return result
 
 
@@ -415,7 +415,10 @@ def _print_progress(level: dict) -> None:
     # Levels can take minutes each; show that the run is moving, on stderr so the table
     # on stdout stays clean for redirection.
     done = f"{level['num_ok']}/{level['num_requests']} ok"
-    print(f"[{level['label']}] conc={level['concurrency']}: {done}", file=sys.stderr, flush=True)
+    rates = ", ".join(f"{title} {level[key]:.1f}" for key, title, _ in TABLE_COLUMNS
+                      if key in ("decode_tok_s_per_req", "agg_tok_s") and level.get(key) is not None)
+    print(f"[{level['label']}] conc={level['concurrency']}: {done}" + (f", {rates}" if rates else ""),
+          file=sys.stderr, flush=True)
     for message in level["error_samples"]:
         print(f"  error: {message}", file=sys.stderr)
 
