@@ -199,6 +199,7 @@ def _serve(args) -> int:
             from mlxserve.distributed.serve import serve_distributed
 
             return serve_distributed(config, dist)
+        switch_interval = process.switch_interval_s()  # a bad value is reported now, like a port in use
         # The port first: one in use is reported now, not after the model has loaded.
         sock = process.bind(config.host, config.port)
         # build_app loads every pinned model (a single one always) with config.load_strategy.
@@ -212,7 +213,7 @@ def _serve(args) -> int:
             sock.close()
         print(f"mlxserve serve: {e}", file=sys.stderr)
         return 2
-    process.run(app, sock, config.log_level, config.shutdown_timeout_s)
+    process.run(app, sock, config.log_level, config.shutdown_timeout_s, switch_interval)
     return 0
 
 

@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 from typing import Any
 
 import uvicorn
@@ -119,16 +120,23 @@ SWITCH_INTERVAL_ENV = "MLXSERVE_SWITCH_INTERVAL_MS"
 def switch_interval_s(environ=os.environ) -> float | None:
     """The GIL switch interval the serving process sets, in seconds; None keeps Python's."""
     value = environ.get(SWITCH_INTERVAL_ENV)
-    return float(value) / 1000 if value else None
+    if not value:
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = 0.0
+    if not ms > 0:
+        raise ValueError(f"{SWITCH_INTERVAL_ENV} must be a number of milliseconds above 0, got {value!r}")
+    return ms / 1000
 
 
-def run(app: Any, sock: socket.socket, log_level: str, shutdown_timeout_s: float) -> None:
-    """Serves `app` on the already bound `sock` until a signal, then shuts down gracefully."""
-    interval = switch_interval_s()
-    if interval is not None:
-        import sys
-
-        sys.setswitchinterval(interval)
+def run(app: Any, sock: socket.socket, log_level: str, shutdown_timeout_s: float,
+        switch_interval: float | None = None) -> None:
+    """Serves `app` on the already bound `sock` until a signal, then shuts down gracefully.
+    `switch_interval`: the GIL switch interval in seconds (switch_interval_s), None keeps Python's."""
+    if switch_interval is not None:
+        sys.setswitchinterval(switch_interval)
     config = uvicorn.Config(app, log_level=log_level,
                             # uvicorn's own bound, behind ours: streams are ended at the deadline already.
                             timeout_graceful_shutdown=shutdown_timeout_s + _CLOSE_GRACE_S)

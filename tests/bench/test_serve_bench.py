@@ -148,6 +148,7 @@ def test_each_finished_level_is_saved_before_the_next_runs(server, tmp_path):
     saved = []
     asyncio.run(run_serve_bench(cfg, on_level=lambda level: saved.append(json.loads(out.read_text()))))
     assert [[lv["concurrency"] for lv in s["levels"]] for s in saved] == [[1], [1, 2]]
+    assert [s["partial"] for s in saved] == [True, False]
 
 
 def test_url_with_v1_and_chat_without_usage(server):

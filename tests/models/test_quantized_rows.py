@@ -17,13 +17,21 @@ from mlxserve.models.quantized_rows import (RowsQuantizedEmbedding, RowsQuantize
                                             fold_quantized_rows)
 
 
+@pytest.fixture(autouse=True)
+def _plain_loads(monkeypatch):
+    # On an MLX-CUDA host load_model folds already; these tests fold by hand.
+    monkeypatch.setenv("MLXSERVE_FOLD_ROWS", "0")
+
+
 def _shapes(model):
     return {k: (v.shape, v.dtype) for k, v in tree_flatten(model.parameters())}
 
 
 def test_folded_layers_give_the_same_logits_and_keep_names_and_arrays(qwen3_4bit_model_dir):
     model = load_model(str(qwen3_4bit_model_dir)).model
-    inputs = [mx.array([[5]]), mx.array([[5], [9], [17], [3]]), mx.array([[1, 2, 3, 4, 5, 6, 7]] * 3)]
+    # one stream; 4 decode rows (under the fold's 8); 12 decode rows and 3 prompts' chunks (folded)
+    inputs = [mx.array([[5]]), mx.array([[5], [9], [17], [3]]), mx.array([[i + 3] for i in range(12)]),
+              mx.array([[1, 2, 3, 4, 5, 6, 7]] * 3)]
     before = [model(x) for x in inputs]
     params = _shapes(model)
     trainable = [k for k, _ in tree_flatten(model.trainable_parameters())]
@@ -45,13 +53,40 @@ def test_folded_layers_give_the_same_logits_and_keep_names_and_arrays(qwen3_4bit
     assert fold_quantized_rows(model) == 0  # already folded: nothing of the exact types is left
 
 
+@pytest.mark.parametrize("shape", [(0, 1, 64), (1, 9, 64), (2, 3, 1, 64), (2, 4, 1, 64), (16, 1, 64), (16, 64)])
+def test_a_folded_layer_equals_the_plain_one_for_any_shape(shape):
+    plain = nn.QuantizedLinear(64, 128, bias=True, group_size=64, bits=4)
+    holder = nn.Module()
+    holder.proj = plain
+    fold_quantized_rows(holder)
+    x = mx.random.normal(shape)
+    got = holder.proj(x)
+    assert got.shape == (*shape[:-1], 128)
+    assert mx.allclose(got, plain(x)).item()
+
+
+def test_tensor_parallel_shards_fold_too():
+    from mlx.nn.layers.distributed import shard_linear
+
+    group = mx.distributed.init()  # one process: a group of one, enough for the layer types
+    holder = nn.Module()
+    holder.up = shard_linear(nn.QuantizedLinear(64, 128, bias=False), "all-to-sharded", group=group)
+    holder.down = shard_linear(nn.QuantizedLinear(128, 64, bias=False), "sharded-to-all", group=group)
+    x = mx.random.normal((10, 1, 64))
+    want = holder.down(holder.up(x))
+    assert fold_quantized_rows(holder) == 2
+    assert type(holder.up).__name__ == "RowsQuantizedAllToShardedLinear"
+    assert mx.allclose(holder.down(holder.up(x)), want).item()
+
+
 def test_a_folded_model_serves_the_same_greedy_tokens(qwen3_4bit_model_dir):
     plain = load_model(str(qwen3_4bit_model_dir))
     folded = load_model(str(qwen3_4bit_model_dir))
     assert fold_quantized_rows(folded.model) > 0
-    prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + 9 * i)] for i in range(6)]
+    # 10 streams: the decode batch is over the fold's 8 rows.
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + 9 * i)] for i in range(10)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    core = EngineCore(folded.model, folded.tokenizer, EngineConfig(max_num_seqs=8), max_model_len=1024)
+    core = EngineCore(folded.model, folded.tokenizer, EngineConfig(max_num_seqs=16), max_model_len=1024)
     for i, p in enumerate(prompts):
         core.add_request(Request(f"r{i}", p, params))
     got: dict[str, list[int]] = {}
@@ -72,3 +107,10 @@ def test_folding_applies_on_cuda_only_unless_turned_off(qwen3_4bit_model_dir, mo
     monkeypatch.setattr(backend, "is_cuda", lambda: cuda)
     assert (fold_on_cuda(model, environ=env) > 0) == folds
     assert (type(model.model.layers[0].mlp.down_proj) is RowsQuantizedLinear) == folds
+
+
+def test_the_loader_folds_on_cuda(qwen3_4bit_model_dir, monkeypatch):
+    monkeypatch.delenv("MLXSERVE_FOLD_ROWS")
+    monkeypatch.setattr(backend, "is_cuda", lambda: True)
+    model = load_model(str(qwen3_4bit_model_dir)).model
+    assert type(model.model.layers[0].self_attn.o_proj) is RowsQuantizedLinear

@@ -29,7 +29,7 @@ def _raw(model, prompt_ids: list[int], max_tokens: int) -> dict:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    for rep in range(2):  # like the engine rows: the first pass compiles kernels, the second is measured
+    for _ in range(2):  # like the engine rows: the first pass compiles kernels, the second is measured
         times, last = [], None
         for _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
             now = time.perf_counter()

@@ -330,11 +330,13 @@ async def run_serve_bench(cfg: ServeBenchConfig, on_level=None) -> dict:
         "request_url": cfg.request_url,
         "warmup": {"num_requests": len(warmup_results), "num_errors": num_warmup_errors},
         "levels": [],
+        "partial": True,  # until the last level: a file cut short by a time limit says so
     }
     for pos, concurrency in enumerate(cfg.concurrency):
         # The level's position is in the tag, so a repeated level gets fresh prompts too.
         level = await run_level(cfg, concurrency, tag=f"L{pos}c{concurrency}")
         result["levels"].append(level)
+        result["partial"] = pos < len(cfg.concurrency) - 1
         if cfg.output_json:
             # After every level: a run cut by a time limit keeps the levels it finished.
             write_json(cfg.output_json, result)

@@ -106,7 +106,7 @@ def serve_distributed(config: ServerConfig, dist: DistributedConfig) -> int:
             app = _build_lead(config, dist, group, supervisor, sock.getsockname()[1])
         except RuntimeError as exc:  # e.g. the ring backend: a rank that failed during start-up closed its link
             raise ValueError(f"start-up failed: {exc} (the other ranks' logs say why)") from exc
-        process.run(app, sock, config.log_level, config.shutdown_timeout_s)
+        process.run(app, sock, config.log_level, config.shutdown_timeout_s, process.switch_interval_s())
         return 0
     finally:
         if supervisor is not None:

@@ -78,7 +78,7 @@ def load_sharded(source: str, group: Any, dist: DistributedConfig) -> LoadedMode
                              "try --tensor-parallel")
         model.model.pipeline(group)
     materialize(model)
-    fold_on_cuda(model)  # a pipeline stage's layers; tensor-parallel ones are mlx-lm's own types
+    fold_on_cuda(model)  # after sharding: tensor-parallel layers fold as well
     weights_s = time.perf_counter() - start
     tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
     log.info("rank %d/%d loaded its %s shard of %s in %.2f s", group.rank(), group.size(), dist.layout, source,

@@ -5,11 +5,12 @@ quantized matmul treats the leading axis as a batch of separate problems: its ti
 grid slice per row, each reading the whole weight matrix for a single useful row of its 16-row tile
 (mlx/backend/cuda/quantized/qmm: `l` is the grid's z extent). Weight reads, the cost of a decode step,
 then grow with the rows. The same activations as (rows, hidden) are one problem with `rows` rows, and the
-weights are read once per tile of rows. Metal folds the batch itself, so this is applied on MLX-CUDA only
-(models/loader.py).
+weights are read once per tile of rows: on an H100 a 16-row step of a 4-bit 8B model took 18 ms instead
+of 62 (scripts/cuda_qmm_probe.py, docs/BENCHMARKS.md run 18). Metal folds the batch itself, so this is
+applied on MLX-CUDA only (models/loader.py, distributed/shard.py).
 
-The layers stay `nn.QuantizedLinear` / `nn.QuantizedEmbedding` (subclasses) under the same names with
-the same arrays, so anything that walks the model (LoRA, weight accounting, saving) sees no change.
+The layers keep their classes (as subclasses) under the same names with the same arrays, so anything that
+walks the model (LoRA, weight accounting, saving) sees no change.
 """
 
 from __future__ import annotations
@@ -19,22 +20,33 @@ import os
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_map_with_path
 
 log = logging.getLogger(__name__)
 
+# Below this many rows MLX-CUDA takes its matrix-vector kernel, which costs the same either way; folding
+# there only adds two reshapes to every layer of a step whose host time is the bottleneck.
+_MIN_ROWS = 8
+
 
 def _batched(x: mx.array) -> bool:
-    """Whether x holds several matrices of rows (a batch of decode rows, several prompts' chunks). A
-    single one, the lone stream's (1, 1, hidden), takes the plain call: a reshape costs that stream's
-    CPU-bound step time for nothing."""
-    return x.ndim > 2 and x.size > x.shape[-2] * x.shape[-1]
+    """Whether x holds several matrices (decode rows, several prompts' chunks) with enough rows in all for
+    the tiled kernel. The lone stream's (1, 1, hidden) and a single prompt's (1, L, hidden) are one matrix
+    already and take the plain call."""
+    return x.ndim > 2 and x.size > x.shape[-2] * x.shape[-1] and x.size >= _MIN_ROWS * x.shape[-1]
 
 
-class RowsQuantizedLinear(nn.QuantizedLinear):
+class _FoldsRows:
+    """Mixed in before a quantized linear layer's class: its matmul sees (rows, hidden)."""
+
     def __call__(self, x: mx.array) -> mx.array:
         if not _batched(x):
             return super().__call__(x)
         return super().__call__(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+
+
+class RowsQuantizedLinear(_FoldsRows, nn.QuantizedLinear):
+    pass
 
 
 class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
@@ -45,14 +57,29 @@ class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
         return super().as_linear(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
 
 
-_REPLACEMENTS = {nn.QuantizedLinear: RowsQuantizedLinear, nn.QuantizedEmbedding: RowsQuantizedEmbedding}
+_REPLACEMENTS: dict[type, type] = {nn.QuantizedLinear: RowsQuantizedLinear,
+                                   nn.QuantizedEmbedding: RowsQuantizedEmbedding}
+
+try:  # tensor-parallel shards (mlx-lm's `shard` builds these); their matmul is the same call
+    from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear
+
+    class RowsQuantizedAllToShardedLinear(_FoldsRows, QuantizedAllToShardedLinear):
+        pass
+
+    class RowsQuantizedShardedToAllLinear(_FoldsRows, QuantizedShardedToAllLinear):
+        pass
+
+    _REPLACEMENTS[QuantizedAllToShardedLinear] = RowsQuantizedAllToShardedLinear
+    _REPLACEMENTS[QuantizedShardedToAllLinear] = RowsQuantizedShardedToAllLinear
+except ImportError:  # an MLX without them has no such layers to fold
+    pass
 
 
 def _rebase(layer: nn.Module, cls: type) -> nn.Module:
     """`layer` as an instance of `cls` holding the same arrays and settings, without running `cls`'s
     constructor (which would quantize a fresh random matrix of the layer's size)."""
     new = cls.__new__(cls)
-    new.__dict__.update(layer.__dict__)  # group_size, bits, mode, frozen names, training flag
+    new.__dict__.update(layer.__dict__)  # group_size, bits, mode, a None `biases`, frozen names, training flag
     new._no_grad = set(layer._no_grad)
     dict.update(new, layer)  # weight, scales, biases, bias
     return new
@@ -60,27 +87,27 @@ def _rebase(layer: nn.Module, cls: type) -> nn.Module:
 
 def fold_quantized_rows(model: nn.Module) -> int:
     """Replaces the model's quantized linear and embedding layers by the row-folding subclasses above, in
-    place (exact types only: a model's own subclass keeps its behaviour). Returns how many were replaced."""
+    place, the way `nn.quantize` swaps layers (exact types only: a model's own subclass keeps its
+    behaviour). Returns how many were replaced."""
     replaced = 0
-    for module in model.modules():
-        for key, child in module.items():
-            # A module holds its children directly or in lists (a model's layers).
-            slots = enumerate(child) if isinstance(child, list) else [(None, child)]
-            for index, layer in slots:
-                cls = _REPLACEMENTS.get(type(layer))
-                if cls is None:
-                    continue
-                if index is None:
-                    module[key] = _rebase(layer, cls)
-                else:
-                    child[index] = _rebase(layer, cls)
-                replaced += 1
+
+    def swap(_path, layer):
+        nonlocal replaced
+        cls = _REPLACEMENTS.get(type(layer))
+        if cls is None:
+            return layer
+        replaced += 1
+        return _rebase(layer, cls)
+
+    leaves = tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module)
+    if replaced:
+        model.update_modules(leaves)
     return replaced
 
 
 def fold_on_cuda(model: nn.Module, environ=os.environ) -> int:
-    """fold_quantized_rows where it pays: on MLX-CUDA (measured there: scripts/cuda_qmm_probe.py), unless
-    MLXSERVE_FOLD_ROWS=0 (for A/B benchmarks). Returns how many layers were replaced."""
+    """fold_quantized_rows where it pays: on MLX-CUDA, unless MLXSERVE_FOLD_ROWS=0 (for A/B benchmarks).
+    Returns how many layers were replaced."""
     from mlxserve.models.backend import is_cuda
 
     if not is_cuda() or environ.get("MLXSERVE_FOLD_ROWS", "1") == "0":
