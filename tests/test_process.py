@@ -11,7 +11,7 @@ def test_switch_interval_from_the_environment(value, seconds):
     assert process.switch_interval_s(environ) == seconds
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "fast", "nan"])
+@pytest.mark.parametrize("value", ["0", "-1", "fast", "nan", "inf"])
 def test_a_bad_switch_interval_stops_serve_with_a_message(value, monkeypatch, capsys):
     monkeypatch.setenv(process.SWITCH_INTERVAL_ENV, value)
     with pytest.raises(ValueError, match=process.SWITCH_INTERVAL_ENV):

@@ -15,6 +15,7 @@ and a shutdown with a deadline.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -113,7 +114,8 @@ class GracefulServer(uvicorn.Server):
 
 # The HTTP thread and the engine thread share one GIL. Python makes a thread that wants it wait up to the
 # switch interval (5 ms by default) before the holder must let go, and under load the HTTP thread holds it
-# for long runs of SSE chunks while the engine thread's step waits to build its next graph.
+# for long runs of SSE chunks while the engine thread's step waits to build its next graph. 1 ms measured no
+# different from the default on an H100 (docs/BENCHMARKS.md run 25), so Python's stays; this is for A/B runs.
 SWITCH_INTERVAL_ENV = "MLXSERVE_SWITCH_INTERVAL_MS"
 
 
@@ -126,7 +128,7 @@ def switch_interval_s(environ=os.environ) -> float | None:
         ms = float(value)
     except ValueError:
         ms = 0.0
-    if not ms > 0:
+    if not 0 < ms < math.inf:
         raise ValueError(f"{SWITCH_INTERVAL_ENV} must be a number of milliseconds above 0, got {value!r}")
     return ms / 1000
 
