@@ -29,20 +29,24 @@ log = logging.getLogger(__name__)
 _MIN_ROWS = 8
 
 
-def _batched(x: mx.array) -> bool:
-    """Whether x holds several matrices (decode rows, several prompts' chunks) with enough rows in all for
-    the tiled kernel. The lone stream's (1, 1, hidden) and a single prompt's (1, L, hidden) are one matrix
-    already and take the plain call."""
-    return x.ndim > 2 and x.size > x.shape[-2] * x.shape[-1] and x.size >= _MIN_ROWS * x.shape[-1]
+def _folded(matmul, x: mx.array) -> mx.array:
+    """`matmul(x)` with x's matrices as one (rows, hidden) matrix when x holds several (decode rows,
+    several prompts' chunks) with enough rows in all for the tiled kernel. The lone stream's (1, 1, hidden)
+    and a single prompt's (1, L, hidden) are one matrix already and take the plain call. This runs in every
+    layer of every step, so it reads the shape once."""
+    shape = x.shape
+    if len(shape) > 2:
+        rows = x.size // shape[-1]
+        if rows > shape[-2] and rows >= _MIN_ROWS:
+            return matmul(x.reshape(rows, shape[-1])).reshape(*shape[:-1], -1)
+    return matmul(x)
 
 
 class _FoldsRows:
     """Mixed in before a quantized linear layer's class: its matmul sees (rows, hidden)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not _batched(x):
-            return super().__call__(x)
-        return super().__call__(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        return _folded(super().__call__, x)
 
 
 class RowsQuantizedLinear(_FoldsRows, nn.QuantizedLinear):
@@ -52,9 +56,7 @@ class RowsQuantizedLinear(_FoldsRows, nn.QuantizedLinear):
 class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x: mx.array) -> mx.array:
         # The tied output head: the largest matmul of a small model's step.
-        if not _batched(x):
-            return super().as_linear(x)
-        return super().as_linear(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        return _folded(super().as_linear, x)
 
 
 _REPLACEMENTS: dict[type, type] = {nn.QuantizedLinear: RowsQuantizedLinear,
