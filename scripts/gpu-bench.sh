@@ -8,7 +8,8 @@
 #                 platformdirs python-multipart jsonschema jsonschema-specifications referencing rpds-py pytz mcp \
 #                 sse-starlette httpx-sse pydantic-settings python-dotenv httptools
 # On the device (carry .device):  bash scripts/gpu-bench.sh [SHAPE ...] (default: qwen3-0.6b)
-# Env: SERVERS (default mlxserve,mlx_lm,vllm_mlx), CONC (default 1,16,32), STEPS (default decode,compare,burst),
+# Env: SERVERS (default mlxserve,mlx_lm,vllm_mlx), CONC (default 1,16,32), STEPS (default decode,compare,burst;
+# c1 adds mlxserve's single stream timed against raw generate_step round by round, see LOAD=c1 in gpu-serve.sh),
 # MLXSERVE_ARGS (more `mlxserve serve` flags), TAG (suffix of the result files, for a second configuration),
 # SERVER_S (seconds each server may take, start-up and warm-up included; default 240), KERNELS=shared (one
 # on-disk kernel cache for every server of the call, see gpu-serve.sh; a .device/ptx.txz carried along, the
@@ -36,6 +37,10 @@ for shape in "${shapes[@]}"; do
   echo "=== $shape"
   if [[ $steps == *decode* ]]; then
     python3 -m mlxserve.cli bench decode --model "$m" --max-tokens 256 --output-json "$out/decode-$shape.json"
+  fi
+  if [[ $steps == *c1* ]]; then
+    read -ra extra <<< "${MLXSERVE_ARGS:-}"
+    LOAD=c1 bash scripts/gpu-serve.sh "c1-mlxserve-$shape${TAG:-}" "${SERVER_S:-240}" mlxserve "$m" "${extra[@]}"
   fi
   if [[ $steps == *compare* ]]; then
     # One server at a time under the same load, each within SERVER_S seconds from its start (warm-up

@@ -5,7 +5,9 @@
 # usage: bash scripts/gpu-serve.sh TAG SECONDS mlxserve|vllm_mlx|mlx_lm MODEL_DIR [SERVER FLAGS...]
 # SECONDS bounds start-up, warm-up and load together. Env: CONC (default 1,16,32,64); KERNELS=shared keeps
 # MLX's default on-disk kernel cache (/tmp/mlx/...), shared with the servers before and after, as on a
-# user's machine after a first start; by default each server gets an empty one of its own.
+# user's machine after a first start; by default each server gets an empty one of its own. LOAD=c1: instead of
+# `bench serve`, `bench decode --url`: C1_ROUNDS rounds (default 8) of raw generate_step in the bench's process
+# then one stream from the server, interleaved (the c=1 criterion, robust to the host's drift within a call).
 set -uo pipefail
 tag=$1 limit=$2 server=$3 model=$4
 shift 4
@@ -46,7 +48,12 @@ until curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null; do
 done
 left=$((limit - $(date +%s) + start))
 echo "$tag: up after $(($(date +%s) - start)) s, $left s left for the load"
-if ((left > 0)); then
+if ((left > 0)) && [ "${LOAD:-serve}" = c1 ]; then
+  timeout "$left" python3 -m mlxserve.cli bench decode --model "$model" --paths raw --max-tokens 256 \
+    --url "http://127.0.0.1:$port" --served-model "$name" --repeat "${C1_ROUNDS:-8}" \
+    --output-json "$out/c1-$tag.json" > "$out/bench-$tag.log" 2>&1
+  echo "$tag: bench exit $?"
+elif ((left > 0)); then
   timeout "$left" python3 -m mlxserve.cli bench serve --url "http://127.0.0.1:$port" \
     --model "$name" --concurrency "${CONC:-1,16,32,64}" --endpoint chat --warmup 4 --label "$tag" \
     --output-json "$out/serve-$tag.json" > "$out/bench-$tag.log" 2>&1
@@ -54,4 +61,5 @@ if ((left > 0)); then
 fi
 stop
 grep -v "httpx" "$out/bench-$tag.log" 2> /dev/null | grep -A8 "^label" | tail -8
+grep -E "^served:" "$out/bench-$tag.log" 2> /dev/null
 grep -E "warm-up|slow engine step|Traceback|ERROR|without any text" "$out/server-$tag.log" | cut -c1-300 | tail -25

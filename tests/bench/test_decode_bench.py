@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from mlxserve.bench.decode import add_arguments, run
+from tests.bench.test_serve_bench import fake_server  # noqa: F401  (a fake SSE server on 127.0.0.1, as a fixture)
 
 
 def test_every_path_gets_a_row(qwen3_model_dir, tmp_path, capsys):
@@ -22,3 +23,37 @@ def test_every_path_gets_a_row(qwen3_model_dir, tmp_path, capsys):
                                          "async engine (engine thread + asyncio)"]
     assert all(r["tok_s"] > 0 and r["ratio"] > 0 and r["step_p50_ms"] > 0 for r in rows)
     assert "engine core loop (own thread)" in capsys.readouterr().out
+
+
+def test_served_rows_interleave_with_the_reference(qwen3_model_dir, fake_server, tmp_path, capsys):
+    """`--url`: each round times the reference, then one stream from the server (a fake SSE server here:
+    its 5 content events carry 6 tokens), and the JSON keeps every round's served/raw ratio."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    url, received = fake_server
+    received.clear()
+    out = tmp_path / "decode.json"
+    args = parser.parse_args(["--model", str(qwen3_model_dir), "--max-tokens", "8", "--prompt-tokens", "16",
+                              "--repeat", "2", "--paths", "raw", "--url", url, "--served-model", "m",
+                              "--output-json", str(out)])
+    assert run(args) == 0
+    result = json.loads(out.read_text())
+    assert [r["path"] for r in result["rows"]] == ["mlx-lm generate_step", "served over HTTP (served)"] * 2
+    served = result["served"]
+    assert len(served["round_ratios"]) == 2 and all(x > 0 for x in served["round_ratios"])
+    # One untimed request warms the server in the first round only; every request asks for --max-tokens.
+    assert len(received) == 3 and {b["max_tokens"] for b in received} == {8} and {b["model"] for b in received} == {"m"}
+    assert "per round" in capsys.readouterr().out
+
+
+def test_unknown_paths_are_refused(tmp_path):
+    import argparse
+
+    import pytest
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit, match="--paths takes some of raw, core, thread, async; got warp"):
+        run(parser.parse_args(["--paths", "raw,warp", "--output-json", str(tmp_path / "x.json")]))

@@ -5,6 +5,11 @@ mlx-lm's own `generate_step` (the reference), the engine core stepped in a plain
 runner + detokenizer, no threads), the same loop on a thread of its own (MLX gives each thread its own
 default stream; the model was loaded on the main thread's), and the async engine (engine thread +
 asyncio hand-off). The gaps between the rows are the costs of each layer.
+
+`--url` adds a served row: one streamed request per round to a running server (its model must be the
+same folder), timed by the client as `bench serve` times it. Rounds interleave every path, so a host
+whose speed drifts within a run (±25% between rounds a minute apart on a shared H100 host) moves the
+reference and the served stream alike; each round's served/raw ratio is kept beside the table.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from mlxserve.bench.serve import default_json_path, make_prompt
 from mlxserve.config import EngineConfig
 from mlxserve.engine.request import Request, SamplingParams
 
+PATHS = ("raw", "core", "thread", "async")
 _COLUMNS = [("path", "path", "s"), ("tok_s", "tok/s", ".1f"), ("ratio", "vs raw", ".2f"),
             ("step_p50_ms", "step p50 ms", ".2f"), ("step_max_ms", "step max ms", ".1f")]
 
@@ -115,27 +121,68 @@ def _row(path: str, gaps: list[float]) -> dict:
             "step_max_ms": max(gaps) * 1000 if gaps else None}
 
 
+async def _served(cfg, prompt: str, warm: bool) -> dict:
+    """One streamed request to the server at `cfg.url`, timed as `bench serve` times a stream (content
+    chunks after the first; usage spreads tokens over chunks). `warm`: one request first, not timed."""
+    from mlxserve.bench.serve import _make_client, _timed_request
+
+    async with _make_client(cfg, 1) as client:
+        if warm:
+            await _timed_request(client, cfg, prompt)
+        result = await _timed_request(client, cfg, prompt)
+    if not result.ok:
+        raise RuntimeError(f"served request failed: {result.error}")
+    gaps = sorted(result.itl_s)
+    return {"path": f"served over HTTP ({cfg.display_label})", "tok_s": result.decode_tok_s,
+            "step_p50_ms": statistics.median(gaps) * 1000 if gaps else None,
+            "step_max_ms": gaps[-1] * 1000 if gaps else None}
+
+
 def run(args: argparse.Namespace) -> int:
+    from mlxserve.bench.serve import ServeBenchConfig
     from mlxserve.models.demo import ensure_demo_model
     from mlxserve.models.loader import load_model
 
+    unknown = set(args.paths) - set(PATHS)
+    if unknown or not args.paths:
+        raise SystemExit(f"--paths takes some of {', '.join(PATHS)}; got {', '.join(sorted(unknown)) or 'none'}")
+    served = None
+    if args.url:
+        served = ServeBenchConfig(url=args.url, model=args.served_model, concurrency=[1],
+                                  max_tokens=args.max_tokens, endpoint="completions", warmup=0, label="served")
+    paths = ("raw", *args.paths) if "raw" not in args.paths else args.paths  # the reference runs every round
     loaded = load_model(args.model or str(ensure_demo_model()))
-    prompt_ids = loaded.tokenizer.encode(make_prompt(0, "decode", 0, args.prompt_tokens))
-    rows = []
+    prompt = make_prompt(0, "decode", 0, args.prompt_tokens)
+    prompt_ids = loaded.tokenizer.encode(prompt)
+    base = EngineConfig(max_num_seqs=args.max_num_seqs, enable_prefix_cache=False)
+    rows, round_ratios = [], []
     for rep in range(args.repeat):
-        rows.append(_raw(loaded.model, prompt_ids, args.max_tokens))
-        base = EngineConfig(max_num_seqs=args.max_num_seqs, enable_prefix_cache=False)
-        rows.append(_core(loaded, base, prompt_ids, args.max_tokens, "engine core loop"))
-        rows.append(_core_on_thread(loaded, base, prompt_ids, args.max_tokens))
-        rows.append(asyncio.run(_async(loaded, base, prompt_ids, args.max_tokens)))
-        for switch_s in args.switch_intervals:
-            rows.append(asyncio.run(_async(loaded, base, prompt_ids, args.max_tokens, switch_s)))
+        raw_row = _raw(loaded.model, prompt_ids, args.max_tokens)
+        rows.append(raw_row)
+        if "core" in paths:
+            rows.append(_core(loaded, base, prompt_ids, args.max_tokens, "engine core loop"))
+        if "thread" in paths:
+            rows.append(_core_on_thread(loaded, base, prompt_ids, args.max_tokens))
+        if "async" in paths:
+            rows.append(asyncio.run(_async(loaded, base, prompt_ids, args.max_tokens)))
+            for switch_s in args.switch_intervals:
+                rows.append(asyncio.run(_async(loaded, base, prompt_ids, args.max_tokens, switch_s)))
+        if served is not None:
+            row = asyncio.run(_served(served, prompt, warm=rep == 0))
+            rows.append(row)
+            round_ratios.append(row["tok_s"] / raw_row["tok_s"])
     raw = statistics.median(r["tok_s"] for r in rows if r["path"].startswith("mlx-lm"))
     for r in rows:
         r["ratio"] = r["tok_s"] / raw if r["tok_s"] and raw else None
     print(format_table(rows, _COLUMNS))
-    path = write_json(args.output_json or default_json_path("decode"),
-                      {"model": args.model, "max_tokens": args.max_tokens, "rows": rows})
+    result = {"model": args.model, "max_tokens": args.max_tokens, "rows": rows}
+    if served is not None:
+        tok_s = statistics.median(r["tok_s"] for r in rows if r["path"].startswith("served"))
+        result["served"] = {"url": args.url, "median_tok_s": tok_s, "median_vs_raw": tok_s / raw,
+                            "round_ratios": round_ratios, "median_round_ratio": statistics.median(round_ratios)}
+        print(f"served: median {tok_s:.1f} tok/s = {tok_s / raw:.3f}x the median raw; per round "
+              f"{', '.join(f'{x:.3f}' for x in round_ratios)} (median {statistics.median(round_ratios):.3f}x)")
+    path = write_json(args.output_json or default_json_path("decode"), result)
     print(f"wrote {path}")
     return 0
 
@@ -148,4 +195,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=2, help="rounds over all paths (spread between runs)")
     parser.add_argument("--switch-intervals", type=lambda t: [float(x) / 1000 for x in t.split(",") if x],
                         default=[], metavar="MS,...", help="also run the async engine with these GIL switch intervals")
+    parser.add_argument("--paths", type=lambda t: [x for x in t.split(",") if x], default=list(PATHS),
+                        metavar="P,...", help="in-process paths to run each round: raw (always run: the reference), "
+                                              "core, thread, async")
+    parser.add_argument("--url", default=None,
+                        help="also time one streamed request per round to this running server (same model folder)")
+    parser.add_argument("--served-model", default="bench", help="the model name sent to --url")
     parser.add_argument("--output-json", default=None, help="result file (default: bench-results/decode-*.json)")
