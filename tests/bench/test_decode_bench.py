@@ -43,8 +43,8 @@ def test_served_rows_interleave_with_the_reference(qwen3_model_dir, fake_server,
     assert [r["path"] for r in result["rows"]] == ["mlx-lm generate_step", "served over HTTP (served)"] * 2
     served = result["served"]
     assert len(served["round_ratios"]) == 2 and all(x > 0 for x in served["round_ratios"])
-    # One untimed request warms the server in the first round only; every request asks for --max-tokens.
-    assert len(received) == 3 and {b["max_tokens"] for b in received} == {8} and {b["model"] for b in received} == {"m"}
+    # Each round sends an untimed request before the timed one; every request asks for --max-tokens.
+    assert len(received) == 4 and {b["max_tokens"] for b in received} == {8} and {b["model"] for b in received} == {"m"}
     assert "per round" in capsys.readouterr().out
 
 
