@@ -65,6 +65,42 @@ def test_a_folded_layer_equals_the_plain_one_for_any_shape(shape):
     assert mx.allclose(got, plain(x)).item()
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 9, 64), (3, 5, 64), (16, 64), (2, 8, 1, 64)])
+def test_from_dequant_rows_on_a_layer_dequantizes_for_one_matmul(shape, bias, monkeypatch):
+    """At `dequant_rows` rows or more (here 9) the weight is dequantized for a plain matmul, below it the
+    quantized kernel runs: the same numbers either way, the bias added once."""
+    plain = nn.QuantizedLinear(64, 128, bias=bias, group_size=64, bits=4)
+    holder = nn.Module()
+    holder.proj = plain
+    fold_quantized_rows(holder, dequant_rows=9)
+    assert holder.proj.dequant_rows == 9 and "dequant_rows" not in dict(tree_flatten(holder.parameters()))
+    calls = []
+    real = mx.dequantize
+    monkeypatch.setattr(mx, "dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = mx.random.normal(shape)
+    got = holder.proj(x)
+    assert got.shape == (*shape[:-1], 128)
+    assert mx.allclose(got, plain(x), atol=1e-4).item()
+    rows = x.size // 64
+    assert len(calls) == (1 if rows >= 9 else 0)
+
+
+def test_the_tied_head_dequantizes_from_dequant_rows_on(monkeypatch):
+    embed = nn.QuantizedEmbedding(300, 64, group_size=64, bits=4)
+    holder = nn.Module()
+    holder.embed = embed
+    fold_quantized_rows(holder, dequant_rows=4)
+    calls = []
+    real = mx.dequantize
+    monkeypatch.setattr(mx, "dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for shape, dequantized in [((1, 3, 64), 0), ((2, 6, 64), 1)]:
+        x = mx.random.normal(shape)
+        assert mx.allclose(holder.embed.as_linear(x), embed.as_linear(x), atol=1e-4).item()
+        assert len(calls) == dequantized
+    assert mx.array_equal(holder.embed(mx.array([[1, 2, 299]])), embed(mx.array([[1, 2, 299]])))  # lookups unchanged
+
+
 def test_tensor_parallel_shards_fold_too():
     from mlx.nn.layers.distributed import shard_linear
 
@@ -79,11 +115,13 @@ def test_tensor_parallel_shards_fold_too():
     assert mx.allclose(holder.down(holder.up(x)), want).item()
 
 
-def test_a_folded_model_serves_the_same_greedy_tokens(qwen3_4bit_model_dir):
+@pytest.mark.parametrize("dequant_rows", [0, 12])
+def test_a_folded_model_serves_the_same_greedy_tokens(qwen3_4bit_model_dir, dequant_rows):
     plain = load_model(str(qwen3_4bit_model_dir))
     folded = load_model(str(qwen3_4bit_model_dir))
-    assert fold_quantized_rows(folded.model) > 0
-    # 10 streams: the decode batch is over the fold's 8 rows.
+    assert fold_quantized_rows(folded.model, dequant_rows) > 0
+    # 10 streams: the decode batch is over the fold's 8 rows (and under 12); prompts of 5-86 tokens, so
+    # with dequant_rows 12 most prefill chunks (and prompts prefilled together) take the dequantize path.
     prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + 9 * i)] for i in range(10)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     core = EngineCore(folded.model, folded.tokenizer, EngineConfig(max_num_seqs=16), max_model_len=1024)
@@ -100,13 +138,26 @@ def test_a_folded_model_serves_the_same_greedy_tokens(qwen3_4bit_model_dir):
         assert got[f"r{i}"] == want, i
 
 
-@pytest.mark.parametrize("cuda, env, folds", [(False, {}, False), (True, {}, True),
-                                              (True, {"MLXSERVE_FOLD_ROWS": "0"}, False)])
-def test_folding_applies_on_cuda_only_unless_turned_off(qwen3_4bit_model_dir, monkeypatch, cuda, env, folds):
+@pytest.mark.parametrize("cuda, env, folds, dequant_rows", [
+    (False, {}, False, None), (True, {}, True, 128), (True, {"MLXSERVE_FOLD_ROWS": "0"}, False, None),
+    (True, {"MLXSERVE_DEQUANT_ROWS": "0"}, True, 0), (True, {"MLXSERVE_DEQUANT_ROWS": "512"}, True, 512)])
+def test_folding_applies_on_cuda_only_unless_turned_off(qwen3_4bit_model_dir, monkeypatch, cuda, env, folds,
+                                                        dequant_rows):
     model = load_model(str(qwen3_4bit_model_dir)).model
     monkeypatch.setattr(backend, "is_cuda", lambda: cuda)
     assert (fold_on_cuda(model, environ=env) > 0) == folds
-    assert (type(model.model.layers[0].mlp.down_proj) is RowsQuantizedLinear) == folds
+    down = model.model.layers[0].mlp.down_proj
+    assert (type(down) is RowsQuantizedLinear) == folds
+    if folds:
+        assert down.dequant_rows == dequant_rows and model.model.embed_tokens.dequant_rows == dequant_rows
+
+
+@pytest.mark.parametrize("text", ["-1", "many", "1.5"])
+def test_a_bad_dequant_threshold_is_refused(qwen3_4bit_model_dir, monkeypatch, text):
+    model = load_model(str(qwen3_4bit_model_dir)).model
+    monkeypatch.setattr(backend, "is_cuda", lambda: True)
+    with pytest.raises(ValueError, match="MLXSERVE_DEQUANT_ROWS must be a whole number"):
+        fold_on_cuda(model, environ={"MLXSERVE_DEQUANT_ROWS": text})
 
 
 def test_the_loader_folds_on_cuda(qwen3_4bit_model_dir, monkeypatch):

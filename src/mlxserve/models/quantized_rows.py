@@ -9,6 +9,14 @@ weights are read once per tile of rows: on an H100 a 16-row step of a 4-bit 8B m
 of 62 (scripts/cuda_qmm_probe.py, docs/BENCHMARKS.md run 18). Metal folds the batch itself, so this is
 applied on MLX-CUDA only (models/loader.py, distributed/shard.py).
 
+The other way round, at many rows (a prompt's chunk, several prompts' chunks prefilled together) the same
+kernel is slower than dequantizing the weight and one plain matmul (cuBLAS): on an H100 a whole prefill
+forward of 8 prompts x 176 tokens took 21.6 -> 14.3 ms for a 4-bit 0.6B model and 195.8 -> 74.2 ms for an
+8B one, logits unchanged (scripts/cuda_prefill_probe.py, docs/BENCHMARKS.md run 30). So from
+`dequant_rows` rows on, a linear layer (and the tied head) takes that path. The dequantized copy of one
+weight lives only until its matmul has run; the start-up memory profile's prefill forward takes the same
+path, so the budget counts it.
+
 The layers keep their classes (as subclasses) under the same names with the same arrays, so anything that
 walks the model (LoRA, weight accounting, saving) sees no change.
 """
@@ -27,18 +35,28 @@ log = logging.getLogger(__name__)
 # Below this many rows MLX-CUDA takes its matrix-vector kernel, which costs the same either way; folding
 # there only adds two reshapes to every layer of a step whose host time is the bottleneck.
 _MIN_ROWS = 8
+# From this many rows on, dequantize + matmul (see above). Decode batches (at most --max-num-seqs rows, 64 by
+# default) stay under it. The probe's 0.6B projections break even at 128-512 rows and gain from ~1,400; the
+# 8B's gain from 128 (1.0-1.5x) to 4,096 rows (3-4x); the whole prefill gained on both at this setting.
+DEQUANT_ROWS = 128
 
 
-def _folded(matmul, x: mx.array) -> mx.array:
+def _folded(matmul, x: mx.array, layer=None) -> mx.array:
     """`matmul(x)` with x's matrices as one (rows, hidden) matrix when x holds several (decode rows,
     several prompts' chunks) with enough rows in all for the tiled kernel. The lone stream's (1, 1, hidden)
-    and a single prompt's (1, L, hidden) are one matrix already and take the plain call. This runs in every
+    and a single prompt's (1, L, hidden) are one matrix already and take the plain call. `layer` (a linear
+    layer or the tied embedding, not a tensor-parallel shard, whose matmul is followed by communication):
+    from its `dequant_rows` on, the weight is dequantized for one plain matmul instead. This runs in every
     layer of every step, so it reads the shape once."""
     shape = x.shape
-    if len(shape) > 2:
-        rows = x.size // shape[-1]
-        if rows > shape[-2] and rows >= _MIN_ROWS:
-            return matmul(x.reshape(rows, shape[-1])).reshape(*shape[:-1], -1)
+    rows = x.size // shape[-1]
+    if layer is not None and 0 < layer.dequant_rows <= rows:
+        w = mx.dequantize(layer["weight"], layer["scales"], layer.get("biases"), layer.group_size, layer.bits,
+                          getattr(layer, "mode", "affine"))
+        y = (x.reshape(rows, shape[-1]) @ w.astype(x.dtype).T).reshape(*shape[:-1], -1)
+        return y + layer["bias"] if "bias" in layer else y
+    if len(shape) > 2 and rows > shape[-2] and rows >= _MIN_ROWS:
+        return matmul(x.reshape(rows, shape[-1])).reshape(*shape[:-1], -1)
     return matmul(x)
 
 
@@ -49,14 +67,19 @@ class _FoldsRows:
         return _folded(super().__call__, x)
 
 
-class RowsQuantizedLinear(_FoldsRows, nn.QuantizedLinear):
-    pass
+class RowsQuantizedLinear(nn.QuantizedLinear):
+    dequant_rows = DEQUANT_ROWS  # 0: never (set per layer by fold_quantized_rows)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return _folded(super().__call__, x, self)
 
 
 class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
+    dequant_rows = DEQUANT_ROWS
+
     def as_linear(self, x: mx.array) -> mx.array:
         # The tied output head: the largest matmul of a small model's step.
-        return _folded(super().as_linear, x)
+        return _folded(super().as_linear, x, self)
 
 
 _REPLACEMENTS: dict[type, type] = {nn.QuantizedLinear: RowsQuantizedLinear,
@@ -87,10 +110,11 @@ def _rebase(layer: nn.Module, cls: type) -> nn.Module:
     return new
 
 
-def fold_quantized_rows(model: nn.Module) -> int:
+def fold_quantized_rows(model: nn.Module, dequant_rows: int = DEQUANT_ROWS) -> int:
     """Replaces the model's quantized linear and embedding layers by the row-folding subclasses above, in
     place, the way `nn.quantize` swaps layers (exact types only: a model's own subclass keeps its
-    behaviour). Returns how many were replaced."""
+    behaviour). `dequant_rows`: where linear layers and the tied head switch to dequantize + matmul (0:
+    never). Returns how many were replaced."""
     replaced = 0
 
     def swap(_path, layer):
@@ -99,7 +123,10 @@ def fold_quantized_rows(model: nn.Module) -> int:
         if cls is None:
             return layer
         replaced += 1
-        return _rebase(layer, cls)
+        new = _rebase(layer, cls)
+        if hasattr(cls, "dequant_rows"):
+            new.dequant_rows = dequant_rows
+        return new
 
     leaves = tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module)
     if replaced:
@@ -108,12 +135,20 @@ def fold_quantized_rows(model: nn.Module) -> int:
 
 
 def fold_on_cuda(model: nn.Module, environ=os.environ) -> int:
-    """fold_quantized_rows where it pays: on MLX-CUDA, unless MLXSERVE_FOLD_ROWS=0 (for A/B benchmarks).
-    Returns how many layers were replaced."""
+    """fold_quantized_rows where it pays: on MLX-CUDA, unless MLXSERVE_FOLD_ROWS=0 (for A/B benchmarks);
+    MLXSERVE_DEQUANT_ROWS=N moves the dequantize threshold (0: off). Returns how many layers were replaced."""
     from mlxserve.models.backend import is_cuda
 
     if not is_cuda() or environ.get("MLXSERVE_FOLD_ROWS", "1") == "0":
         return 0
-    replaced = fold_quantized_rows(model)
-    log.info("quantized layers fold decode rows into one matrix on MLX-CUDA (%d layers)", replaced)
+    text = environ.get("MLXSERVE_DEQUANT_ROWS", str(DEQUANT_ROWS))
+    try:
+        dequant_rows = int(text)
+    except ValueError:
+        dequant_rows = -1
+    if dequant_rows < 0:
+        raise ValueError(f"MLXSERVE_DEQUANT_ROWS must be a whole number of rows >= 0 (0: off), got {text!r}")
+    replaced = fold_quantized_rows(model, dequant_rows)
+    log.info("quantized layers fold decode rows into one matrix on MLX-CUDA (%d layers)%s", replaced,
+             f"; from {dequant_rows} rows on they dequantize for one plain matmul" if dequant_rows else "")
     return replaced
