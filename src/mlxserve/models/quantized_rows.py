@@ -12,7 +12,7 @@ applied on MLX-CUDA only (models/loader.py, distributed/shard.py).
 The other way round, at many rows (a prompt's chunk, several prompts' chunks prefilled together) the same
 kernel is slower than dequantizing the weight and one plain matmul (cuBLAS): on an H100 a whole prefill
 forward of 8 prompts x 176 tokens took 21.6 -> 14.3 ms for a 4-bit 0.6B model and 195.8 -> 74.2 ms for an
-8B one, logits unchanged (scripts/cuda_prefill_probe.py, docs/BENCHMARKS.md run 30). So from
+8B one, logits unchanged (scripts/cuda_prefill_probe.py, docs/BENCHMARKS.md run 32). So from
 `dequant_rows` rows on, a linear layer (and the tied head) takes that path. The dequantized copy of one
 weight lives only until its matmul has run; the start-up memory profile's prefill forward takes the same
 path, so the budget counts it.
