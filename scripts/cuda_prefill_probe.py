@@ -1,30 +1,16 @@
 """Is a batched prefill on MLX-CUDA bound by its quantized matmuls? (issue #19: at 16 streams a step that
 prefilled 8 prompts of ~175 tokens took 90-190 ms on an H100 for the 0.6B shape.)
 1. one projection at M rows: `quantized_matmul` as the layer runs it, against dequantizing the weight and a
-   plain matmul (cuBLAS), per shape of the first layer and the tied head;
-2. a whole prefill forward (8 prompts x 176 tokens, and one of 1,408) with the layers as loaded, against
+   plain matmul (cuBLAS), for three projections of the first layer;
+2. a whole prefill forward (8 prompts x 176 tokens, one of 1,408, one of 4,096) with the layers as loaded, against
    the same with every quantized linear taking the dequantize path at >= 128 rows; the largest logit difference.
 usage: python3 scripts/cuda_prefill_probe.py MODEL_DIR"""
-import statistics
-import sys
-import time
-
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-
-def ms(fn, repeats=8):
-    times = []
-    for i in range(repeats + 2):
-        mx.synchronize()
-        t = time.perf_counter()
-        mx.eval(fn())
-        mx.synchronize()
-        if i >= 2:
-            times.append((time.perf_counter() - t) * 1000)
-    return statistics.median(times)
+from cuda_qmm_probe import ms  # this folder's qmm probe: median ms of an evaluated call after 2 untimed
 
 
 def dequant_matmul(layer, x):
