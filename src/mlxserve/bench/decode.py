@@ -151,20 +151,19 @@ def run(args: argparse.Namespace) -> int:
     if args.url:
         served = ServeBenchConfig(url=args.url, model=args.served_model, concurrency=[1],
                                   max_tokens=args.max_tokens, endpoint="completions", warmup=0, label="served")
-    paths = ("raw", *args.paths) if "raw" not in args.paths else args.paths  # the reference runs every round
     loaded = load_model(args.model or str(ensure_demo_model()))
     prompt = make_prompt(0, "decode", 0, args.prompt_tokens)
     prompt_ids = loaded.tokenizer.encode(prompt)
     base = EngineConfig(max_num_seqs=args.max_num_seqs, enable_prefix_cache=False)
     rows, round_ratios = [], []
     for rep in range(args.repeat):
-        raw_row = _raw(loaded.model, prompt_ids, args.max_tokens)
+        raw_row = _raw(loaded.model, prompt_ids, args.max_tokens)  # the reference runs every round
         rows.append(raw_row)
-        if "core" in paths:
+        if "core" in args.paths:
             rows.append(_core(loaded, base, prompt_ids, args.max_tokens, "engine core loop"))
-        if "thread" in paths:
+        if "thread" in args.paths:
             rows.append(_core_on_thread(loaded, base, prompt_ids, args.max_tokens))
-        if "async" in paths:
+        if "async" in args.paths:
             rows.append(asyncio.run(_async(loaded, base, prompt_ids, args.max_tokens)))
             for switch_s in args.switch_intervals:
                 rows.append(asyncio.run(_async(loaded, base, prompt_ids, args.max_tokens, switch_s)))
