@@ -20,8 +20,6 @@ import mlx.core as mx
 
 from mlxserve.bench.decode import _raw
 from mlxserve.config import EngineConfig
-from mlxserve.engine.batch import make_buckets
-from mlxserve.engine.engine_core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.models.loader import load_model
 from mlxserve.server import make_engine
@@ -57,11 +55,7 @@ class CoreThread:
 
     def _run(self, cfg):
         with mx.stream(mx.default_stream(mx.default_device())):
-            use_buckets = cfg.decode_buckets == "on" or (cfg.decode_buckets == "auto")
-            core = EngineCore(loaded.model, loaded.tokenizer, cfg, 1 << 20,
-                              make_buckets(cfg.max_num_seqs) if use_buckets else None)
-            if cfg.warmup in ("on", "auto"):
-                core.warmup(cfg.max_num_seqs)
+            core = make_engine(loaded, cfg, 1 << 20)._make_core()  # buckets and warm-up as served
             self.result.put(None)
             while self.inbox.get() is not None:
                 stamps = []
