@@ -18,7 +18,11 @@
 # under, default auto; e.g. auto,off), BURST_S (each burst run's time limit, default 300). SERVERS may name
 # mlxserve-cudnn-off: mlxserve again with --cudnn-attention off, and mlxserve-TAG: mlxserve again with the flags
 # in $ARGS_TAG and the environment in $ENV_TAG (e.g. SERVERS=mlxserve,mlxserve-wait4 ARGS_wait4="--prefill-wait-steps 4",
-# SERVERS=mlxserve,mlxserve-nofold ENV_nofold=MLXSERVE_FOLD_ROWS=0).
+# SERVERS=mlxserve,mlxserve-nofold ENV_nofold=MLXSERVE_FOLD_ROWS=0). A name may come more than once
+# (SERVERS=mlxserve,vllm_mlx,mlxserve,vllm_mlx: starts in turns, so the host's drift hits each server alike):
+# its second start writes serve-<name>-<shape>$TAG-2.json, the third -3 ... After the compare step
+# scripts/pool_serve.py prints each server's aggregate per level pooled over its starts (tokens / wall
+# seconds), mlxserve's over each other server's, and the errors, into $OUT/pooled-<shape>$TAG.json.
 set -uo pipefail
 mkdir -p /tmp/site && tar -xJf .device/site.tar.xz -C /tmp/site
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -45,7 +49,10 @@ for shape in "${shapes[@]}"; do
   if [[ $steps == *compare* ]]; then
     # One server at a time under the same load, each within SERVER_S seconds from its start (warm-up
     # included), its log kept in $OUT: a limit that cuts one server loses nothing of the others.
+    declare -A num_starts=()
     for server in ${servers//,/ }; do
+      n=$((${num_starts[$server]:-0} + 1)); num_starts[$server]=$n
+      suffix=; ((n > 1)) && suffix=-$n  # a repeated name's later starts: -2, -3 ...
       extra=() kind=$server envs=()
       case $server in
         mlxserve) read -ra extra <<< "${MLXSERVE_ARGS:-}" ;;
@@ -53,8 +60,10 @@ for shape in "${shapes[@]}"; do
         mlxserve-*) kind=mlxserve; v="ARGS_${server#mlxserve-}" e="ENV_${server#mlxserve-}"
                     read -ra extra <<< "${MLXSERVE_ARGS:-} ${!v:-}"; read -ra envs <<< "${!e:-}" ;;
       esac
-      env "${envs[@]}" CONC=$conc bash scripts/gpu-serve.sh "$server-$shape${TAG:-}" "${SERVER_S:-240}" "$kind" "$m" "${extra[@]}"
+      env "${envs[@]}" CONC=$conc bash scripts/gpu-serve.sh "$server-$shape${TAG:-}$suffix" "${SERVER_S:-240}" \
+        "$kind" "$m" "${extra[@]}"
     done
+    python3 scripts/pool_serve.py "$out" "$shape${TAG:-}"
   fi
   if [[ $steps == *burst* ]]; then
     # 8 mixed-length prompts at once, prefilled one by one (rows 1) vs together (rows 8), per cuDNN setting.

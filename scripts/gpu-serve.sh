@@ -6,8 +6,9 @@
 # SECONDS bounds start-up, warm-up and load together. Env: CONC (default 1,16,32,64); KERNELS=shared keeps
 # MLX's default on-disk kernel cache (/tmp/mlx/...), shared with the servers before and after, as on a
 # user's machine after a first start; by default each server gets an empty one of its own. LOAD=c1: instead of
-# `bench serve`, `bench decode --url`: C1_ROUNDS rounds (default 8) of raw generate_step in the bench's process
-# then one stream from the server, interleaved (the c=1 criterion, robust to the host's drift within a call).
+# `bench serve`, `bench decode --url`: C1_ROUNDS rounds (default 24) of raw generate_step in the bench's process
+# and one stream from the server (after a short one that wakes it), back to back and in turns first, 128 tokens
+# each (the c=1 criterion: the host's CPU flips between a fast and a slow mode every 1-5 s).
 set -uo pipefail
 tag=$1 limit=$2 server=$3 model=$4
 shift 4
@@ -49,8 +50,8 @@ done
 left=$((limit - $(date +%s) + start))
 echo "$tag: up after $(($(date +%s) - start)) s, $left s left for the load"
 if ((left > 0)) && [ "${LOAD:-serve}" = c1 ]; then
-  timeout "$left" python3 -m mlxserve.cli bench decode --model "$model" --paths raw --max-tokens 256 \
-    --url "http://127.0.0.1:$port" --served-model "$name" --repeat "${C1_ROUNDS:-8}" \
+  timeout "$left" python3 -m mlxserve.cli bench decode --model "$model" --paths raw --max-tokens 128 \
+    --url "http://127.0.0.1:$port" --served-model "$name" --repeat "${C1_ROUNDS:-24}" \
     --output-json "$out/c1-$tag.json" > "$out/bench-$tag.log" 2>&1
   echo "$tag: bench exit $?"
 elif ((left > 0)); then

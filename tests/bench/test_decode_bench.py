@@ -26,8 +26,9 @@ def test_every_path_gets_a_row(qwen3_model_dir, tmp_path, capsys):
 
 
 def test_served_rows_interleave_with_the_reference(qwen3_model_dir, fake_server, tmp_path, capsys):
-    """`--url`: each round times the reference, then one stream from the server (a fake SSE server here:
-    its 5 content events carry 6 tokens), and the JSON keeps every round's served/raw ratio."""
+    """`--url`: each round times the reference and one stream from the server (a fake SSE server here: its
+    5 content events carry 6 tokens) back to back, raw first in even rounds and served first in odd ones,
+    and the JSON keeps every round's served/raw ratio and order."""
     import argparse
 
     parser = argparse.ArgumentParser()
@@ -35,16 +36,18 @@ def test_served_rows_interleave_with_the_reference(qwen3_model_dir, fake_server,
     url, received = fake_server
     received.clear()
     out = tmp_path / "decode.json"
-    args = parser.parse_args(["--model", str(qwen3_model_dir), "--max-tokens", "8", "--prompt-tokens", "16",
-                              "--repeat", "2", "--paths", "raw", "--url", url, "--served-model", "m",
+    args = parser.parse_args(["--model", str(qwen3_model_dir), "--max-tokens", "16", "--prompt-tokens", "16",
+                              "--repeat", "3", "--paths", "raw", "--url", url, "--served-model", "m",
                               "--output-json", str(out)])
     assert run(args) == 0
     result = json.loads(out.read_text())
-    assert [r["path"] for r in result["rows"]] == ["mlx-lm generate_step", "served over HTTP (served)"] * 2
+    raw, served_path = "mlx-lm generate_step", "served over HTTP (served)"
+    assert [r["path"] for r in result["rows"]] == [raw, served_path, served_path, raw, raw, served_path]
     served = result["served"]
-    assert len(served["round_ratios"]) == 2 and all(x > 0 for x in served["round_ratios"])
-    # Each round sends an untimed request before the timed one; every request asks for --max-tokens.
-    assert len(received) == 4 and {b["max_tokens"] for b in received} == {8} and {b["model"] for b in received} == {"m"}
+    assert served["round_orders"] == [["raw", "served"], ["served", "raw"], ["raw", "served"]]
+    assert len(served["round_ratios"]) == 3 and all(x > 0 for x in served["round_ratios"])
+    # Each round sends a short untimed request right before the timed one, which asks for --max-tokens.
+    assert [b["max_tokens"] for b in received] == [8, 16] * 3 and {b["model"] for b in received} == {"m"}
     assert "per round" in capsys.readouterr().out
 
 

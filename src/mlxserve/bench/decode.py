@@ -7,15 +7,18 @@ default stream; the model was loaded on the main thread's), and the async engine
 asyncio hand-off). The gaps between the rows are the costs of each layer.
 
 `--url` adds a served row: one streamed request per round to a running server (its model must be the
-same folder), timed by the client as `bench serve` times it. Rounds interleave every path, so a host
-whose speed drifts within a run (±25% between rounds a minute apart on a shared H100 host) moves the
-reference and the served stream alike; each round's served/raw ratio is kept beside the table.
+same folder), timed by the client as `bench serve` times it. A shared GPU host's CPU flips between a fast
+and a slow mode every 1-5 s (the same raw loop: 3.8 then 6.2 ms a step), so each round times raw
+`generate_step` and the served stream back to back (raw's untimed compile pass runs once, before the
+rounds) and in turns first: raw then served in even rounds, served then raw in odd ones. Each round's
+served/raw ratio and order are kept beside the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import threading
 import time
@@ -27,6 +30,7 @@ from mlxserve.config import EngineConfig
 from mlxserve.engine.request import Request, SamplingParams
 
 PATHS = ("raw", "core", "thread", "async")
+_WAKE_TOKENS = 8  # the untimed request before each timed served one
 _COLUMNS = [("path", "path", "s"), ("tok_s", "tok/s", ".1f"), ("ratio", "vs raw", ".2f"),
             ("step_p50_ms", "step p50 ms", ".2f"), ("step_max_ms", "step max ms", ".1f")]
 
@@ -35,13 +39,14 @@ def _raw(model, prompt_ids: list[int], max_tokens: int) -> dict:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    for _ in range(2):  # like the engine rows: the first pass compiles kernels, the second is measured
-        times, last = [], None
-        for _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
-            now = time.perf_counter()
-            if last is not None:
-                times.append(now - last)
-            last = now
+    # One pass: `run` makes the untimed first one (it compiles kernels) once, before the rounds, so
+    # nothing stands between this pass and the served stream it is compared with.
+    times, last = [], None
+    for _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
+        now = time.perf_counter()
+        if last is not None:
+            times.append(now - last)
+        last = now
     return _row("mlx-lm generate_step", times)
 
 
@@ -123,13 +128,14 @@ def _row(path: str, gaps: list[float]) -> dict:
 
 async def _served(cfg, prompt: str) -> dict:
     """One streamed request to the server at `cfg.url`, timed as `bench serve` times a stream (content
-    chunks after the first; usage spreads tokens over chunks), after an untimed one: like the in-process
-    rows, each measured on its second pass. (8B shape on an H100: 155 tok/s for the one stream timed right
-    after another, 96-112 for the five timed first after the server sat idle while the raw row ran.)"""
+    chunks after the first; usage spreads tokens over chunks), right after a short untimed one that wakes
+    the server: 8B shape on an H100, 155 tok/s for the one stream timed right after another, 96-112 for the
+    five timed first after the server sat idle while the raw row ran. The wake asks for few tokens so the
+    timed stream stays close in time to the raw pass it is compared with."""
     from mlxserve.bench.serve import _make_client, _timed_request
 
     async with _make_client(cfg, 1) as client:
-        await _timed_request(client, cfg, prompt)
+        await _timed_request(client, dataclasses.replace(cfg, max_tokens=_WAKE_TOKENS), prompt)
         result = await _timed_request(client, cfg, prompt)
     if not result.ok:
         raise RuntimeError(f"served request failed: {result.error}")
@@ -155,10 +161,20 @@ def run(args: argparse.Namespace) -> int:
     prompt = make_prompt(0, "decode", 0, args.prompt_tokens)
     prompt_ids = loaded.tokenizer.encode(prompt)
     base = EngineConfig(max_num_seqs=args.max_num_seqs, enable_prefix_cache=False)
-    rows, round_ratios = [], []
+    _raw(loaded.model, prompt_ids, args.max_tokens)  # untimed, once: the first pass compiles kernels
+    measure = {"raw": lambda: _raw(loaded.model, prompt_ids, args.max_tokens)}  # the reference runs every round
+    if served is not None:
+        measure["served"] = lambda: asyncio.run(_served(served, prompt))
+    rows, round_ratios, round_orders = [], [], []
     for rep in range(args.repeat):
-        raw_row = _raw(loaded.model, prompt_ids, args.max_tokens)  # the reference runs every round
-        rows.append(raw_row)
+        # Raw and served back to back (the host's CPU mode flips every 1-5 s), odd rounds served first:
+        # neither side is always the one timed first.
+        order = list(measure)[::-1] if rep % 2 else list(measure)
+        pair = {side: measure[side]() for side in order}
+        rows.extend(pair.values())
+        if served is not None:
+            round_ratios.append(pair["served"]["tok_s"] / pair["raw"]["tok_s"])
+            round_orders.append(order)
         if "core" in args.paths:
             rows.append(_core(loaded, base, prompt_ids, args.max_tokens, "engine core loop"))
         if "thread" in args.paths:
@@ -167,10 +183,6 @@ def run(args: argparse.Namespace) -> int:
             rows.append(asyncio.run(_async(loaded, base, prompt_ids, args.max_tokens)))
             for switch_s in args.switch_intervals:
                 rows.append(asyncio.run(_async(loaded, base, prompt_ids, args.max_tokens, switch_s)))
-        if served is not None:
-            row = asyncio.run(_served(served, prompt))
-            rows.append(row)
-            round_ratios.append(row["tok_s"] / raw_row["tok_s"])
     raw = statistics.median(r["tok_s"] for r in rows if r["path"].startswith("mlx-lm"))
     for r in rows:
         r["ratio"] = r["tok_s"] / raw if r["tok_s"] and raw else None
@@ -179,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
     if served is not None:
         tok_s = statistics.median(r["tok_s"] for r in rows if r["path"].startswith("served"))
         result["served"] = {"url": args.url, "median_tok_s": tok_s, "median_vs_raw": tok_s / raw,
-                            "round_ratios": round_ratios, "median_round_ratio": statistics.median(round_ratios)}
+                            "round_ratios": round_ratios, "round_orders": round_orders,
+                            "median_round_ratio": statistics.median(round_ratios)}
         print(f"served: median {tok_s:.1f} tok/s = {tok_s / raw:.3f}x the median raw; per round "
               f"{', '.join(f'{x:.3f}' for x in round_ratios)} (median {statistics.median(round_ratios):.3f}x)")
     path = write_json(args.output_json or default_json_path("decode"), result)
@@ -192,13 +205,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128, help="approximate prompt length")
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens generated per stream")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="the engine's batch limit (as served)")
-    parser.add_argument("--repeat", type=int, default=2, help="rounds over all paths (spread between runs)")
+    parser.add_argument("--repeat", type=int, default=2,
+                        help="rounds over all paths (spread between runs); raw and --url's served stream run "
+                             "back to back in each, in turns first")
     parser.add_argument("--switch-intervals", type=lambda t: [float(x) / 1000 for x in t.split(",") if x],
                         default=[], metavar="MS,...", help="also run the async engine with these GIL switch intervals")
     parser.add_argument("--paths", type=lambda t: [x for x in t.split(",") if x], default=list(PATHS),
                         metavar="P,...", help="in-process paths to run each round: raw (always run: the reference), "
                                               "core, thread, async")
     parser.add_argument("--url", default=None,
-                        help="also time one streamed request per round to this running server (same model folder)")
+                        help="also time one streamed request per round to this running server (same model folder), "
+                             "right after a short untimed one (max_tokens 8) that wakes it")
     parser.add_argument("--served-model", default="bench", help="the model name sent to --url")
     parser.add_argument("--output-json", default=None, help="result file (default: bench-results/decode-*.json)")
