@@ -70,13 +70,13 @@ def prefill(model, prompt: mx.array):
     return tok, cache
 
 
-def plain_loop(model, prompt: mx.array, n: int):
-    tok, cache = prefill(model, prompt)
-    nxt = mx.argmax(model(tok[:, None], cache=cache)[:, -1, :], axis=-1)
+def _pipelined(tok: mx.array, forward, n: int):
+    """generate_step's pipelining: launch token i+1 before reading token i back; the gaps between reads."""
+    nxt = forward(tok)
     mx.async_eval(nxt)
     toks, times, last = [tok.item()], [], None
     for _ in range(n - 1):
-        fut = mx.argmax(model(nxt[:, None], cache=cache)[:, -1, :], axis=-1)
+        fut = forward(nxt)
         mx.async_eval(fut)
         toks.append(nxt.item())
         now = time.perf_counter()
@@ -85,6 +85,11 @@ def plain_loop(model, prompt: mx.array, n: int):
         last = now
         nxt = fut
     return toks, times
+
+
+def plain_loop(model, prompt: mx.array, n: int):
+    tok, cache = prefill(model, prompt)
+    return _pipelined(tok, lambda t: mx.argmax(model(t[:, None], cache=cache)[:, -1, :], axis=-1), n)
 
 
 def compiled_loop(model, step, prompt: mx.array, n: int):
@@ -99,26 +104,16 @@ def compiled_loop(model, step, prompt: mx.array, n: int):
             kv.append(buf)
     del cache
     mx.eval(kv)
+    state = {"off": off, "kv": kv}
 
-    def advance(t, off, kv):
-        out = step(t, mx.array(off, dtype=mx.int32), *kv)
-        return out[0], out[1:]
+    def forward(t):
+        # The old buffers are dropped before the step is evaluated, so slice_update can write in place.
+        out = step(t, mx.array(state["off"], dtype=mx.int32), *state["kv"])
+        state["off"] += 1
+        state["kv"] = out[1:]
+        return out[0]
 
-    nxt, kv = advance(tok, off, kv)
-    mx.async_eval(nxt)
-    off += 1
-    toks, times, last = [tok.item()], [], None
-    for _ in range(n - 1):
-        fut, kv = advance(nxt, off, kv)
-        off += 1
-        mx.async_eval(fut)
-        toks.append(nxt.item())
-        now = time.perf_counter()
-        if last is not None:
-            times.append(now - last)
-        last = now
-        nxt = fut
-    return toks, times
+    return _pipelined(tok, forward, n)
 
 
 def raw_loop(model, prompt: mx.array, n: int):
