@@ -124,6 +124,10 @@ def test_chat_and_dashboard_in_chromium(live, browser, tmp_path):
     find("#system").send_keys("You are terse.")
     find("#max-tokens").clear()
     find("#max-tokens").send_keys("24")
+    # Greedy: at the page's default 0.7 the random model samples its end-of-sequence token within 24
+    # tokens now and then (CI saw "5 tokens · stop"); greedy, this prompt runs to the length limit.
+    find("#temperature").clear()
+    find("#temperature").send_keys("0")
     d.execute_script("""window.numUpdates = 0;
         new MutationObserver(() => window.numUpdates++).observe(document.querySelector('#log'),
             {subtree: true, childList: true, characterData: true});""")
@@ -135,6 +139,8 @@ def test_chat_and_dashboard_in_chromium(live, browser, tmp_path):
     assert "TTFT" in stats and "24 tokens" in stats and "length" in stats, stats
     assert d.execute_script("return window.numUpdates") > 3  # token by token, not one block at the end
     assert text_of(d, ".msg.user .content") == "Tell me a story"
+    find("#temperature").clear()
+    find("#temperature").send_keys("0.7")  # the rest of the test runs at the page's default
     shot("chat")
 
     # JSON mode (response_format json_object) and an attached image (a data: URI image_url part): this
