@@ -14,7 +14,6 @@ import argparse
 import queue
 import statistics
 import threading
-import time
 
 
 class Worker:
@@ -52,24 +51,15 @@ def main() -> None:
     state: dict = {}
 
     def setup():
-        import mlx.core as mx
         from mlx_lm import load
 
-        state["mx"] = mx
         state["model"], tok = load(args.model)
         state["prompt"] = tok.encode("The quick brown fox jumps over the lazy dog. " * 16)
 
     def raw():
-        from mlx_lm.generate import generate_step
+        from mlxserve.bench.decode import _raw  # bench decode's own timing of generate_step
 
-        mx = state["mx"]
-        times, last = [], None
-        for _ in generate_step(mx.array(state["prompt"]), state["model"], max_tokens=args.tokens):
-            now = time.perf_counter()
-            if last is not None:
-                times.append(now - last)
-            last = now
-        return len(times) / sum(times)
+        return _raw(state["model"], state["prompt"], args.tokens)["tok_s"]
 
     if args.import_on_thread:
         first = Worker("first")
