@@ -1,4 +1,4 @@
-"""scripts/pool_serve.py: the compare step's serve results pooled over each server's starts (tokens over
+"""tools/pool_serve.py: the compare step's serve results pooled over each server's starts (tokens over
 wall seconds summed across starts), with mlxserve's pooled aggregate over each other server's."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "pool_serve.py"
+_SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "pool_serve.py"
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ raw loop gave 3.5 ms a step in one round and 6.2 ms in the next. This probe prin
 time with the CPU the main thread ran on and the GPU's SM clock and throttle reasons, so a slow round can
 be put down to the CPU (a core, a NUMA node) or to the GPU (clocks), and a pinning tested against it.
 
-usage: python scripts/host_probe.py MODEL_DIR [--rounds 16] [--tokens 128] [--label NAME]
+usage: python tools/host_probe.py MODEL_DIR [--rounds 16] [--tokens 128] [--label NAME]
 Run it under `taskset -c CPUS` to compare a pinned run with a free one.
 """
 

@@ -1,19 +1,18 @@
 #!/usr/bin/env bash
-# The GPU comparison of issue #19 in one device call: random 4-bit Qwen3 shapes, mlx-lm's raw
-# generate_step, mlxserve, mlx_lm.server and vllm-mlx under the same load generator.
+# The GPU comparison in one run: random 4-bit Qwen3 shapes, mlx-lm's raw generate_step, mlxserve,
+# mlx_lm.server and vllm-mlx under the same load generator (docs/BENCHMARKS.md, GPU serving).
 #
-# Here (once):  bash ../shared/tools/device-bundle.sh .device mlx-lm==0.32.2 mlx-vlm==0.7.10 vllm-mlx==0.6.0 \
-#                 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic pydantic-core typing-inspection \
-#                 annotated-types annotated-doc opentelemetry-api importlib-metadata llguidance fastapi-offline swagger-ui-bundle \
-#                 platformdirs python-multipart jsonschema jsonschema-specifications referencing rpds-py pytz mcp \
-#                 sse-starlette httpx-sse pydantic-settings python-dotenv httptools
-# On the device (carry .device):  bash scripts/gpu-bench.sh [SHAPE ...] (default: qwen3-0.6b)
+# Needs an MLX-CUDA machine where mlx (CUDA build), mlx-lm, mlx-vlm, vllm-mlx 0.6.0 and mlxserve's dependencies
+# import: either installed in the running environment, or an MLX-CUDA wheel bundle (those packages' site-packages
+# folder packed as a .tar.xz) named by MLX_SITE_BUNDLE, which is unpacked into /tmp/site and put first on PYTHONPATH.
+# The versions measured: mlx-lm 0.32.2, mlx-vlm 0.7.10, vllm-mlx 0.6.0, fastapi 0.165.0, uvicorn 0.54.0.
+# usage: bash tools/gpu-bench.sh [SHAPE ...] (default: qwen3-0.6b)
 # Env: SERVERS (default mlxserve,mlx_lm,vllm_mlx), CONC (default 1,16,32), STEPS (default decode,compare,burst;
 # c1 adds mlxserve's single stream timed against raw generate_step round by round, see LOAD=c1 in gpu-serve.sh),
 # MLXSERVE_ARGS (more `mlxserve serve` flags), TAG (suffix of the result files, for a second configuration),
 # SERVER_S (seconds each server may take, start-up and warm-up included; default 240), KERNELS=shared (one
-# on-disk kernel cache for every server of the call, see gpu-serve.sh; a .device/ptx.txz carried along, the
-# cache an earlier call brought back, is unpacked into it first), BURST_STEPS (prefill step sizes the burst
+# on-disk kernel cache for every server of the run, see gpu-serve.sh; KERNEL_CACHE_ARCHIVE, a .tar.xz of an
+# earlier run's /tmp/mlx kernel cache, is unpacked into it first), BURST_STEPS (prefill step sizes the burst
 # compares, default 512,2048), BURST_ROWS (default 1,8), BURST_CUDNN (--cudnn-attention values the burst runs
 # under, default auto; e.g. auto,off), BURST_S (each burst run's time limit, default 300). SERVERS may name
 # mlxserve-cudnn-off: mlxserve again with --cudnn-attention off, and mlxserve-TAG: mlxserve again with the flags
@@ -21,12 +20,17 @@
 # SERVERS=mlxserve,mlxserve-nofold ENV_nofold=MLXSERVE_FOLD_ROWS=0). A name may come more than once
 # (SERVERS=mlxserve,vllm_mlx,mlxserve,vllm_mlx: starts in turns, so the host's drift hits each server alike):
 # its second start writes serve-<name>-<shape>$TAG-2.json, the third -3 ... After the compare step
-# scripts/pool_serve.py prints each server's aggregate per level pooled over its starts (tokens / wall
+# tools/pool_serve.py prints each server's aggregate per level pooled over its starts (tokens / wall
 # seconds), mlxserve's over each other server's, and the errors, into $OUT/pooled-<shape>$TAG.json.
 set -uo pipefail
-mkdir -p /tmp/site && tar -xJf .device/site.tar.xz -C /tmp/site
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-[ "${KERNELS:-}" = shared ] && [ -f .device/ptx.txz ] && tar -xJf .device/ptx.txz -C /tmp
+if [ -n "${MLX_SITE_BUNDLE:-}" ]; then
+  mkdir -p /tmp/site && tar -xJf "$MLX_SITE_BUNDLE" -C /tmp/site
+  export PYTHONPATH=/tmp/site:$PWD/src
+else
+  export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+[ "${KERNELS:-}" = shared ] && [ -f "${KERNEL_CACHE_ARCHIVE:-}" ] && tar -xJf "$KERNEL_CACHE_ARCHIVE" -C /tmp
 out=${OUT:-/tmp/gpu-bench}; mkdir -p "$out"
 shapes=("${@:-qwen3-0.6b}")
 servers=${SERVERS:-mlxserve,mlx_lm,vllm_mlx}
@@ -44,7 +48,7 @@ for shape in "${shapes[@]}"; do
   fi
   if [[ $steps == *c1* ]]; then
     read -ra extra <<< "${MLXSERVE_ARGS:-}"
-    LOAD=c1 bash scripts/gpu-serve.sh "c1-mlxserve-$shape${TAG:-}" "${SERVER_S:-240}" mlxserve "$m" "${extra[@]}"
+    LOAD=c1 bash tools/gpu-serve.sh "c1-mlxserve-$shape${TAG:-}" "${SERVER_S:-240}" mlxserve "$m" "${extra[@]}"
   fi
   if [[ $steps == *compare* ]]; then
     # One server at a time under the same load, each within SERVER_S seconds from its start (warm-up
@@ -60,10 +64,10 @@ for shape in "${shapes[@]}"; do
         mlxserve-*) kind=mlxserve; v="ARGS_${server#mlxserve-}" e="ENV_${server#mlxserve-}"
                     read -ra extra <<< "${MLXSERVE_ARGS:-} ${!v:-}"; read -ra envs <<< "${!e:-}" ;;
       esac
-      env "${envs[@]}" CONC=$conc bash scripts/gpu-serve.sh "$server-$shape${TAG:-}$suffix" "${SERVER_S:-240}" \
+      env "${envs[@]}" CONC=$conc bash tools/gpu-serve.sh "$server-$shape${TAG:-}$suffix" "${SERVER_S:-240}" \
         "$kind" "$m" "${extra[@]}"
     done
-    python3 scripts/pool_serve.py "$out" "$shape${TAG:-}"
+    python3 tools/pool_serve.py "$out" "$shape${TAG:-}"
   fi
   if [[ $steps == *burst* ]]; then
     # 8 mixed-length prompts at once, prefilled one by one (rows 1) vs together (rows 8), per cuDNN setting.

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One server under `bench serve`'s load on the GPU machine, its log kept in $OUT even when the time limit
-# cuts the run (`bench compare` keeps logs in temporary files). Run from scripts/gpu-bench.sh, or alone
-# after unpacking the same bundle into /tmp/site.
-# usage: bash scripts/gpu-serve.sh TAG SECONDS mlxserve|vllm_mlx|mlx_lm MODEL_DIR [SERVER FLAGS...]
+# cuts the run (`bench compare` keeps logs in temporary files). Run from tools/gpu-bench.sh, or alone where
+# the servers import (PYTHONPATH as gpu-bench.sh sets it).
+# usage: bash tools/gpu-serve.sh TAG SECONDS mlxserve|vllm_mlx|mlx_lm MODEL_DIR [SERVER FLAGS...]
 # SECONDS bounds start-up, warm-up and load together. Env: CONC (default 1,16,32,64); KERNELS=shared keeps
 # MLX's default on-disk kernel cache (/tmp/mlx/...), shared with the servers before and after, as on a
 # user's machine after a first start; by default each server gets an empty one of its own. LOAD=c1: instead of
@@ -12,7 +12,7 @@
 set -uo pipefail
 tag=$1 limit=$2 server=$3 model=$4
 shift 4
-export PYTHONPATH=${PYTHONPATH:-/tmp/site:$PWD/src} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export PYTHONPATH=${PYTHONPATH:-$PWD/src} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 out=${OUT:-/tmp/gpu-bench}; mkdir -p "$out"
 port=$((8100 + RANDOM % 800))
 case $server in

@@ -1,12 +1,12 @@
-"""Pool the compare step's `bench serve` results over every start of each server (scripts/gpu-bench.sh).
+"""Pool the compare step's `bench serve` results over every start of each server (tools/gpu-bench.sh).
 
 A server named more than once in SERVERS is started once per name, in turns with the others, so host
 drift within a call hits every server alike; its starts write serve-<server>-<key>.json, then
 serve-<server>-<key>-2.json, -3 ... (key: the shape and $TAG). Per server and concurrency level the pooled
 aggregate is the sum of completion tokens over the sum of wall seconds of all starts, not a mean of
 rates: a start whose level ran longer weighs more. Other servers' rows carry mlxserve's pooled aggregate
-over theirs. Standard library only (it runs on the device beside the bench).
-usage: python3 scripts/pool_serve.py OUT_DIR KEY  (prints a table, writes OUT_DIR/pooled-KEY.json)
+over theirs. Standard library only (it runs on the GPU machine beside the bench).
+usage: python3 tools/pool_serve.py OUT_DIR KEY  (prints a table, writes OUT_DIR/pooled-KEY.json)
 """
 
 from __future__ import annotations
