@@ -1,0 +1,1 @@
+"""Fixture builders for tests and benchmarks: real models from the package registries."""
