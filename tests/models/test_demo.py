@@ -145,7 +145,7 @@ def test_ensure_demo_model_is_idempotent(tmp_path, monkeypatch):
 
 def test_default_demo_model_dir():
     path = default_demo_model_dir()
-    assert path.name == "demo-model-v2"
+    assert path.name == "demo-model-v3"
     assert "mlxserve" in str(path)
 
 

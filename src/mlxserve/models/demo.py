@@ -23,7 +23,7 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 TOKENIZER_VOCAB_SIZE = 2048
-DEMO_MODEL_DIRNAME = "demo-model-v2"  # v2: the chat template takes tools
+DEMO_MODEL_DIRNAME = "demo-model-v3"  # v2: the chat template takes tools; v3: a 128k context
 
 # ChatML. Content is a string, a list of OpenAI-style parts (text parts are concatenated), or none.
 CHAT_TEMPLATE = (
@@ -316,6 +316,12 @@ def build_model_folder(out_dir, config: DemoModelConfig = DemoModelConfig(), pro
     return out
 
 
+# The served demo (`mlxserve serve` with no model) gets a context that fits coding agents: Claude Code's system
+# prompt and tools alone are ~54k tokens. Rope positions cost nothing in weights, only KV memory (1 KiB a
+# token here); test fixtures keep DemoModelConfig's 4096.
+SERVED_DEMO_CONFIG = DemoModelConfig(max_position_embeddings=131072)
+
+
 def default_demo_model_dir() -> pathlib.Path:
     import platformdirs
 
@@ -332,7 +338,7 @@ def ensure_demo_model(path=None, progress=None) -> pathlib.Path:
     # Build next to the target and rename, so a crash or a concurrent builder never leaves half a folder.
     tmp = pathlib.Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
-        build_model_folder(tmp, progress=progress)
+        build_model_folder(tmp, SERVED_DEMO_CONFIG, progress=progress)
         try:
             os.replace(tmp, target)
         except OSError:
