@@ -52,31 +52,56 @@ def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.code), exc.status, headers=exc.headers)
 
 
-def _describe(err: dict) -> tuple[str, str | None]:
+def _location(err: dict) -> list[str]:
     # Pydantic puts the union branch it tried into loc ("list[tagged-union[TextPart,...]]"): not a field.
-    loc = [str(p) for p in err.get("loc", ()) if p not in ("body",) and "[" not in str(p)]
-    param = ".".join(loc) or None
-    msg = err.get("msg", "invalid value")
+    return [str(p) for p in err.get("loc", ()) if p not in ("body",) and "[" not in str(p)]
+
+
+def _describe(err: dict) -> tuple[str, str | None]:
+    param = ".".join(_location(err)) or None
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
     if err.get("type") == "json_invalid":
         return f"request body is not valid JSON: {msg}", None
     return (f"{param}: {msg}" if param else msg), param
 
 
+def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
+    """Every offending field in one message, and the fields as `param` (comma-separated when several).
+
+    A field's problems are grouped (a top-level field, or one item of a list field: `messages.3`) and
+    the deepest one is told: for a bad content part pydantic also reports that the content is not a
+    plain string ("content.str"), which says nothing about what to fix."""
+    groups: dict[tuple, dict] = {}
+    for err in errors:
+        loc = _location(err)
+        key = tuple(loc[:2]) if len(loc) > 1 and loc[1].isdigit() else tuple(loc[:1])
+        best = groups.get(key)
+        if best is None or len(err.get("loc", ())) > len(best.get("loc", ())):
+            groups[key] = err
+    described = [_describe(e) for e in groups.values()] or [("invalid request", None)]
+    if len(described) == 1:
+        return described[0]
+    params = [p for _, p in described if p]
+    return (f"{len(described)} problems: " + "; ".join(m for m, _ in described)), ", ".join(params) or None
+
+
+def _log_refusal(request: Request, status: int, message: str) -> None:
+    # Info, not warning: the client's mistake, but the one place an operator sees why an agent stalls.
+    log.info("%s %s -> %d: %s", request.method, request.url.path, status, clip(message, _MAX_MESSAGE_CHARS))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
+    async def _api_error(request: Request, exc: APIError):
+        if 400 <= exc.status < 500:
+            _log_refusal(request, exc.status, exc.message)
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
-        # FastAPI answers 422; OpenAI clients expect 400 with one readable message.
-        errors = exc.errors()
-        # The deepest error is the specific one: for a bad content part pydantic first reports that the
-        # content is not a plain string ("content.str"), which says nothing about what to fix.
-        deepest = max(errors, key=lambda e: len(e.get("loc", ())), default=None)
-        message, param = _describe(deepest) if deepest else ("invalid request", None)
-        if len(errors) > 1:
-            message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    async def _validation(request: Request, exc: RequestValidationError):
+        # FastAPI answers 422; OpenAI clients expect 400 with one readable message naming every field.
+        message, param = describe_errors(list(exc.errors()))
+        _log_refusal(request, 400, message)
         return error_response(APIError(400, message, param))
 
     @app.exception_handler(StarletteHTTPException)

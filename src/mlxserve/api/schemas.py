@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+import logging
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+log = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 16
+# Efforts past "high" (OpenAI's xhigh, Anthropic's max) ask for the most a chat template knows.
+EFFORTS = ("none", "minimal", "low", "medium", "high")
+_EFFORT_ALIASES = {"xhigh": "high", "max": "high"}
 
 
 class StrictModel(BaseModel):
@@ -14,6 +20,57 @@ class StrictModel(BaseModel):
     0 and served the request). JSON integers still fill float fields."""
 
     model_config = ConfigDict(strict=True)
+
+
+def refused(why: str, harmless: tuple = (None,)) -> Any:
+    """A field whose value would change the output if ignored, and which this server cannot honour:
+    `harmless` values (off, empty, the default) pass; any other is a 400 naming the field, together
+    with every other bad field of the request."""
+
+    def check(value):
+        if any(value == h and type(value) is type(h) for h in harmless):
+            return value
+        raise ValueError(why)
+
+    return Annotated[Any, AfterValidator(check)]
+
+
+def unused_fields(body: BaseModel, accepted: tuple[str, ...]) -> list[str]:
+    """Fields the request set that change nothing here: `accepted` ones (bookkeeping, hints) and
+    any the schema does not know (a client's newer protocol)."""
+    return [n for n in accepted if getattr(body, n, None) is not None] + sorted(body.model_extra or ())
+
+
+def log_unused(where: str, names: list[str]) -> None:
+    if names:
+        log.debug("%s: accepted, not used: %s", where, ", ".join(names))
+
+
+def effort(value: Optional[str]) -> Optional[str]:
+    """A reasoning effort as a chat template knows it; None for a value no template knows."""
+    value = _EFFORT_ALIASES.get(value, value)
+    return value if value in EFFORTS else None
+
+
+def adjacent_systems_joined(messages: list[dict]) -> list[dict]:
+    """System messages next to each other as one (Codex sends two developer messages in a row, Claude
+    Code `system` plus a system message): the same text, and templates that take one system message
+    at the start see it all."""
+    out: list[dict] = []
+    for m in messages:
+        if m.get("role") == "system" and out and out[-1].get("role") == "system":
+            out[-1] = {"role": "system", "content": f"{out[-1]['content']}\n\n{m['content']}"}
+        else:
+            out.append(m)
+    return out
+
+
+def system_merged(messages: list[dict]) -> list[dict]:
+    """`messages` with every system message's text joined into the first message, for chat templates
+    that accept a system message only there (Anthropic's and OpenAI's clients put some mid-conversation)."""
+    system = [m.get("content") or "" for m in messages if m.get("role") == "system"]
+    rest = [m for m in messages if m.get("role") != "system"]
+    return [{"role": "system", "content": "\n\n".join(system)}, *rest] if system else rest
 
 
 class TextPart(StrictModel):
@@ -149,11 +206,16 @@ class ResponseFormat(StrictModel):
         return self
 
 
-class SamplingFields(StrictModel):
-    """Fields shared by chat and completions requests. A field we do not know is a 400 naming it:
-    silently dropping one (tools, a format) would change the result without telling the client."""
+_OFF = (None, False)
+_EMPTY = (None, [], {})
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+class SamplingFields(StrictModel):
+    """Fields shared by chat and completions requests. A field this server cannot honour and whose
+    loss would change the output is a 400 naming it (see `refused`); bookkeeping, hints and fields of
+    newer protocol versions are accepted and logged at debug (docs/compat.md has the table)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     model: str
     max_tokens: Optional[Annotated[int, Field(ge=1)]] = None
@@ -180,6 +242,32 @@ class SamplingFields(StrictModel):
     service_tier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     safety_identifier: Optional[str] = None
+    priority: Optional[int] = None  # a scheduling hint (vLLM's): served in arrival order
+    # vLLM's and others' output-changing extensions this server does not implement.
+    min_tokens: refused("min_tokens is not supported", (None, 0)) = None
+    best_of: refused("best_of is not supported (use n)", (None, 1)) = None
+    use_beam_search: refused("beam search is not supported", _OFF) = None
+    stop_token_ids: refused("stop_token_ids is not supported: use stop strings", _EMPTY) = None
+    bad_words: refused("bad_words is not supported: use logit_bias", _EMPTY) = None
+    allowed_token_ids: refused("allowed_token_ids is not supported: use logit_bias", _EMPTY) = None
+    include_stop_str_in_output: refused("include_stop_str_in_output is not supported", _OFF) = None
+    skip_special_tokens: refused("special tokens are always skipped", (None, True)) = None
+    prompt_logprobs: refused("prompt_logprobs is not supported", (None,)) = None
+    truncate_prompt_tokens: refused("prompts are never truncated: shorten the prompt", (None,)) = None
+    guided_json: refused("use response_format with a json_schema", (None,)) = None
+    guided_regex: refused("regular-expression grammars are not supported", (None,)) = None
+    guided_choice: refused("use response_format with an enum json_schema", (None,)) = None
+    guided_grammar: refused("grammars are not supported: use response_format", (None,)) = None
+    structured_outputs: refused("use response_format", (None,)) = None
+    logits_processors: refused("custom logits processors are not supported", _EMPTY) = None
+
+    ACCEPTED_UNUSED: ClassVar[tuple[str, ...]] = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                       "priority")
+
+    @model_validator(mode="after")
+    def _log_unused(self):
+        log_unused(type(self).__name__, unused_fields(self, self.ACCEPTED_UNUSED))
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -211,6 +299,33 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: Optional[dict] = None
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
     modalities: Optional[list[Literal["text"]]] = None
+    # Accepted hints: a predicted output only speeds OpenAI's decoding up; verbosity has no knob here.
+    prediction: Optional[dict] = None
+    verbosity: Optional[str] = None
+    # A hosted web search the client offers, not forces: skipped with a warning (docs/compat.md).
+    web_search_options: Optional[dict] = None
+    functions: refused("legacy function calling is not supported: send `tools`", _EMPTY) = None
+    function_call: refused("legacy function calling is not supported: send `tool_choice`",
+                           (None, "none", "auto")) = None
+    audio: refused("audio output is not supported", (None,)) = None
+    echo: refused("echo is not supported", _OFF) = None
+    continue_final_message: refused("continue_final_message is not supported", _OFF) = None
+    add_generation_prompt: refused("the generation prompt is always added", (None, True)) = None
+    chat_template: refused("a per-request chat template is not supported", (None,)) = None
+    documents: refused("documents are not supported: put them in the messages", _EMPTY) = None
+
+    ACCEPTED_UNUSED: ClassVar[tuple[str, ...]] = SamplingFields.ACCEPTED_UNUSED + ("prediction", "verbosity")
+
+    @field_validator("reasoning_effort", mode="before")
+    @classmethod
+    def _known_effort(cls, v):
+        return _EFFORT_ALIASES.get(v, v)
+
+    @model_validator(mode="after")
+    def _skip_web_search(self):
+        if self.web_search_options is not None:
+            log.warning("web_search_options: skipped, this server runs no hosted tools")
+        return self
 
     @property
     def requested_max_tokens(self) -> Optional[int]:
@@ -229,6 +344,7 @@ class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
     echo: bool = False
+    suffix: refused("suffix (fill-in-the-middle) is not supported", (None, "")) = None
 
     @property
     def requested_max_tokens(self) -> Optional[int]:

@@ -17,6 +17,7 @@ from mlxserve.api.schemas import (
     ImagePart,
     SamplingFields,
     TextPart,
+    system_merged,
 )
 from mlxserve.api.structured import output_constraint
 from mlxserve.engine.request import Request, SamplingParams
@@ -121,6 +122,13 @@ def _render_chat(model: ServedModel, body: ChatCompletionRequest) -> str | list[
         try:
             return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
         except Exception as exc:  # a template may reject a role order, e.g. two system messages
+            merged = system_merged(messages)
+            if merged != messages:  # system messages mid-conversation: where this template takes them
+                try:
+                    return tok.apply_chat_template(merged, tools=tools, add_generation_prompt=True, tokenize=False,
+                                                   **kwargs)
+                except Exception:
+                    pass
             raise APIError(400, f"the chat template rejected these messages: {exc}", "messages") from exc
     if body.tools:
         raise APIError(400, f"`{model.name}` has no chat template, so it cannot be given tools", "tools")
