@@ -17,13 +17,18 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from mlxserve.bench.report import format_table, write_json
 from mlxserve.bench.serve import (
+    RequestResult,
     ServeBenchConfig,
     ServeBenchError,
     add_arguments,
+    decode_rate,
+    e2e_rate,
     make_prompt,
+    pooled_rate,
     run,
     run_level,
     run_serve_bench,
+    summarize_level,
 )
 
 # Five SSE events, six tokens: " brown fox" stands for one event that carries two.
@@ -104,7 +109,7 @@ def _closed_port_url() -> str:
 
 def _assert_times_non_negative(level: dict) -> None:
     for key in ("wall_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-                "decode_tok_s_per_req", "agg_tok_s", "req_s"):
+                "decode_tok_s_per_req", "e2e_tok_s_per_req", "agg_tok_s", "req_s"):
         assert level[key] is not None and level[key] >= 0, key
 
 
@@ -262,3 +267,63 @@ def test_format_table_aligns_columns():
 def test_write_json_creates_parent_dirs(tmp_path):
     path = write_json(tmp_path / "a" / "b" / "r.json", {"x": [1, 2]})
     assert json.loads(path.read_text()) == {"x": [1, 2]}
+
+
+def test_per_request_rates_by_hand():
+    # 11 tokens, the first at 0.10 s, the last at 0.60 s, the stream ends at 0.62 s.
+    assert decode_rate(11, 0.5) == pytest.approx(20.0)  # 10 tokens after the first over 0.5 s
+    assert e2e_rate(11, 0.62) == pytest.approx(11 / 0.62)  # 17.74: every token over the whole request
+    assert decode_rate(1, 0.5) is None and decode_rate(5, 0.0) is None and decode_rate(5, None) is None
+    assert e2e_rate(3, 0.0) is None
+    # Pooled: (10 + 4) tokens over (0.5 + 0.001) s = 27.94 tok/s; a mean of the two ratios would say 2010.
+    assert pooled_rate([(10, 0.5), (4, 0.001)]) == pytest.approx(14 / 0.501)
+    assert pooled_rate([]) is None
+
+
+def test_a_burst_cannot_swamp_the_level():
+    # Concurrency 1, four requests of 128 tokens, each 0.342 s end to end (wall 1.368 s: agg 374.3 tok/s).
+    # Three streamed evenly (first token at 0.042 s, last at 0.342 s); one arrived in a burst, its 127 tokens
+    # after the first within 4.86 ms: alone that is 26,131 tok/s.
+    steady = [RequestResult(ttft_s=0.042, decode_s=0.300, e2e_s=0.342, num_chunks=128, num_completion_tokens=128)
+              for _ in range(3)]
+    burst = RequestResult(ttft_s=0.337, decode_s=0.00486, e2e_s=0.342, num_chunks=128, num_completion_tokens=128)
+    assert burst.decode_tok_s == pytest.approx(26131.7, abs=0.1)
+    cfg = ServeBenchConfig(url="http://127.0.0.1:1", model="m", concurrency=[1])
+    level = summarize_level(cfg, 1, steady + [burst], wall_s=4 * 0.342)
+    assert level["agg_tok_s"] == pytest.approx(512 / 1.368)  # 374.3
+    assert level["e2e_tok_s_per_req"] == pytest.approx(512 / 1.368)  # one at a time: the same figure
+    # 4 x 127 tokens over 3 x 0.300 + 0.00486 s = 561.4 tok/s (the mean of ratios would be 6,628).
+    assert level["decode_tok_s_per_req"] == pytest.approx(508 / 0.90486)
+    assert level["requests"][3]["e2e_tok_s"] == pytest.approx(128 / 0.342)
+
+
+def test_decode_time_runs_to_the_last_token_event(server):
+    # The fake stream sends five content events; the decode span ends at the last of them (no usage-only
+    # event counts), so the rate is the 5 tokens after the first over that span.
+    url, _ = server
+    cfg = ServeBenchConfig(url=url, model="fake", concurrency=[1], num_requests=2, warmup=0)
+    level = asyncio.run(run_level(cfg, 1))
+    for r in level["requests"]:
+        assert r["decode_tok_s"] == pytest.approx((NUM_TOKENS - 1) / r["decode_s"])
+        assert r["e2e_tok_s"] == pytest.approx(NUM_TOKENS / r["e2e_s"])
+        assert 0 < r["decode_s"] < r["e2e_s"]
+
+
+def test_cli_run_logs_no_line_per_request(server, caplog):
+    import logging
+
+    url, _ = server
+    with caplog.at_level(logging.INFO):
+        from mlxserve import cli
+
+        assert cli.main(["bench", "serve", "--url", url, "--model", "fake", "--concurrency", "1",
+                         "--num-requests", "3", "--no-json"]) == 0
+    assert not [r for r in caplog.records if r.name.startswith(("httpx", "httpcore"))]
+
+
+def test_bad_concurrency_list_names_the_flag(capsys):
+    from mlxserve import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "serve", "--url", "http://127.0.0.1:1", "--model", "m", "--concurrency", "1,x"])
+    assert "--concurrency: expected comma-separated whole numbers (e.g. 1,2,4), got '1,x'" in capsys.readouterr().err

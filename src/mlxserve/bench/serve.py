@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import re
 import shlex
@@ -45,7 +46,8 @@ TABLE_COLUMNS = [  # (level key, header, format); times in ms
     ("label", "label", ""), ("concurrency", "conc", "d"), ("num_requests", "reqs", "d"),
     ("ttft_p50_ms", "ttft p50", ".1f"), ("ttft_p99_ms", "ttft p99", ".1f"), ("ttft_max_ms", "ttft max", ".1f"),
     ("itl_p50_ms", "itl p50", ".2f"), ("itl_p99_ms", "itl p99", ".2f"),
-    ("decode_tok_s_per_req", "tok/s/req", ".1f"), ("agg_tok_s", "agg tok/s", ".1f"),
+    ("decode_tok_s_per_req", "decode tok/s/req", ".1f"), ("e2e_tok_s_per_req", "e2e tok/s/req", ".1f"),
+    ("agg_tok_s", "agg tok/s", ".1f"),
     ("req_s", "req/s", ".2f"), ("num_errors", "errors", "d"),
 ]
 
@@ -112,12 +114,34 @@ class ServeBenchConfig:
         return max(4 * concurrency, 8)
 
 
+def decode_rate(num_tokens: int, decode_s: float | None) -> float | None:
+    """One request's decode rate: the tokens after the first over the seconds from the first token's event to
+    the last token's, (n - 1) / (last - first); None when that span holds no token or no time."""
+    if num_tokens < 2 or not decode_s or decode_s <= 0:
+        return None
+    return (num_tokens - 1) / decode_s
+
+
+def e2e_rate(num_tokens: int, e2e_s: float | None) -> float | None:
+    """One request's tokens over its whole time, send to end of stream: the rate its user sees."""
+    return num_tokens / e2e_s if e2e_s and e2e_s > 0 else None
+
+
+def pooled_rate(pairs: list[tuple[float, float]]) -> float | None:
+    """Sum of tokens over sum of seconds, from (tokens, seconds) pairs: the per-request rate of a level. A mean
+    of per-request ratios would let one request whose tokens arrived in a burst (microseconds apart) swamp it."""
+    seconds = sum(s for _, s in pairs)
+    return sum(n for n, _ in pairs) / seconds if seconds > 0 else None
+
+
 @dataclass
 class RequestResult:
     error: str | None = None
     ttft_s: float | None = None  # send -> first non-empty content chunk
     e2e_s: float | None = None  # send -> end of stream
-    decode_s: float | None = None  # first -> last content chunk
+    # First content chunk -> the last event that carried a token (content or not: a token whose text is held
+    # back, or the finish event, still ends after that token was made).
+    decode_s: float | None = None
     num_chunks: int = 0  # SSE events that carried content
     num_completion_tokens: int = 0
     num_prompt_tokens: int | None = None  # as the server's usage reports it
@@ -133,14 +157,15 @@ class RequestResult:
 
     @property
     def decode_tok_s(self) -> float | None:
-        # Tokens of the first chunk were produced by prefill; only the rest are decode.
-        if not self.ok or not self.decode_s:
-            return None
-        return (self.num_completion_tokens - self.tokens_per_chunk) / self.decode_s
+        return decode_rate(self.num_completion_tokens, self.decode_s) if self.ok else None
+
+    @property
+    def e2e_tok_s(self) -> float | None:
+        return e2e_rate(self.num_completion_tokens, self.e2e_s) if self.ok else None
 
     def summary(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k != "itl_s"}
-        out["decode_tok_s"] = self.decode_tok_s
+        out["decode_tok_s"], out["e2e_tok_s"] = self.decode_tok_s, self.e2e_tok_s
         return out
 
 
@@ -182,6 +207,7 @@ async def _stream_request(
     result = RequestResult()
     chat = cfg.endpoint == "chat"
     chunk_times: list[float] = []
+    last_token_at = 0.0
     usage_tokens = 0
     start = time.perf_counter()
     async with client.stream("POST", cfg.request_url, json=make_body(cfg, prompt)) as resp:
@@ -207,6 +233,8 @@ async def _stream_request(
                 result.num_prompt_tokens = usage.get("prompt_tokens")
             if _chunk_text(event, chat):
                 chunk_times.append(now)
+            if event.get("choices") and chunk_times:
+                last_token_at = now
     end = time.perf_counter()
     if not chunk_times:
         # Tokens without text are the model's own output (e.g. special tokens, skipped in replies).
@@ -215,7 +243,7 @@ async def _stream_request(
         return result
     result.ttft_s = chunk_times[0] - start
     result.e2e_s = end - start
-    result.decode_s = chunk_times[-1] - chunk_times[0]
+    result.decode_s = last_token_at - chunk_times[0]
     result.num_chunks = len(chunk_times)
     # Without usage, one content chunk is taken as one token.
     result.num_completion_tokens = usage_tokens or len(chunk_times)
@@ -241,6 +269,12 @@ async def _timed_request(
         return RequestResult(error=f"{type(exc).__name__}: {exc}".rstrip(": "))
 
 
+def quiet_client_logs() -> None:
+    """The HTTP client logs one INFO line per request; a bench sends hundreds, so only its warnings show."""
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def _make_client(cfg: ServeBenchConfig, concurrency: int) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         timeout=httpx.Timeout(cfg.timeout_s),
@@ -258,7 +292,7 @@ def summarize_level(
     ttft = [r.ttft_s for r in ok]
     e2e = [r.e2e_s for r in ok]
     itl = [gap for r in ok for gap in r.itl_s]
-    rates = [r.decode_tok_s for r in ok if r.decode_tok_s is not None]
+    decoded = [(r.num_completion_tokens - 1, r.decode_s) for r in ok if r.decode_tok_s is not None]
     prompt_lens = [r.num_prompt_tokens for r in ok if r.num_prompt_tokens is not None]
     num_tokens = sum(r.num_completion_tokens for r in ok)
     errors = [r.error for r in results if not r.ok]
@@ -277,7 +311,8 @@ def summarize_level(
         "itl_p99_ms": percentile(itl, 99, scale=1000),
         "e2e_p50_ms": percentile(e2e, 50, scale=1000),
         "e2e_p99_ms": percentile(e2e, 99, scale=1000),
-        "decode_tok_s_per_req": mean(rates),
+        "decode_tok_s_per_req": pooled_rate(decoded),
+        "e2e_tok_s_per_req": pooled_rate([(r.num_completion_tokens, r.e2e_s) for r in ok if r.e2e_s]),
         "agg_tok_s": num_tokens / wall_s if wall_s > 0 else None,
         "req_s": len(ok) / wall_s if wall_s > 0 else None,
         "num_completion_tokens": num_tokens,
@@ -314,6 +349,7 @@ async def run_serve_bench(cfg: ServeBenchConfig, on_level=None) -> dict:
 
     `on_level(level_dict)` is called after each level, for progress output.
     """
+    quiet_client_logs()
     warmup_results: list[RequestResult] = []
     if cfg.warmup:
         async with _make_client(cfg, 1) as client:
@@ -346,9 +382,11 @@ async def run_serve_bench(cfg: ServeBenchConfig, on_level=None) -> dict:
 
 
 def int_list(text: str) -> list[int]:
-    # argparse turns the ValueError of a bad item into a usage error; ranges are
-    # checked by ServeBenchConfig.
-    return [int(part) for part in text.split(",") if part.strip()]
+    # argparse prefixes the flag's name to the message; ranges are checked by ServeBenchConfig.
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers (e.g. 1,2,4), got {text!r}") from None
 
 
 def add_serve_args_argument(parser: argparse.ArgumentParser) -> None:
@@ -418,7 +456,7 @@ def _print_progress(level: dict) -> None:
     # on stdout stays clean for redirection.
     done = f"{level['num_ok']}/{level['num_requests']} ok"
     rates = ", ".join(f"{title} {level[key]:.1f}" for key, title, _ in TABLE_COLUMNS
-                      if key in ("decode_tok_s_per_req", "agg_tok_s") and level.get(key) is not None)
+                      if (key.endswith("tok_s_per_req") or key == "agg_tok_s") and level.get(key) is not None)
     print(f"[{level['label']}] conc={level['concurrency']}: {done}" + (f", {rates}" if rates else ""),
           file=sys.stderr, flush=True)
     for message in level["error_samples"]:
