@@ -20,6 +20,7 @@ from mlxserve.structured.grammar import (
     ConstraintError,
     json_object_constraint,
     json_schema_constraint,
+    tag_token_ids,
     tool_call_constraint,
     with_reasoning_prefix,
 )
@@ -44,7 +45,8 @@ def output_constraint(model: Any, body: SamplingFields, prompt_text: str | None)
     # Reasoning comes before the constrained part when the prompt opened it, or when a reasoning
     # model (think tokens in its vocabulary) may open it itself and the prompt did not close it.
     if constraint is not None and tags and (starts_in or (model.thinks_by_default and not prompt_end.endswith(tags[1]))):
-        constraint = with_reasoning_prefix(constraint, *tags, starts_in_reasoning=starts_in)
+        constraint = with_reasoning_prefix(constraint, *tags, starts_in_reasoning=starts_in,
+                                           tag_ids=tag_token_ids(model.tokenizer, tags))
     spec = OutputSpec(reasoning_tags=tags, starts_in_reasoning=starts_in, tool_format=tool_format, tools=tools)
     return constraint, spec
 
@@ -75,7 +77,9 @@ def _tool_constraint(model: Any, body: ChatCompletionRequest):
                            "format yet (only auto)", "tool_choice")
         return None, model.tool_parser, tools
     try:
-        constraint = tool_call_constraint(tools, mode, fmt, name, parallel=body.parallel_tool_calls is not False)
+        # Tags that are single tokens of this tokenizer (Qwen's `<tool_call>`) are accepted as those tokens.
+        constraint = tool_call_constraint(tools, mode, fmt, name, parallel=body.parallel_tool_calls is not False,
+                                          tag_ids=tag_token_ids(model.tokenizer, fmt.tags))
     except ConstraintError as exc:
         raise APIError(400, str(exc), "tool_choice" if mode == "named" else "tools") from exc
     return constraint, model.tool_parser, tools

@@ -7,16 +7,20 @@ Every grammar is a llguidance "grammars" document: grammar 0 is the top level, J
 rules reference each other by name (`@args_0`). Tool arguments stay separate sub-grammars so each
 schema keeps its own root and its `#/$defs/...` references still resolve.
 
-Tags such as `<tool_call>` and `<think>` are matched as text. That covers tokenizers where they are plain
-words or added tokens that are not "special" (Qwen, Hermes, DeepSeek-R1); a tag that is a *special*
-token in the tokenizer (Mistral's `[TOOL_CALLS]` in v3+ tokenizers) cannot be produced through a text
-literal, because llguidance keeps special tokens out of text matches.
+Tags such as `<tool_call>`, `[TOOL_CALLS]`, `<|python_tag|>` and `<think>` are often one added token of
+the model's tokenizer (Qwen2.5/Qwen3 `<tool_call>` is 151657). llguidance keeps every added token out of
+text matches, so a text literal cannot produce it: with a forced `"<tool_call>"` the mask offered the
+token and then refused it. The builders take `tag_ids` (tag text -> its token id, `tag_token_ids`) and
+accept such a tag as that token (`<[id]>`) or spelled out in text; without an id a tag is text only.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from llguidance import LLMatcher
 
@@ -34,6 +38,31 @@ class Constraint:
 
 class ConstraintError(ValueError):
     """A schema or tool definition that cannot be enforced; the message is meant for the client (a 400)."""
+
+
+class GrammarFailure(str):
+    """The error text of a request whose grammar could not go on (a dead end, or a token it refused).
+
+    A `str`, so it travels as a request's error message unchanged; its type tells the API to answer it as
+    the request's own problem (a 400 in the dialect's shape), not as a server fault."""
+
+
+def tag_token_ids(tokenizer: Any, tags: Iterable[str]) -> dict[str, int]:
+    """Tag text -> token id, for each tag that the tokenizer (Hugging Face or mlx-lm's wrapper) has as
+    one token spelling exactly that text."""
+    found = {}
+    for tag in tags:
+        if not tag:
+            continue
+        try:
+            token_id = tokenizer.convert_tokens_to_ids(tag)
+            ok = isinstance(token_id, int) and token_id != tokenizer.unk_token_id
+            ok = ok and tokenizer.convert_ids_to_tokens(token_id) == tag
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+            ok = False
+        if ok:
+            found[tag] = token_id
+    return found
 
 
 @dataclass(frozen=True)
@@ -64,6 +93,16 @@ class ToolFormat:
     def tags_per_call(self) -> bool:
         return self.body == "hermes_json"
 
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """The texts a tokenizer may hold as single tokens (look them up with `tag_token_ids`)."""
+        return tuple(t for t in (self.start.strip(), self.end.strip(), self.opening_token) if t)
+
+    @property
+    def opening_token(self) -> str:
+        # Llama 3 may open JSON calls with its `<|python_tag|>` token; optional, and only where it exists.
+        return "<|python_tag|>" if self.body == "llama3_json" else ""
+
 
 # The layouts mlx-lm's and vLLM's parsers read back (Qwen2.5/Qwen3/Hermes chat templates, Llama 3.1+
 # JSON tool calling, Mistral v0.3 JSON tool calls).
@@ -91,14 +130,21 @@ def json_object_constraint() -> Constraint:
 
 
 def tool_call_constraint(
-    tools: list[dict], mode: str, fmt: ToolFormat = HERMES, name: str | None = None, parallel: bool = True
+    tools: list[dict],
+    mode: str,
+    fmt: ToolFormat = HERMES,
+    name: str | None = None,
+    parallel: bool = True,
+    tag_ids: Mapping[str, int] | None = None,
 ) -> Constraint:
     """Output must call the given OpenAI-style tools in `fmt`'s layout.
 
     mode "required": at least one call (several with `parallel`), then only EOS.
     mode "named": exactly one call to `name`, then only EOS.
     mode "auto": free text, or (once the model writes the start tag) well-formed calls, then only EOS.
+    `tag_ids`: the format's tags that are single tokens of the served tokenizer (`tag_token_ids`).
     """
+    tags = _Tags(tag_ids)
     if mode not in TOOL_CHOICE_MODES:
         raise ConstraintError(f"tool_choice mode must be one of {TOOL_CHOICE_MODES}, got {mode!r}")
     specs = _tool_specs(tools)
@@ -113,32 +159,39 @@ def tool_call_constraint(
         calls.append(f'call_{i}: {_lit(_call_prefix(tool, fmt))} @args_{i} "}}"')
     lines = [
         "start: " + ("tool_calls" if mode != "auto" else f"{_free_text_rule(fmt)} | tool_calls"),
-        "tool_calls: " + _calls_expr(fmt, parallel, lazy_open=mode == "auto"),
+        "tool_calls: " + _calls_expr(fmt, parallel, lazy_open=mode == "auto", tags=tags),
         "call: " + " | ".join(f"call_{i}" for i in range(len(specs))),
         *calls,
     ]
     if mode == "auto":
-        lines += _auto_rules(fmt)
+        lines += _auto_rules(fmt, tags)
     return _checked(Constraint(_document([{"lark_grammar": "\n".join(lines) + "\n"}, *subs]), "tool_call"))
 
 
 def with_reasoning_prefix(
-    constraint: Constraint, start: str = "<think>", end: str = "</think>", starts_in_reasoning: bool = False
+    constraint: Constraint,
+    start: str = "<think>",
+    end: str = "</think>",
+    starts_in_reasoning: bool = False,
+    tag_ids: Mapping[str, int] | None = None,
 ) -> Constraint:
     """Free reasoning text first, closed by `end`; `constraint` applies only after it.
 
     When the prompt already opened the reasoning (`starts_in_reasoning`), the output starts inside it and
     must close it; otherwise the model may open it with `start` or skip it and answer directly.
+    `tag_ids`: which of the two tags are single tokens (Qwen3's `<think>` is 151667).
     """
+    tags = _Tags(tag_ids)
     grammars = _grammars(constraint.grammar)
     names = {g.get("name") for g in grammars}
     inner = next(f"constrained_{i}" for i in range(len(names) + 1) if f"constrained_{i}" not in names)
     grammars[0] = {**grammars[0], "name": inner}
-    opened = "" if starts_in_reasoning else _lit(start) + " "
     lark = "\n".join([
         f"start: reasoning{'' if starts_in_reasoning else '?'} REASONING_GAP @{inner}",
+        "reasoning: " + _join("" if starts_in_reasoning else tags.text(start), "reasoning_body"),
         # Lazy: the reasoning ends at the first `end`, so text after it is held to the constraint.
-        f"reasoning[lazy]: {opened}REASONING_TEXT {_lit(end)}",
+        f"reasoning_text[lazy]: REASONING_TEXT {_lit(end)}",
+        "reasoning_body: " + tags.closing("reasoning_text", "REASONING_TEXT", end),
         r"REASONING_TEXT: /(.|\n)*/",
         # Chat templates put a blank line or two between the reasoning and the answer.
         r"REASONING_GAP: /[ \n]{0,4}/",
@@ -193,20 +246,23 @@ def _call_prefix(tool: str, fmt: ToolFormat) -> str:
     return f'{{"name": {json.dumps(tool, ensure_ascii=False)}, "{fmt.arguments_key}": '
 
 
-def _calls_expr(fmt: ToolFormat, parallel: bool, lazy_open: bool) -> str:
+def _calls_expr(fmt: ToolFormat, parallel: bool, lazy_open: bool, tags: "_Tags") -> str:
     """The whole tool-call section; with `lazy_open` its opening comes from the auto-mode trigger rule."""
     trigger = _trigger(fmt)
     if lazy_open and trigger:
-        opening = _join("tool_trigger", _lit(fmt.start[len(trigger):]))
+        opening = _join("tool_open", tags.text(fmt.start[len(trigger):]))
     else:
-        opening = _lit(fmt.start)
+        opening = tags.text(fmt.start)
+    if fmt.opening_token in tags:
+        opening = _join(opening, f"{tags.token(fmt.opening_token)}?")
+    start, end = tags.text(fmt.start), tags.text(fmt.end)
     if fmt.tags_per_call:
-        more = f" ({_lit(fmt.separator)} {_lit(fmt.start)} call {_lit(fmt.end)})*" if parallel else ""
-        return _join(opening, "call", _lit(fmt.end)) + more
+        more = f" ({_lit(fmt.separator)} {start} call {end})*" if parallel else ""
+        return _join(opening, "call", end) + more
     more = f"({_lit(fmt.separator)} call)*" if parallel else ""
     if fmt.body == "mistral":
-        return _join(opening, '"["', "call", more, '"]"', _lit(fmt.end))
-    return _join(opening, "call", more, _lit(fmt.end))
+        return _join(opening, '"["', "call", more, '"]"', end)
+    return _join(opening, "call", more, end)
 
 
 def _trigger(fmt: ToolFormat) -> str:
@@ -220,12 +276,40 @@ def _free_text_rule(fmt: ToolFormat) -> str:
     return "FREE_TEXT" if _trigger(fmt) else "PLAIN_TEXT"
 
 
-def _auto_rules(fmt: ToolFormat) -> list[str]:
+def _auto_rules(fmt: ToolFormat, tags: "_Tags") -> list[str]:
     if _trigger(fmt):
-        # Lazy lexeme: free text ends at the first trigger, after which the call grammar holds.
-        return [r"FREE_TEXT: /(.|\n)*/", f"tool_trigger[lazy]: FREE_TEXT {_lit(_trigger(fmt))}"]
+        # Lazy lexeme: free text ends at the first trigger, after which the call grammar holds. A trigger
+        # that is one token ends the text as that token: the model opens a call its own way.
+        return [r"FREE_TEXT: /(.|\n)*/", f"tool_trigger[lazy]: FREE_TEXT {_lit(_trigger(fmt))}",
+                "tool_open: " + tags.closing("tool_trigger", "FREE_TEXT", _trigger(fmt))]
     first = "\\[" if fmt.body == "mistral" else "\\{"
     return ["PLAIN_TEXT: /([^" + first + r"](.|\n)*)?/"]
+
+
+class _Tags:
+    """Renders literals that may hold tags: a tag with a token id is that token or its text."""
+
+    def __init__(self, tag_ids: Mapping[str, int] | None):
+        self._ids = {tag: int(i) for tag, i in (tag_ids or {}).items() if tag}
+        keys = sorted(self._ids, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, keys)) + ")") if keys else None
+
+    def __contains__(self, tag: str) -> bool:
+        return tag in self._ids
+
+    def token(self, tag: str) -> str:
+        return f"<[{self._ids[tag]}]>"
+
+    def text(self, text: str) -> str:
+        """`text` as a grammar expression: literal pieces, and each known tag as `(<[id]> | "tag")`."""
+        if self._split is None or not text:
+            return _lit(text)
+        parts = [f"({self.token(p)} | {_lit(p)})" if p in self._ids else _lit(p) for p in self._split.split(text)]
+        return _join(*parts)
+
+    def closing(self, lazy_rule: str, text_terminal: str, tag: str) -> str:
+        """Free text closed by `tag`: the lazy rule (text then the tag's text), or the text then its token."""
+        return f"{lazy_rule} | {text_terminal} {self.token(tag)}" if tag in self._ids else lazy_rule
 
 
 def _grammars(grammar: str) -> list[dict]:
