@@ -4,188 +4,48 @@ rendered by `anthropic_events`. Errors on these paths come in Anthropic's shape.
 
 `cache_control` is accepted wherever Anthropic allows it and ignored: every prompt's full blocks go
 through the prefix cache anyway. `thinking.budget_tokens` is accepted and not enforced (max_tokens is).
+What each field does here (accepted, mapped or refused) is tabled in docs/compat.md: bookkeeping and
+unknown fields are accepted and logged at debug, server tools skipped with a warning unless forced.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
-from typing import Annotated, Any, Literal, Optional, Union
+import logging
+from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ConfigDict, Field, model_validator
 
 from mlxserve.api.anthropic_events import MessageBuilder, stream_message
+from mlxserve.api.anthropic_schema import (
+    AnyChoice,
+    CountTokensRequest,
+    ImageBlock,
+    MessagesRequest,
+    NoneChoice,
+    RedactedThinkingBlock,
+    ServerTool,
+    TextBlock,
+    ThinkingBlock,
+    Tool,
+    ToolChoice,
+    ToolResultBlock,
+    ToolUseBlock,
+)
 from mlxserve.api.door import EngineDoor, chat_request
 from mlxserve.api.errors import APIError
-from mlxserve.api.schemas import MAX_STOP_STRINGS, ChatCompletionRequest, StrictModel
+from mlxserve.api.schemas import (
+    ChatCompletionRequest,
+    adjacent_systems_joined,
+    effort,
+    log_unused,
+    unused_fields,
+)
 from mlxserve.api.security import is_anthropic_path
 
-
-class _Block(StrictModel):
-    # Clients send back the blocks of earlier replies with fields we have no use for (citations,
-    # caller, ...): accepted and unused, as OpenAI messages' echoed fields are.
-    model_config = ConfigDict(extra="allow")
-
-    cache_control: Optional[dict] = None
-
-
-class TextBlock(_Block):
-    type: Literal["text"]
-    text: str
-
-
-class Base64Source(StrictModel):
-    type: Literal["base64"]
-    media_type: str
-    data: str
-
-
-class URLSource(StrictModel):
-    type: Literal["url"]
-    url: str
-
-
-class ImageBlock(_Block):
-    type: Literal["image"]
-    source: Annotated[Union[Base64Source, URLSource], Field(discriminator="type")]
-
-    @property
-    def url(self) -> str:
-        src = self.source
-        return src.url if isinstance(src, URLSource) else f"data:{src.media_type};base64,{src.data}"
-
-
-class ToolUseBlock(_Block):
-    type: Literal["tool_use"]
-    id: str
-    name: str
-    input: dict
-
-
-ResultPart = Annotated[Union[TextBlock, ImageBlock], Field(discriminator="type")]
-
-
-class ToolResultBlock(_Block):
-    type: Literal["tool_result"]
-    tool_use_id: str
-    content: Optional[Union[str, list[ResultPart]]] = None
-    is_error: bool = False  # accepted; the result's text says what went wrong
-
-
-class ThinkingBlock(_Block):
-    type: Literal["thinking"]
-    thinking: str
-    signature: Optional[str] = None
-
-
-class RedactedThinkingBlock(_Block):
-    type: Literal["redacted_thinking"]
-    data: str
-
-
-ContentBlock = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock,
-                               RedactedThinkingBlock], Field(discriminator="type")]
-
-
-class InputMessage(StrictModel):
-    model_config = ConfigDict(extra="forbid")
-
-    role: Literal["user", "assistant"]
-    content: Union[str, list[ContentBlock]]
-
-
-class Tool(StrictModel):
-    model_config = ConfigDict(extra="forbid")
-
-    type: Optional[Literal["custom"]] = None
-    name: Annotated[str, Field(min_length=1, max_length=256)]
-    description: Optional[str] = None
-    input_schema: dict
-    strict: Optional[bool] = None
-    cache_control: Optional[dict] = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _client_tools_only(cls, value):
-        # Server tools (web_search_..., bash_..., text_editor_...) run at Anthropic: say so, rather
-        # than complain about their fields.
-        kind = value.get("type") if isinstance(value, dict) else None
-        if kind not in (None, "custom"):
-            raise ValueError(f"tool type {kind!r} is not supported: only client tools (name, description, "
-                             "input_schema) can be served")
-        return value
-
-
-class _Choice(StrictModel):
-    model_config = ConfigDict(extra="forbid")
-
-    disable_parallel_tool_use: Optional[bool] = None
-
-
-class AutoChoice(_Choice):
-    type: Literal["auto"]
-
-
-class AnyChoice(_Choice):
-    type: Literal["any"]
-
-
-class ToolChoice(_Choice):
-    type: Literal["tool"]
-    name: str
-
-
-class NoneChoice(StrictModel):
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["none"]
-
-
-class ThinkingEnabled(StrictModel):
-    type: Literal["enabled"]
-    budget_tokens: Annotated[int, Field(ge=1)]
-    display: Optional[str] = None
-
-
-class ThinkingDisabled(StrictModel):
-    type: Literal["disabled"]
-
-
-class ThinkingAdaptive(StrictModel):
-    type: Literal["adaptive"]  # the model's own default: the chat template decides
-    display: Optional[str] = None
-
-
-class MessagesRequest(StrictModel):
-    """A field we do not know is a 400 naming it, as on the OpenAI routes."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str
-    max_tokens: Annotated[int, Field(ge=1)]
-    messages: Annotated[list[InputMessage], Field(min_length=1)]
-    system: Optional[Union[str, list[TextBlock]]] = None
-    stop_sequences: Optional[Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)]] = None
-    temperature: Optional[Annotated[float, Field(ge=0.0, le=1.0)]] = None
-    top_p: Optional[Annotated[float, Field(gt=0.0, le=1.0)]] = None
-    top_k: Optional[Annotated[int, Field(ge=0)]] = None
-    tools: Optional[list[Tool]] = None
-    tool_choice: Optional[Annotated[Union[AutoChoice, AnyChoice, ToolChoice, NoneChoice],
-                                    Field(discriminator="type")]] = None
-    thinking: Optional[Annotated[Union[ThinkingEnabled, ThinkingDisabled, ThinkingAdaptive],
-                                 Field(discriminator="type")]] = None
-    stream: bool = False
-    # Bookkeeping that changes nothing about the output: accepted and not used.
-    metadata: Optional[dict] = None
-    cache_control: Optional[dict] = None
-    service_tier: Optional[str] = None
-
-
-class CountTokensRequest(MessagesRequest):
-    # The same body as a message, without the need for a completion budget.
-    max_tokens: Optional[Annotated[int, Field(ge=1)]] = None
+log = logging.getLogger(__name__)
 
 
 # -- translation -----------------------------------------------------------------------------------
@@ -246,6 +106,40 @@ def _assistant_message(blocks: list, where: str) -> dict:
     return message
 
 
+def _system_message(blocks: list, where: str) -> dict:
+    for j, b in enumerate(blocks):
+        if not isinstance(b, TextBlock):
+            raise APIError(400, f"a {b.type} block cannot appear in a system message", f"{where}.{j}")
+    return {"role": "system", "content": _joined(blocks)}
+
+
+def _client_tools(body: MessagesRequest) -> list[Tool]:
+    """The tools the model is shown: server tools and MCP servers are skipped (with a warning), unless
+    `tool_choice` forces one of them, which is a 400: the reply could not be what was asked for."""
+    tools = [t for t in body.tools or () if isinstance(t, Tool)]
+    skipped = [t for t in body.tools or () if isinstance(t, ServerTool)]
+    if skipped or body.mcp_servers:
+        labels = [f"{t.type} ({t.name})" if t.name else t.type for t in skipped]
+        labels += [f"mcp_servers ({len(body.mcp_servers)})"] if body.mcp_servers else []
+        log.warning("/v1/messages: skipped %s: this server runs only client tools", ", ".join(labels))
+    choice = body.tool_choice
+    names = {t.name for t in skipped if t.name}
+    if isinstance(choice, ToolChoice) and choice.name in names:
+        raise APIError(400, f"tool_choice forces the server tool {choice.name!r}, which this server does not "
+                       "run: only client tools (name, description, input_schema) can be called", "tool_choice")
+    if isinstance(choice, AnyChoice) and not tools and (skipped or body.mcp_servers):
+        raise APIError(400, "tool_choice any needs a client tool: this server runs no server or MCP tools",
+                       "tool_choice")
+    return tools
+
+
+def _output_format(body: MessagesRequest) -> Optional[dict]:
+    fmt = body.output_config.format if body.output_config and body.output_config.format else body.output_format
+    if fmt is None:
+        return None
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_, "strict": True}}
+
+
 def _tool_choice(body: MessagesRequest) -> tuple[Any, Optional[bool]]:
     choice = body.tool_choice
     if choice is None:
@@ -259,6 +153,7 @@ def _tool_choice(body: MessagesRequest) -> tuple[Any, Optional[bool]]:
 
 
 def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
+    log_unused("/v1/messages", unused_fields(body, body.ACCEPTED_UNUSED))
     messages: list[dict] = []
     if body.system:
         messages.append({"role": "system", "content": body.system if isinstance(body.system, str)
@@ -266,22 +161,30 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     for i, m in enumerate(body.messages):
         if isinstance(m.content, str):
             messages.append({"role": m.role, "content": m.content})
+        elif m.role == "system":
+            messages.append(_system_message(m.content, f"messages.{i}.content"))
         elif m.role == "user":
             messages.extend(_user_messages(m.content, f"messages.{i}.content"))
         else:
             messages.append(_assistant_message(m.content, f"messages.{i}.content"))
-    fields: dict = {"model": body.model, "messages": messages, "max_tokens": body.max_tokens,
-                    "stop": body.stop_sequences or None}
+    fields: dict = {"model": body.model, "messages": adjacent_systems_joined(messages), "max_tokens": body.max_tokens,
+                    "stop": body.stop_sequences or None, "response_format": _output_format(body)}
     for name in ("temperature", "top_p", "top_k"):
         if getattr(body, name) is not None:
             fields[name] = getattr(body, name)
-    if body.tools:
+    tools = _client_tools(body)
+    if tools:
         fields["tools"] = [{"type": "function", "function": {
             "name": t.name, "description": t.description, "parameters": t.input_schema, "strict": t.strict}}
-            for t in body.tools]
+            for t in tools]
     fields["tool_choice"], fields["parallel_tool_calls"] = _tool_choice(body)
     if body.thinking is not None and body.thinking.type != "adaptive":
         fields["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}
+    wanted = body.output_config.effort if body.output_config else None
+    if wanted is not None:
+        fields["reasoning_effort"] = effort(wanted)
+        if fields["reasoning_effort"] is None:
+            log.debug("/v1/messages: output_config.effort %r has no meaning here", wanted)
     return chat_request(fields)
 
 
@@ -304,7 +207,10 @@ def _reshaping(handler):
             response = await response
         if response is None or not is_anthropic_path(request.url.path) or not isinstance(response, JSONResponse):
             return response
-        message = (json.loads(response.body).get("error") or {}).get("message") or str(exc)
+        error = json.loads(response.body).get("error") or {}
+        message, param = error.get("message") or str(exc), error.get("param")
+        if param and not any(p in message for p in param.split(", ")):  # no param in Anthropic's shape
+            message = f"{param}: {message}"
         headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
         return JSONResponse(anthropic_error(response.status_code, message), response.status_code, headers=headers)
 

@@ -60,6 +60,23 @@ class _CountRequests:
             self.metrics.requests.labels(path, str(status)).inc()
 
 
+class _HeadAsGet:
+    """HEAD is answered as GET on every GET route (the server sends the headers, not the body), and
+    `HEAD /` is a 200 even with the web page off: Claude Code sends it before every run."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            if scope["path"] == "/":
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                await send({"type": "http.response.body", "body": b""})
+                return
+            scope = {**scope, "method": "GET"}
+        await self.app(scope, receive, send)
+
+
 def create_app(models: ModelManager) -> FastAPI:
     """The routes over `models`: requests go to the model their `model` field names."""
     metrics = Metrics(lambda: _sum_stats(models.loaded_engines()))
@@ -103,6 +120,7 @@ def create_app(models: ModelManager) -> FastAPI:
                                        headers={"Retry-After": _RETRY_AFTER_S}))
 
     app.add_middleware(_CountRequests, metrics=metrics)
+    app.add_middleware(_HeadAsGet)
     add_embeddings_route(app, models)
     # Other dialects translate into the same requests and go through the same door.
     door = EngineDoor(models, metrics, prep)

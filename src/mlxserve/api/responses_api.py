@@ -1,23 +1,43 @@
 """OpenAI Responses (`POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}`) as a front door: the
 input items (with a stored conversation before them, for `previous_response_id`) are translated into an
 OpenAI `ChatCompletionRequest`, opened through the one `EngineDoor`, and rendered by `responses_events`.
-Only function tools can be served; other tool types are 400s naming them. Imports no MLX.
+Tools go through `responses_tools` (namespaces flattened, hosted tools skipped unless forced). Fields we
+do not know are accepted and logged at debug; docs/compat.md tables what each field does. Imports no MLX.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
+from pydantic import AfterValidator, ConfigDict, Discriminator, Field, Tag, TypeAdapter
 
 from mlxserve.api.door import EngineDoor, chat_request
 from mlxserve.api.errors import APIError
-from mlxserve.api.responses_events import ResponseRenderer, new_id, stream_response
+from mlxserve.api.responses_events import new_id, stream_response
 from mlxserve.api.responses_store import ResponseStore
-from mlxserve.api.schemas import ChatCompletionRequest, StrictModel
+from mlxserve.api.responses_tools import (
+    AnyChoice,
+    AnyTool,
+    NamespacedRenderer,
+    ServedTools,
+    chat_tool_choice,
+    served_tools,
+)
+from mlxserve.api.schemas import (
+    ChatCompletionRequest,
+    StrictModel,
+    adjacent_systems_joined,
+    effort,
+    log_unused,
+    refusing,
+    unused_fields,
+)
+
+log = logging.getLogger(__name__)
 
 
 class _Echoed(StrictModel):
@@ -82,33 +102,8 @@ InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[Fu
 _ITEMS = TypeAdapter(list[InputItem])
 
 
-class FunctionTool(StrictModel):
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["function"]
-    name: Annotated[str, Field(min_length=1, max_length=256)]
-    description: Optional[str] = None
-    parameters: Optional[dict] = None
-    strict: Optional[bool] = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _functions_only(cls, value):
-        kind = value.get("type") if isinstance(value, dict) else None
-        if kind != "function":
-            raise ValueError(f"tool type {kind!r} is not supported: only function tools can be served")
-        return value
-
-
-class FunctionChoice(StrictModel):
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["function"]
-    name: str
-
-
 class TextFormat(StrictModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
 
     type: Literal["text", "json_object", "json_schema"]
     name: Optional[str] = None
@@ -118,30 +113,33 @@ class TextFormat(StrictModel):
 
 
 class TextConfig(StrictModel):
-    model_config = ConfigDict(extra="forbid")
-
     format: Optional[TextFormat] = None
     verbosity: Optional[str] = None  # accepted: nothing to tune it with
 
 
 class ReasoningConfig(StrictModel):
-    model_config = ConfigDict(extra="forbid")
-
     effort: Optional[str] = None
     summary: Optional[str] = None  # accepted: reasoning comes whole, never summarized
     generate_summary: Optional[str] = None
 
 
-class ResponsesRequest(StrictModel):
-    """A field we do not know is a 400 naming it, as on the other routes."""
+def _no_logprobs(include: Optional[list[str]]) -> Optional[list[str]]:
+    if include and "message.output_text.logprobs" in include:
+        raise ValueError("message.output_text.logprobs is not supported: no logprobs on this route")
+    return include
 
-    model_config = ConfigDict(extra="forbid")
+
+class ResponsesRequest(StrictModel):
+    """Fields we do not know are accepted and logged at debug (clients send the protocol's newest); a
+    value we cannot honour is a 400 naming every such field at once."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str
     input: Union[str, list[InputItem]]
     instructions: Optional[str] = None
-    tools: Optional[list[FunctionTool]] = None
-    tool_choice: Optional[Union[Literal["auto", "required", "none"], FunctionChoice]] = None
+    tools: Optional[list[AnyTool]] = None
+    tool_choice: Optional[AnyChoice] = None
     parallel_tool_calls: Optional[bool] = None
     text: Optional[TextConfig] = None
     reasoning: Optional[ReasoningConfig] = None
@@ -154,11 +152,26 @@ class ResponsesRequest(StrictModel):
     # Bookkeeping that changes nothing about the output: accepted and not used.
     metadata: Optional[dict] = None
     user: Optional[str] = None
-    include: Optional[list[str]] = None
     prompt_cache_key: Optional[str] = None
     safety_identifier: Optional[str] = None
     service_tier: Optional[str] = None
-    truncation: Optional[Literal["auto", "disabled"]] = None
+    truncation: Optional[Literal["auto", "disabled"]] = None  # never needed: a prompt too long is a 400
+    include: Annotated[Optional[list[str]], AfterValidator(_no_logprobs)] = None
+    client_metadata: Optional[dict] = None
+    max_tool_calls: Optional[int] = None  # counts hosted tool calls, and none run here
+    stream_options: Optional[dict] = None
+    context_management: Optional[Union[list, dict]] = None
+    # Would change what comes back if ignored, and are not implemented.
+    background: Annotated[Any, refusing("background responses are not supported: send the request and read it",
+                                        (None, False))] = None
+    conversation: Annotated[Any, refusing("conversations are not stored here: use previous_response_id or send "
+                                          "the input")] = None
+    prompt: Annotated[Any, refusing("stored prompt templates are not supported: send instructions and input")] = None
+    top_logprobs: Annotated[Any, refusing("top_logprobs is not supported on this route", (None, 0))] = None
+
+    ACCEPTED_UNUSED: ClassVar[tuple[str, ...]] = (
+        "metadata", "user", "include", "prompt_cache_key", "safety_identifier", "service_tier", "truncation",
+        "client_metadata", "max_tool_calls", "stream_options", "context_management")
 
 
 # -- translation -----------------------------------------------------------------------------------
@@ -237,36 +250,50 @@ def _response_format(body: ResponsesRequest) -> Optional[dict]:
                                                    "schema": fmt.schema_, "strict": fmt.strict}}
 
 
-def to_chat_request(body: ResponsesRequest, items: list[dict]) -> ChatCompletionRequest:
+def _reasoning(body: ResponsesRequest, fields: dict) -> None:
+    wanted = body.reasoning.effort if body.reasoning else None
+    if wanted is None:
+        return
+    fields["reasoning_effort"] = effort(wanted)
+    if wanted == "none":  # no reasoning at all: hybrid templates have a switch for that
+        fields["chat_template_kwargs"] = {"enable_thinking": False}
+    elif fields["reasoning_effort"] is None:
+        log.debug("/v1/responses: reasoning.effort %r has no meaning here", wanted)
+
+
+def to_chat_request(body: ResponsesRequest, items: list[dict], tools: ServedTools) -> ChatCompletionRequest:
+    log_unused("/v1/responses", unused_fields(body, body.ACCEPTED_UNUSED))
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
     messages += chat_messages(items)
     if not messages:
         raise APIError(400, "input is empty", "input")
-    fields: dict = {"model": body.model, "messages": messages, "max_tokens": body.max_output_tokens,
-                    "parallel_tool_calls": body.parallel_tool_calls, "response_format": _response_format(body)}
+    fields: dict = {"model": body.model, "messages": adjacent_systems_joined(messages),
+                    "max_tokens": body.max_output_tokens, "parallel_tool_calls": body.parallel_tool_calls,
+                    "response_format": _response_format(body)}
     for name in ("temperature", "top_p"):
         if getattr(body, name) is not None:
             fields[name] = getattr(body, name)
-    if body.tools:
-        fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"})} for t in body.tools]
-    choice = body.tool_choice
-    fields["tool_choice"] = ({"type": "function", "function": {"name": choice.name}}
-                             if isinstance(choice, FunctionChoice) else choice)
-    if body.reasoning and body.reasoning.effort:
-        fields["reasoning_effort"] = body.reasoning.effort
+    fields["tool_choice"], functions = chat_tool_choice(body.tool_choice, tools)
+    if functions:
+        fields["tools"] = functions
+    _reasoning(body, fields)
     return chat_request(fields)
 
 
-def envelope(body: ResponsesRequest) -> dict:
-    """The response object's fields that echo its request."""
+def envelope(body: ResponsesRequest, tools: ServedTools) -> dict:
+    """The response object's fields that echo its request; metadata also names the tools skipped."""
+    metadata = dict(body.metadata or {})
+    if tools.skipped:
+        metadata["mlxserve_skipped_tools"] = ", ".join(tools.skipped)[:512]
+    choice = body.tool_choice
     return {
         "id": new_id("resp"), "object": "response", "created_at": int(time.time()), "model": body.model,
-        "instructions": body.instructions, "metadata": body.metadata or {},
+        "instructions": body.instructions, "metadata": metadata,
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "temperature": body.temperature if body.temperature is not None else 1.0,
         "top_p": body.top_p if body.top_p is not None else 1.0,
-        "tool_choice": body.tool_choice.model_dump() if isinstance(body.tool_choice, FunctionChoice)
-        else body.tool_choice or "auto",
+        "tool_choice": choice.model_dump(exclude_none=True) if choice and not isinstance(choice, str)
+        else choice or "auto",
         "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
         "max_output_tokens": body.max_output_tokens, "previous_response_id": body.previous_response_id,
         "reasoning": body.reasoning.model_dump() if body.reasoning else {"effort": None, "summary": None},
@@ -295,8 +322,9 @@ def add_responses_routes(app: FastAPI, door: EngineDoor, max_num_responses: int 
             if previous is None:
                 raise _not_found(body.previous_response_id, "previous_response_id")
             items = previous.conversation + items
-        opened = await door.open(to_chat_request(body, items))
-        renderer = ResponseRenderer(envelope(body), opened.prepared.output)
+        tools = served_tools(body.tools)
+        opened = await door.open(to_chat_request(body, items, tools))
+        renderer = NamespacedRenderer(envelope(body, tools), opened.prepared.output, tools.namespaces)
         timer = door.timer()
 
         def keep(response: dict) -> None:

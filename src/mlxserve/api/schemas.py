@@ -22,7 +22,7 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True)
 
 
-def refused(why: str, harmless: tuple = (None,)) -> Any:
+def refusing(why: str, harmless: tuple = (None,)) -> AfterValidator:
     """A field whose value would change the output if ignored, and which this server cannot honour:
     `harmless` values (off, empty, the default) pass; any other is a 400 naming the field, together
     with every other bad field of the request."""
@@ -32,7 +32,7 @@ def refused(why: str, harmless: tuple = (None,)) -> Any:
             return value
         raise ValueError(why)
 
-    return Annotated[Any, AfterValidator(check)]
+    return AfterValidator(check)
 
 
 def unused_fields(body: BaseModel, accepted: tuple[str, ...]) -> list[str]:
@@ -212,7 +212,7 @@ _EMPTY = (None, [], {})
 
 class SamplingFields(StrictModel):
     """Fields shared by chat and completions requests. A field this server cannot honour and whose
-    loss would change the output is a 400 naming it (see `refused`); bookkeeping, hints and fields of
+    loss would change the output is a 400 naming it (see `refusing`); bookkeeping, hints and fields of
     newer protocol versions are accepted and logged at debug (docs/compat.md has the table)."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
@@ -244,25 +244,26 @@ class SamplingFields(StrictModel):
     safety_identifier: Optional[str] = None
     priority: Optional[int] = None  # a scheduling hint (vLLM's): served in arrival order
     # vLLM's and others' output-changing extensions this server does not implement.
-    min_tokens: refused("min_tokens is not supported", (None, 0)) = None
-    best_of: refused("best_of is not supported (use n)", (None, 1)) = None
-    use_beam_search: refused("beam search is not supported", _OFF) = None
-    stop_token_ids: refused("stop_token_ids is not supported: use stop strings", _EMPTY) = None
-    bad_words: refused("bad_words is not supported: use logit_bias", _EMPTY) = None
-    allowed_token_ids: refused("allowed_token_ids is not supported: use logit_bias", _EMPTY) = None
-    include_stop_str_in_output: refused("include_stop_str_in_output is not supported", _OFF) = None
-    skip_special_tokens: refused("special tokens are always skipped", (None, True)) = None
-    prompt_logprobs: refused("prompt_logprobs is not supported", (None,)) = None
-    truncate_prompt_tokens: refused("prompts are never truncated: shorten the prompt", (None,)) = None
-    guided_json: refused("use response_format with a json_schema", (None,)) = None
-    guided_regex: refused("regular-expression grammars are not supported", (None,)) = None
-    guided_choice: refused("use response_format with an enum json_schema", (None,)) = None
-    guided_grammar: refused("grammars are not supported: use response_format", (None,)) = None
-    structured_outputs: refused("use response_format", (None,)) = None
-    logits_processors: refused("custom logits processors are not supported", _EMPTY) = None
+    min_tokens: Annotated[Any, refusing("min_tokens is not supported", (None, 0))] = None
+    best_of: Annotated[Any, refusing("best_of is not supported (use n)", (None, 1))] = None
+    use_beam_search: Annotated[Any, refusing("beam search is not supported", _OFF)] = None
+    stop_token_ids: Annotated[Any, refusing("stop_token_ids is not supported: use stop strings", _EMPTY)] = None
+    bad_words: Annotated[Any, refusing("bad_words is not supported: use logit_bias", _EMPTY)] = None
+    allowed_token_ids: Annotated[Any, refusing("allowed_token_ids is not supported: use logit_bias",
+                                               _EMPTY)] = None
+    include_stop_str_in_output: Annotated[Any, refusing("include_stop_str_in_output is not supported", _OFF)] = None
+    skip_special_tokens: Annotated[Any, refusing("special tokens are always skipped", (None, True))] = None
+    prompt_logprobs: Annotated[Any, refusing("prompt_logprobs is not supported")] = None
+    truncate_prompt_tokens: Annotated[Any, refusing("prompts are never truncated: shorten the prompt")] = None
+    guided_json: Annotated[Any, refusing("use response_format with a json_schema")] = None
+    guided_regex: Annotated[Any, refusing("regular-expression grammars are not supported")] = None
+    guided_choice: Annotated[Any, refusing("use response_format with an enum json_schema")] = None
+    guided_grammar: Annotated[Any, refusing("grammars are not supported: use response_format")] = None
+    structured_outputs: Annotated[Any, refusing("use response_format")] = None
+    logits_processors: Annotated[Any, refusing("custom logits processors are not supported", _EMPTY)] = None
 
-    ACCEPTED_UNUSED: ClassVar[tuple[str, ...]] = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-                       "priority")
+    ACCEPTED_UNUSED: ClassVar[tuple[str, ...]] = ("user", "metadata", "store", "service_tier", "prompt_cache_key",
+                                                  "safety_identifier", "priority")
 
     @model_validator(mode="after")
     def _log_unused(self):
@@ -304,15 +305,15 @@ class ChatCompletionRequest(SamplingFields):
     verbosity: Optional[str] = None
     # A hosted web search the client offers, not forces: skipped with a warning (docs/compat.md).
     web_search_options: Optional[dict] = None
-    functions: refused("legacy function calling is not supported: send `tools`", _EMPTY) = None
-    function_call: refused("legacy function calling is not supported: send `tool_choice`",
-                           (None, "none", "auto")) = None
-    audio: refused("audio output is not supported", (None,)) = None
-    echo: refused("echo is not supported", _OFF) = None
-    continue_final_message: refused("continue_final_message is not supported", _OFF) = None
-    add_generation_prompt: refused("the generation prompt is always added", (None, True)) = None
-    chat_template: refused("a per-request chat template is not supported", (None,)) = None
-    documents: refused("documents are not supported: put them in the messages", _EMPTY) = None
+    functions: Annotated[Any, refusing("legacy function calling is not supported: send `tools`", _EMPTY)] = None
+    function_call: Annotated[Any, refusing("legacy function calling is not supported: send `tool_choice`",
+                                           (None, "none", "auto"))] = None
+    audio: Annotated[Any, refusing("audio output is not supported")] = None
+    echo: Annotated[Any, refusing("echo is not supported", _OFF)] = None
+    continue_final_message: Annotated[Any, refusing("continue_final_message is not supported", _OFF)] = None
+    add_generation_prompt: Annotated[Any, refusing("the generation prompt is always added", (None, True))] = None
+    chat_template: Annotated[Any, refusing("a per-request chat template is not supported")] = None
+    documents: Annotated[Any, refusing("documents are not supported: put them in the messages", _EMPTY)] = None
 
     ACCEPTED_UNUSED: ClassVar[tuple[str, ...]] = SamplingFields.ACCEPTED_UNUSED + ("prediction", "verbosity")
 
@@ -344,7 +345,7 @@ class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
     echo: bool = False
-    suffix: refused("suffix (fill-in-the-middle) is not supported", (None, "")) = None
+    suffix: Annotated[Any, refusing("suffix (fill-in-the-middle) is not supported", (None, ""))] = None
 
     @property
     def requested_max_tokens(self) -> Optional[int]:
