@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import logging
 import os
 import sys
+from pathlib import Path
 
 from mlxserve.config import EngineConfig, MediaConfig, SecurityConfig, ServerConfig, parse_memory
 from mlxserve.models.backend import default_prefill_step_size
@@ -179,9 +181,32 @@ def _models_fields(args) -> dict:
     return {"models": tuple(specs), "max_loaded_models": max_models, "max_loaded_bytes": max_bytes}
 
 
+def _check_sources(args) -> None:
+    """A mistyped path, a folder that is no model or an unreachable hub id, reported before anything heavy
+    loads: the single model in full (the hub asked once), --model entries and --draft-model by their paths."""
+    from mlxserve.models.source import check_local, looks_local, resolve_source
+    from mlxserve.models.specs import parse_model_flag
+
+    if args.model is not None:
+        resolve_source(args.model, download=False)
+    paths = [parse_model_flag(text).source for text in args.extra_models]
+    for source in paths + ([args.draft_model] if args.draft_model else []):
+        path = os.path.expanduser(source)
+        if os.path.exists(path):
+            check_local(Path(path), source)
+        elif looks_local(source):
+            resolve_source(source, download=False)  # raises "no such folder"
+
+
 def _serve(args) -> int:
     from mlxserve import process
     from mlxserve.models.loader import ModelLoadError
+
+    try:
+        _check_sources(args)
+    except (ModelLoadError, ValueError) as e:
+        print(f"mlxserve serve: {e}", file=sys.stderr)
+        return 2
     from mlxserve.server import build_app
 
     sock = None
@@ -260,11 +285,20 @@ def _demo_model(args) -> int:
 
 def _convert(args) -> int:
     from mlxserve.models import convert
+    from mlxserve.models.loader import ModelLoadError
+    from mlxserve.models.source import resolve_source
 
+    try:  # the same checks and the same one hub request as `serve`; a hub id is converted from its download
+        args.hf_path = str(resolve_source(args.hf_path))
+    except ModelLoadError as e:
+        print(f"mlxserve convert: {e}", file=sys.stderr)
+        return 2
     return convert.run(args)
 
 
-def make_parser() -> argparse.ArgumentParser:
+def make_parser(with_bench: bool = True) -> argparse.ArgumentParser:
+    """The whole command line; `with_bench=False` leaves out the bench commands' flags, whose modules take
+    seconds to import (a mistyped `serve` path is reported faster)."""
     from mlxserve.settings import HelpFormatter
 
     # Every parser shows each flag's default in --help (settings.py HelpFormatter).
@@ -363,32 +397,29 @@ def make_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True,
                                                                       parser_class=make)
-    from mlxserve.bench import burst, compare, coreml, decode, distributed, engine, kvquant, load, memory, multimodal
-    from mlxserve.bench import plot, prefix, speculative, structured
-    from mlxserve.bench import serve as serve_bench
-
-    for name, module, help_text in (
-        ("serve", serve_bench, "streaming HTTP load against an OpenAI-compatible server"),
-        ("engine", engine, "the engine in-process, no HTTP"),
-        ("decode", decode, "one stream: mlx-lm generate_step vs the engine core vs the async engine"),
-        ("compare", compare, "mlxserve vs mlx_lm.server, same model and load, one run"),
-        ("prefix", prefix, "TTFT with a shared prefix: cold vs prefix-cache hit"),
-        ("burst", burst, "TTFT of each prompt of a mixed-length burst, per --max-num-prefill-rows / step size"),
-        ("memory", memory, "memory over a long generation with/without --kv-prealloc; peak of a burst with"
-                           " admission on/off"),
-        ("load", load, "weight-loading strategies: load time and peak RSS, cold/warm page cache"),
-        ("multimodal", multimodal, "multi-turn TTFT about one image/video: vision cache, KV cache, both"),
-        ("kvquant", kvquant, "--kv-bits: aggregate tok/s at 16 concurrent and long contexts per memory budget,"
-                             " float vs 8-bit vs 4-bit KV"),
-        ("structured", structured, "aggregate tok/s with every row under a JSON schema vs free; mask time"),
-        ("distributed", distributed, "one model on 1 rank vs split over N (--tensor-parallel): tok/s, long-prompt"
-                                     " TTFT"),
-        ("speculative", speculative, "decode tok/s with speculative decoding off / ngram / draft models of"
-                                     " several acceptance rates, single stream and concurrent"),
-        ("plot", plot, "PNG charts of `bench serve` result files, side by side (the `plot` extra)"),
-        ("coreml", coreml, "an exported Core ML package on this Mac: prompt TTFT and extend tok/s per context"
-                           " (macOS only)"),
+    for name, help_text in () if not with_bench else (
+        ("serve", "streaming HTTP load against an OpenAI-compatible server"),
+        ("engine", "the engine in-process, no HTTP"),
+        ("decode", "one stream: mlx-lm generate_step vs the engine core vs the async engine"),
+        ("compare", "mlxserve vs mlx_lm.server, same model and load, one run"),
+        ("prefix", "TTFT with a shared prefix: cold vs prefix-cache hit"),
+        ("burst", "TTFT of each prompt of a mixed-length burst, per --max-num-prefill-rows / step size"),
+        ("memory", "memory over a long generation with/without --kv-prealloc; peak of a burst with"
+                   " admission on/off"),
+        ("load", "weight-loading strategies: load time and peak RSS, cold/warm page cache"),
+        ("multimodal", "multi-turn TTFT about one image/video: vision cache, KV cache, both"),
+        ("kvquant", "--kv-bits: aggregate tok/s at 16 concurrent and long contexts per memory budget,"
+                    " float vs 8-bit vs 4-bit KV"),
+        ("structured", "aggregate tok/s with every row under a JSON schema vs free; mask time"),
+        ("distributed", "one model on 1 rank vs split over N (--tensor-parallel): tok/s, long-prompt"
+                        " TTFT"),
+        ("speculative", "decode tok/s with speculative decoding off / ngram / draft models of"
+                        " several acceptance rates, single stream and concurrent"),
+        ("plot", "PNG charts of `bench serve` result files, side by side (the `plot` extra)"),
+        ("coreml", "an exported Core ML package on this Mac: prompt TTFT and extend tok/s per context"
+                   " (macOS only)"),
     ):
+        module = importlib.import_module(f"mlxserve.bench.{name}")
         command = bench.add_parser(name, help=help_text)
         module.add_arguments(command)
         command.set_defaults(func=module.run)
@@ -410,8 +441,8 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = make_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
+    parser = make_parser(with_bench="bench" in argv)
     args = parser.parse_args(argv)
     settings_parser = getattr(args, "settings_parser", None)
     if settings_parser is not None:
@@ -425,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
             settings_parser.error(str(e))
         args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level == "info":  # HTTP clients log a line per request (hub look-ups, downloads): debug only
+        for name in ("httpx", "httpx2"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     return args.func(args)
 
 

@@ -65,7 +65,7 @@ class LoadedModel:
 
 
 def load_model(source: str, strategy: str = "auto") -> LoadedModel:
-    """Loads weights and tokenizer; a hub id is fetched by mlx-lm's loader (snapshot_download).
+    """Loads weights and tokenizer; a hub id comes from the Hugging Face cache or is downloaded once.
     `strategy` is "auto" (choose_load_strategy by the weights' size) or one of LOAD_STRATEGIES.
     Every array the model holds is evaluated before this returns (`materialize`)."""
     from mlxserve.models.quantized_rows import fold_on_cuda
@@ -92,27 +92,23 @@ def _load(source: str, strategy: str) -> LoadedModel:
     if strategy != "auto" and strategy not in LOAD_STRATEGIES:
         raise ValueError(f"load strategy must be auto or one of {LOAD_STRATEGIES}, got {strategy!r}")
     from mlxserve.models.encoder import encoder_type, load_encoder
+    from mlxserve.models.source import resolve_source
     from mlxserve.models.vlm import is_vlm_config, load_vlm, read_config
 
-    folder = Path(source)
-    for path in sorted(folder.glob("*.safetensors")):  # nothing for a hub id not fetched yet
+    # A local path as is; a hub id from the Hugging Face cache, else downloaded (models/source.py).
+    folder = resolve_source(source)
+    for path in sorted(folder.glob("*.safetensors")):
         check_safetensors(path)
-    config = read_config(source)
+    config = read_config(str(folder))
     if config is not None and is_vlm_config(config):
         # Vision-language models load through mlx-vlm (its own weight layout and processor).
-        model, tokenizer = load_vlm(source, config)
+        model, tokenizer = load_vlm(str(folder), config)
         return LoadedModel(model, tokenizer, config, source)
     if config is not None and encoder_type(config) is not None:
         # BERT-style encoders load through mlx-embeddings (mlx-lm has no encoder models).
-        return load_encoder(source, config)
-    if not folder.is_dir():
-        # A hub id: only mlx-lm's loader knows how to download it.
-        from mlx_lm import load
-
-        start = time.perf_counter()
-        model, tokenizer, config = load(source, return_config=True)
-        log.info("loaded %s in %.2f s", source, time.perf_counter() - start)
-        return LoadedModel(model, tokenizer, config, source)
+        loaded = load_encoder(str(folder), config)
+        loaded.source = source
+        return loaded
     files = weight_files(folder)
     if strategy == "auto":
         strategy = choose_load_strategy(sum(p.stat().st_size for p in files))

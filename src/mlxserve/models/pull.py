@@ -23,6 +23,45 @@ class _VisibleTqdm(tqdm):
         super().__init__(*args, **kwargs)
 
 
+class HubError(Exception):
+    """The hub cannot give us `repo_id`; the message says why and what to do next."""
+
+
+def check_on_hub(repo_id: str, revision: str | None = None, timeout: float = 3.0) -> None:
+    """Asks the hub once, within `timeout` and with no retries, whether it serves `repo_id`; HubError if not.
+    A download's own requests retry, which is right once the hub has answered but turns a machine with no
+    network into half a minute of warnings."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    here = "" if "/" in repo_id else " and no such folder here"
+    if constants.is_offline_mode():
+        raise HubError(f"{repo_id} is not in the Hugging Face cache{here}, and HF_HUB_OFFLINE is set: serve a local"
+                       f" folder, or unset HF_HUB_OFFLINE and run `mlxserve pull {repo_id}`")
+    try:
+        HfApi().model_info(repo_id, revision=revision or "main", timeout=timeout)
+    except OfflineModeIsEnabled:
+        raise HubError(f"{repo_id}: HF_HUB_OFFLINE is set; unset it to download") from None
+    except GatedRepoError:
+        raise HubError(f"{repo_id} is gated on the hub: accept its terms on huggingface.co, then `hf auth login`"
+                       " or set HF_TOKEN") from None
+    except RevisionNotFoundError:
+        raise HubError(f"{repo_id} has no revision {revision!r} on the hub") from None
+    except RepositoryNotFoundError:
+        raise HubError(f"{repo_id}: not found on the Hugging Face hub{here} (a private one needs"
+                       " `hf auth login` or HF_TOKEN)") from None
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else "an error"
+        raise HubError(f"the Hugging Face hub answered {status} for {repo_id}; try again later, or serve a local"
+                       " folder") from None
+    except Exception as e:  # noqa: BLE001  the HTTP client's connection and timeout errors: no network
+        reason = str(e).strip() or type(e).__name__
+        raise HubError(f"cannot reach the Hugging Face hub ({constants.ENDPOINT}: {reason}) and {repo_id} is not in"
+                       f" its cache{here}: serve a local folder, run `mlxserve pull {repo_id}` when online, or set"
+                       " HF_HUB_OFFLINE=1 to use cached models without asking the hub") from None
+
+
 def pull(repo_id: str, revision: str | None = None, local_dir: str | None = None,
          allow_patterns: list[str] | None = None) -> Path:
     """Downloads `repo_id` at `revision` (a branch, tag or commit; default main) and returns the folder."""
@@ -43,6 +82,11 @@ def run(args) -> int:
     for name in ("httpx", "httpx2"):  # one INFO line per request would drown the progress bars
         logging.getLogger(name).setLevel(logging.WARNING)
     print(f"pulling {args.repo_id}" + (f" at {args.revision}" if args.revision else ""), file=sys.stderr)
+    try:
+        check_on_hub(args.repo_id, args.revision)
+    except HubError as e:
+        print(f"mlxserve pull: {e}", file=sys.stderr)
+        return 2
     try:
         path = pull(args.repo_id, args.revision, args.local_dir, args.include or None)
     except RepositoryNotFoundError:
