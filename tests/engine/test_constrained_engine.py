@@ -14,9 +14,12 @@ import pytest
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine.engine_core import EngineCore
+from mlxserve.engine.grammar import GrammarSource
 from mlxserve.engine.request import Request, SamplingParams
+from mlxserve.models.demo import DemoModelConfig, build_model_folder
 from mlxserve.models.loader import load_model
-from mlxserve.structured.grammar import json_schema_constraint
+from mlxserve.structured.grammar import Constraint, GrammarFailure, json_schema_constraint
+from mlxserve.testing.tag_tokens import add_tag_tokens
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0,
@@ -48,7 +51,8 @@ def prompt(seed: int) -> list[int]:
     return [rng.randrange(3, 2000) for _ in range(rng.randrange(4, 30))]
 
 
-def run(core: EngineCore, requests: list[Request]) -> dict[str, tuple[list[int], str, str]]:
+def run(core: EngineCore, requests: list[Request], errors: dict | None = None) -> dict[str, tuple[list[int], str, str]]:
+    """Every request's (token ids, text, finish reason); a failed one's error goes to `errors` if given."""
     for r in requests:
         core.add_request(r)
     out: dict[str, list] = {}
@@ -56,6 +60,9 @@ def run(core: EngineCore, requests: list[Request]) -> dict[str, tuple[list[int],
         if not core.has_work:
             break
         for o in core.step():
+            if errors is not None and o.error is not None:
+                errors[o.request_id] = o.error
+                continue
             assert o.error is None, o.error
             entry = out.setdefault(o.request_id, [[], "", None])
             entry[0] += o.new_token_ids
@@ -87,3 +94,49 @@ def test_half_constrained_batch_keeps_free_rows_identical(loaded):
         assert finish == "stop", (text, finish)
         jsonschema.validate(json.loads(text), SCHEMAS[i % len(SCHEMAS)])
     assert core.status()["structured_output"]["num_mask_steps"] > 0
+
+
+def test_grammar_source_says_why_a_grammar_stopped(loaded):
+    source = GrammarSource(loaded.tokenizer, 2048, frozenset(loaded.eos_token_ids))
+    eos = min(loaded.eos_token_ids)
+    digit = loaded.tokenizer.encode("7")[0]
+    rows = [(0, source.compiler.compile(json_schema_constraint(SCHEMAS[0]))),
+            (1, source.compiler.compile(json_schema_constraint(SCHEMAS[0])))]
+    failed = source.advance(rows, [digit, loaded.tokenizer.encode("{")[0]])
+    assert list(failed) == [0] and isinstance(failed[0], GrammarFailure)
+    assert failed[0].startswith("the json_schema grammar could not continue: ") and "\n" not in failed[0]
+    # EOS ends a healthy request; after a failure it was all the mask left, so the request fails.
+    assert source.advance(rows[1:], [None, eos]) == {}
+    assert list(source.advance(rows[:1], [eos])) == [0]
+
+
+@pytest.fixture(scope="module")
+def tagged(tmp_path_factory):
+    """The demo model with `<tool_call>` and friends as added tokens (ids 2048+)."""
+    folder = build_model_folder(tmp_path_factory.mktemp("tagged"), DemoModelConfig(vocab_size=2064))
+    add_tag_tokens(folder)
+    return load_model(str(folder))
+
+
+def test_a_grammar_dead_end_fails_only_its_request(tagged):
+    # A text literal that spells an added token: llguidance's mask offers the token, then refuses it
+    # (what `tool_choice: required` did on Qwen before tags became tokens). Any grammar that cannot go
+    # on must end its own request with a clear error and leave the rest of the batch untouched.
+    stuck = Constraint('start: "<tool_call>" "x"', "tool_call")
+    free = [Request(f"free{i}", prompt(i), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+            for i in range(3)]
+    alone = run(make_core(tagged), free)
+    core = make_core(tagged)
+    bad = Request("bad", prompt(50), SamplingParams(max_tokens=16, temperature=0.0, constraint=stuck),
+                  eos_token_ids=tagged.eos_token_ids)
+    good = Request("good", prompt(51), SamplingParams(max_tokens=200, temperature=1.0, seed=3,
+                                                     constraint=json_schema_constraint(SCHEMAS[1])),
+                   eos_token_ids=tagged.eos_token_ids)
+    errors: dict = {}
+    got = run(core, [bad, good] + [Request(r.request_id, r.prompt_token_ids, r.sampling) for r in free], errors)
+    assert list(errors) == ["bad"] and isinstance(errors["bad"], GrammarFailure)
+    assert errors["bad"].startswith("the tool_call grammar could not continue:"), errors["bad"]
+    for r in free:
+        assert got[r.request_id][0] == alone[r.request_id][0]
+    jsonschema.validate(json.loads(got["good"][1]), SCHEMAS[1])
+    assert not core.has_work

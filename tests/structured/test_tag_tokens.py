@@ -17,12 +17,13 @@ from mlxserve.structured.grammar import (
     tool_call_constraint,
     with_reasoning_prefix,
 )
+from mlxserve.testing.tag_tokens import SPECIAL_TAGS, TEXT_TAGS
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False,
 }}}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-TAGS = ("<tool_call>", "</tool_call>", "<think>", "</think>", "[TOOL_CALLS]", "<|python_tag|>")
+TAGS = TEXT_TAGS + SPECIAL_TAGS
 
 
 @pytest.fixture(scope="module")

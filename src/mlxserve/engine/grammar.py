@@ -13,6 +13,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxserve.structured.grammar import GrammarFailure
+
 
 class GrammarSource:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
@@ -34,15 +36,23 @@ class GrammarSource:
             self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size, self._eos_token_ids or None)
         return self._compiler
 
-    def advance(self, rows: list[tuple[int, Any]], fed_ids: list[int]) -> set[int]:
+    def advance(self, rows: list[tuple[int, Any]], fed_ids: list[int]) -> dict[int, GrammarFailure]:
         """Feeds each constrained row the token it is fed this step; returns the rows whose grammar
-        rejected it (cannot happen for tokens sampled under its own mask, but a bug must fail one
-        request, not the batch). An end-of-sequence token ends the request: nothing to advance."""
-        return {i for i, matcher in rows if not self.feed(matcher, fed_ids[i])}
+        could not go on, with why (the request fails with that message; the rest of the batch goes on).
+        A token sampled under the row's own mask is normally accepted; a refusal, or a grammar that
+        failed while computing its mask (only EOS was left), is a dead end of that grammar."""
+        failed = {}
+        for i, matcher in rows:
+            if not self.feed(matcher, fed_ids[i]):
+                failed[i] = grammar_failure(matcher, fed_ids[i])
+        return failed
 
     def feed(self, matcher: Any, token: int) -> bool:
-        """One token into one grammar; False: rejected. EOS is not fed: it ends the request."""
-        return token in self._eos_token_ids or matcher.consume(token)
+        """One token into one grammar; False: it could not go on. EOS is not fed: it ends the request,
+        unless the grammar had failed (then EOS was all its mask allowed, not the model's choice)."""
+        if token in self._eos_token_ids:
+            return not matcher.error
+        return matcher.consume(token)
 
     def mask_drafts(self, logits: mx.array, rows: list[tuple[int, Any, list[int]]]) -> tuple[mx.array, list[int]]:
         """Speculative steps: `logits` [B, K+1, V]; `rows` (batch row, its matcher just past the fed token,
@@ -106,3 +116,11 @@ class GrammarSource:
             "num_mask_steps": self.num_mask_steps,
             "mask_ms_per_step": 1000 * self.mask_seconds / self.num_mask_steps if self.num_mask_steps else 0.0,
         }
+
+
+def grammar_failure(matcher: Any, token: int) -> GrammarFailure:
+    """What the client reads when its request's grammar stops: the grammar's kind and llguidance's
+    first line (the rest is a parser state dump for developers)."""
+    detail = (matcher.error or "").strip().splitlines()
+    why = detail[0] if detail else f"token {token} was refused"
+    return GrammarFailure(f"the {matcher.kind} grammar could not continue: {why}")

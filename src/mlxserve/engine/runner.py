@@ -463,8 +463,8 @@ class ModelRunner:
             mx.async_eval(logits)
             fed_ids = fed.tolist()
             rejected = self.grammar.advance(constrained, fed_ids)
-            for i in rejected:
-                out.failed[rids[i]] = f"the grammar rejected token {fed_ids[i]}"
+            for i, why in rejected.items():
+                out.failed[rids[i]] = why
             logits = self.grammar.mask(logits, [c for c in constrained if c[0] not in rejected])
         else:
             fed_ids = None

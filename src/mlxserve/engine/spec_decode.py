@@ -174,8 +174,8 @@ class SpeculativeDecoder:
                     last_ids = last.tolist()  # the grammars advance on the host
                 fed_ids = [last_ids[i] for i in special]
                 rejected = runner.grammar.advance(constrained, fed_ids)
-                for j in rejected:
-                    out.failed[rids[special[j]]] = f"the grammar rejected token {fed_ids[j]}"
+                for j, why in rejected.items():
+                    out.failed[rids[special[j]]] = why
                 first = runner.grammar.mask(first, [c for c in constrained if c[0] not in rejected])
             tokens, lp_special = sample_batch(first, [samplers[i] for i in special])
             accepted_parts.append(mx.zeros((len(special),), dtype=mx.int32))
@@ -258,8 +258,8 @@ class SpeculativeDecoder:
         grammar = runner.grammar
         rows = [(i, samplers[i].matcher) for i in constrained]
         rejected = grammar.advance(rows, [f[0] for f in fed_ids])
-        for i in rejected:
-            out.failed[rids[i]] = f"the grammar rejected token {fed_ids[i][0]}"
+        for i, why in rejected.items():
+            out.failed[rids[i]] = why
             lengths[i] = 0
         walks = [(i, m, fed_ids[i][1 : 1 + lengths[i]]) for i, m in rows if i not in rejected]
         logits, kept = grammar.mask_drafts(logits, walks)
