@@ -1,6 +1,11 @@
 """A realistic Claude Code request body (the shape its agent loop sends: system as blocks with
 `cache_control`, ~20 client tools with real-looking input schemas, a multi-turn history with tool_use /
-tool_result blocks), for replaying against /v1/messages."""
+tool_result blocks), for replaying against /v1/messages.
+
+`CURRENT_FIELDS` are what Claude Code 2.1.197 adds to every turn (captured from the real CLI; the whole
+captures are in tests/api/fixtures): a system message after the first user turn, adaptive thinking,
+context management and an output effort. The anthropic SDK has no parameters for some of them: send
+them as `extra_body`."""
 
 from __future__ import annotations
 
@@ -167,7 +172,16 @@ HISTORY = [
 ]
 
 
+AGENT_TYPES = ("Available agent types for the Agent tool:\n- general-purpose: General-purpose agent for researching "
+               "complex questions, searching for code, and executing multi-step tasks. (Tools: *)\n- Explore: "
+               "Read-only search agent for broad fan-out searches. (Tools: All tools except Agent, Edit, Write)")
+CURRENT_FIELDS = {"thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+                  "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}}
+
+
 def claude_code_request(model: str, max_tokens: int = 16) -> dict:
     """A fresh copy each call: tests append turns to it."""
+    messages = copy.deepcopy(HISTORY)
+    messages.insert(1, {"role": "system", "content": AGENT_TYPES})
     return {"model": model, "max_tokens": max_tokens, "system": copy.deepcopy(SYSTEM), "tools": copy.deepcopy(TOOLS),
-            "messages": copy.deepcopy(HISTORY), "metadata": {"user_id": "user_abc_account_123_session_456"}}
+            "messages": messages, "metadata": {"user_id": "user_abc_account_123_session_456"}}

@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import pytest
 
-from claude_code_request import claude_code_request
+from claude_code_request import CURRENT_FIELDS, claude_code_request
 
 TIME = {"type": "object", "properties": {"tz": {"type": "string", "pattern": "^[A-Z]{3}$"}}, "required": ["tz"],
         "additionalProperties": False}
@@ -164,17 +164,28 @@ def test_thinking_block(claude, server):
 
 
 @pytest.mark.parametrize("kw, words", [
-    ({"extra_body": {"bogus": 1}}, "bogus"),
-    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search_20250305"),
-    ({"tool_choice": {"type": "any"}}, "tool_choice"),
-    ({"extra_body": {"temperature": 1.5}}, "temperature"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}],
+      "tool_choice": {"type": "tool", "name": "web_search"}}, ["tool_choice", "web_search"]),
+    ({"tool_choice": {"type": "any"}}, ["tool_choice"]),
+    ({"extra_body": {"temperature": 1.5}}, ["temperature"]),
+    ({"extra_body": {"temperature": 1.5, "top_k": -1}, "stop_sequences": ["s"] * 17},
+     ["3 problems", "temperature", "top_k", "stop_sequences"]),
 ])
 def test_bad_requests_are_anthropic_400s(claude, server, kw, words):
     with pytest.raises(anthropic.BadRequestError) as err:
         claude.messages.create(model=server.model_name, max_tokens=4, messages=MESSAGES, **kw)
     body = err.value.body
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
-    assert words in body["error"]["message"]
+    assert all(w in body["error"]["message"] for w in words), body["error"]["message"]
+
+
+def test_unknown_fields_and_server_tools_are_accepted(claude, server):
+    # Anthropic adds request fields often: unknown ones and bookkeeping are accepted; a server tool
+    # the client does not force is skipped (the model sees the client tools only).
+    m = claude.messages.create(model=server.model_name, max_tokens=4, messages=MESSAGES, extra_body={
+        **GREEDY, **CURRENT_FIELDS, "bogus": 1, "speed": "fast"},
+        tools=[{"type": "web_search_20250305", "name": "web_search"}, TOOLS[0]])
+    assert m.stop_reason in ("end_turn", "max_tokens", "tool_use")
 
 
 def test_unknown_model_and_missing_max_tokens(claude, server):
@@ -198,14 +209,14 @@ def test_claude_code_replay_hits_the_prefix_cache(long_context_server):
     live = long_context_server
     with anthropic.Anthropic(base_url=live.url, api_key="x", max_retries=0, timeout=300) as claude:
         body = claude_code_request(live.model_name)
-        first = claude.messages.create(**body, extra_body=GREEDY)
+        first = claude.messages.create(**body, extra_body={**GREEDY, **CURRENT_FIELDS})
         assert first.stop_reason in ("end_turn", "max_tokens", "tool_use")
         counted = claude.messages.count_tokens(**{k: v for k, v in body.items() if k not in ("max_tokens", "metadata")})
         assert counted.input_tokens == first.usage.input_tokens + first.usage.cache_read_input_tokens
         body["messages"] += [{"role": "assistant", "content": first.content},
                              {"role": "user", "content": [{"type": "text", "text": "Good. Now commit it.",
                                                            "cache_control": {"type": "ephemeral"}}]}]
-        with claude.messages.stream(**body, extra_body=GREEDY) as stream:
+        with claude.messages.stream(**body, extra_body={**GREEDY, **CURRENT_FIELDS}) as stream:
             second = stream.get_final_message()
     # Everything up to the first reply is the same prompt: its whole blocks come from the cache (the
     # last one or two may not: a partial block is never cached, and tokens may merge across the seam).

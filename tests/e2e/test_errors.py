@@ -91,6 +91,12 @@ BAD = [
     ("unknown-model-comp", COMP, comp(model="nope"), 404, "model"),
     ("unknown-model-streamed", CHAT, chat(model="nope", stream=True), 404, "model"),
     ("bad-input-streamed", CHAT, chat(temperature=9, stream=True), 400, "temperature"),
+    # Output-changing extensions this server does not implement are named; bookkeeping is accepted.
+    ("best-of", COMP, comp(best_of=3), 400, "best_of"),
+    ("suffix", COMP, comp(suffix="}"), 400, "suffix"),
+    ("guided-json", CHAT, chat(guided_json={"type": "object"}), 400, "guided_json"),
+    ("functions", CHAT, chat(functions=[{"name": "f"}]), 400, "functions"),
+    ("several-bad-fields", CHAT, chat(temperature=5, top_p=0, min_tokens=3, bogus=1), 400, "temperature, top_p, min_tokens"),
 ]
 
 
@@ -173,6 +179,29 @@ def test_default_max_tokens_fills_the_context(http):
 def test_wrong_method_and_unknown_path(http):
     assert_error_shape(http.get(CHAT), 405)
     assert_error_shape(http.get("/v1/nothing-here"), 404)
+    head = http.head(CHAT)  # HEAD is GET without the body: the same 405, no body
+    assert head.status_code == 405 and head.headers["allow"] == "POST" and head.content == b""
+
+
+@pytest.mark.parametrize("path", ["/", "/health", "/v1/models", "/metrics"])
+def test_head_is_get_without_the_body(http, path):
+    # Claude Code sends `HEAD /` before every run.
+    r = http.head(path)
+    assert r.status_code == 200 and r.content == b""
+
+
+def test_several_bad_fields_are_one_400_naming_each(http):
+    error = assert_error_shape(send(http, CHAT, chat(temperature=5, top_p=0, n=0, use_beam_search=True)), 400)
+    assert error["message"].startswith("4 problems: ") and "more problem" not in error["message"]
+    for field in ("temperature", "top_p", "n", "use_beam_search"):
+        assert f"{field}: " in error["message"]
+
+
+def test_bookkeeping_and_unknown_fields_are_accepted(http):
+    r = send(http, CHAT, chat(store=False, metadata={"k": "v"}, service_tier="auto", prompt_cache_key="p",
+                              safety_identifier="s", verbosity="low", prediction={"type": "content", "content": "x"},
+                              reasoning_effort="xhigh", stream_options=None, bogus=1))
+    assert r.status_code == 200, r.text
 
 
 def test_openai_client_raises_typed_errors(small_server):

@@ -120,12 +120,28 @@ def test_get_and_delete(client, server):
 
 
 @pytest.mark.parametrize("kw, param", [
-    ({"tools": [{"type": "web_search"}]}, "tools.0"),
-    ({"extra_body": {"bogus": 1}}, "bogus"),
+    ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "response_format"),
+    ({"background": True}, "background"),
+    ({"background": True, "temperature": 3, "extra_body": {"top_logprobs": 2}}, "temperature, background, top_logprobs"),
 ])
 def test_bad_requests_are_400s(client, server, kw, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model=server.model_name, input="Hi", max_output_tokens=2, **kw)
     assert err.value.body["param"] == param
+
+
+def test_codex_fields_and_tools_are_accepted(client, server):
+    # What Codex CLI sends besides input: bookkeeping (client_metadata, prompt_cache_key, include), a
+    # namespace of function tools (flattened: the model sees its functions) and a hosted tool (skipped).
+    namespace = {"type": "namespace", "name": "agents", "description": "Sub-agents.",
+                 "tools": [{**TOOLS[0], "name": "spawn_agent"}]}
+    r = client.responses.create(
+        model=server.model_name, input="Hi", max_output_tokens=120, temperature=0, store=False,
+        include=["reasoning.encrypted_content"], prompt_cache_key="k", reasoning={"summary": "auto"},
+        tools=[namespace, {"type": "web_search", "external_web_access": False}], tool_choice="required",
+        parallel_tool_calls=False, extra_body={"client_metadata": {"turn_id": "t1"}, "bogus": 1})
+    assert r.metadata == {"mlxserve_skipped_tools": "web_search"}
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert [(c.name, c.namespace) for c in calls] == [("spawn_agent", "agents")]

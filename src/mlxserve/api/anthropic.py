@@ -178,7 +178,7 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
             "name": t.name, "description": t.description, "parameters": t.input_schema, "strict": t.strict}}
             for t in tools]
     fields["tool_choice"], fields["parallel_tool_calls"] = _tool_choice(body)
-    if body.thinking is not None and body.thinking.type != "adaptive":
+    if body.thinking is not None and body.thinking.type in ("enabled", "disabled"):
         fields["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}
     wanted = body.output_config.effort if body.output_config else None
     if wanted is not None:

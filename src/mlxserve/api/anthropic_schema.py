@@ -149,8 +149,20 @@ class ThinkingDisabled(StrictModel):
 
 
 class ThinkingAdaptive(StrictModel):
-    type: Literal["adaptive"]  # the model's own default: the chat template decides
+    """adaptive, between_tools, and kinds Anthropic adds later: the model's own default (the chat
+    template decides whether it thinks)."""
+
+    type: str
     display: Optional[str] = None
+
+
+def _thinking_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if kind in ("enabled", "disabled") else "other"
+
+
+AnyThinking = Annotated[Union[Annotated[ThinkingEnabled, Tag("enabled")], Annotated[ThinkingDisabled, Tag("disabled")],
+                              Annotated[ThinkingAdaptive, Tag("other")]], Discriminator(_thinking_kind)]
 
 
 class OutputFormat(StrictModel):
@@ -182,8 +194,7 @@ class MessagesRequest(StrictModel):
     tools: Optional[list[AnyTool]] = None
     tool_choice: Optional[Annotated[Union[AutoChoice, AnyChoice, ToolChoice, NoneChoice],
                                     Field(discriminator="type")]] = None
-    thinking: Optional[Annotated[Union[ThinkingEnabled, ThinkingDisabled, ThinkingAdaptive],
-                                 Field(discriminator="type")]] = None
+    thinking: Optional[AnyThinking] = None
     stream: bool = False
     output_config: Optional[OutputConfig] = None
     output_format: Optional[OutputFormat] = None  # the structured-outputs beta's first spelling
@@ -196,9 +207,15 @@ class MessagesRequest(StrictModel):
     service_tier: Optional[str] = None
     context_management: Optional[dict] = None
     container: Optional[Union[str, dict]] = None
+    diagnostics: Optional[dict] = None  # asks Anthropic why its prompt cache missed
+    speed: Optional[str] = None  # "fast": a faster (pricier) Anthropic mode; one speed here
+    inference_geo: Optional[str] = None
+    user_profile_id: Optional[str] = None
+    workspace_id: Optional[str] = None
 
-    ACCEPTED_UNUSED: ClassVar[tuple[str, ...]] = ("metadata", "cache_control", "service_tier",
-                                                  "context_management", "container")
+    ACCEPTED_UNUSED: ClassVar[tuple[str, ...]] = ("metadata", "cache_control", "service_tier", "context_management",
+                                                  "container", "diagnostics", "speed", "inference_geo",
+                                                  "user_profile_id", "workspace_id")
 
 
 class CountTokensRequest(MessagesRequest):
