@@ -143,6 +143,7 @@ def test_concurrent_requests_sharing_a_prefix(loaded, reference, block_bytes, kw
 
 def test_cold_concurrent_requests_with_one_prompt_store_its_blocks_once(loaded, reference, block_bytes):
     core = make_core(loaded)
+    core.scheduler.wait_for_inflight = False  # all four prefill it side by side
     prompt = tokens(5, 3 * BS + 2)
     outs = run(core, {f"r{i}": prompt for i in range(4)})
     assert all(o == {"ids": reference(prompt), "cached": 0} for o in outs.values())
@@ -338,3 +339,51 @@ def test_clear_cache_also_drops_blocks_waiting_to_be_spilled(loaded, reference, 
     out = one(restarted, a)
     restarted.close()
     assert out == {"ids": reference(a), "cached": 0}  # a was cleared and never ran again
+
+
+# -- prefill stored chunk by chunk; one prefill for prompts sent together --------------------------------
+
+
+def prefill_steps(core: EngineCore, rid: str, num_tokens: int) -> None:
+    """Steps until request `rid` has prefilled at least `num_tokens` prompt tokens."""
+    for _ in range(1000):
+        core.step()
+        if core.scheduler.running[rid].num_computed_tokens >= num_tokens:
+            return
+    raise AssertionError("the prefill did not get that far")
+
+
+def test_an_aborted_prefill_leaves_its_finished_blocks_cached(loaded, reference, block_bytes):
+    core = make_core(loaded, prefill_step_size=32)
+    prompt = tokens(60, 300)
+    core.add_request(Request("long", prompt, greedy()))
+    prefill_steps(core, "long", 160)
+    assert core.scheduler.running["long"].num_computed_tokens == 160  # 5 chunks of 32, no first token yet
+    core.abort("long")
+    assert drain(core) == {}
+    assert check_memory(core, block_bytes)["num_cached_blocks"] == 160 // BS
+    # The retry resumes where the aborted prefill stopped, and its tokens are the uncached ones.
+    assert one(core, prompt) == {"ids": reference(prompt), "cached": 160}
+
+
+def test_identical_prompts_sent_together_prefill_once(loaded, reference, block_bytes):
+    core = make_core(loaded, prefill_step_size=32)
+    prompt = tokens(61, 300)
+    outs = run(core, {"first": prompt, "second": prompt, "other": tokens(62, 40)})
+    assert outs["first"] == {"ids": reference(prompt), "cached": 0}
+    assert outs["second"] == {"ids": reference(prompt), "cached": 299 // BS * BS}  # >= 90% of its prompt
+    assert outs["other"]["ids"] == reference(tokens(62, 40))
+    stats = check_memory(core, block_bytes)
+    assert stats["hit_tokens"] == 299 // BS * BS
+
+
+def test_a_waiter_computes_the_rest_when_the_owner_is_aborted(loaded, reference):
+    core = make_core(loaded, prefill_step_size=32)
+    prompt = tokens(63, 300)
+    core.add_request(Request("owner", prompt, greedy()))
+    core.add_request(Request("waiter", prompt, greedy()))
+    prefill_steps(core, "owner", 96)
+    assert "waiter" not in core.scheduler.running
+    core.abort("owner")
+    out = drain(core)
+    assert out["waiter"] == {"ids": reference(prompt), "cached": 96}

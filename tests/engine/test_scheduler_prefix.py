@@ -151,6 +151,7 @@ def test_stores_skip_the_requests_own_hit():
 
 def test_two_requests_finishing_together_store_a_shared_block_once():
     s = make_scheduler()
+    s.wait_for_inflight = False  # both compute the prompt side by side
     for rid in ("a", "b"):
         s.add_request(make_request(rid, prompt_of(9), max_tokens=1))
     step(s)
@@ -176,7 +177,7 @@ def test_request_aborted_while_waiting_plans_nothing_and_holds_nothing():
     assert s.prefix.pool.num_used == 0
 
 
-def test_request_aborted_before_its_first_token_plans_nothing():
+def test_request_aborted_before_its_first_token_stores_the_chunks_it_prefilled():
     s = make_scheduler(prefill_step_size=4)
     warm(s, prompt_of(9))
     cached = s.prefix.pool.num_cached
@@ -187,8 +188,21 @@ def test_request_aborted_before_its_first_token_plans_nothing():
     assert s.prefix.pool.num_used == 2
     s.abort("r")
     out = s.schedule()
-    assert out.finished_request_ids == ["r"] and out.store_ops == {}
-    assert s.prefix.pool.num_used == 0 and s.prefix.pool.num_cached == cached
+    # The chunk [8, 12) was computed before the abort: its block is copied from the prefill cache.
+    assert out.finished_request_ids == ["r"]
+    assert {rid: [op.start for op in ops] for rid, ops in out.store_ops.items()} == {"r": [8]}
+    s.schedule()
+    assert s.prefix.pool.num_used == 0 and s.prefix.pool.num_cached == cached + 1
+
+
+def test_request_aborted_before_any_chunk_ran_plans_nothing():
+    s = make_scheduler(max_num_seqs=1)
+    s.add_request(make_request("a", prompt_of(9, seed=2), max_tokens=8))
+    s.add_request(r := make_request("r", prompt_of(9)))
+    step(s)
+    s.abort("r")  # still waiting
+    out = s.schedule()
+    assert "r" not in out.store_ops and r.num_computed_tokens == 0
 
 
 def test_request_aborted_after_its_first_token_stores_what_it_computed():

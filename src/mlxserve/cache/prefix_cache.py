@@ -33,7 +33,7 @@ class ResumeCheck(Protocol):
     def take_lost_windows(self) -> list[int]: ...
 
 from mlxserve.cache.block_pool import Block, BlockPool
-from mlxserve.cache.hashing import block_hashes
+from mlxserve.cache.hashing import extend_block_hashes
 
 
 @dataclass(frozen=True)
@@ -73,12 +73,27 @@ class PrefixCacheManager:
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
+    def hashes(self, token_ids: Sequence[int], media_spans: MediaSpans = (),
+               known: list[bytes] | None = None) -> list[bytes]:
+        """Chained hashes of the full blocks of `token_ids`. `known` (hashes of a prefix of the same tokens,
+        a request's memo) is extended in place, so a growing sequence is hashed once; the result covers
+        exactly the full blocks of `token_ids`."""
+        known = [] if known is None else known
+        extend_block_hashes(known, token_ids, self.block_size, model_key=self.model_key, media_spans=media_spans)
+        return known[: len(token_ids) // self.block_size]
+
+    def is_cached(self, block_hash: bytes) -> bool:
+        """Whether memory holds this block now (a peek: nothing is held or touched)."""
+        return block_hash in self.pool.cached
+
     # -- admission -----------------------------------------------------------------------------
-    def lookup(self, request_id: str, token_ids: Sequence[int], media_spans: MediaSpans = ()) -> list[int]:
+    def lookup(self, request_id: str, token_ids: Sequence[int], media_spans: MediaSpans = (),
+               hashes: list[bytes] | None = None) -> list[int]:
         """Ids of the longest run of cached full blocks at the start of the prompt, now held by
-        `request_id`. At least one prompt token is always left to compute (it yields the logits)."""
+        `request_id`. At least one prompt token is always left to compute (it yields the logits).
+        `hashes`: the prompt's block hashes if the caller keeps them (see `hashes`)."""
         bs = self.block_size
-        hashes = block_hashes(token_ids[:-1], bs, model_key=self.model_key, media_spans=media_spans)
+        hashes = self.hashes(token_ids, media_spans, hashes)[: (len(token_ids) - 1) // bs]
         hits: list[Block] = []
         for i, h in enumerate(hashes):
             tokens = token_ids[i * bs : (i + 1) * bs]
@@ -128,15 +143,26 @@ class PrefixCacheManager:
             self.evict_to(self.max_cached_blocks)
 
     # -- insertion -----------------------------------------------------------------------------
-    def plan_store(self, token_ids: Sequence[int], media_spans: MediaSpans = ()) -> list[StoreOp]:
+    def plan_store(self, token_ids: Sequence[int], media_spans: MediaSpans = (),
+                   hashes: list[bytes] | None = None) -> list[StoreOp]:
         """Blocks of `token_ids` (tokens whose KV exists) not cached yet, each given a block id.
 
         Planned blocks stay referenced until `finish_stores`, so an allocation later in the same
         step cannot evict a block before the runner has written it."""
+        return self.plan_store_from(token_ids, media_spans, hashes)[0]
+
+    def plan_store_from(self, token_ids: Sequence[int], media_spans: MediaSpans = (),
+                        hashes: list[bytes] | None = None, first_block: int = 0) -> tuple[list[StoreOp], int]:
+        """`plan_store` from block `first_block` on (the blocks before it were planned earlier, e.g. by
+        the previous chunks of a prefill). Also returns where the next plan of this sequence starts: after
+        the last block planned or found cached, so blocks that found no room are tried again."""
         bs = self.block_size
         ops = []
         kept: list[Block] = []
-        for i, h in enumerate(block_hashes(token_ids, bs, model_key=self.model_key, media_spans=media_spans)):
+        hashes = self.hashes(token_ids, media_spans, hashes)
+        done = first_block
+        for i in range(first_block, len(hashes)):
+            h = hashes[i]
             tokens = token_ids[i * bs : (i + 1) * bs]
             cached = self.pool.cached.get(h)
             if cached is not None:  # this request's own hit, or another request stored it first
@@ -144,6 +170,7 @@ class PrefixCacheManager:
                 # and store that block unreachable (a chain is only found from its head).
                 self.pool.touch([cached])
                 kept.append(cached)
+                done = i + 1
                 continue
             if not self._make_room():
                 break
@@ -151,8 +178,9 @@ class PrefixCacheManager:
             self.pool.cache_full_block(block, h, tokens)
             self._writing.append(block)
             ops.append(StoreOp(block.block_id, i * bs, h, tuple(tokens), (i + 1) * bs == len(token_ids)))
+            done = i + 1
         self.pool.free(reversed(kept))
-        return ops
+        return ops, done
 
     def discard_stores(self, block_ids: Sequence[int]) -> None:
         """Planned blocks the runner could not copy: their hashes go, so no lookup finds them empty."""

@@ -98,7 +98,9 @@ class EngineCore:
         prefix_bytes = self.budget.prefix_cache if self.budget is not None and prefix_on else None
         self.prefix, store = make_prefix_cache(model, config, model_key, probe, prefix_bytes, self.kv_quant,
                                                self.store_cls)
-        self.scheduler = Scheduler(config, max_model_len, self.prefix, self.kv_capacity_tokens)
+        # Recurrent state can be snapshotted only where a forward stops: chunks inside a prompt end on blocks.
+        self.scheduler = Scheduler(config, max_model_len, self.prefix, self.kv_capacity_tokens,
+                                   align_chunks=store is not None and store.wants_snapshots)
         # Vision features by image hash (VLMs only): the budget's vision share, or the flag without one.
         self.vision_cache = None
         if is_vlm and config.vision_cache_bytes:

@@ -99,6 +99,9 @@ class Request:
     num_cached_tokens: int = 0
     # Images and videos in the prompt, in order of position (empty for text).
     media: tuple[MediaItem, ...] = ()
+    # Prefix-cache hashes of this request's full blocks so far (the scheduler's memo: a long prompt is
+    # hashed once, not at every store plan).
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

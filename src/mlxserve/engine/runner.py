@@ -17,10 +17,11 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxserve.cache.kv_io import kv_slice, read_prefill_window, read_row_kv, read_row_window, read_state
-from mlxserve.cache.kv_store import KVBlock, KVBlockStore
+from mlxserve.cache.kv_io import read_prefill_window, read_state
+from mlxserve.cache.kv_store import KVBlockStore
 from mlxserve.engine.batch import DecodeBatch
 from mlxserve.engine.batch_prefill import pick_rows, prefill_rows, why_not_batched
+from mlxserve.engine.block_copy import copy_blocks
 from mlxserve.engine.mm_prefill import MultimodalPrefill
 from mlxserve.engine.request import Request, SamplingParams, TokenLogprob
 from mlxserve.engine.grammar import GrammarSource
@@ -201,14 +202,22 @@ class ModelRunner:
             self._batch.drop(set(request_ids))
 
     def _store_blocks(self, store_ops: dict, out: StepTokens) -> None:
-        """Copies full blocks of finishing rows into the prefix cache, before the rows are dropped."""
+        """Copies planned blocks into the prefix cache: from a decoding row, or from a prompt's prefill cache
+        (the chunks it prefilled so far), before finished requests are dropped."""
         new = []
         for rid, ops in store_ops.items():
-            if rid not in self._batch.row_ids:
+            batched, prefilling = rid in self._batch.row_ids, rid in self._prefill_caches
+            if not (batched or prefilling):
                 out.failed_block_ids.extend(op.block_id for op in ops)  # nothing to copy them from
                 continue
             try:
-                new.extend(self._store_row(rid, self._batch.row_ids.index(rid), ops))
+                if batched:
+                    row = self._batch.row_ids.index(rid)
+                    new.extend(copy_blocks(self.store, ops, self._batch.cache, row, self._batch.left_padding(row),
+                                           self._captured.pop(rid, {}), self._prefill_snaps.pop(rid, None)))
+                else:  # the prefill goes on: what it captured may serve its later blocks too
+                    new.extend(copy_blocks(self.store, ops, self._prefill_caches[rid], None, 0,
+                                           self._captured.get(rid, {}), self._prefill_snaps.get(rid)))
             except Exception:
                 # Only the cache loses these blocks; the request itself is fine.
                 log.exception("caching the blocks of request %s failed", rid)
@@ -216,39 +225,6 @@ class ModelRunner:
                     self.store.drop(op.block_id)
                 out.failed_block_ids.extend(op.block_id for op in ops)
         mx.async_eval(new)
-
-    def _store_row(self, rid: str, row_index: int, ops: list) -> list[mx.array]:
-        store, bs, cache = self.store, self.block_size, self._batch.cache
-        layout = store.layout
-        first, end = ops[0].start, ops[-1].start + bs
-        span = read_row_kv(cache, layout, row_index, first, end, self._batch.left_padding(row_index))
-        captured = self._captured.pop(rid, {})
-        prefill_snap = self._prefill_snaps.pop(rid, None)
-        window = None
-        if layout.swa_layers and any(op.start not in captured for op in ops):
-            window = read_row_window(cache, layout, row_index)
-        new = []
-        for op in ops:
-            # Each block its own copy: a slice would keep the whole span alive while any block is.
-            kv = kv_slice(span, op.start - first, op.start - first + bs) if span is not None else None
-            swa = captured.get(op.start)
-            if swa is None and window is not None:
-                swa = window.block(op.start, bs)
-            block = KVBlock(kv, swa)
-            store.put(op.block_id, op.block_hash, block)
-            store.queue_spill(op.block_hash, op.token_ids, block)
-            new.extend(block.arrays)
-            if not store.wants_snapshots:
-                continue
-            snap = None
-            if op.is_row_end:  # the row's state is right after this block's last token
-                snap = read_state(cache, layout, row_index)
-            elif prefill_snap is not None and prefill_snap[0] == op.start + bs:
-                snap = prefill_snap[1]
-            if snap is not None and store.put_snapshot(op.block_hash, snap):
-                store.queue_spill_snapshot(op.block_hash, op.token_ids, snap)
-                new.extend(a for arrays in snap for a in arrays)
-        return new
 
     def _capture(self, rid: str, cache: list[Any], start: int, stop: int, num_cached: int) -> list[mx.array]:
         """After a prefill forward over [start, stop): copies what only the prefill has. The sliding

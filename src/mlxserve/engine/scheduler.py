@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from mlxserve.cache.inflight import InflightBlocks
 from mlxserve.cache.prefix_cache import PrefixCacheManager, StoreOp
 from mlxserve.config import EngineConfig
 from mlxserve.engine.request import Request, RequestStatus
@@ -76,11 +77,20 @@ class Scheduler:
         max_model_len: int,
         prefix: PrefixCacheManager | None = None,
         kv_capacity_tokens: int | None = None,
+        align_chunks: bool = False,
     ) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.prefix = prefix
         self.kv_capacity_tokens = kv_capacity_tokens
+        # Prompt blocks being prefilled, by hash: a request whose next block is one of them waits for it
+        # instead of computing it again beside its owner. Off: every request computes its own misses.
+        self.inflight = InflightBlocks()
+        self.wait_for_inflight = True
+        # Prefill chunks that end inside a prompt end on a block boundary, where the runner can snapshot
+        # recurrent state (a snapshot exists only where a forward stopped): set for such models.
+        self.align_chunks = align_chunks and prefix is not None
+        self._next_store_block: dict[str, int] = {}  # prefilling request -> its first block not planned
         self.waiting: deque[Request] = deque()
         # Insertion order is admission order: prefill work goes to the oldest request first.
         self.running: dict[str, Request] = {}
@@ -147,18 +157,7 @@ class Scheduler:
         out.decode_request_ids = [r.request_id for r in self.running.values() if r.is_prefill_done]
 
         self._num_steps += 1
-        while (self.waiting and len(self.running) < self.config.max_num_seqs and self.can_admit(self.waiting[0])
-               and not self._holds_back()):
-            request = self.waiting.popleft()
-            del self._arrived[request.request_id]
-            request.status = RequestStatus.RUNNING
-            self.running[request.request_id] = request
-            if self.prefix is not None:
-                request.cached_block_ids = self.prefix.lookup(
-                    request.request_id, request.prompt_token_ids, request.media_spans
-                )
-                request.num_cached_tokens = len(request.cached_block_ids) * self.prefix.block_size
-                request.num_computed_tokens = request.num_cached_tokens
+        self._admit()
 
         prefilling = [r for r in self.running.values() if not r.is_prefill_done]
         sizes = split_prefill_budget([r.num_prompt_tokens_left for r in prefilling], self.config.prefill_step_size,
@@ -167,11 +166,49 @@ class Scheduler:
             if n == 0:
                 continue
             start = request.num_computed_tokens
+            if self.align_chunks and start + n < request.num_prompt_tokens:
+                bs = self.prefix.block_size
+                n = max((start + n) // bs * bs - start, 0) or n
             request.num_computed_tokens += n
             out.prefill_chunks.append(
                 PrefillChunk(request.request_id, start, n, is_last=request.is_prefill_done)
             )
         return out
+
+    def _admit(self) -> None:
+        """Admits waiting requests in order while slots and the KV budget allow. One whose next prompt block
+        another request is prefilling stays queued (its place kept) and the ones behind it go on."""
+        blocked: list[Request] = []
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if self._waits_for_inflight(request):
+                blocked.append(self.waiting.popleft())
+                continue
+            if not self.can_admit(request) or self._holds_back():
+                break
+            self.waiting.popleft()
+            del self._arrived[request.request_id]
+            request.status = RequestStatus.RUNNING
+            self.running[request.request_id] = request
+            if self.prefix is not None:
+                self._look_up(request)
+        self.waiting.extendleft(reversed(blocked))
+
+    def _look_up(self, request: Request) -> None:
+        rid, prefix = request.request_id, self.prefix
+        hashes = prefix.hashes(request.prompt_token_ids, request.media_spans, request.block_hashes)
+        request.cached_block_ids = prefix.lookup(rid, request.prompt_token_ids, request.media_spans, hashes)
+        request.num_cached_tokens = len(request.cached_block_ids) * prefix.block_size
+        request.num_computed_tokens = request.num_cached_tokens
+        self._next_store_block[rid] = len(request.cached_block_ids)
+        self.inflight.claim(rid, [h for h in hashes[len(request.cached_block_ids):] if not prefix.is_cached(h)])
+
+    def _waits_for_inflight(self, request: Request) -> bool:
+        if not self.wait_for_inflight or self.prefix is None or not len(self.inflight):
+            return False
+        hashes = self.prefix.hashes(request.prompt_token_ids, request.media_spans, request.block_hashes)
+        usable = hashes[: (request.num_prompt_tokens - 1) // self.prefix.block_size]  # as a lookup takes them
+        return self.inflight.waits_for(usable, self.prefix.is_cached) is not None
 
     def _holds_back(self) -> bool:
         """Whether new prompts wait this step for others to prefill with (`prefill_wait_steps`): only while
@@ -235,6 +272,8 @@ class Scheduler:
             self._at_boundary.remove(request)
         if self.prefix is not None:
             self.prefix.release(request_id)
+            self.inflight.release(request_id)  # none of it will be stored: waiters compute it themselves
+            self._next_store_block.pop(request_id, None)
 
     def finish(self, request_id: str, status: RequestStatus, num_output_tokens: int | None = None) -> None:
         """Ends a running request for a reason found outside the scheduler (a stop string). A stop
@@ -272,24 +311,49 @@ class Scheduler:
             self.prefix.finish_stores()
             self.prefix.clear()
         self._finished = []
+        self.inflight.clear()
+        self._next_store_block.clear()
 
     def _plan_stores(self, out: SchedulerOutput) -> None:
         self.prefix.finish_stores()  # the last step's planned copies were made
+        self.inflight.copied()
+        for request in self.running.values():
+            if not request.is_prefill_done:
+                # The chunks prefilled so far: their full blocks are stored now, not when the prompt ends,
+                # so an aborted or timed-out prefill still warms the retry (and waiters get them early).
+                self._keep(out, request, self._prefill_ops(request))
         for request in self._at_boundary:
             if request.status is RequestStatus.RUNNING:
-                ops = self.prefix.plan_store(request.prompt_token_ids + request.output_token_ids, request.media_spans)
-                if ops:
-                    out.store_ops[request.request_id] = ops
+                self._keep(out, request, self._ops(request), prompt_done=True)
         self._at_boundary = []
         for request in self._finished:
             # A request that got its first token has a decode row holding KV for its prompt and
-            # every output token (each emitted token was fed in the step that emitted it).
-            if request.num_output_tokens > 0:
-                ops = self.prefix.plan_store(request.prompt_token_ids + request.output_token_ids, request.media_spans)
-                if ops:
-                    out.store_ops[request.request_id] = ops
+            # every output token (each emitted token was fed in the step that emitted it); one aborted
+            # in its prefill has the prefill cache of the chunks it computed.
+            ops = self._ops(request) if request.num_output_tokens > 0 else self._prefill_ops(request)
+            self._keep(out, request, ops, prompt_done=True)
             self.prefix.release(request.request_id)
         self._finished = []
+
+    def _ops(self, request: Request) -> list[StoreOp]:
+        return self.prefix.plan_store(request.prompt_token_ids + request.output_token_ids, request.media_spans,
+                                      request.block_hashes)
+
+    def _prefill_ops(self, request: Request) -> list[StoreOp]:
+        first = self._next_store_block.get(request.request_id, 0)
+        if request.num_computed_tokens // self.prefix.block_size <= first:
+            return []
+        ops, self._next_store_block[request.request_id] = self.prefix.plan_store_from(
+            request.prompt_token_ids[: request.num_computed_tokens], request.media_spans, request.block_hashes, first)
+        return ops
+
+    def _keep(self, out: SchedulerOutput, request: Request, ops: list[StoreOp], prompt_done: bool = False) -> None:
+        if ops:
+            out.store_ops[request.request_id] = ops
+            self.inflight.planned(op.block_hash for op in ops)
+        if prompt_done:  # every prompt block it could store is planned: it computes no more of them
+            self.inflight.release(request.request_id)
+            self._next_store_block.pop(request.request_id, None)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
