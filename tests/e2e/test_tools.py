@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
+
+from mlxserve.models.demo import DemoModelConfig, build_model_folder
+from mlxserve.testing.tag_tokens import add_tag_tokens
 
 WEATHER = {
     "type": "object",
@@ -150,3 +154,54 @@ def test_bad_requests_are_400s_naming_the_field(client, server, kw, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=server.model_name, messages=MESSAGES, max_tokens=8, **kw)
     assert err.value.body["param"] == param
+
+
+# Its `<think>` tokens make it a reasoning model, which a random one never leaves: answer directly.
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+@pytest.fixture(scope="module")
+def tagged_server(tmp_path_factory, make_module_server):
+    """The demo model with `<tool_call>`, `</tool_call>`, `<think>`... as added tokens, as in Qwen's tokenizer."""
+    folder = build_model_folder(tmp_path_factory.mktemp("tagged"), DemoModelConfig(vocab_size=2064))
+    add_tag_tokens(folder)
+    return make_module_server(folder, max_num_seqs=8, prefill_step_size=64)
+
+
+@pytest.fixture(scope="module")
+def tagged_client(tagged_server):
+    with openai.OpenAI(base_url=tagged_server.base_url, api_key="x", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_calls_when_the_tag_is_a_token(tagged_client, tagged_server, choice):
+    kw = dict(messages=MESSAGES, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False, temperature=1.0, seed=4,
+              max_tokens=200, extra_body=NO_THINKING)
+    whole = tagged_client.chat.completions.create(model=tagged_server.model_name, **kw)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    check_calls(whole.choices[0].message.tool_calls)
+    content, _, calls, finish = streamed(tagged_client, tagged_server.model_name, **kw)
+    assert finish == "tool_calls" and not content and calls
+
+
+def test_a_grammar_that_cannot_go_on_is_a_400_or_a_stream_error(tagged_client, tagged_server):
+    # A forced string that spells an added token is one llguidance cannot follow (its mask offers the
+    # token, then refuses it): the request ends with the grammar's reason, as a 400, never a 500.
+    schema = {"type": "object", "properties": {"tag": {"const": "<tool_call>"}}, "required": ["tag"]}
+    kw = dict(messages=MESSAGES, max_tokens=40, temperature=0, extra_body=NO_THINKING,
+              response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
+    with pytest.raises(openai.BadRequestError) as err:
+        tagged_client.chat.completions.create(model=tagged_server.model_name, **kw)
+    assert err.value.body["code"] == "grammar_failed"
+    assert "json_schema grammar could not continue" in err.value.body["message"]
+    body = {"model": tagged_server.model_name, "stream": True, **{k: v for k, v in kw.items() if k != "extra_body"},
+            **NO_THINKING}
+    with httpx.stream("POST", tagged_server.base_url + "/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    errors = [json.loads(e)["error"] for e in events if e != "[DONE]" and "error" in json.loads(e)]
+    assert errors and "grammar could not continue" in errors[0]["message"]
+    # The server goes on serving.
+    ok = tagged_client.chat.completions.create(model=tagged_server.model_name, messages=MESSAGES, max_tokens=4)
+    assert ok.choices[0].finish_reason in ("stop", "length")

@@ -23,6 +23,7 @@ from mlxserve.api.schemas import ChatCompletionRequest, SamplingFields
 from mlxserve.api.serving import Prepared, ServedModel, prepare
 from mlxserve.engine.request import RequestOutput
 from mlxserve.engine.scheduler import QueueFullError
+from mlxserve.structured.grammar import GrammarFailure
 
 RETRY_AFTER_S = "1"
 
@@ -131,6 +132,8 @@ class EngineDoor:
                 if out.error:
                     if out.finish_reason:  # ended by the server (shutdown, a lost rank): a 503, as when streamed
                         raise APIError(503, out.error, code="server_shutting_down")
+                    if isinstance(out.error, GrammarFailure):  # the request's own tools or format: no retry helps
+                        raise APIError(400, out.error, code="grammar_failed")
                     raise RuntimeError(out.error)
                 timer.on_output(out)
                 parts.append(out.text)
