@@ -48,7 +48,7 @@ def add_distributed_flags(p) -> None:
     d = DistributedConfig()
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split every layer over N ranks (mlx-lm's shard()); on one host mlxserve starts the ranks,"
-                        " over several hosts start it with mlx.launch (README: Distributed serving)")
+                        " over several hosts start it with mlx.launch (docs/distributed.md)")
     p.add_argument("--pipeline-parallel", type=int, default=1, metavar="N",
                    help="split the layers into N stages, one per rank (families mlx-lm pipelines: qwen2,"
                         " deepseek_v2/v3, glm4_moe, ...)")
