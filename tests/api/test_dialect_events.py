@@ -3,18 +3,19 @@ model: streamed events and whole objects agree, and follow each dialect's gramma
 
 from __future__ import annotations
 
+import asyncio
 import json
 from types import SimpleNamespace
 
 import pytest
 
 from mlxserve.api.anthropic import MessagesRequest, to_chat_request
-from mlxserve.api.anthropic_events import MessageBuilder
+from mlxserve.api.anthropic_events import MessageBuilder, stream_message
 from mlxserve.api.chat_output import OutputSpec
-from mlxserve.api.door import Whole
+from mlxserve.api.door import Whole, heartbeats
 from mlxserve.api.errors import APIError
 from mlxserve.api.responses_api import ResponsesRequest, chat_messages, input_items
-from mlxserve.api.responses_events import ResponseRenderer
+from mlxserve.api.responses_events import KEEP_ALIVE, ResponseRenderer, stream_response
 from mlxserve.engine.request import RequestOutput
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -30,14 +31,14 @@ def outputs(finish: str = "stop") -> list[RequestOutput]:
 
 
 def opened() -> SimpleNamespace:
-    return SimpleNamespace(prepared=SimpleNamespace(output=SPEC),
+    return SimpleNamespace(prepared=SimpleNamespace(output=SPEC, request=SimpleNamespace(num_prompt_tokens=10)),
                            model=SimpleNamespace(tokenizer=None, eos_token_ids=frozenset({EOS})))
 
 
 def test_anthropic_stream_and_whole_agree():
     builder = MessageBuilder("m", opened(), ())
     outs = outputs()
-    text = builder.start(outs[0]) + "".join(builder.chunk(o) for o in outs) + builder.stop(outs[-1])
+    text = builder.start() + "".join(builder.chunk(o) for o in outs) + builder.stop(outs[-1])
     events = [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
     types = [e["type"] for e in events]
     assert types[:2] == ["message_start", "ping"] and types[-2:] == ["message_delta", "message_stop"]
@@ -45,7 +46,9 @@ def test_anthropic_stream_and_whole_agree():
     assert starts == ["thinking", "text", "tool_use"]
     assert types.count("content_block_stop") == 3
     assert events[-2]["delta"]["stop_reason"] == "tool_use"
-    assert events[0]["message"]["usage"]["input_tokens"] == 6  # 10 prompt tokens, 4 from the cache
+    # Sent before the prefill: the whole prompt counts as input; the end has the split (4 from the cache).
+    assert events[0]["message"]["usage"]["input_tokens"] == 10
+    assert events[-2]["usage"]["input_tokens"] == 6 and events[-2]["usage"]["cache_read_input_tokens"] == 4
     partial = "".join(e["delta"].get("partial_json", "") for e in events if e["type"] == "content_block_delta")
     whole = MessageBuilder("m", opened(), ()).message(Whole("".join(REPLY), [1, 1, EOS], [], outs[-1]))
     assert [b["type"] for b in whole["content"]] == ["thinking", "text", "tool_use"]
@@ -125,3 +128,84 @@ def test_anthropic_blocks_in_the_wrong_turn_are_400s():
     with pytest.raises(APIError) as err:
         to_chat_request(body)
     assert err.value.status == 400 and err.value.param == "messages.0.content.0"
+
+
+# -- heartbeats while the prompt prefills ------------------------------------------------------------------
+
+
+class SlowOutputs:
+    """Engine outputs that come only once the test lets them (a prefill that lasts as long as it must), and
+    note whether the stream was left early (the engine's streams abort their request then)."""
+
+    def __init__(self, outs: list[RequestOutput]) -> None:
+        self.outs, self.go, self.left = outs, asyncio.Event(), False
+
+    async def __aiter__(self):
+        try:
+            await self.go.wait()
+            for o in self.outs:
+                yield o
+        except asyncio.CancelledError:
+            self.left = True
+            raise
+
+
+def timer(every_s: float) -> SimpleNamespace:
+    return SimpleNamespace(heartbeat_s=every_s, on_output=lambda out: None, done=lambda out: None)
+
+
+async def read_until_heartbeats(stream, source: SlowOutputs, is_heartbeat, num: int) -> list[str]:
+    """The stream's frames; the outputs are let through once `num` heartbeats came."""
+    frames, beats = [], 0
+    async for frame in stream:
+        frames.append(frame)
+        beats += is_heartbeat(frame)
+        if beats == num:
+            source.go.set()
+    return frames
+
+
+def test_anthropic_stream_starts_at_once_and_pings_until_the_first_token():
+    source = SlowOutputs(outputs())
+    stream = stream_message(MessageBuilder("m", opened(), ()), source.__aiter__(), timer(0.01))
+    frames = asyncio.run(read_until_heartbeats(stream, source, lambda f: f == MessageBuilder.ping(), 3))
+    names = [line[len("event: "):] for f in frames for line in f.splitlines() if line.startswith("event: ")]
+    # message_start and a ping at once, then a ping per quiet interval, then the reply.
+    first = names.index("content_block_start")
+    assert names[0] == "message_start" and first >= 4 and set(names[1:first]) == {"ping"}
+    assert "ping" not in names[first:] and names[-1] == "message_stop"
+
+
+def test_responses_stream_keeps_alive_with_comments():
+    source = SlowOutputs(outputs())
+    renderer = ResponseRenderer({"id": "resp_1", "object": "response"}, SPEC)
+    done = []
+    stream = stream_response(renderer, source.__aiter__(), timer(0.01), done.append)
+    frames = asyncio.run(read_until_heartbeats(stream, source, lambda f: f == KEEP_ALIVE, 2))
+    assert "event: response.created" in frames[0] and "event: response.in_progress" in frames[0]
+    first = next(i for i, f in enumerate(frames) if f != KEEP_ALIVE and i > 0)
+    assert first >= 3 and set(frames[1:first]) == {KEEP_ALIVE} and KEEP_ALIVE not in frames[first:]
+    assert "response.output_item.added" in frames[first] and done and done[0]["status"] == "completed"
+
+
+def test_leaving_during_the_prefill_stops_the_engine_stream():
+    async def main() -> SlowOutputs:
+        source = SlowOutputs(outputs())
+        beats = heartbeats(source.__aiter__(), 0.01)
+        assert await anext(beats) is None  # a heartbeat: no output yet
+        await beats.aclose()  # the client left
+        await asyncio.sleep(0)  # the cancellation lands
+        return source
+
+    assert asyncio.run(main()).left
+
+
+def test_heartbeats_pass_outputs_through_and_end_with_them():
+    async def main() -> list:
+        async def quick():
+            for o in outputs():
+                yield o
+
+        return [o async for o in heartbeats(quick(), 5.0)]
+
+    assert [o.text for o in asyncio.run(main())] == REPLY

@@ -6,6 +6,8 @@ fixture tokenizer, feeding the ids of real multi-byte text one at a time.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
 import threading
 import time
@@ -254,3 +256,93 @@ def test_full_queue_answers_429(make_server, qwen3_model_dir):
                 assert waiting.status_code == 200
     short_request_completes(live)
     wait_until(lambda: live.num_running() == 0, "the running gauge to return to 0")
+
+
+# -- streams show life while the prompt prefills ------------------------------------------------------
+
+
+@contextlib.contextmanager
+def engine_held(live):
+    """The served engine stalled between two steps until `release()` or the block's end: a prefill that
+    lasts as long as the test needs, without a timing assumption. (A call queued on the engine thread, as
+    /v1/cache/stats runs its own; the test reaches the engine through the app.) Yields (engine, release)."""
+    engine = next(iter(live.server.config.app.state.models.loaded_engines()))
+    inside, release = threading.Event(), threading.Event()
+
+    def hold(core) -> None:
+        inside.set()
+        release.wait(_BOUND_S)
+
+    engine._inbox.put(("call", (hold, concurrent.futures.Future())))
+    assert inside.wait(_BOUND_S)
+    try:
+        yield engine, release.set
+    finally:
+        release.set()
+
+
+@pytest.fixture
+def fast_heartbeat(monkeypatch):
+    monkeypatch.setattr("mlxserve.api.door.HEARTBEAT_S", 0.05)
+
+
+def read_heartbeats(lines, is_heartbeat, num: int) -> list[str]:
+    """Lines up to and including the `num`-th heartbeat."""
+    seen, beats = [], 0
+    while beats < num:
+        line = next(lines)
+        seen.append(line)
+        beats += is_heartbeat(line)
+    return seen
+
+
+HELLO = [{"role": "user", "content": "hello"}]
+BEATS = [  # path, request fields, the dialect's heartbeat line, what its stream starts with, its last data
+    ("/v1/messages", {"max_tokens": 4, "messages": HELLO}, "event: ping", "event: message_start", "message_stop"),
+    ("/v1/responses", {"max_output_tokens": 4, "input": "hello"}, ": keep-alive", "event: response.created",
+     "response.incomplete"),  # max_output_tokens reached
+    ("/v1/chat/completions", {"max_tokens": 4, "messages": HELLO}, ": ping", "data: ", "[DONE]"),
+    ("/v1/completions", {"max_tokens": 4, "prompt": "hello"}, ": ping", ": ping", "[DONE]"),
+]
+
+
+@pytest.mark.parametrize("path, fields, beat, first, last", BEATS, ids=[b[0] for b in BEATS])
+def test_streams_start_at_once_and_beat_during_the_prefill(server, fast_heartbeat, path, fields, beat, first, last):
+    body = {"model": "tiny", "stream": True, "temperature": 0, **fields}
+    with httpx.Client(timeout=_BOUND_S) as c:
+        with engine_held(server) as (_, release):
+            with c.stream("POST", server.url + path, json=body) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                head = [line for line in read_heartbeats(lines, lambda line: line == beat, 3) if line]
+                # The engine was held throughout: what came is the stream's start and heartbeats.
+                assert head[0].startswith(first), head
+                others = [line for line in head if line != beat]
+                if path == "/v1/messages":
+                    # message_start and its ping at once (the ping's lines are the beat's).
+                    assert [line for line in others if line.startswith("event: ")] == ["event: message_start"]
+                    start = json.loads(others[1][len("data: "):])
+                    assert start["message"]["usage"]["input_tokens"] > 0
+                elif path == "/v1/chat/completions":  # the role chunk, at once
+                    assert len(others) == 1
+                    assert json.loads(others[0][6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+                elif path == "/v1/completions":
+                    assert others == []
+                else:
+                    assert [line for line in others if line.startswith("event: ")] == [
+                        "event: response.created", "event: response.in_progress"]
+                release()  # the reply follows, and the stream ends as it always does
+                tail = [line for line in lines if line.startswith("data: ")]
+    assert tail and last in tail[-1], tail[-3:]
+
+
+def test_a_client_gone_during_the_prefill_aborts_its_request(server, fast_heartbeat):
+    body = {"model": "tiny", "max_tokens": 2000, "ignore_eos": True, "messages": HELLO, "stream": True}
+    with engine_held(server) as (engine, _):
+        with httpx.Client(timeout=_BOUND_S) as c, c.stream("POST", server.url + "/v1/messages", json=body) as r:
+            assert r.status_code == 200
+            read_heartbeats(r.iter_lines(), lambda line: line == "event: ping", 2)
+        # Gone before the engine ran a step for it: the stream ends (a ping's write fails, or the
+        # disconnect is seen) and its request is aborted.
+        wait_until(lambda: engine.num_active == 0, "the stream to be dropped")
+    wait_until(lambda: server.num_running() == 0, "the request to be aborted")

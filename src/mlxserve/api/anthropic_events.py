@@ -13,7 +13,7 @@ import uuid
 from typing import AsyncIterator
 
 from mlxserve.api.chat_output import ChatOutput, ReasoningDelta, collect
-from mlxserve.api.door import Opened, RequestTimer, Whole
+from mlxserve.api.door import Opened, RequestTimer, Whole, heartbeats
 from mlxserve.engine.request import RequestOutput
 from mlxserve.structured.tool_parsers import ContentDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 
@@ -44,6 +44,8 @@ class MessageBuilder:
         self._spec = opened.prepared.output
         self._tokenizer = opened.model.tokenizer
         self._eos_ids = opened.model.eos_token_ids
+        request = getattr(opened.prepared, "request", None)
+        self._num_prompt = request.num_prompt_tokens if request is not None else 0
         self._stops = stop_sequences
         # Streaming state: the open block's kind ("text", "thinking", "tool_use") and index.
         self._parser = ChatOutput(self._spec)
@@ -88,13 +90,16 @@ class MessageBuilder:
                 "usage": usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)}
 
     # -- streaming -----------------------------------------------------------------------------
-    def start(self, first: RequestOutput) -> str:
-        """Sent with the first output: by then the prefix cache has said how much of the prompt it held."""
+    def start(self) -> str:
+        """Sent at once, before the prompt is prefilled: how much of it the prefix cache holds is not known
+        yet, so the usage counts the whole prompt as input; `message_delta` at the end has the split."""
         message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                   "stop_reason": None, "stop_sequence": None,
-                   "usage": usage(first.num_prompt_tokens, 0, first.num_cached_tokens)}
-        return (sse_event("message_start", {"type": "message_start", "message": message})
-                + sse_event("ping", {"type": "ping"}))
+                   "stop_reason": None, "stop_sequence": None, "usage": usage(self._num_prompt, 0, 0)}
+        return sse_event("message_start", {"type": "message_start", "message": message}) + self.ping()
+
+    @staticmethod
+    def ping() -> str:
+        return sse_event("ping", {"type": "ping"})
 
     def _begin(self, kind: str, block: dict) -> str:
         text = self._end()
@@ -150,14 +155,16 @@ class MessageBuilder:
 
 
 async def stream_message(builder: MessageBuilder, outputs: AsyncIterator[RequestOutput], timer: RequestTimer):
+    yield builder.start()
     last = None
-    async for out in outputs:
+    async for out in heartbeats(outputs, timer.heartbeat_s):
+        if out is None:  # still prefilling (or queued): pings keep the client's idle timer from firing
+            yield builder.ping()
+            continue
         if out.error:
             yield sse_event("error", {"type": "error", "error": {"type": "api_error", "message": out.error}})
             break
         timer.on_output(out)
-        if last is None:
-            yield builder.start(out)
         last = out
         text = builder.chunk(out)
         if text:

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mlxserve.api.anthropic import add_anthropic_routes
 from mlxserve.api.door import RETRY_AFTER_S as _RETRY_AFTER_S
-from mlxserve.api.door import EngineDoor, RequestTimer
+from mlxserve.api.door import EngineDoor, RequestTimer, heartbeats
 from mlxserve.api.embeddings import add_embeddings_route
 from mlxserve.api.errors import APIError, error_body, error_response, install_error_handlers
 from mlxserve.api.metrics import Metrics
@@ -315,7 +315,10 @@ async def _stream(builder: ResponseBuilder, outputs: AsyncIterator[RequestOutput
     if first:
         yield first
     last = None
-    async for out in outputs:
+    async for out in heartbeats(outputs, timer.heartbeat_s):
+        if out is None:  # prefilling: an SSE comment, which clients skip, keeps idle timers from firing
+            yield ": ping\n\n"
+            continue
         if out.error:
             if out.finish_reason:  # ended by the server (shutdown): the choice's end, then why
                 chunk = builder.chunk(out)

@@ -26,13 +26,18 @@ from mlxserve.engine.scheduler import QueueFullError
 from mlxserve.structured.grammar import GrammarFailure
 
 RETRY_AFTER_S = "1"
+# A stream with nothing to send for this long (a long prompt prefilling, a queue) sends its dialect's
+# heartbeat frame: agents give up on a silent stream (Claude Code after 300 s of a 54k-token prefill).
+HEARTBEAT_S = 5.0
 
 
 class RequestTimer:
-    """TTFT and inter-token latency of one request, fed into the Prometheus histograms."""
+    """TTFT and inter-token latency of one request, fed into the Prometheus histograms; and how often
+    its stream sends a heartbeat while nothing else comes (`heartbeats`)."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, heartbeat_s: float = HEARTBEAT_S) -> None:
         self.metrics = metrics
+        self.heartbeat_s = heartbeat_s
         self.start = time.perf_counter()
         self.last: float | None = None
 
@@ -49,6 +54,34 @@ class RequestTimer:
         if out is not None:
             self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
             self.metrics.completion_tokens.inc(out.num_output_tokens)
+
+
+async def heartbeats(outputs: AsyncIterator[RequestOutput], every_s: float) -> AsyncIterator[RequestOutput | None]:
+    """`outputs`, with a None between them whenever `every_s` seconds pass without one: the caller sends its
+    dialect's heartbeat frame then. Leaving early (a client gone mid-prefill cancels the response) stops
+    the wait for the next output, which aborts the request as leaving `outputs` itself does."""
+    it = aiter(outputs)
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({pending}, timeout=every_s)
+            if not done:
+                yield None
+                continue
+            task, pending = pending, None
+            try:
+                out = task.result()
+            except StopAsyncIteration:
+                return
+            yield out
+    finally:
+        if pending is not None:
+            pending.cancel()  # the stream's own cleanup (the abort) runs as the cancellation lands
+        elif hasattr(it, "aclose"):
+            with contextlib.suppress(Exception):
+                await it.aclose()
 
 
 @dataclass
@@ -81,14 +114,16 @@ def chat_request(fields: dict) -> ChatCompletionRequest:
 
 
 class EngineDoor:
-    def __init__(self, models: Any, metrics: Metrics, prep: PrepPool | None = None) -> None:
+    def __init__(self, models: Any, metrics: Metrics, prep: PrepPool | None = None,
+                 heartbeat_s: float | None = None) -> None:
         self.models, self.metrics = models, metrics
+        self.heartbeat_s = heartbeat_s  # None: HEARTBEAT_S
         # Tokenizing, chat templates and media run here, off the event loop: one request's 5 MB prompt
         # must not stall /health and every running stream while it is processed.
         self.prep = prep or PrepPool()
 
     def timer(self) -> RequestTimer:
-        return RequestTimer(self.metrics)
+        return RequestTimer(self.metrics, self.heartbeat_s if self.heartbeat_s is not None else HEARTBEAT_S)
 
     async def open(self, body: SamplingFields, generate: bool = True) -> Opened:
         """Prepares `body` for its model and, with `generate`, queues it on that model's engine.

@@ -13,13 +13,17 @@ import uuid
 from typing import AsyncIterator, Callable
 
 from mlxserve.api.chat_output import ChatOutput, OutputSpec, ReasoningDelta
-from mlxserve.api.door import RequestTimer
+from mlxserve.api.door import RequestTimer, heartbeats
 from mlxserve.engine.request import RequestOutput
 from mlxserve.structured.tool_parsers import ContentDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 
 
 def sse_event(event: dict) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+# An SSE comment: clients skip it, idle timers see bytes. Responses has no ping event of its own.
+KEEP_ALIVE = ": keep-alive\n\n"
 
 
 def usage(num_prompt: int, num_output: int, num_cached: int) -> dict:
@@ -150,7 +154,10 @@ async def stream_response(renderer: ResponseRenderer, outputs: AsyncIterator[Req
                           on_done: Callable[[dict], None]):
     yield "".join(sse_event(e) for e in renderer.begin())
     last = None
-    async for out in outputs:
+    async for out in heartbeats(outputs, timer.heartbeat_s):
+        if out is None:
+            yield KEEP_ALIVE
+            continue
         if out.error:
             yield sse_event(renderer.failed(out.error))
             break
