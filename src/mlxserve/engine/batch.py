@@ -251,7 +251,7 @@ class DecodeBatch:
         slots are refilled never empties, and its write position would otherwise only grow (the width
         every step's attention covers). One copy of the batch's KV per `at_least` positions, against
         attention over them every step: on an H100 a 64-row step took ~1 ms longer per 100 positions
-        (scripts/cuda_decode_probe.py) and a copy of the batch's KV ~4 ms."""
+        (docs/BENCHMARKS.md, runs 11-12) and a copy of the batch's KV ~4 ms."""
         left = self._host_pads()
         cut = min(left[i] for i, rid in enumerate(self.row_ids) if rid is not None)
         if cut < at_least:

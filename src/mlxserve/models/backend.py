@@ -11,7 +11,7 @@ def is_cuda() -> bool:
 def default_prefill_step_size() -> int:
     """Prompt tokens per engine step unless `--prefill-step-size` says otherwise: 2048 on MLX-CUDA, 512
     elsewhere. On an H100 a step that prefilled 8 prompts together cost nearly the same for 64 tokens
-    each (34.6 ms) as for 180 (40.1 ms, random Qwen3-0.6B 4-bit; scripts/cuda_batch_probe.py), so 512
+    each (34.6 ms) as for 180 (40.1 ms, random Qwen3-0.6B 4-bit; docs/BENCHMARKS.md, runs 11-12), so 512
     tokens shared by 8 prompts paid that cost three times per prompt; at 64 streams steps that prefilled
     took 48% of the engine's time. On Metal and the CPU a step's cost grows with its tokens, and 512 keeps
     the decode streams' step time short while a prompt is prefilled."""

@@ -6,13 +6,13 @@ grid slice per row, each reading the whole weight matrix for a single useful row
 (mlx/backend/cuda/quantized/qmm: `l` is the grid's z extent). Weight reads, the cost of a decode step,
 then grow with the rows. The same activations as (rows, hidden) are one problem with `rows` rows, and the
 weights are read once per tile of rows: on an H100 a 16-row step of a 4-bit 8B model took 18 ms instead
-of 62 (scripts/cuda_qmm_probe.py, docs/BENCHMARKS.md run 18). Metal folds the batch itself, so this is
+of 62 (docs/BENCHMARKS.md, run 18). Metal folds the batch itself, so this is
 applied on MLX-CUDA only (models/loader.py, distributed/shard.py).
 
 The other way round, at many rows (a prompt's chunk, several prompts' chunks prefilled together) the same
 kernel is slower than dequantizing the weight and one plain matmul (cuBLAS): on an H100 a whole prefill
 forward of 8 prompts x 176 tokens took 21.6 -> 14.3 ms for a 4-bit 0.6B model and 195.8 -> 74.2 ms for an
-8B one, logits unchanged (scripts/cuda_prefill_probe.py, docs/BENCHMARKS.md run 32). So from
+8B one, logits unchanged (docs/BENCHMARKS.md, run 32). So from
 `dequant_rows` rows on, a linear layer (and the tied head) takes that path. The dequantized copy of one
 weight lives only until its matmul has run; the start-up memory profile's prefill forward takes the same
 path, so the budget counts it.
