@@ -387,3 +387,34 @@ def test_a_waiter_computes_the_rest_when_the_owner_is_aborted(loaded, reference)
     core.abort("owner")
     out = drain(core)
     assert out["waiter"] == {"ids": reference(prompt), "cached": 96}
+
+
+# The same on the other cache kinds: MLA (keys and values of different widths), sliding windows (blocks
+# carry the window's KV only while the prefill still holds it) and recurrent state (snapshots only where
+# a forward stops: chunks inside a prompt end on block boundaries there). Step 24 is not a block multiple.
+LAYOUT_FAMILIES = ["deepseek_v2", "gemma3_text", "qwen3_next"]
+
+
+@pytest.fixture(scope="module", params=LAYOUT_FAMILIES)
+def family(request, tmp_path_factory):
+    from mlxserve.models.families import build_family_folder
+
+    return request.param, load_model(str(build_family_folder(tmp_path_factory.mktemp(request.param), request.param)))
+
+
+def test_other_layouts_keep_an_aborted_prefill_and_prefill_shared_prompts_once(family):
+    name, fam = family
+    core, off = make_core(fam, prefill_step_size=24), make_core(fam, enable_prefix_cache=False)
+    prompt = tokens(70, 150)
+    expected = one(off, prompt)["ids"]
+    core.add_request(Request("long", prompt, greedy()))
+    prefill_steps(core, "long", 70)
+    computed = core.scheduler.running["long"].num_computed_tokens
+    core.abort("long")
+    assert drain(core) == {}
+    assert core.cache_stats()["num_cached_blocks"] == computed // BS, name
+    assert one(core, prompt) == {"ids": expected, "cached": computed // BS * BS}, name
+    other = tokens(71, 150)
+    outs = run(core, {"first": other, "second": other})
+    assert outs["first"]["ids"] == outs["second"]["ids"] == one(off, other)["ids"], name
+    assert outs["second"]["cached"] == 149 // BS * BS, name
