@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import httpx
 import jsonschema
 import openai
@@ -154,6 +155,40 @@ def test_bad_requests_are_400s_naming_the_field(client, server, kw, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=server.model_name, messages=MESSAGES, max_tokens=8, **kw)
     assert err.value.body["param"] == param
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_max_tokens_leaves_no_tag_text(client, server, stream):
+    """Cut inside its forced call, a reply has neither the call nor its half-written text, in all three dialects."""
+    kw = dict(messages=MESSAGES, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=10)
+    if stream:
+        content, _, calls, finish = streamed(client, server.model_name, **kw)
+    else:
+        r = client.chat.completions.create(model=server.model_name, **kw)
+        content, calls, finish = r.choices[0].message.content, r.choices[0].message.tool_calls, r.choices[0].finish_reason
+    assert finish == "length" and not content and not calls
+
+    claude = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=120)
+    akw = dict(model=server.model_name, max_tokens=10, messages=MESSAGES, tool_choice={"type": "any"},
+               tools=[{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS],
+               extra_body={"temperature": 0})
+    if stream:
+        with claude.messages.stream(**akw) as s:
+            message = s.get_final_message()
+    else:
+        message = claude.messages.create(**akw)
+    assert message.stop_reason == "max_tokens" and not [b for b in message.content if b.type == "text" and b.text]
+
+    rkw = dict(model=server.model_name, input="Weather in Paris?", tool_choice="required", temperature=0,
+               max_output_tokens=10, tools=[{"type": "function", "name": t["function"]["name"],
+                                             "parameters": t["function"]["parameters"]} for t in TOOLS])
+    if stream:
+        events = list(client.responses.create(stream=True, **rkw))
+        assert not [e for e in events if e.type == "response.output_text.delta"]
+        response = events[-1].response
+    else:
+        response = client.responses.create(**rkw)
+    assert response.status == "incomplete" and response.output_text == ""
 
 
 # Its `<think>` tokens make it a reasoning model, which a random one never leaves: answer directly.

@@ -64,7 +64,12 @@ CASES = [
     ("hermes", 'a < b <tool_call>{"name": "unknown_tool"}</tool_call> c', "a < b c", [("unknown_tool", "{}")]),
     ("hermes", "x <tool_call>{not json}</tool_call> y", "x <tool_call>{not json}</tool_call> y", []),
     ("hermes", 'x <tool_call>{"arguments": {}}</tool_call>', 'x <tool_call>{"arguments": {}}</tool_call>', []),
-    ("hermes", 'x\n<tool_call>{"name": "f", "arguments": {}}', 'x\n<tool_call>{"name": "f", "arguments": {}}', []),
+    # The output ends inside a call: a call if what was written parses, else dropped (cut by max_tokens).
+    ("hermes", 'x\n<tool_call>{"name": "f", "arguments": {}}', "x", [("f", "{}")]),
+    ("hermes", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"ci', "Sure.", []),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "get_w', "",
+     [("f", "{}")]),
+    ("hermes", "x <tool_call>", "x", []),
     ("hermes", "plain <tool_callx> text <tool_cal", "plain <tool_callx> text <tool_cal", []),
     ("qwen3_coder", "Sure.\n" + QWEN3_CODER_TYPED, "Sure.", [("get_weather", json.dumps(
         {"city": "New York", "days": 5, "zip": "007", "ratio": 0.5, "metric": True,
@@ -88,6 +93,8 @@ CASES = [
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Lyon"}[TOOL_CALLS]ping[ARGS]{}', "",
      [("get_weather", '{"city":"Lyon"}'), ("ping", "{}")]),
     ("mistral", "[TOOL_CALLS]oops[TOOL_CALLS]ping[ARGS]{}", "[TOOL_CALLS]oops", [("ping", "{}")]),
+    ("mistral", 'On it. [TOOL_CALLS][{"name": "get_weather", "argu', "On it.", []),
+    ("llama3_json", 'Hm. <|python_tag|>{"name": "get_weather", "parameters": {"ci', "Hm.", []),
     ("pythonic", '[get_weather(city="Paris", days=2), ping()]', "",
      [("get_weather", '{"city":"Paris","days":2}'), ("ping", "{}")]),
     ("pythonic", 'Hi <|tool_call_start|>[get_weather(city="Rome", opts={"a": null})]<|tool_call_end|> bye',

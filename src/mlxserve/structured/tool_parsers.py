@@ -21,6 +21,9 @@ Choices:
 - Whitespace before a parsed call, and whitespace after the last one, are dropped (`Sure.\\n\\n<tool_call>`
   gives content `Sure.`), so a reply of calls alone has empty content; `a <call> b` gives `a b`.
 - A call without an end tag (mistral, `<|python_tag|>`) runs to the next start tag or to the end of output.
+- The call still open when the output ends (cut by max_tokens, or a model that never wrote the end tag) is
+  a call if its text parses as one, as vLLM reads it; otherwise it is dropped: a half-written call is
+  neither a call nor something to show the user as text.
   An implicit call (llama3_json's `{`, pythonic's `[` as the first non-space character of the output) runs
   to the end of output, its text held meanwhile; it is abandoned (re-read as content) as soon as its head
   cannot be a call (`[Docs](...)`, `{"answer": ...}`), so ordinary replies still stream.
@@ -325,13 +328,11 @@ class StreamingToolParser:
             if not final:
                 self._scan = max(0, len(buf) - len(closer) + 1)
                 return False
-            if spec.end:  # unterminated
-                self._in_call = False
-                self._buf = ""
-                self._emit(events, self._held_ws + spec.start + buf)
-                self._held_ws = ""
-                return False
-            j = len(buf)
+            # The output ended inside the call: a call if it parses, else dropped (no raw text).
+            self._buf = ""
+            self._close_call(events, buf, raw=None)
+            self._held_ws = ""
+            return False
         body = buf[:j]
         # With an end tag, it is consumed; without one, the next start tag stays to open the next call.
         self._buf = buf[j + len(spec.end) :]
