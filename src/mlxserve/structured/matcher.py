@@ -16,6 +16,7 @@ import llguidance.hf
 import llguidance.numpy
 import mlx.core as mx
 import numpy as np
+import transformers
 
 from mlxserve.structured.grammar import Constraint, ConstraintError
 
@@ -70,7 +71,10 @@ class GrammarCompiler:
         max_num_cached: int = 64,
         num_threads: int | None = None,
     ):
-        hf_tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)
+        # mlx-lm's wrapper keeps the Hugging Face tokenizer in `_tokenizer`; a Hugging Face one keeps its
+        # Rust backend there, which llguidance cannot take.
+        fast = isinstance(tokenizer, transformers.PreTrainedTokenizerFast)
+        hf_tokenizer = tokenizer if fast else getattr(tokenizer, "_tokenizer", tokenizer)
         if eos_token_ids is None:
             eos_token_ids = getattr(tokenizer, "eos_token_ids", None) or [hf_tokenizer.eos_token_id]
         self.eos_token_ids = sorted(set(eos_token_ids))
