@@ -12,6 +12,9 @@ from pathlib import Path
 
 from mlxserve.config import EngineConfig, MediaConfig, SecurityConfig, ServerConfig, parse_memory
 from mlxserve.models.backend import default_prefill_step_size
+from mlxserve.settings import fraction, size
+
+log = logging.getLogger(__name__)
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -35,14 +38,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget-tokens", type=int, default=None,
                    help="KV tokens running requests may hold at once (default: from the memory budget)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="prefix-cache block size in tokens")
-    p.add_argument("--cache-memory", default=None,
+    p.add_argument("--cache-memory", type=size, default=None,
                    help="prefix-cache memory: bytes (2GB, 512MiB) or a percent of RAM (20%%); default: the memory"
                         " budget's prefix share, a quarter of what weights and activations leave (512MiB when no"
                         " budget can be computed); desktop mode shrinks it first under memory pressure")
     p.add_argument("--memory-mode", choices=["desktop", "dedicated"], default=d.memory_mode,
                    help="desktop: leave room for other apps, follow free memory while running; dedicated: a"
                         " server box, take --memory-utilization of the GPU working set (RAM on CPU)")
-    p.add_argument("--memory-utilization", type=float, default=d.memory_utilization,
+    p.add_argument("--memory-utilization", type=fraction, default=d.memory_utilization,
                    help="dedicated mode: share of the memory capacity this server may use")
     p.add_argument("--kv-prealloc", type=int, default=d.kv_prealloc_tokens, metavar="TOKENS",
                    help="reserve KV for this many positions per decode batch up front, so memory stays flat while"
@@ -56,7 +59,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=d.kv_group_size,
                    help="values per quantization group of --kv-bits (must divide the attention head dim)")
     p.add_argument("--ssd-cache-dir", default=None, help="SSD tier of the prefix cache (survives restarts)")
-    p.add_argument("--ssd-cache-max-size", default="50GB", help="size cap of the SSD tier")
+    p.add_argument("--ssd-cache-max-size", type=size, default="50GB", help="size cap of the SSD tier")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
     p.add_argument("--decode-buckets", choices=["auto", "on", "off"], default=d.decode_buckets,
                    help="pad the decode batch to a few fixed sizes (auto: on for CUDA, which compiles per shape)")
@@ -74,7 +77,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-max-batch", type=int, default=d.spec_max_batch, metavar="N",
                    help="speculate only while at most N requests decode; larger batches decode plainly, where "
                         "verifying drafts costs more than it saves")
-    p.add_argument("--vision-cache-memory", default="512MB",
+    p.add_argument("--vision-cache-memory", type=size, default="512MB",
                    help="vision-language models: encoder outputs kept by image hash (bytes or %% of RAM)")
 
 
@@ -109,7 +112,7 @@ def _add_security_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key")
     p.add_argument("--allowed-origins", default="", metavar="ORIGIN,...",
                    help="CORS: browser origins allowed to call the API (e.g. http://localhost:3000, or *); default off")
-    p.add_argument("--max-request-body-bytes", default="64MiB", metavar="SIZE",
+    p.add_argument("--max-request-body-bytes", type=size, default="64MiB", metavar="SIZE",
                    help="largest request body (64MiB, 10MB, bytes); a larger one is a 413")
     p.add_argument("--max-tokens-cap", type=int, default=None, metavar="N",
                    help="most completion tokens one request may ask for (more is a 400); default: no cap")
@@ -299,10 +302,10 @@ def _convert(args) -> int:
 def make_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     """The whole command line; `with_bench=False` leaves out the bench commands' flags, whose modules take
     seconds to import (a mistyped `serve` path is reported faster)."""
-    from mlxserve.settings import HelpFormatter
+    from mlxserve.settings import ArgumentParser, HelpFormatter
 
-    # Every parser shows each flag's default in --help (settings.py HelpFormatter).
-    make = functools.partial(argparse.ArgumentParser, formatter_class=HelpFormatter)
+    # Every parser shows each flag's default in --help and says an error in one line (settings.py).
+    make = functools.partial(ArgumentParser, formatter_class=HelpFormatter)
     parser = make(prog="mlxserve", description="MLX-native OpenAI-compatible server")
     parser.add_argument("--version", action="version", version=_version())
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -327,7 +330,7 @@ def make_parser(with_bench: bool = True) -> argparse.ArgumentParser:
                        help="models to serve: name, path, pinned, ttl, aliases, engine settings (models/specs.py)")
     serve.add_argument("--max-loaded-models", type=int, default=None,
                        help="most models loaded at once; the least recently used idle unpinned one is unloaded")
-    serve.add_argument("--max-loaded-memory", default=None,
+    serve.add_argument("--max-loaded-memory", type=size, default=None,
                        help="most weight bytes loaded at once (8GB, 50%%); default: what the memory budget leaves")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="log verbosity")
@@ -447,13 +450,56 @@ def _version() -> str:
     return f"mlxserve {__version__} ({of('mlx')}, {of('mlx-lm')}, {of('mlx-vlm')})"
 
 
+def _chosen_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The (sub)command parser `argv` reaches: `serve`, `bench serve` ..."""
+    for token in argv:
+        subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if subparsers and token in subparsers[0].choices:
+            parser = subparsers[0].choices[token]
+    return parser
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    return {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
+
+
+def _foreign_names(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """`serve` flags as vLLM / mlx-lm / Ollama ... name them, rewritten to ours (foreign_flags.py)."""
+    from mlxserve.foreign_flags import ForeignFlagError, translate
+
+    if "serve" not in argv or (chosen := _chosen_parser(parser, argv)).prog != "mlxserve serve":
+        return argv, []
+    at = argv.index("serve") + 1
+    try:
+        rest, notes = translate(argv[at:], _option_strings(chosen))
+    except ForeignFlagError as e:
+        chosen.error(str(e))
+    return argv[:at] + rest, notes
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, but an unknown flag is named with the closest known one, and its stray value is never
+    taken for the model."""
+    from mlxserve.foreign_flags import unknown_flag_message
+
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        chosen = _chosen_parser(parser, argv)
+        flags = [e for e in extras if e.startswith("-")]
+        if flags:
+            chosen.error(unknown_flag_message(flags, _option_strings(chosen)))
+        chosen.error("unexpected argument" + ("s " if len(extras) > 1 else " ") + " ".join(extras))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     from mlxserve.agents.launch import split_agent_args
 
     argv, agent_args = split_agent_args(argv)  # `launch ... -- ARGS`: ARGS reach the agent untouched
     parser = make_parser(with_bench="bench" in argv)
-    args = parser.parse_args(argv)
+    argv, notes = _foreign_names(parser, argv)
+    args = _parse(parser, argv)
     if agent_args:
         args.agent_args = agent_args
     settings_parser = getattr(args, "settings_parser", None)
@@ -466,8 +512,10 @@ def main(argv: list[str] | None = None) -> int:
                                                              args.config or os.environ.get("MLXSERVE_CONFIG")))
         except ValueError as e:
             settings_parser.error(str(e))
-        args = parser.parse_args(argv)
+        args = _parse(parser, argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for note in notes:
+        log.info(note)
     if args.log_level == "info":  # HTTP clients log a line per request (hub look-ups, downloads): debug only
         for name in ("httpx", "httpx2"):
             logging.getLogger(name).setLevel(logging.WARNING)

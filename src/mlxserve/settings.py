@@ -9,8 +9,13 @@ rules (a flag given overrides them) and a value is checked by the same type and 
 from __future__ import annotations
 
 import argparse
+import difflib
+import logging
 import os
+import re
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 ENV_PREFIX = "MLXSERVE_"
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
@@ -31,6 +36,40 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if isinstance(action.default, (list, tuple)):  # as typed on the command line: 1,2,4
             return text + " (default: %s)" % ",".join(map(str, action.default)).replace("%", "%%")
         return text + " (default: %(default)s)"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Errors as one line that names the flag first, then where the flags are listed: serve's usage alone is
+    forty lines, and the error under it went unread."""
+
+    def error(self, message: str):
+        message = re.sub(r"^argument ([^:]+): ", r"\1: ", message)
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists every flag)\n")
+
+
+def size(text: str) -> str:
+    """type= of the size flags: the text as given (a percentage needs the machine's RAM, read later), once it
+    reads as a size."""
+    from mlxserve.config import parse_memory
+
+    try:
+        ok = parse_memory(text, 1 << 40) >= 0
+    except (ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"could not read {text!r} as a size (e.g. 2GB, 512MiB, 20%)")
+    return text
+
+
+def fraction(text: str) -> float:
+    """type= of a share of memory: above 0, at most 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share above 0 and at most 1 (e.g. 0.9), got {text!r}")
+    return value
 
 
 def env_name(action: argparse.Action) -> str:
@@ -75,8 +114,11 @@ def _one(action: argparse.Action, raw, where: str):
     text = str(raw).strip()
     try:
         value = action.type(text) if action.type is not None else text
-    except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
-        raise ValueError(f"{where}: {raw!r} is not a valid value ({exc})") from None
+    except argparse.ArgumentTypeError as exc:  # our converters' messages quote the value already
+        raise ValueError(f"{where}: {exc}") from None
+    except (TypeError, ValueError):
+        kind = {int: "a whole number", float: "a number"}.get(action.type, "a valid value")
+        raise ValueError(f"{where}: expected {kind}, got {raw!r}") from None
     if action.choices is not None and value not in action.choices:
         choices = ", ".join(map(str, action.choices))
         raise ValueError(f"{where}: {raw!r} is not one of {choices}")
@@ -121,13 +163,40 @@ def settings_defaults(parser: argparse.ArgumentParser, config_file: str | None,
                     for k, v in read_config_file(config_file).items()]
     sources += [(name[len(ENV_PREFIX):].lower(), value, name) for name, value in environ.items()
                 if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):].lower() in actions]
+    given = {key for key, _, _ in sources}
     for key, raw, where in sources:
         if key == "model" and "+model" in actions:
             defaults.update(_model_setting(actions, raw, where))
             continue
         action = actions.get(key)
         if action is None:
-            known = ", ".join(sorted(k for k in actions if not k.startswith("+")))
-            raise ValueError(f"{where}: no such setting; known: {known}")
+            key, implied = _foreign_key(key, where, actions)
+            if key is None:
+                continue
+            action = actions[key]
+            for other, value in implied.items():
+                if other not in given:
+                    defaults[actions[other].dest] = _convert(actions[other], value, where)
         defaults[action.dest] = _convert(action, raw, where)
     return defaults
+
+
+def _foreign_key(key: str, where: str, actions: dict) -> tuple[str | None, dict]:
+    """A key another server's config uses (vLLM's gpu_memory_utilization): ours and the keys it implies, None
+    for one that is ignored; ValueError for one with no same meaning here or no such key at all."""
+    from mlxserve.foreign_flags import FOREIGN, refusal
+
+    flag = "--" + key.replace("_", "-")
+    foreign = FOREIGN.get(flag)
+    if foreign is None:
+        close = difflib.get_close_matches(key, sorted(k for k in actions if not k.startswith("+")), n=1)
+        raise ValueError(f"{where}: no such setting" + (f" (did you mean {close[0]}?)" if close else
+                                                       "; `mlxserve serve --help` lists them (dashes as underscores)"))
+    if foreign.ours is None:
+        raise ValueError(f"{where}: {refusal(flag)}")
+    if not foreign.ours:
+        log.info("%s (%s) is ignored: %s", where, foreign.origin, foreign.note)
+        return None, {}
+    ours = foreign.ours[2:].replace("-", "_")
+    log.info("%s is %s's name for %s", where, foreign.origin, ours)
+    return ours, {flag[2:].replace("-", "_"): value for flag, value in foreign.also.items()}
