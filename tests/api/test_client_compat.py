@@ -65,6 +65,9 @@ def test_claude_code_requests_are_served(app, name, stream):
     render = models.last_render
     assert render["kwargs"].get("reasoning_effort") == "high"  # output_config.effort
     roles = [m["role"] for m in render["messages"]]
+    # Claude Code's billing line (a per-conversation hash) is not for the model, nor for the prefix cache.
+    assert body["system"][0]["text"].startswith("x-anthropic-billing-header:")
+    assert render["messages"][0]["content"].startswith("You are a Claude agent")
     # `system` first; the system message Claude Code puts after the first user turn stays where it was.
     assert roles[0] == "system" and roles.count("system") == (1 if name == "claude_code_title" else 2)
     if name != "claude_code_title":

@@ -106,6 +106,20 @@ def _assistant_message(blocks: list, where: str) -> dict:
     return message
 
 
+_BILLING = "x-anthropic-billing-header:"
+
+
+def _without_billing(blocks: list[TextBlock]) -> list[TextBlock]:
+    """Claude Code opens `system` with a billing line for Anthropic (`x-anthropic-billing-header:
+    cc_version=...`) whose hash differs between conversations: it is not for the model, and at the very
+    start of the prompt it would keep conversations from sharing the cached system prompt and tools."""
+    kept = [b for b in blocks if not b.text.startswith(_BILLING)]
+    for b in blocks:
+        if b not in kept:
+            log.debug("/v1/messages: dropped the system block %r", b.text[:120])
+    return kept
+
+
 def _system_message(blocks: list, where: str) -> dict:
     for j, b in enumerate(blocks):
         if not isinstance(b, TextBlock):
@@ -155,9 +169,9 @@ def _tool_choice(body: MessagesRequest) -> tuple[Any, Optional[bool]]:
 def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     log_unused("/v1/messages", unused_fields(body, body.ACCEPTED_UNUSED))
     messages: list[dict] = []
-    if body.system:
-        messages.append({"role": "system", "content": body.system if isinstance(body.system, str)
-                         else _joined(body.system)})
+    system = body.system if isinstance(body.system, str) else _joined(_without_billing(body.system or []))
+    if system:
+        messages.append({"role": "system", "content": system})
     for i, m in enumerate(body.messages):
         if isinstance(m.content, str):
             messages.append({"role": m.role, "content": m.content})
