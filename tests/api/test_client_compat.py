@@ -76,6 +76,16 @@ def test_claude_code_requests_are_served(app, name, stream):
         assert len(render["tools"]) == len(body["tools"])
 
 
+def test_claude_code_request_tokens_are_counted(app):
+    client, models = app
+    body = {k: v for k, v in fixture("claude_code_continue").items() if k not in ("max_tokens", "stream")}
+    r = client.post("/v1/messages/count_tokens?beta=true", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["input_tokens"] == len(models.tokenizer.encode(models.tokenizer.apply_chat_template(
+        models.last_render["messages"])))
+    assert not models.engine.requests  # counted, never generated
+
+
 @pytest.mark.parametrize("name", CODEX)
 @pytest.mark.parametrize("stream", [True, False])
 def test_codex_requests_are_served(app, name, stream):
