@@ -58,7 +58,8 @@ def adjacent_systems_joined(messages: list[dict]) -> list[dict]:
     at the start see it all."""
     out: list[dict] = []
     for m in messages:
-        if m.get("role") == "system" and out and out[-1].get("role") == "system":
+        if (m.get("role") == "system" and out and out[-1].get("role") == "system"
+                and isinstance(m["content"], str) and isinstance(out[-1]["content"], str)):
             out[-1] = {"role": "system", "content": f"{out[-1]['content']}\n\n{m['content']}"}
         else:
             out.append(m)
