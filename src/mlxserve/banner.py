@@ -4,12 +4,20 @@ a request to paste, printed once the models are up (the app's lifespan calls `ap
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 ENDPOINTS = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "POST /v1/messages",
              "POST /v1/embeddings", "GET /v1/models", "GET /v1/status", "GET /health", "GET /metrics",
              "GET /docs")
+
+
+# A reply of a few tokens: enough to see the server answer, and the demo model's random text stays short.
+TRY_MAX_TOKENS = 32
+REAL_MODEL_HINT = ("mlxserve serve mlx-community/Qwen3-0.6B-4bit (a hub id), or a local model folder or .gguf"
+                   " file")
 
 
 @dataclass(frozen=True)
@@ -17,6 +25,16 @@ class BannerModel:
     name: str
     source: str
     status: str  # the manager's card status: loaded, not_loaded, ...
+
+
+def is_demo_source(source: str) -> bool:
+    """The built-in demo model (`mlxserve serve` with no model): tiny, random weights."""
+    from mlxserve.models.demo import default_demo_model_dir
+
+    try:
+        return Path(source).expanduser().resolve() == default_demo_model_dir().resolve()
+    except OSError:
+        return False
 
 
 def display_url(host: str, port: int) -> str:
@@ -27,8 +45,23 @@ def display_url(host: str, port: int) -> str:
     return f"http://{shown}:{port}"
 
 
+def try_lines(url: str, model: str, needs_key: bool) -> list[str]:
+    """A curl line and a Python line that need nothing beyond Python itself (the openai package is no
+    dependency of the plain install): each asks `model` for a short reply."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": TRY_MAX_TOKENS}
+    auth = ' -H "Authorization: Bearer $MLXSERVE_API_KEY"' if needs_key else ""
+    headers = '{"Content-Type": "application/json"' + (
+        ', "Authorization": "Bearer " + os.environ["MLXSERVE_API_KEY"]}' if needs_key else "}")
+    code = (f"import json,{' os,' if needs_key else ''} urllib.request as u; "
+            f"r = u.Request({json.dumps(url + '/v1/chat/completions')}, data=json.dumps({json.dumps(body)}).encode(),"
+            f" headers={headers}); "
+            'print(json.load(u.urlopen(r))["choices"][0]["message"]["content"])')
+    curl = f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth}"
+    return [f"{curl} -d {shlex.quote(json.dumps(body))}", f"python3 -c {shlex.quote(code)}"]
+
+
 def format_banner(version: str, url: str, models: list[BannerModel], memory: str, needs_key: bool,
-                  all_interfaces: bool = False) -> str:
+                  all_interfaces: bool = False, demo: bool = False) -> str:
     first = models[0].name
     where = " (all interfaces)" if all_interfaces else ""
     if len(models) == 1:
@@ -39,20 +72,15 @@ def format_banner(version: str, url: str, models: list[BannerModel], memory: str
         model_line = f"  models     {len(models)}: " + ", ".join(loaded + lazy)
         if lazy:
             model_line += f"  ({len(lazy)} load on first use)"
-    auth = ' -H "Authorization: Bearer $MLXSERVE_API_KEY"' if needs_key else ""
-    key = 'os.environ["MLXSERVE_API_KEY"]' if needs_key else '"unused"'
-    body = json.dumps({"model": first, "messages": [{"role": "user", "content": "Hello!"}]})
-    lines = [
-        f"mlxserve {version} ready on {url}{where}",
-        model_line,
-        f"  memory     {memory}",
-        "  endpoints  " + ", ".join(e.split()[1] for e in ENDPOINTS),
-        "  try it:",
-        f"    curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'",
-        f'    python -c \'from openai import OpenAI;{" import os;" if needs_key else ""} c = OpenAI(base_url="{url}/v1", api_key={key}); '
-        f'print(c.chat.completions.create(model="{first}", messages=[{{"role": "user", "content": "Hello!"}}])'
-        f".choices[0].message.content)'",
-    ]
+    lines = [f"mlxserve {version} ready on {url}{where}", model_line]
+    if demo:
+        lines += ["  note       the demo model has random weights: its replies are gibberish by design",
+                  f"  real model {REAL_MODEL_HINT}"]
+    lines += [f"  memory     {memory}",
+              "  endpoints  " + ", ".join(e.split()[1] for e in ENDPOINTS),
+              "  try it:"]
+    lines += ["    " + line for line in try_lines(url, first, needs_key)]
+    lines.append(f"    or any OpenAI client with base_url={url}/v1")
     return "\n".join(lines)
 
 
@@ -91,7 +119,8 @@ def make_ready_hook(config, manager, specs, port: int, out=None):
             memory = ceiling_line(config.engine.memory_mode, config.engine.memory_utilization)
         text = format_banner(__version__, display_url(config.host, port), models, memory,
                              needs_key=bool(config.security.api_keys),
-                             all_interfaces=config.host in ("0.0.0.0", "::", ""))
+                             all_interfaces=config.host in ("0.0.0.0", "::", ""),
+                             demo=any(is_demo_source(spec.source) for spec in specs))
         print(text, file=out or sys.stderr, flush=True)
 
     return on_ready

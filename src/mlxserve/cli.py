@@ -363,6 +363,8 @@ def make_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     list_cmd.add_argument("--model-dir", action="append", default=[], metavar="DIR",
                           help="also list the model folders inside DIR (repeatable; default: MLXSERVE_MODEL_DIR)")
     list_cmd.add_argument("--no-hf-cache", action="store_true", help="skip the Hugging Face cache")
+    list_cmd.add_argument("--server", default="http://127.0.0.1:8000", metavar="URL",
+                          help="also list what the server at URL serves (its /v1/models); '' to skip")
     list_cmd.set_defaults(func=catalog.run_list)
 
     from mlxserve.models.families import FAMILIES, FAMILY_SHAPES

@@ -78,7 +78,7 @@ def test_banner_names_url_models_memory_and_a_snippet(live):
     assert "qwen-tiny" in text and "llama-tiny" in text and "load on first use" in text
     assert "ceiling" in text and "GiB" in text
     assert "/v1/chat/completions" in text and "curl http://127.0.0.1:8000/v1/chat/completions" in text
-    assert "OpenAI(base_url=" in text
+    assert "python3 -c 'import json, urllib.request as u" in text  # the standard library only: no openai needed
 
 
 def test_vlm_without_vision_extra_is_a_400_naming_it(tmp_path_factory, qwen25vl_dir, serve_module_app, monkeypatch):

@@ -168,8 +168,37 @@ def format_table(models: list[LocalModel]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows)
 
 
+def demo_models() -> list[LocalModel]:
+    """The built-in demo model, once `mlxserve serve` (or `demo-model`) has built it in the user cache."""
+    from mlxserve.models.demo import DEMO_MODEL_DIRNAME, default_demo_model_dir
+
+    model = describe(DEMO_MODEL_DIRNAME, default_demo_model_dir())
+    return [model] if model is not None else []
+
+
+def served_lines(url: str, timeout: float = 1.0) -> list[str]:
+    """What the server at `url` serves, one line per model (its /v1/models), or one line saying none answers."""
+    import httpx
+
+    key = os.environ.get("MLXSERVE_API_KEY", "").split(",")[0].strip()
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        reply = httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=timeout, trust_env=False)
+    except httpx.HTTPError:
+        return [f"Served at {url}: no server answers"]
+    if reply.status_code == 401:
+        return [f"Served at {url}: the server needs an API key (set MLXSERVE_API_KEY)"]
+    try:
+        cards = reply.json()["data"]
+    except (ValueError, KeyError, TypeError):
+        return [f"Served at {url}: answered {reply.status_code}, not a model list"]
+    lines = [f"Served at {url}: {len(cards)} model(s)"]
+    lines += [f"  {c.get('id')}  ({c.get('status', 'loaded')})" for c in cards]
+    return lines
+
+
 def run_list(args) -> int:
-    """`mlxserve list`: the HF cache, then each --model-dir."""
+    """`mlxserve list`: the HF cache, each --model-dir, the demo model, then what a running server serves."""
     sections = [] if args.no_hf_cache else [(f"Hugging Face cache ({hf_cache_dir()})", scan_hf_cache)]
     dirs = args.model_dir or [d for d in os.environ.get("MLXSERVE_MODEL_DIR", "").split(",") if d]
     sections += [(f"--model-dir {d}", lambda d=d: scan_model_dir(d)) for d in dirs]
@@ -183,4 +212,12 @@ def run_list(args) -> int:
         if models:
             print(format_table(models))
         print()
+    demo = demo_models()
+    if demo:
+        print("Demo model (random weights: its replies are gibberish by design; `mlxserve serve` with no model"
+              " serves it):")
+        print(format_table(demo))
+        print()
+    if args.server:
+        print("\n".join(served_lines(args.server)))
     return 0
