@@ -122,11 +122,13 @@ def test_env_and_yaml_values_name_their_source(monkeypatch, capsys, tmp_path):
                                                                                         monkeypatch, capsys)
 
 
-def test_a_vllm_yaml_maps_like_its_flags(monkeypatch, tmp_path):
+def test_a_vllm_yaml_maps_like_its_flags(monkeypatch, tmp_path, caplog):
     cfg = tmp_path / "vllm.yaml"
     cfg.write_text("gpu_memory_utilization: 0.85\ntensor-parallel-size: 1\ntrust_remote_code: true\n")
-    args = _serve_args(["--config", str(cfg)], monkeypatch)
+    with caplog.at_level(logging.INFO, logger="mlxserve.cli"):
+        args = _serve_args(["--config", str(cfg)], monkeypatch)
     assert (args.memory_utilization, args.memory_mode, args.tensor_parallel) == (0.85, "dedicated", 1)
+    assert f"--config {cfg}: gpu_memory_utilization is vLLM's name for memory_utilization" in caplog.text
 
 
 def test_every_mapping_names_a_real_serve_flag():

@@ -511,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             settings_parser.set_defaults(**settings_defaults(settings_parser,
-                                                             args.config or os.environ.get("MLXSERVE_CONFIG")))
+                                                             args.config or os.environ.get("MLXSERVE_CONFIG"),
+                                                             notes=notes))
         except ValueError as e:
             settings_parser.error(str(e))
         args = _parse(parser, argv)

@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import logging
 import os
 import re
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 ENV_PREFIX = "MLXSERVE_"
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
@@ -151,9 +148,9 @@ def read_config_file(path: str | Path) -> dict:
 
 
 def settings_defaults(parser: argparse.ArgumentParser, config_file: str | None,
-                      environ: os._Environ | dict | None = None) -> dict:
+                      environ: os._Environ | dict | None = None, notes: list | None = None) -> dict:
     """Defaults for `parser` from the config file, then the environment over it; ValueError names the
-    unknown key or bad value."""
+    unknown key or bad value. `notes` gets a line per key another server's config names (for the log)."""
     environ = os.environ if environ is None else environ
     actions = _settable(parser)
     defaults: dict = {}
@@ -170,7 +167,7 @@ def settings_defaults(parser: argparse.ArgumentParser, config_file: str | None,
             continue
         action = actions.get(key)
         if action is None:
-            key, implied = _foreign_key(key, where, actions)
+            key, implied = _foreign_key(key, where, actions, notes if notes is not None else [])
             if key is None:
                 continue
             action = actions[key]
@@ -181,7 +178,7 @@ def settings_defaults(parser: argparse.ArgumentParser, config_file: str | None,
     return defaults
 
 
-def _foreign_key(key: str, where: str, actions: dict) -> tuple[str | None, dict]:
+def _foreign_key(key: str, where: str, actions: dict, notes: list) -> tuple[str | None, dict]:
     """A key another server's config uses (vLLM's gpu_memory_utilization): ours and the keys it implies, None
     for one that is ignored; ValueError for one with no same meaning here or no such key at all."""
     from mlxserve.foreign_flags import FOREIGN, refusal
@@ -195,8 +192,8 @@ def _foreign_key(key: str, where: str, actions: dict) -> tuple[str | None, dict]
     if foreign.ours is None:
         raise ValueError(f"{where}: {refusal(flag)}")
     if not foreign.ours:
-        log.info("%s (%s) is ignored: %s", where, foreign.origin, foreign.note)
+        notes.append(f"{where} ({foreign.origin}) is ignored: {foreign.note}")
         return None, {}
     ours = foreign.ours[2:].replace("-", "_")
-    log.info("%s is %s's name for %s", where, foreign.origin, ours)
+    notes.append(f"{where} is {foreign.origin}'s name for {ours}")
     return ours, {flag[2:].replace("-", "_"): value for flag, value in foreign.also.items()}
