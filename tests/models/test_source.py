@@ -120,6 +120,10 @@ def test_pull_and_convert_say_the_same(tmp_path):
     result = _run(["pull", "some-org/some-model"], tmp_path / "hf", _closed_port_url(), offline=False)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("mlxserve pull: cannot reach the Hugging Face hub")
+    assert result.stderr.strip().endswith(": check the network (or HTTPS_PROXY) and try again")
+    result = _run(["pull", "some-org/some-model"], tmp_path / "hf", _closed_port_url(), offline=True)
+    assert result.stderr.strip().splitlines()[-1] == ("mlxserve pull: HF_HUB_OFFLINE is set: unset it to download"
+                                                      " some-org/some-model")
     result = _run(["convert", str(tmp_path / "nope"), str(tmp_path / "out")], tmp_path / "hf", _closed_port_url(),
                   offline=True)
     assert result.returncode == 2

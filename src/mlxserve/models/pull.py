@@ -27,15 +27,17 @@ class HubError(Exception):
     """The hub cannot give us `repo_id`; the message says why and what to do next."""
 
 
-def check_on_hub(repo_id: str, revision: str | None = None, timeout: float = 3.0) -> None:
+def check_on_hub(repo_id: str, revision: str | None = None, timeout: float = 3.0, pulling: bool = False) -> None:
     """Asks the hub once, within `timeout` and with no retries, whether it serves `repo_id`; HubError if not.
     A download's own requests retry, which is right once the hub has answered but turns a machine with no
-    network into half a minute of warnings."""
+    network into half a minute of warnings. `pulling`: the next step for `mlxserve pull` itself."""
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled,
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
-    here = "" if "/" in repo_id else " and no such folder here"
+    here = "" if "/" in repo_id or pulling else " and no such folder here"
+    if constants.is_offline_mode() and pulling:
+        raise HubError(f"HF_HUB_OFFLINE is set: unset it to download {repo_id}")
     if constants.is_offline_mode():
         raise HubError(f"{repo_id} is not in the Hugging Face cache{here}, and HF_HUB_OFFLINE is set: serve a local"
                        f" folder, or unset HF_HUB_OFFLINE and run `mlxserve pull {repo_id}`")
@@ -57,6 +59,9 @@ def check_on_hub(repo_id: str, revision: str | None = None, timeout: float = 3.0
                        " folder") from None
     except Exception as e:  # noqa: BLE001  the HTTP client's connection and timeout errors: no network
         reason = str(e).strip() or type(e).__name__
+        if pulling:
+            raise HubError(f"cannot reach the Hugging Face hub ({constants.ENDPOINT}: {reason}): check the network"
+                           " (or HTTPS_PROXY) and try again") from None
         raise HubError(f"cannot reach the Hugging Face hub ({constants.ENDPOINT}: {reason}) and {repo_id} is not in"
                        f" its cache{here}: serve a local folder, run `mlxserve pull {repo_id}` when online, or set"
                        " HF_HUB_OFFLINE=1 to use cached models without asking the hub") from None
@@ -83,7 +88,7 @@ def run(args) -> int:
         logging.getLogger(name).setLevel(logging.WARNING)
     print(f"pulling {args.repo_id}" + (f" at {args.revision}" if args.revision else ""), file=sys.stderr)
     try:
-        check_on_hub(args.repo_id, args.revision)
+        check_on_hub(args.repo_id, args.revision, pulling=True)
     except HubError as e:
         print(f"mlxserve pull: {e}", file=sys.stderr)
         return 2
