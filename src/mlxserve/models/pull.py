@@ -88,7 +88,7 @@ def run(args) -> int:
         logging.getLogger(name).setLevel(logging.WARNING)
     print(f"pulling {args.repo_id}" + (f" at {args.revision}" if args.revision else ""), file=sys.stderr)
     try:
-        check_on_hub(args.repo_id, args.revision, pulling=True)
+        check_on_hub(args.repo_id, args.revision, timeout=10.0, pulling=True)  # asked for: may wait longer
     except HubError as e:
         print(f"mlxserve pull: {e}", file=sys.stderr)
         return 2
