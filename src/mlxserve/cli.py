@@ -8,8 +8,8 @@ import importlib
 import logging
 import os
 import sys
-from pathlib import Path
 
+from mlxserve import foreign_flags
 from mlxserve.config import EngineConfig, MediaConfig, SecurityConfig, ServerConfig, parse_memory
 from mlxserve.models.backend import default_prefill_step_size
 from mlxserve.settings import fraction, size
@@ -184,29 +184,14 @@ def _models_fields(args) -> dict:
     return {"models": tuple(specs), "max_loaded_models": max_models, "max_loaded_bytes": max_bytes}
 
 
-def _check_sources(args) -> None:
-    """A mistyped path, a folder that is no model or an unreachable hub id, reported before anything heavy
-    loads: the single model in full (the hub asked once), --model entries and --draft-model by their paths."""
-    from mlxserve.models.source import check_local, looks_local, resolve_source
-    from mlxserve.models.specs import parse_model_flag
-
-    if args.model is not None:
-        resolve_source(args.model, download=False)
-    paths = [parse_model_flag(text).source for text in args.extra_models]
-    for source in paths + ([args.draft_model] if args.draft_model else []):
-        path = os.path.expanduser(source)
-        if os.path.exists(path):
-            check_local(Path(path), source)
-        elif looks_local(source):
-            resolve_source(source, download=False)  # raises "no such folder"
-
-
 def _serve(args) -> int:
     from mlxserve import process
     from mlxserve.models.loader import ModelLoadError
 
-    try:
-        _check_sources(args)
+    from mlxserve.models.source import check_serve_sources
+
+    try:  # a mistyped path or an unreachable hub id is reported before anything heavy loads
+        check_serve_sources(args.model, args.extra_models, args.draft_model)
     except (ModelLoadError, ValueError) as e:
         print(f"mlxserve serve: {e}", file=sys.stderr)
         return 2
@@ -452,56 +437,14 @@ def _version() -> str:
     return f"mlxserve {__version__} ({of('mlx')}, {of('mlx-lm')}, {of('mlx-vlm')})"
 
 
-def _chosen_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
-    """The (sub)command parser `argv` reaches: `serve`, `bench serve` ..."""
-    for token in argv:
-        subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-        if subparsers and token in subparsers[0].choices:
-            parser = subparsers[0].choices[token]
-    return parser
-
-
-def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
-    return {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
-
-
-def _foreign_names(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
-    """`serve` flags as vLLM / mlx-lm / Ollama ... name them, rewritten to ours (foreign_flags.py)."""
-    from mlxserve.foreign_flags import ForeignFlagError, translate
-
-    if "serve" not in argv or (chosen := _chosen_parser(parser, argv)).prog != "mlxserve serve":
-        return argv, []
-    at = argv.index("serve") + 1
-    try:
-        rest, notes = translate(argv[at:], _option_strings(chosen))
-    except ForeignFlagError as e:
-        chosen.error(str(e))
-    return argv[:at] + rest, notes
-
-
-def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """parse_args, but an unknown flag is named with the closest known one, and its stray value is never
-    taken for the model."""
-    from mlxserve.foreign_flags import unknown_flag_message
-
-    args, extras = parser.parse_known_args(argv)
-    if extras:
-        chosen = _chosen_parser(parser, argv)
-        flags = [e for e in extras if e.startswith("-")]
-        if flags:
-            chosen.error(unknown_flag_message(flags, _option_strings(chosen)))
-        chosen.error("unexpected argument" + ("s " if len(extras) > 1 else " ") + " ".join(extras))
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     from mlxserve.agents.launch import split_agent_args
 
     argv, agent_args = split_agent_args(argv)  # `launch ... -- ARGS`: ARGS reach the agent untouched
     parser = make_parser(with_bench="bench" in argv)
-    argv, notes = _foreign_names(parser, argv)
-    args = _parse(parser, argv)
+    argv, notes = foreign_flags.rewrite_serve_argv(parser, argv)
+    args = foreign_flags.parse(parser, argv)
     if agent_args:
         args.agent_args = agent_args
     settings_parser = getattr(args, "settings_parser", None)
@@ -515,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                                                              notes=notes))
         except ValueError as e:
             settings_parser.error(str(e))
-        args = _parse(parser, argv)
+        args = foreign_flags.parse(parser, argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for note in notes:
         log.info(note)

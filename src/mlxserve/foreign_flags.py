@@ -6,6 +6,7 @@ something else is an error naming what to use here; any other unknown flag gets 
 
 from __future__ import annotations
 
+import argparse
 import difflib
 from dataclasses import dataclass, field
 
@@ -113,3 +114,41 @@ def unknown_flag_message(flags: list[str], ours: set[str]) -> str:
         close = difflib.get_close_matches(name, sorted(ours), n=1, cutoff=0.6)
         parts.append(f"{name} (did you mean {close[0]}?)" if close else name)
     return "unknown flag" + ("s" if len(parts) > 1 else "") + " " + ", ".join(parts)
+
+
+def chosen_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The (sub)command parser `argv` reaches: `serve`, `bench serve` ..."""
+    for token in argv:
+        subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if subparsers and token in subparsers[0].choices:
+            parser = subparsers[0].choices[token]
+    return parser
+
+
+def option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    return {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
+
+
+def rewrite_serve_argv(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """`mlxserve serve` argv with other servers' names rewritten to ours, and the notes to log."""
+    if "serve" not in argv or (chosen := chosen_parser(parser, argv)).prog != "mlxserve serve":
+        return argv, []
+    at = argv.index("serve") + 1
+    try:
+        rest, notes = translate(argv[at:], option_strings(chosen))
+    except ForeignFlagError as e:
+        chosen.error(str(e))
+    return argv[:at] + rest, notes
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, but an unknown flag is named with the closest known one, and its stray value is never taken
+    for the model."""
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        chosen = chosen_parser(parser, argv)
+        flags = [e for e in extras if e.startswith("-")]
+        if flags:
+            chosen.error(unknown_flag_message(flags, option_strings(chosen)))
+        chosen.error("unexpected argument" + ("s " if len(extras) > 1 else " ") + " ".join(extras))
+    return args

@@ -52,6 +52,22 @@ def resolve_source(source: str, download: bool = True) -> Path | None:
     return pull(source, allow_patterns=list(DEFAULT_ALLOW_PATTERNS))
 
 
+def check_serve_sources(model: str | None, extra_models: list[str], draft_model: str | None) -> None:
+    """What `mlxserve serve` names, checked before anything heavy loads: the single model in full (the hub asked
+    once, nothing downloaded yet), --model entries and --draft-model by their paths."""
+    from mlxserve.models.specs import parse_model_flag
+
+    if model is not None:
+        resolve_source(model, download=False)
+    paths = [parse_model_flag(text).source for text in extra_models] + ([draft_model] if draft_model else [])
+    for source in paths:
+        path = Path(source).expanduser()
+        if path.exists():
+            check_local(path, source)
+        elif looks_local(source):
+            raise ModelLoadError(_no_such_folder(source, path))
+
+
 def check_local(path: Path, source: str) -> None:
     """An existing path must be a model folder (config.json) or a GGUF file / a folder holding one (the GGUF
     loader reads those)."""
