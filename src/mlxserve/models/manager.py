@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 # queueing forever; a model's requests usually end well within it.
 _BUSY_WAIT_S = 300.0
 _POLL_S = 0.05
+# How often the ttl watcher looks when a client's keep_alive (not the config) started it.
+_KEEP_ALIVE_POLL_S = 0.5
 
 
 class ModelState(str, Enum):
@@ -63,6 +65,12 @@ class _Slot:
     error: str | None = None  # why the last load failed
     loaded_at: int = 0  # unix time, the card's `created`
     num_loads: int = 0
+    # A client's idle ttl for this load (Ollama's keep_alive), over the spec's; None: the spec's.
+    keep_alive_s: float | None = None
+
+    @property
+    def ttl_s(self) -> float | None:
+        return self.keep_alive_s if self.keep_alive_s is not None else self.spec.ttl_s
 
     @property
     def is_idle(self) -> bool:
@@ -116,6 +124,10 @@ class ModelManager:
 
     def state(self, name: str) -> ModelState:
         return self._slots[self.resolve(name)].state
+
+    def source(self, name: str) -> str:
+        """Where a model's weights come from (a folder or hub id), for what a listing shows about it."""
+        return self._slots[self.resolve(name)].spec.source
 
     # -- lifecycle -----------------------------------------------------------------------------
     def load_pinned(self) -> None:
@@ -220,6 +232,7 @@ class ModelManager:
         slot.state = ModelState.UNLOADING
         held = [slot.served, slot.engine]
         slot.served = slot.engine = None
+        slot.keep_alive_s = None  # a client's keep_alive was for that load
         slot.task = asyncio.ensure_future(self._in_worker(self._stop_and_release, held))
         try:
             await asyncio.shield(slot.task)
@@ -321,15 +334,34 @@ class ModelManager:
             if self._expired(slot, now):
                 async with self._lock:
                     if self._expired(slot, self._clock()):  # a request may have come meanwhile
-                        await self._unload(slot, f"idle for more than its ttl of {slot.spec.ttl_s:g} s")
+                        await self._unload(slot, f"idle for more than its ttl of {slot.ttl_s:g} s")
                         done.append(slot.spec.name)
         return done
 
     @staticmethod
     def _expired(slot: _Slot, now: float) -> bool:
-        ttl = slot.spec.ttl_s
-        return (slot.state is ModelState.LOADED and not slot.spec.pinned and ttl is not None and slot.is_idle
+        ttl = slot.ttl_s
+        # A pinned model goes only when a client asks for it to go at once (keep_alive 0, `ollama stop`).
+        unpinned = not slot.spec.pinned or slot.keep_alive_s == 0
+        return (slot.state is ModelState.LOADED and unpinned and ttl is not None and slot.is_idle
                 and now - slot.last_used >= ttl)
+
+    def keep_alive(self, requested: str, seconds: float) -> None:
+        """A client's keep_alive for a loaded model: unloaded once idle this long (inf: never for being
+        idle; 0: as soon as its requests end), until it is unloaded. A pinned model ignores all but 0."""
+        slot = self._slots[self.resolve(requested)]
+        if slot.state is not ModelState.LOADED or (slot.spec.pinned and seconds != 0):
+            return
+        slot.keep_alive_s = None if seconds == float("inf") else seconds
+        if slot.keep_alive_s is not None and self._expiry is None and self._loop is not None:
+            self._expiry = self._loop.create_task(self._expire_forever(_KEEP_ALIVE_POLL_S))
+
+    def expires_in(self, requested: str) -> float | None:
+        """Seconds until a loaded idle model would be unloaded for its ttl; None: never for being idle."""
+        slot = self._slots[self.resolve(requested)]
+        if slot.ttl_s is None or (slot.spec.pinned and slot.keep_alive_s != 0):
+            return None
+        return max(0.0, slot.ttl_s - (self._clock() - slot.last_used)) if slot.is_idle else slot.ttl_s
 
     # -- what the HTTP layer shows ---------------------------------------------------------------
     @contextlib.contextmanager

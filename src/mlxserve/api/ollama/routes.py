@@ -1,0 +1,256 @@
+"""Ollama's API (`/api/...`) as a front door: chat and generate are translated into the one internal
+request and opened through the `EngineDoor`; embeddings run as `/v1/embeddings` does; the model routes
+read the model manager. Errors on /api/ paths come in Ollama's shape, `{"error": "..."}`.
+
+`keep_alive` sets the model's idle unload time for its current load (0: unload once its requests end,
+negative: never for being idle); a request with nothing to generate only loads or unloads, as Ollama's
+`ollama run` / `ollama stop` use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import json
+import logging
+from typing import Any, AsyncIterator, Callable, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from mlxserve.api.door import EngineDoor
+from mlxserve.api.embedding_jobs import embed_token_lists, tokenize_texts
+from mlxserve.api.errors import APIError
+from mlxserve.api.ollama.listing import ps_entry, show, tag_entry
+from mlxserve.api.ollama.protocol import (
+    ChatRequest,
+    EmbeddingsRequest,
+    EmbedRequest,
+    GenerateRequest,
+    NamedRequest,
+    keep_alive_seconds,
+)
+from mlxserve.api.ollama.pulling import default_pull, hub_id, pull_error, pull_lines
+from mlxserve.api.ollama.render import NDJSON, Durations, Reply, line, now_iso, stream_reply
+from mlxserve.api.ollama.translate import to_chat, to_generate
+from mlxserve.engine.request import RequestOutput
+
+log = logging.getLogger(__name__)
+
+PREFIX = "/api/"
+# The Ollama API level these routes follow (clients gate features such as tools on it).
+OLLAMA_VERSION = "0.12.0"
+_REFUSED = {
+    "/api/delete": "mlxserve does not delete model files over HTTP: remove the folder, or the Hugging Face cache "
+                   "entry with `hf cache delete`, on the server",
+    "/api/copy": "mlxserve does not copy models: serve the same folder under another name with --served-model-name "
+                 "or an alias in --models-config",
+    "/api/create": "mlxserve does not build models from Modelfiles: serve a model folder or Hugging Face id",
+    "/api/push": "mlxserve does not push models to a registry",
+}
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+def is_ollama_path(path: str) -> bool:
+    return path.startswith(PREFIX)
+
+
+def _reshaping(handler):
+    async def handle(request, exc):
+        response = handler(request, exc)
+        if inspect.isawaitable(response):
+            response = await response
+        if not is_ollama_path(request.url.path) or not isinstance(response, JSONResponse):
+            return response
+        body = json.loads(response.body)
+        error = body.get("error")
+        message = error.get("message") if isinstance(error, dict) else error or str(exc)
+        headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
+        return JSONResponse({"error": message}, response.status_code, headers=headers)
+
+    return handle
+
+
+def install_ollama_errors(app: FastAPI) -> None:
+    """Every exception handler installed so far answers `{"error": message}` on /api/ paths (same status
+    and headers), as before elsewhere. Call it after the app's own handlers."""
+    for exc_class, handler in list(app.exception_handlers.items()):
+        app.exception_handlers[exc_class] = _reshaping(handler)
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _served_name(models, requested: str) -> str:
+    """The served name for an Ollama model name: `name:latest` is `name` (Ollama adds the tag)."""
+    try:
+        return models.resolve(requested)
+    except LookupError:
+        base, _, tag = requested.rpartition(":")
+        if base and tag == "latest":
+            return models.resolve(base)
+        raise
+
+
+def _keep_alive(value) -> Optional[float]:
+    try:
+        return keep_alive_seconds(value)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "keep_alive") from None
+
+
+async def _marked(outputs: AsyncIterator[RequestOutput], durations: Durations):
+    async for out in outputs:
+        durations.mark_output()
+        yield out
+
+
+async def _load_only(models, name: str, requested: str, keep: Optional[float], chat: bool) -> dict:
+    """A request with nothing to generate: load the model, or unload it when keep_alive is 0."""
+    if keep == 0:
+        if not await models.unload(name):
+            models.keep_alive(name, 0)  # busy: it goes once its requests end
+        reason = "unload"
+    else:
+        await models.load(name)
+        if keep is not None:
+            models.keep_alive(name, keep)
+        reason = "load"
+    body = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+    return {"model": requested, "created_at": now_iso(), **body, "done": True, "done_reason": reason}
+
+
+# -- routes ----------------------------------------------------------------------------------------
+
+
+def add_ollama_routes(app: FastAPI, door: EngineDoor, pull_fn: Callable[[str], Any] = default_pull) -> None:
+    """The /api/ routes over `door` (and its model manager). `pull_fn(repo_id) -> folder` downloads for
+    /api/pull (a worker thread runs it; tests pass a fake)."""
+    models = door.models
+    install_ollama_errors(app)
+
+    async def generate_reply(internal, requested: str, keep: Optional[float], chat: bool, want_logprobs: bool,
+                             stream: bool, raw: Request, durations: Durations):
+        opened = await door.open(internal)
+        durations.mark_loaded()
+        if keep is not None:
+            models.keep_alive(internal.model, keep)
+        reply = Reply(requested, opened, chat, durations, want_logprobs)
+        timer = door.timer()
+        if stream:
+            return StreamingResponse(stream_reply(reply, opened.outputs, timer), media_type=NDJSON,
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        whole = await door.collect(_marked(opened.outputs, durations), timer, raw)
+        if whole is None:
+            return Response(status_code=499)
+        joined = dataclasses.replace(whole.last, new_token_ids=whole.token_ids, text=whole.text,
+                                     logprobs=whole.logprobs or None)
+        return JSONResponse(reply.whole([joined]))
+
+    @app.post("/api/chat")
+    async def chat(body: ChatRequest, raw: Request):
+        durations = Durations()
+        keep, requested = _keep_alive(body.keep_alive), body.model
+        body.model = _served_name(models, requested)
+        if not body.messages:
+            return await _load_only(models, body.model, requested, keep, chat=True)
+        return await generate_reply(to_chat(body), requested, keep, True, bool(body.logprobs), body.stream, raw,
+                                    durations)
+
+    @app.post("/api/generate")
+    async def generate(body: GenerateRequest, raw: Request):
+        durations = Durations()
+        keep, requested = _keep_alive(body.keep_alive), body.model
+        body.model = _served_name(models, requested)
+        if not body.prompt and not body.images and not body.context:
+            return await _load_only(models, body.model, requested, keep, chat=False)
+        async with models.lease(body.model) as (served, _):
+            if served.embedding_only:
+                raise APIError(400, f"`{requested}` is an embedding model: it serves /api/embed only", "model")
+            internal = await door.prep.run(to_generate, body, served.tokenizer)
+        return await generate_reply(internal, requested, keep, False, bool(body.logprobs), body.stream, raw,
+                                    durations)
+
+    async def embed_texts(requested: str, texts: list[str], truncate: bool, dimensions, keep, raw: Request):
+        name = _served_name(models, requested)
+        async with models.lease(name) as (served, engine):
+            token_lists = await door.prep.run(tokenize_texts, served, texts, "input", truncate)
+            vectors = await embed_token_lists(served, engine, token_lists, dimensions, raw.is_disconnected)
+            if keep is not None:
+                models.keep_alive(name, keep)
+        return vectors, sum(len(t) for t in token_lists)
+
+    @app.post("/api/embed")
+    async def embed(body: EmbedRequest, raw: Request):
+        durations = Durations()
+        texts = [body.input] if isinstance(body.input, str) else list(body.input)
+        if not texts:
+            raise APIError(400, "input is empty: send a string or a list of strings", "input")
+        vectors, num_tokens = await embed_texts(body.model, texts, body.truncate, body.dimensions,
+                                                _keep_alive(body.keep_alive), raw)
+        if vectors is None:
+            return Response(status_code=499)
+        stats = durations.stats(None)
+        return {"model": body.model, "embeddings": vectors.tolist(), "total_duration": stats["total_duration"],
+                "load_duration": 0, "prompt_eval_count": num_tokens}
+
+    @app.post("/api/embeddings")
+    async def embeddings(body: EmbeddingsRequest, raw: Request):
+        if not body.prompt:  # Ollama answers an empty prompt with an empty vector
+            return {"embedding": []}
+        vectors, _ = await embed_texts(body.model, [body.prompt], True, None, _keep_alive(body.keep_alive), raw)
+        if vectors is None:
+            return Response(status_code=499)
+        return {"embedding": vectors[0].tolist()}
+
+    @app.get("/api/tags")
+    async def tags():
+        return {"models": [tag_entry(card, models.source(card["id"])) for card in models.cards()]}
+
+    @app.get("/api/ps")
+    async def ps():
+        return {"models": [ps_entry(card, models.source(card["id"]), models.expires_in(card["id"]))
+                           for card in models.cards() if card["status"] == "loaded"]}
+
+    @app.post("/api/show")
+    async def show_model(body: NamedRequest):
+        name = _served_name(models, body.target)
+        card = next(c for c in models.cards() if c["id"] == name)
+        served = None
+        if card["status"] == "loaded":  # the template and capabilities of the loaded model; nothing loads
+            async with models.lease(name) as (served, _):
+                pass
+        return show(card, models.source(name), served)
+
+    @app.get("/api/version")
+    async def version():
+        return {"version": OLLAMA_VERSION}
+
+    @app.post("/api/pull")
+    async def pull(body: NamedRequest):
+        repo_id = hub_id(body.target)
+        if body.stream:
+            async def lines():
+                async for obj in pull_lines(repo_id, pull_fn):
+                    yield line(obj)
+
+            return StreamingResponse(lines(), media_type=NDJSON)
+        try:
+            await asyncio.to_thread(pull_fn, repo_id)
+        except Exception as exc:  # noqa: BLE001
+            raise pull_error(exc) from exc
+        return {"status": "success"}
+
+    for path, reason in _REFUSED.items():
+        method = app.delete if path == "/api/delete" else app.post
+
+        def refuse(reason: str = reason):
+            async def refused():
+                raise APIError(403, reason)
+
+            return refused
+
+        method(path)(refuse())
