@@ -40,3 +40,17 @@ def test_vary_lengths_gives_every_request_a_new_length(tmp_path, monkeypatch):
     assert len(lengths) == 2 * (1 + 8) + 4
     measured = lengths[1:9] + lengths[10:18]
     assert len(set(measured)) == len(measured), measured
+
+
+def test_together_rows_with_and_without_the_inflight_wait(tmp_path, capsys):
+    out = tmp_path / "together.json"
+    args = make_parser().parse_args([
+        "bench", "prefix", "--shape", "qwen3", "--together", "300", "--block-size", "16", "--prefill-step-size", "32",
+        "--repeats", "1", "--output-json", str(out),
+    ])
+    assert args.func(args) == 0
+    assert "2nd cached" in capsys.readouterr().out
+    off, on = json.loads(out.read_text())["together"]
+    assert (off["wait"], off["second_cached"], off["prefilled_tokens"]) == ("off", 0, 600)
+    # The second waits for the first's blocks: all of its prompt but the last partial block is a hit.
+    assert (on["wait"], on["second_cached"], on["prefilled_tokens"]) == ("on", 288, 312)
