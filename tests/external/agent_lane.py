@@ -1,0 +1,146 @@
+"""Helpers of the external lane: the pinned CLIs, the demo server with an access log, one agent turn measured."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from mlxserve.agents.launch import agent_clis_prefix
+
+CLIENTS_FILE = pathlib.Path(__file__).with_name("clients.txt")
+# Answers are cut at this many tokens by the server when a client names no limit (Codex, aider, llm), and by
+# the agent's own setting where it has one: a random model's answer is noise, the test is about the protocol.
+MAX_OUTPUT_TOKENS = 32
+TURN_TIMEOUT_S = float(os.environ.get("MLXSERVE_EXTERNAL_TURN_TIMEOUT", "900"))
+RESULTS: list[str] = []  # one line per client, printed at the end of the run (conftest.py)
+_METRIC = re.compile(r"^(mlxserve_prefix_cache_(?:queried|hit)_tokens_total)\s+(\S+)$", re.M)
+
+
+def pinned_clients() -> dict[str, tuple[str, str, str]]:
+    """{command: (registry, package, version)} from clients.txt."""
+    out = {}
+    for line in CLIENTS_FILE.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            registry, package, version, command = line.split()
+            out[command] = (registry, package, version)
+    return out
+
+
+def find_cli(command: str) -> str:
+    """The pinned install first, then PATH; skips (fails under CI) when neither has it."""
+    installed = agent_clis_prefix() / "bin" / command
+    if installed.exists():
+        return str(installed)
+    import shutil
+
+    found = shutil.which(command)
+    if found:
+        return found
+    message = f"{command} is not installed: run tools/install-agent-clis.sh"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+# uvicorn's access log line: 127.0.0.1:5000 - "POST /v1/messages?beta=true HTTP/1.1" 200 OK
+_ACCESS = re.compile(r'"([A-Z]+) (\S+) HTTP/[\d.]+" (\d{3})')
+# MLX's CPU wheel multiplies matrices with a slow reference BLAS; Debian's OpenBLAS, preloaded, makes the
+# demo model's long agent prompts prefill about 3x faster here (libopenblas0-pthread, which .ci/run installs).
+OPENBLAS = pathlib.Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
+
+
+@dataclass
+class DemoServer:
+    """`mlxserve serve` with no model (the demo model, its real context) as a process of its own."""
+
+    url: str
+    model: str
+    context_tokens: int
+    log_path: pathlib.Path
+    process: subprocess.Popen = field(repr=False)
+
+    def prefix_counters(self) -> tuple[float, float]:
+        """(prompt tokens looked up in the prefix cache, tokens found there) so far."""
+        found = dict(_METRIC.findall(httpx.get(self.url + "/metrics", timeout=30).text))
+        return (float(found["mlxserve_prefix_cache_queried_tokens_total"]),
+                float(found["mlxserve_prefix_cache_hit_tokens_total"]))
+
+    def access_log(self) -> list[tuple[str, str, int]]:
+        """(method, path, status) of every request answered so far."""
+        text = self.log_path.read_text(errors="replace")
+        return [(m, p, int(s)) for m, p, s in _ACCESS.findall(text)]
+
+    def errors_since(self, start: int) -> Counter:
+        return Counter(f"{m} {p} {s}" for m, p, s in self.access_log()[start:] if s >= 400)
+
+
+def start_demo_server(log_path: pathlib.Path, timeout_s: float = 600) -> DemoServer:
+    import socket
+    import sys
+
+    with socket.socket() as s:  # a free port (the server binds it a moment later)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ)
+    if OPENBLAS.exists() and "LD_PRELOAD" not in env:
+        env["LD_PRELOAD"] = str(OPENBLAS)
+    cmd = [sys.executable, "-m", "mlxserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--default-max-tokens", str(MAX_OUTPUT_TOKENS), "--no-web-ui"]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the demo server exited with {process.returncode}: {log_path.read_text()[-3000:]}")
+        try:
+            card = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]
+            return DemoServer(url, card["id"], card["max_model_len"], log_path, process)
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError("the demo server did not start") from None
+            time.sleep(0.5)
+
+
+@dataclass
+class Turn:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+    errors: Counter  # "METHOD PATH STATUS" of every 4xx/5xx answered during the turn
+    queried_tokens: float  # prompt tokens looked up in the prefix cache during the turn
+    hit_tokens: float
+
+    @property
+    def reuse(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def describe(self) -> str:
+        return (f"exit {self.returncode}, {sum(self.errors.values())} 4xx/5xx {dict(self.errors)}, "
+                f"{self.hit_tokens:.0f}/{self.queried_tokens:.0f} prompt tokens cached ({self.reuse:.1%}), "
+                f"{self.seconds:.0f} s")
+
+
+def run_turn(server: DemoServer, argv: list[str], env: dict[str, str], cwd: pathlib.Path) -> Turn:
+    start = len(server.access_log())
+    queried0, hit0 = server.prefix_counters()
+    began = time.monotonic()
+    try:
+        done = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=TURN_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{argv[0]} did not finish within {TURN_TIMEOUT_S:.0f} s; stderr: {(e.stderr or '')[-2000:]}")
+    seconds = time.monotonic() - began
+    queried1, hit1 = server.prefix_counters()
+    return Turn(done.returncode, done.stdout, done.stderr, seconds, server.errors_since(start),
+                queried1 - queried0, hit1 - hit0)

@@ -1,0 +1,45 @@
+"""The external lane: real agent CLIs (tests/external/clients.txt, installed by tools/install-agent-clis.sh) run
+headless against the served demo model on 127.0.0.1. A missing CLI skips its test, except under CI=true, where
+it fails: CI must not pass by skipping."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+from agent_lane import RESULTS, start_demo_server
+
+
+@pytest.fixture(scope="session")
+def demo_server(tmp_path_factory):
+    server = start_demo_server(tmp_path_factory.mktemp("server") / "serve.log")
+    yield server
+    server.process.terminate()
+    try:
+        server.process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+
+
+@pytest.fixture
+def isolated_env(tmp_path):
+    """A home of its own for the agent (its config, sessions and history live there), and a project folder."""
+    home = tmp_path / "home"
+    project = tmp_path / "project"
+    for path in (home / ".config", home / ".local" / "share", home / ".cache", home / ".local" / "state", project):
+        path.mkdir(parents=True)
+    (project / "README.md").write_text("# scratch\n\nA scratch project for an agent test.\n")
+    env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
+           "XDG_DATA_HOME": str(home / ".local" / "share"), "XDG_CACHE_HOME": str(home / ".cache"),
+           "XDG_STATE_HOME": str(home / ".local" / "state"), "NO_COLOR": "1"}
+    for name in ("MLXSERVE_API_KEY", "OPENAI_API_KEY", "OPENAI_BASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL"):
+        env.pop(name, None)
+    return env, home, project
+
+
+def pytest_terminal_summary(terminalreporter):
+    if RESULTS:
+        terminalreporter.section("agent CLIs against the demo model")
+        for line in RESULTS:
+            terminalreporter.write_line(line)
