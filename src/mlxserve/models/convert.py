@@ -99,6 +99,17 @@ def convert_model(hf_path: str, out: str | Path, bits: int = 4, group_size: int 
 
 def run(args) -> int:
     src = Path(args.hf_path)
+    if src.exists():
+        from mlxserve.models.gguf import GGUFError, find_gguf
+
+        try:
+            if find_gguf(src) is not None:
+                return _run_gguf(args, src)
+        except GGUFError as e:
+            print(f"mlxserve convert: {e}", file=sys.stderr)
+            return 2
+    if args.bits is None:
+        args.bits = 4
     before = folder_size(src) if src.is_dir() else None
     try:
         out = convert_model(args.hf_path, args.out, bits=args.bits, group_size=args.group_size, dtype=args.dtype)
@@ -108,4 +119,23 @@ def run(args) -> int:
     after = folder_size(out)
     sizes = f"{format_size(before)} -> {format_size(after)}" if before is not None else format_size(after)
     print(f"{out} ({sizes}, {args.bits}-bit, group size {args.group_size})")
+    return 0
+
+
+def _run_gguf(args, src: Path) -> int:
+    """A GGUF into an MLX folder (models/gguf/): natively read quantized tensors stay as they are;
+    --bits quantizes the ones that had to be dequantized (K-quants), else they stay float."""
+    from mlxserve.models.gguf import GGUFConvertConfig, GGUFError, convert_gguf
+
+    before = folder_size(src) if src.is_dir() else src.stat().st_size
+    try:
+        cfg = GGUFConvertConfig(dtype=args.dtype or "float16", bits=args.bits,
+                                group_size=args.group_size)
+        with _Progress() as progress, contextlib.redirect_stdout(progress):
+            out = convert_gguf(src, args.out, cfg)
+    except (FileExistsError, ValueError, GGUFError) as e:
+        print(f"mlxserve convert: {e}", file=sys.stderr)
+        return 2
+    print(f"{out} ({format_size(before)} -> {format_size(folder_size(out))}, {cfg.dtype}"
+          f"{f', K-quants as {cfg.bits}-bit' if cfg.bits else ''})")
     return 0

@@ -97,6 +97,9 @@ def _load(source: str, strategy: str) -> LoadedModel:
 
     # A local path as is; a hub id from the Hugging Face cache, else downloaded (models/source.py).
     folder = resolve_source(source)
+    from mlxserve.models.gguf import gguf_folder
+
+    folder = gguf_folder(folder)  # a GGUF: the MLX folder converted from it once (models/gguf/)
     for path in sorted(folder.glob("*.safetensors")):
         check_safetensors(path)
     config = read_config(str(folder))

@@ -20,7 +20,7 @@ from pathlib import Path
 from mlxserve.models.gguf.reader import GGUFError, find_gguf, read_header, split_files
 from mlxserve.models.gguf.weights import GGUFConvertConfig
 
-__all__ = ["GGUFConvertConfig", "GGUFError", "convert_gguf", "find_gguf", "gguf_cache_dir", "prepare_gguf"]
+__all__ = ["GGUFConvertConfig", "GGUFError", "convert_gguf", "find_gguf", "gguf_cache_dir", "gguf_folder", "prepare_gguf"]
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,23 @@ def cache_key(path: Path, cfg: GGUFConvertConfig) -> str:
         with open(part, "rb") as f:
             digest.update(f.read(_HEAD_BYTES))
     return digest.hexdigest()[:16]
+
+
+def serve_config() -> GGUFConvertConfig:
+    """How a GGUF is converted for serving: MLXSERVE_GGUF_DTYPE (float16; float32 is the fastest on a
+    CPU with OpenBLAS), MLXSERVE_GGUF_BITS (4 or 8: quantize K-quant files instead of keeping floats)."""
+    bits = os.environ.get("MLXSERVE_GGUF_BITS")
+    try:
+        return GGUFConvertConfig(dtype=os.environ.get("MLXSERVE_GGUF_DTYPE", "float16"),
+                                 bits=int(bits) if bits else None)
+    except ValueError as exc:
+        raise GGUFError(f"MLXSERVE_GGUF_DTYPE / MLXSERVE_GGUF_BITS: {exc}") from None
+
+
+def gguf_folder(path: Path) -> Path:
+    """`path` itself unless it is a GGUF file or a folder holding one; then its converted folder."""
+    found = find_gguf(path)
+    return path if found is None else prepare_gguf(found, serve_config())
 
 
 def prepare_gguf(source: str | Path, cfg: GGUFConvertConfig | None = None,
