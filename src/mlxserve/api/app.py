@@ -19,6 +19,7 @@ from mlxserve.api.embeddings import add_embeddings_route
 from mlxserve.api.errors import APIError, error_body, error_response, install_error_handlers
 from mlxserve.api.metrics import Metrics
 from mlxserve.api.ollama import add_ollama_routes
+from mlxserve.api.rerank import add_rerank_routes
 from mlxserve.api.docs import install_docs
 from mlxserve.api.openapi import install_openapi
 from mlxserve.api.prompt_bound import PrepPool
@@ -128,6 +129,7 @@ def create_app(models: ModelManager) -> FastAPI:
     add_anthropic_routes(app, door)
     add_responses_routes(app, door)
     add_ollama_routes(app, door)
+    add_rerank_routes(app, door)
 
     async def per_model(requested: str | None, fn) -> dict[str, object]:
         """`fn(core)` on each named (or every) model's engine; None for a model not loaded."""

@@ -36,7 +36,7 @@ def encoder_type(config: dict) -> str | None:
         return model_type
     for arch in config.get("architectures") or ():
         for kind, prefix in ENCODER_TYPES.items():
-            if arch in (f"{prefix}Model", f"{prefix}ForMaskedLM"):
+            if arch in (f"{prefix}Model", f"{prefix}ForMaskedLM", f"{prefix}ForSequenceClassification"):
                 return kind
     return None
 
@@ -86,6 +86,10 @@ def load_encoder(source: str, config: dict) -> LoadedModel:
     except ImportError as exc:
         raise ModelLoadError(f"{source} is an encoder embedding model ({config.get('model_type')}); serving it "
                              "needs mlx-embeddings: pip install 'mlxserve[embeddings]'") from exc
+    from mlxserve.models.cross_encoder import cross_encoder_type, load_cross_encoder
+
+    if cross_encoder_type(config) is not None:  # a reranker: a classification head over the encoder
+        return load_cross_encoder(source, config)
     from mlxserve.models.loader import materialize
 
     folder = Path(source)
