@@ -366,6 +366,17 @@ def test_an_aborted_prefill_leaves_its_finished_blocks_cached(loaded, reference,
     assert one(core, prompt) == {"ids": reference(prompt), "cached": 160}
 
 
+def test_an_aborted_prefill_with_quantized_kv(loaded):
+    quantized = {"prefill_step_size": 32, "kv_bits": 8, "kv_group_size": 32}
+    core, off = make_core(loaded, **quantized), make_core(loaded, enable_prefix_cache=False, **quantized)
+    prompt = tokens(64, 200)
+    core.add_request(Request("long", prompt, greedy()))
+    prefill_steps(core, "long", 96)
+    core.abort("long")
+    drain(core)
+    assert one(core, prompt) == {"ids": one(off, prompt)["ids"], "cached": 96}
+
+
 def test_identical_prompts_sent_together_prefill_once(loaded, reference, block_bytes):
     core = make_core(loaded, prefill_step_size=32)
     prompt = tokens(61, 300)
