@@ -179,6 +179,16 @@ def test_auto_is_free_text_until_the_tag(ll_tokenizer):
     assert matcher.is_stopped() and matcher.consume_token(ll_tokenizer.eos_token)
 
 
+def test_auto_hermes_takes_a_bare_call_at_the_start(ll_tokenizer):
+    # Small Qwen2.5 models often answer with the call object alone: a reply that starts with `{` is that call.
+    c = tool_call_constraint(TOOLS, "auto", HERMES)
+    assert accepts(ll_tokenizer, c, '{"name": "add", "arguments": {"a": 1, "b": 2}}')
+    assert rejects(ll_tokenizer, c, '{"name": "add", "arguments": {"a": "x"}}')
+    assert rejects(ll_tokenizer, c, '{"answer": 3}')
+    assert accepts(ll_tokenizer, c, 'The answer: {"answer": 3}')  # only the start is taken
+    assert rejects(ll_tokenizer, tool_call_constraint(TOOLS, "required", HERMES), '{"name": "add"')
+
+
 def test_llama3_and_mistral_layouts(ll_tokenizer):
     call = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
     c = tool_call_constraint(TOOLS, "required", LLAMA3_JSON)

@@ -70,6 +70,13 @@ CASES = [
     ("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "get_w', "",
      [("f", "{}")]),
     ("hermes", "x <tool_call>", "x", []),
+    # A bare call object as the whole reply (no tags) is a call if it names a tool, with exactly these keys.
+    ("hermes", '  {"name": "get_weather", "arguments": {"city": "Paris"}}\n', "", [("get_weather", '{"city":"Paris"}')]),
+    ("hermes", '{"name": "Bob", "age": 3}', '{"name": "Bob", "age": 3}', []),
+    ("hermes", '{"name": "other_tool", "arguments": {}}', '{"name": "other_tool", "arguments": {}}', []),
+    ("hermes", '{"answer": 1} and <tool_call>{"name": "f", "arguments": {}}</tool_call>', '{"answer": 1} and',
+     [("f", "{}")]),
+    ("hermes", 'See {"name": "get_weather", "arguments": {}}', 'See {"name": "get_weather", "arguments": {}}', []),
     ("hermes", "plain <tool_callx> text <tool_cal", "plain <tool_callx> text <tool_cal", []),
     ("qwen3_coder", "Sure.\n" + QWEN3_CODER_TYPED, "Sure.", [("get_weather", json.dumps(
         {"city": "New York", "days": 5, "zip": "007", "ratio": 0.5, "metric": True,

@@ -72,12 +72,15 @@ class ToolFormat:
     body "hermes_json": every call is `start {"name": ..., "arguments": ...} end`, calls joined by `separator`.
     body "llama3_json": `start {"name": ..., "parameters": ...}` calls joined by `separator`, then `end`.
     body "mistral": `start [{"name": ..., "arguments": ...}, ...] end`: one JSON array holds every call.
+    `bare_call`: in auto mode a reply may also be one call object without its tags (what small Qwen2.5
+    models often write); a reply that starts with `{` is then held to be that call.
     """
 
     start: str
     end: str
     body: str = "hermes_json"
     separator: str = "\n"
+    bare_call: bool = False
 
     def __post_init__(self):
         if self.body not in _TOOL_BODIES:
@@ -106,7 +109,7 @@ class ToolFormat:
 
 # The layouts mlx-lm's and vLLM's parsers read back (Qwen2.5/Qwen3/Hermes chat templates, Llama 3.1+
 # JSON tool calling, Mistral v0.3 JSON tool calls).
-HERMES = ToolFormat(start="<tool_call>\n", end="\n</tool_call>", body="hermes_json", separator="\n")
+HERMES = ToolFormat(start="<tool_call>\n", end="\n</tool_call>", body="hermes_json", separator="\n", bare_call=True)
 LLAMA3_JSON = ToolFormat(start="", end="", body="llama3_json", separator="; ")
 MISTRAL = ToolFormat(start="[TOOL_CALLS]", end="", body="mistral", separator=", ")
 
@@ -157,8 +160,9 @@ def tool_call_constraint(
     for i, (tool, params, strict) in enumerate(specs):
         subs.append(_json_subgrammar(params, strict, f"args_{i}", f"parameters schema of tool {tool!r}"))
         calls.append(f'call_{i}: {_lit(_call_prefix(tool, fmt))} @args_{i} "}}"')
+    auto_start = f"{_free_text_rule(fmt)} | tool_calls" + (" | call" if fmt.bare_call else "")
     lines = [
-        "start: " + ("tool_calls" if mode != "auto" else f"{_free_text_rule(fmt)} | tool_calls"),
+        "start: " + ("tool_calls" if mode != "auto" else auto_start),
         "tool_calls: " + _calls_expr(fmt, parallel, lazy_open=mode == "auto", tags=tags),
         "call: " + " | ".join(f"call_{i}" for i in range(len(specs))),
         *calls,
@@ -280,7 +284,9 @@ def _auto_rules(fmt: ToolFormat, tags: "_Tags") -> list[str]:
     if _trigger(fmt):
         # Lazy lexeme: free text ends at the first trigger, after which the call grammar holds. A trigger
         # that is one token ends the text as that token: the model opens a call its own way.
-        return [r"FREE_TEXT: /(.|\n)*/", f"tool_trigger[lazy]: FREE_TEXT {_lit(_trigger(fmt))}",
+        # With bare calls, text may not start with `{`: that is how a bare call begins.
+        text = r"/([^{](.|\n)*)?/" if fmt.bare_call else r"/(.|\n)*/"
+        return [f"FREE_TEXT: {text}", f"tool_trigger[lazy]: FREE_TEXT {_lit(_trigger(fmt))}",
                 "tool_open: " + tags.closing("tool_trigger", "FREE_TEXT", _trigger(fmt))]
     first = "\\[" if fmt.body == "mistral" else "\\{"
     return ["PLAIN_TEXT: /([^" + first + r"](.|\n)*)?/"]

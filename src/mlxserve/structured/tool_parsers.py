@@ -1,7 +1,8 @@
 """Tool calls out of a model's text output, streamed or whole.
 
 Formats (registry name -> what the model writes):
-  hermes       `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, repeated for parallel calls
+  hermes       `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, repeated for parallel calls; or one bare
+               `{"name": ..., "arguments": {...}}` as the whole reply (small Qwen2.5 models often drop the tags)
   qwen3_coder  `<tool_call><function=NAME><parameter=P>VALUE</parameter></function></tool_call>`
   llama3_json  optional `<|python_tag|>`, then `{"name": ..., "parameters": {...}}`, several joined by `;`
   mistral      `[TOOL_CALLS][{"name": ..., "arguments": {...}}]` or `[TOOL_CALLS]name[ARGS]{...}`
@@ -94,6 +95,7 @@ class ToolParserSpec:
     parse: Callable[[str, list | None], list]  # text between the tags -> [{"name", "arguments"}]; raises if bad
     implicit_start: str = ""
     viable: Callable[[str], bool] | None = None  # can this implicit-call prefix still be a call?
+    parse_implicit: Callable[[str, list | None], list] | None = None  # an implicit call's parser (else `parse`)
     mlx_lm_module: str | None = None  # the mlx_lm.tool_parsers module doing the parsing, if any
 
 
@@ -111,6 +113,18 @@ def _as_list(parsed) -> list:
 
 def _parse_hermes(text: str, tools) -> list:
     return [_mlx_lm("json_tools").parse_tool_call(text, tools)]
+
+
+def _parse_hermes_bare(text: str, tools) -> list:
+    """A whole reply that is one call object without its tags: stricter than inside tags, since any JSON
+    answer starts like this. Exactly the keys name and arguments, and (given tools) a known name."""
+    obj = json.loads(text.strip())
+    if not isinstance(obj, dict) or set(obj) != {"name", "arguments"} or not isinstance(obj["arguments"], dict):
+        raise ValueError("not a bare tool call")
+    names = {(t.get("function") or {}).get("name") for t in tools or () if isinstance(t, dict)}
+    if tools and obj["name"] not in names:
+        raise ValueError("a bare tool call must name one of the tools")
+    return [obj]
 
 
 def _parse_qwen3_coder(text: str, tools) -> list:
@@ -160,7 +174,14 @@ def _viable_by(head: str, prefix: str) -> Callable[[str], bool]:
 _SPECS = MappingProxyType(
     {
         "hermes": ToolParserSpec(
-            "hermes", "<tool_call>", "</tool_call>", _parse_hermes, mlx_lm_module="json_tools"
+            "hermes",
+            "<tool_call>",
+            "</tool_call>",
+            _parse_hermes,
+            implicit_start="{",
+            viable=_viable_by(r'\{\s*"name"\s*:', r'\{\s*(?:"(?:n(?:a(?:m(?:e(?:"\s*)?)?)?)?)?)?'),
+            parse_implicit=_parse_hermes_bare,
+            mlx_lm_module="json_tools",
         ),
         "qwen3_coder": ToolParserSpec(
             "qwen3_coder", "<tool_call>", "</tool_call>", _parse_qwen3_coder, mlx_lm_module="qwen3_coder"
@@ -316,7 +337,7 @@ class StreamingToolParser:
                 return True
             if not final:
                 return False
-            if not self._close_call(events, buf, raw=None):
+            if not self._close_call(events, buf, raw=None, parse=spec.parse_implicit):
                 self._buf = self._held_ws + buf
                 self._held_ws = ""
                 return True  # re-read as content: it may still hold tagged calls
@@ -348,12 +369,12 @@ class StreamingToolParser:
         self._buf = self._held_ws + self._buf
         self._held_ws = ""
 
-    def _close_call(self, events: list[Event], body: str, raw: str | None) -> bool:
+    def _close_call(self, events: list[Event], body: str, raw: str | None, parse=None) -> bool:
         """Parse a closed call into events; if it is malformed, emit `raw` as content (unless None).
         Returns whether it parsed."""
         self._in_call = self._implicit = False
         try:
-            calls = [_to_tool_call(obj) for obj in self.spec.parse(body, self.tools)]
+            calls = [_to_tool_call(obj) for obj in (parse or self.spec.parse)(body, self.tools)]
         except Exception:  # whatever a parser raises on model output means "not a call", never a 500
             calls = []
         if not calls:
