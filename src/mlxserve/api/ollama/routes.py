@@ -16,7 +16,7 @@ import json
 import logging
 from typing import Any, AsyncIterator, Callable, Optional
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mlxserve.api.door import EngineDoor
@@ -131,6 +131,8 @@ def add_ollama_routes(app: FastAPI, door: EngineDoor, pull_fn: Callable[[str], A
     /api/pull (a worker thread runs it; tests pass a fake)."""
     models = door.models
     install_ollama_errors(app)
+    # Not in /openapi.json: that document describes the OpenAI-shaped API (its error schema, SSE streams).
+    router = APIRouter(include_in_schema=False)
 
     async def generate_reply(internal, requested: str, keep: Optional[float], chat: bool, want_logprobs: bool,
                              stream: bool, raw: Request, durations: Durations):
@@ -150,7 +152,7 @@ def add_ollama_routes(app: FastAPI, door: EngineDoor, pull_fn: Callable[[str], A
                                      logprobs=whole.logprobs or None)
         return JSONResponse(reply.whole([joined]))
 
-    @app.post("/api/chat")
+    @router.post("/api/chat")
     async def chat(body: ChatRequest, raw: Request):
         durations = Durations()
         keep, requested = _keep_alive(body.keep_alive), body.model
@@ -160,7 +162,7 @@ def add_ollama_routes(app: FastAPI, door: EngineDoor, pull_fn: Callable[[str], A
         return await generate_reply(to_chat(body), requested, keep, True, bool(body.logprobs), body.stream, raw,
                                     durations)
 
-    @app.post("/api/generate")
+    @router.post("/api/generate")
     async def generate(body: GenerateRequest, raw: Request):
         durations = Durations()
         keep, requested = _keep_alive(body.keep_alive), body.model
@@ -183,7 +185,7 @@ def add_ollama_routes(app: FastAPI, door: EngineDoor, pull_fn: Callable[[str], A
                 models.keep_alive(name, keep)
         return vectors, sum(len(t) for t in token_lists)
 
-    @app.post("/api/embed")
+    @router.post("/api/embed")
     async def embed(body: EmbedRequest, raw: Request):
         durations = Durations()
         texts = [body.input] if isinstance(body.input, str) else list(body.input)
@@ -197,7 +199,7 @@ def add_ollama_routes(app: FastAPI, door: EngineDoor, pull_fn: Callable[[str], A
         return {"model": body.model, "embeddings": vectors.tolist(), "total_duration": stats["total_duration"],
                 "load_duration": 0, "prompt_eval_count": num_tokens}
 
-    @app.post("/api/embeddings")
+    @router.post("/api/embeddings")
     async def embeddings(body: EmbeddingsRequest, raw: Request):
         if not body.prompt:  # Ollama answers an empty prompt with an empty vector
             return {"embedding": []}
@@ -206,16 +208,16 @@ def add_ollama_routes(app: FastAPI, door: EngineDoor, pull_fn: Callable[[str], A
             return Response(status_code=499)
         return {"embedding": vectors[0].tolist()}
 
-    @app.get("/api/tags")
+    @router.get("/api/tags")
     async def tags():
         return {"models": [tag_entry(card, models.source(card["id"])) for card in models.cards()]}
 
-    @app.get("/api/ps")
+    @router.get("/api/ps")
     async def ps():
         return {"models": [ps_entry(card, models.source(card["id"]), models.expires_in(card["id"]))
                            for card in models.cards() if card["status"] == "loaded"]}
 
-    @app.post("/api/show")
+    @router.post("/api/show")
     async def show_model(body: NamedRequest):
         name = _served_name(models, body.target)
         card = next(c for c in models.cards() if c["id"] == name)
@@ -225,11 +227,11 @@ def add_ollama_routes(app: FastAPI, door: EngineDoor, pull_fn: Callable[[str], A
                 pass
         return show(card, models.source(name), served)
 
-    @app.get("/api/version")
+    @router.get("/api/version")
     async def version():
         return {"version": OLLAMA_VERSION}
 
-    @app.post("/api/pull")
+    @router.post("/api/pull")
     async def pull(body: NamedRequest):
         repo_id = hub_id(body.target)
         if body.stream:
@@ -245,7 +247,7 @@ def add_ollama_routes(app: FastAPI, door: EngineDoor, pull_fn: Callable[[str], A
         return {"status": "success"}
 
     for path, reason in _REFUSED.items():
-        method = app.delete if path == "/api/delete" else app.post
+        method = router.delete if path == "/api/delete" else router.post
 
         def refuse(reason: str = reason):
             async def refused():
@@ -254,3 +256,4 @@ def add_ollama_routes(app: FastAPI, door: EngineDoor, pull_fn: Callable[[str], A
             return refused
 
         method(path)(refuse())
+    app.include_router(router)
