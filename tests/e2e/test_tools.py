@@ -81,6 +81,15 @@ def test_parallel_required_calls_each_valid(client, server):
     assert "<tool_call>" not in (r.choices[0].message.content or "")
 
 
+def test_top_logprobs_of_a_forced_call_leave_out_masked_tokens(client, server):
+    # Where the grammar allows fewer than top_logprobs tokens, the rest are -inf: left out, not a 500.
+    r = client.chat.completions.create(model=server.model_name, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                       temperature=0, max_tokens=12, logprobs=True, top_logprobs=5)
+    entries = r.choices[0].logprobs.content
+    assert entries and all(t.logprob > -1e9 and all(a.logprob > -1e9 for a in t.top_logprobs) for t in entries)
+    assert any(len(t.top_logprobs) < 5 for t in entries)
+
+
 def test_tool_round_trip(client, server):
     first = client.chat.completions.create(model=server.model_name, messages=MESSAGES, tools=TOOLS,
                                            tool_choice="required", parallel_tool_calls=False, seed=5, max_tokens=120)

@@ -152,7 +152,8 @@ def to_logprob(token: int, pending: tuple, k: int) -> TokenLogprob:
     pairs = ()
     if top is not None and k:
         ids, vals = (t if isinstance(t, list) else t.tolist() for t in top)
-        pairs = tuple(zip(ids[:k], vals[:k]))
+        # Tokens a grammar masked out (-inf, not valid JSON) were never alternatives: fewer than k then.
+        pairs = tuple((i, v) for i, v in zip(ids[:k], vals[:k]) if v != float("-inf"))
     return TokenLogprob(token, value, pairs)
 
 
