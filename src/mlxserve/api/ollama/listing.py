@@ -19,6 +19,10 @@ log = logging.getLogger(__name__)
 
 # A time far enough ahead that clients read it as "never" (Ollama shows keep_alive -1 the same way).
 _NEVER = datetime(2318, 1, 1, tzinfo=timezone.utc)
+# Ollama's model_info keys (after "<family>.") and the config.json fields they come from.
+_MODEL_INFO = (("embedding_length", "hidden_size"), ("block_count", "num_hidden_layers"),
+               ("attention.head_count", "num_attention_heads"), ("attention.head_count_kv", "num_key_value_heads"),
+               ("vocab_size", "vocab_size"))
 _BYTES_PER_PARAM = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}
 
 
@@ -121,9 +125,7 @@ def show(card: dict, source: str, served: Any) -> dict:
     arch = info["family"]
     context = card.get("max_model_len") or config.get("max_position_embeddings") or 0
     model_info = {"general.architecture": arch, "general.basename": card["id"], f"{arch}.context_length": context}
-    for key, ours in (("embedding_length", "hidden_size"), ("block_count", "num_hidden_layers"),
-                      ("attention.head_count", "num_attention_heads"), ("attention.head_count_kv", "num_key_value_heads"),
-                      ("vocab_size", "vocab_size")):
+    for key, ours in _MODEL_INFO:
         if config.get(ours) is not None:
             model_info[f"{arch}.{key}"] = config[ours]
     return {"modelfile": f"# served by mlxserve from {source}\nFROM {source}\n", "parameters": "",

@@ -156,26 +156,21 @@ def _done_reason(last: Optional[RequestOutput]) -> str:
     return {"length": "length", "abort": "stop"}.get(last.finish_reason, "stop")
 
 
-async def stream_reply(reply: Reply, outputs: AsyncIterator[RequestOutput], timer: RequestTimer,
-                       on_end=None) -> AsyncIterator[str]:
+async def stream_reply(reply: Reply, outputs: AsyncIterator[RequestOutput], timer: RequestTimer) -> AsyncIterator[str]:
     """The NDJSON lines of a streamed reply. While the prompt prefills, nothing is sent (Ollama sends
     nothing either); an error mid-stream is an `{"error": ...}` line, as Ollama's clients expect."""
     last = None
-    try:
-        async for out in heartbeats(outputs, timer.heartbeat_s):
-            if out is None:
-                continue
-            if out.error:
-                yield line({"error": str(out.error)})
-                return
-            timer.on_output(out)
-            reply.durations.mark_output()
-            last = out
-            obj = reply.chunk(out)
-            if obj is not None:
-                yield line(obj)
-        timer.done(last)
-        yield line(reply.done(last))
-    finally:
-        if on_end is not None:
-            await on_end()
+    async for out in heartbeats(outputs, timer.heartbeat_s):
+        if out is None:
+            continue
+        if out.error:
+            yield line({"error": str(out.error)})
+            return
+        timer.on_output(out)
+        reply.durations.mark_output()
+        last = out
+        obj = reply.chunk(out)
+        if obj is not None:
+            yield line(obj)
+    timer.done(last)
+    yield line(reply.done(last))
