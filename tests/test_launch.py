@@ -191,3 +191,16 @@ def test_launch_stops_the_server_it_started(fake_agent, monkeypatch, tmp_path):
     assert cli.main(["launch", "claude", "--port", str(port), "--max-output-tokens", "77"]) == 3
     assert started[0].poll() is not None  # stopped when the agent exited
     assert json.loads(fake_agent.read_text())["env"]["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "77"
+
+
+def test_started_server_lets_answers_run_long(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda cmd, **kwargs: seen.setdefault("cmd", cmd))
+    args = cli.make_parser(with_bench=False).parse_args(
+        ["launch", "codex", "m", "--port", "9", "--serve-arg=--max-num-seqs=4"])
+    launch.start_server(args, tmp_path / "serve.log")
+    cmd = seen["cmd"]
+    assert cmd[cmd.index("serve") + 1] == "m" and cmd[cmd.index("--port") + 1] == "9"
+    # Codex sends no limit: the server's default must not cut its answers at 2048 tokens.
+    assert cmd[cmd.index("--default-max-tokens") + 1] == "32000"
+    assert cmd[-1] == "--max-num-seqs=4"

@@ -43,10 +43,13 @@ class Agent:
         return f"npm install -g {self.npm_package}"
 
 
+MAX_OUTPUT_TOKENS = 32_000  # as long as agents usually let an answer be
+
+
 def default_max_output_tokens(context_tokens: int) -> int:
-    """A quarter of the context, at most 32,000: room for long prompts (an agent's own is 10-55k tokens)
-    and answers as long as agents usually allow."""
-    return max(1, min(32_000, context_tokens // 4))
+    """A quarter of the context, at most MAX_OUTPUT_TOKENS: room for long prompts (an agent's own is 10-55k
+    tokens)."""
+    return max(1, min(MAX_OUTPUT_TOKENS, context_tokens // 4))
 
 
 def write_json(path: pathlib.Path, obj: dict) -> pathlib.Path:

@@ -16,7 +16,7 @@ import time
 import httpx
 
 from mlxserve.agents import AGENTS
-from mlxserve.agents.base import Target, default_max_output_tokens
+from mlxserve.agents.base import MAX_OUTPUT_TOKENS, Target, default_max_output_tokens
 
 _PLACEHOLDER_KEY = "mlxserve"  # a server without --api-key takes any key; agents insist on having one
 
@@ -105,8 +105,12 @@ def _context(url: str, card: dict, api_key: str) -> int:
 
 
 def start_server(args, log_path: pathlib.Path) -> subprocess.Popen:
+    # Codex sends no answer limit and fails a turn whose answer was cut: the server's default (2048) would cut
+    # long answers. The server still keeps each answer within the context; --serve-arg comes last and wins.
+    default_max_tokens = args.max_output_tokens or MAX_OUTPUT_TOKENS
     cmd = [sys.executable, "-m", "mlxserve.cli", "serve", *([args.model] if args.model else []),
-           "--host", args.host, "--port", str(args.port), *args.serve_arg]
+           "--host", args.host, "--port", str(args.port), "--default-max-tokens", str(default_max_tokens),
+           *args.serve_arg]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         # A session of its own: Ctrl-C in the agent's terminal goes to the agent, not to the server.
