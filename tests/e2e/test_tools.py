@@ -246,6 +246,7 @@ def test_a_grammar_that_cannot_go_on_is_a_400_or_a_stream_error(tagged_client, t
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     errors = [json.loads(e)["error"] for e in events if e != "[DONE]" and "error" in json.loads(e)]
     assert errors and "grammar could not continue" in errors[0]["message"]
+    assert errors[0]["type"] == "invalid_request_error" and errors[0]["code"] == "grammar_failed"
     # The server goes on serving.
     ok = tagged_client.chat.completions.create(model=tagged_server.model_name, messages=MESSAGES, max_tokens=4)
     assert ok.choices[0].finish_reason in ("stop", "length")

@@ -15,6 +15,7 @@ from typing import AsyncIterator
 from mlxserve.api.chat_output import ChatOutput, ReasoningDelta, collect
 from mlxserve.api.door import Opened, RequestTimer, Whole, heartbeats
 from mlxserve.engine.request import RequestOutput
+from mlxserve.structured.grammar import GrammarFailure
 from mlxserve.structured.tool_parsers import ContentDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 
 
@@ -162,7 +163,9 @@ async def stream_message(builder: MessageBuilder, outputs: AsyncIterator[Request
             yield builder.ping()
             continue
         if out.error:
-            yield sse_event("error", {"type": "error", "error": {"type": "api_error", "message": out.error}})
+            # A grammar's dead end is the request's own problem (a 400 when not streamed).
+            kind = "invalid_request_error" if isinstance(out.error, GrammarFailure) else "api_error"
+            yield sse_event("error", {"type": "error", "error": {"type": kind, "message": out.error}})
             break
         timer.on_output(out)
         last = out

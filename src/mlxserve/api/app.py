@@ -16,7 +16,7 @@ from mlxserve.api.anthropic import add_anthropic_routes
 from mlxserve.api.door import RETRY_AFTER_S as _RETRY_AFTER_S
 from mlxserve.api.door import EngineDoor, RequestTimer, heartbeats
 from mlxserve.api.embeddings import add_embeddings_route
-from mlxserve.api.errors import APIError, error_body, error_response, install_error_handlers
+from mlxserve.api.errors import APIError, error_body, error_response, failed_request_body, install_error_handlers
 from mlxserve.api.metrics import Metrics
 from mlxserve.api.ollama import add_ollama_routes
 from mlxserve.api.rerank import add_rerank_routes
@@ -287,7 +287,7 @@ async def _stream_choices(builders: list[ResponseBuilder], streams: list, includ
                 num_open -= 1
                 continue
             if out.error:
-                yield sse(error_body(500, out.error))
+                yield sse(failed_request_body(out.error))
                 break
             timer.on_output(out)
             lasts[i] = out
@@ -328,8 +328,8 @@ async def _stream(builder: ResponseBuilder, outputs: AsyncIterator[RequestOutput
                 chunk = builder.chunk(out)
                 if chunk:
                     yield chunk
-            yield sse(error_body(503 if out.finish_reason else 500, out.error,
-                                 code="server_shutting_down" if out.finish_reason else None))
+            yield sse(error_body(503, out.error, code="server_shutting_down") if out.finish_reason
+                      else failed_request_body(out.error))
             break
         timer.on_output(out)
         last = out

@@ -48,6 +48,16 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def failed_request_body(message: str) -> dict:
+    """The error frame of a stream whose request failed after it started: its own grammar's dead end
+    (`structured.grammar.GrammarFailure`) is the request's problem, a 400 no retry helps; anything else a 500."""
+    from mlxserve.structured.grammar import GrammarFailure
+
+    if isinstance(message, GrammarFailure):
+        return error_body(400, message, code="grammar_failed")
+    return error_body(500, message)
+
+
 def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.code), exc.status, headers=exc.headers)
 
