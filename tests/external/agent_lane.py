@@ -82,7 +82,8 @@ class DemoServer:
         return Counter(f"{m} {p} {s}" for m, p, s in self.access_log()[start:] if s >= 400)
 
 
-def start_demo_server(log_path: pathlib.Path, timeout_s: float = 600) -> DemoServer:
+def start_demo_server(log_path: pathlib.Path, default_max_tokens: int = MAX_OUTPUT_TOKENS,
+                      timeout_s: float = 600) -> DemoServer:
     import socket
     import sys
 
@@ -93,7 +94,7 @@ def start_demo_server(log_path: pathlib.Path, timeout_s: float = 600) -> DemoSer
     if OPENBLAS.exists() and "LD_PRELOAD" not in env:
         env["LD_PRELOAD"] = str(OPENBLAS)
     cmd = [sys.executable, "-m", "mlxserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--default-max-tokens", str(MAX_OUTPUT_TOKENS), "--no-web-ui"]
+           "--default-max-tokens", str(default_max_tokens), "--no-web-ui"]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -144,3 +145,11 @@ def run_turn(server: DemoServer, argv: list[str], env: dict[str, str], cwd: path
     queried1, hit1 = server.prefix_counters()
     return Turn(done.returncode, done.stdout, done.stderr, seconds, server.errors_since(start),
                 queried1 - queried0, hit1 - hit0)
+
+
+def stop_demo_server(server: DemoServer) -> None:
+    server.process.terminate()
+    try:
+        server.process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.process.kill()

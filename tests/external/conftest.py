@@ -5,21 +5,26 @@ it fails: CI must not pass by skipping."""
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
-from agent_lane import RESULTS, start_demo_server
+from agent_lane import RESULTS, start_demo_server, stop_demo_server
 
 
 @pytest.fixture(scope="session")
 def demo_server(tmp_path_factory):
     server = start_demo_server(tmp_path_factory.mktemp("server") / "serve.log")
     yield server
-    server.process.terminate()
-    try:
-        server.process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
+    stop_demo_server(server)
+
+
+@pytest.fixture
+def long_answer_server(tmp_path):
+    """For Codex 0.171, which sends no max_output_tokens and fails a turn whose answer was cut short
+    ("incomplete"): answers run to the model's end-of-text token, as on a server `mlxserve launch` starts (the
+    random model's answers end after ~3k tokens on average)."""
+    server = start_demo_server(tmp_path / "serve.log", default_max_tokens=32_000)
+    yield server
+    stop_demo_server(server)
 
 
 @pytest.fixture

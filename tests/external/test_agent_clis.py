@@ -63,13 +63,13 @@ def test_claude_code(demo_server, isolated_env):
         assert result["type"] == "result" and result["is_error"] is False, result
 
 
-def test_codex(demo_server, isolated_env):
+def test_codex(long_answer_server, isolated_env):
     codex = find_cli("codex")
     base, home, project = isolated_env
-    env, args = _launch_env(demo_server, "codex", base, home / "codex")
+    env, args = _launch_env(long_answer_server, "codex", base, home / "codex")
     # --strict-config: launch's config.toml has no field this Codex does not know.
     run = [codex, *args, "exec", "--strict-config", "--skip-git-repo-check"]
-    _two_turns(demo_server, "codex", [*run, FIRST], [*run, "resume", "--last", SECOND], env, project)
+    _two_turns(long_answer_server, "codex", [*run, FIRST], [*run, "resume", "--last", SECOND], env, project)
 
 
 def test_opencode(demo_server, isolated_env):
