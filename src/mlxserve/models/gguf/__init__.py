@@ -106,12 +106,14 @@ def cache_key(path: Path, cfg: GGUFConvertConfig) -> str:
 
 
 def serve_config() -> GGUFConvertConfig:
-    """How a GGUF is converted for serving: MLXSERVE_GGUF_DTYPE (float16; float32 is the fastest on a
-    CPU with OpenBLAS), MLXSERVE_GGUF_BITS (4 or 8: quantize K-quant files instead of keeping floats)."""
+    """How a GGUF is converted for serving: MLXSERVE_GGUF_DTYPE (float16), MLXSERVE_GGUF_BITS (4 or 8:
+    quantize K-quant files instead of keeping floats), MLXSERVE_GGUF_DEQUANTIZE=1 (float weights
+    everywhere: with float32 and OpenBLAS the fastest on a Linux CPU, docs/gguf.md)."""
     bits = os.environ.get("MLXSERVE_GGUF_BITS")
     try:
         return GGUFConvertConfig(dtype=os.environ.get("MLXSERVE_GGUF_DTYPE", "float16"),
-                                 bits=int(bits) if bits else None)
+                                 bits=int(bits) if bits else None,
+                                 dequantize=os.environ.get("MLXSERVE_GGUF_DEQUANTIZE", "") in ("1", "true"))
     except ValueError as exc:
         raise GGUFError(f"MLXSERVE_GGUF_DTYPE / MLXSERVE_GGUF_BITS: {exc}") from None
 
