@@ -12,8 +12,9 @@ from typing import Any, Optional
 
 from mlxserve.api.errors import APIError
 
-# Padded tokens (rows x longest input) run together in one batch.
-MAX_BATCH_TOKENS = 4096
+# Padded tokens (rows x longest input) an encoder runs in one call. Encoders have their own engine thread,
+# but share the device with the decoders' streams: smaller batches keep a big request from holding it long.
+MAX_BATCH_TOKENS = 1024
 
 
 def tokenize_texts(model: Any, texts: list[str], param: str, truncate: bool = False) -> list[list[int]]:
@@ -49,11 +50,13 @@ async def embed_token_lists(model: Any, engine: Any, token_lists: list[list[int]
         job = EncoderJob(token_lists, dimensions, max_batch_tokens=MAX_BATCH_TOKENS)
         advance = job.advance
     else:
-        job = EmbeddingJob(token_lists, dimensions, max_batch_tokens=MAX_BATCH_TOKENS)
+        # A decoder's engine thread also runs its streams: each call computes at most one prefill chunk's
+        # worth of tokens (rows x positions), so no call stalls them longer than a prefill step would.
+        step = await engine.call(lambda core: core.config.prefill_step_size)
+        job = EmbeddingJob(token_lists, dimensions, max_batch_tokens=step)
 
         def advance(core) -> bool:
-            # Chunks as long as the engine's prefill chunks: no call stalls streams longer than a step.
-            return job.advance(core.runner.model, core.config.prefill_step_size)
+            return job.advance(core.runner.model, step)
 
     try:
         while not await engine.call(advance):
