@@ -16,6 +16,7 @@ from mlxserve.structured.grammar import (
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
+    QWEN3_XML,
     Constraint,
     ConstraintError,
     json_object_constraint,
@@ -25,9 +26,9 @@ from mlxserve.structured.grammar import (
     with_reasoning_prefix,
 )
 
-# Tool-call formats the grammar can write, by tool-parser name. Others (qwen3_coder's XML, pythonic)
-# are parsed from free output: `tool_choice: auto` works, forcing a call does not yet.
-GRAMMAR_FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL}
+# Tool-call formats the grammar can write, by tool-parser name. Others (pythonic) are parsed from free
+# output: `tool_choice: auto` works, forcing a call does not yet.
+GRAMMAR_FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "qwen3_coder": QWEN3_XML}
 
 
 def output_constraint(model: Any, body: SamplingFields, prompt_text: str | None) -> tuple[Constraint | None, OutputSpec]:

@@ -25,7 +25,7 @@ from typing import Any
 from llguidance import LLMatcher
 
 TOOL_CHOICE_MODES = ("auto", "required", "named")
-_TOOL_BODIES = ("hermes_json", "llama3_json", "mistral")
+_TOOL_BODIES = ("hermes_json", "llama3_json", "mistral", "qwen3_xml")
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ class ToolFormat:
     body "hermes_json": every call is `start {"name": ..., "arguments": ...} end`, calls joined by `separator`.
     body "llama3_json": `start {"name": ..., "parameters": ...}` calls joined by `separator`, then `end`.
     body "mistral": `start [{"name": ..., "arguments": ...}, ...] end`: one JSON array holds every call.
+    body "qwen3_xml": like hermes_json, but each call is Qwen3-Coder's `<function=...>` XML (`tool_xml.py`).
     `bare_call`: in auto mode a reply may also be one call object without its tags (what small Qwen2.5
     models often write); a reply that starts with `{` is then held to be that call.
     """
@@ -85,7 +86,7 @@ class ToolFormat:
     def __post_init__(self):
         if self.body not in _TOOL_BODIES:
             raise ValueError(f"body must be one of {_TOOL_BODIES}, got {self.body!r}")
-        if not self.start and self.body == "hermes_json":
+        if not self.start and self.tags_per_call:
             raise ValueError("hermes_json needs a start tag: it is what separates calls from text")
 
     @property
@@ -94,7 +95,7 @@ class ToolFormat:
 
     @property
     def tags_per_call(self) -> bool:
-        return self.body == "hermes_json"
+        return self.body in ("hermes_json", "qwen3_xml")
 
     @property
     def tags(self) -> tuple[str, ...]:
@@ -112,6 +113,7 @@ class ToolFormat:
 HERMES = ToolFormat(start="<tool_call>\n", end="\n</tool_call>", body="hermes_json", separator="\n", bare_call=True)
 LLAMA3_JSON = ToolFormat(start="", end="", body="llama3_json", separator="; ")
 MISTRAL = ToolFormat(start="[TOOL_CALLS]", end="", body="mistral", separator=", ")
+QWEN3_XML = ToolFormat(start="<tool_call>\n", end="\n</tool_call>", body="qwen3_xml", separator="\n")
 
 
 def json_schema_constraint(schema: dict, strict: bool = False) -> Constraint:
@@ -158,8 +160,19 @@ def tool_call_constraint(
         parallel = False
     subs, calls = [], []
     for i, (tool, params, strict) in enumerate(specs):
+        if fmt.body == "qwen3_xml":
+            from mlxserve.structured.tool_xml import xml_call_rules
+
+            rules, xml_subs = xml_call_rules(i, tool, params, strict)
+            calls += rules
+            subs += xml_subs
+            continue
         subs.append(_json_subgrammar(params, strict, f"args_{i}", f"parameters schema of tool {tool!r}"))
         calls.append(f'call_{i}: {_lit(_call_prefix(tool, fmt))} @args_{i} "}}"')
+    if fmt.body == "qwen3_xml":
+        from mlxserve.structured.tool_xml import xml_rules
+
+        calls += xml_rules()
     auto_start = f"{_free_text_rule(fmt)} | tool_calls" + (" | call" if fmt.bare_call else "")
     lines = [
         "start: " + ("tool_calls" if mode != "auto" else auto_start),
