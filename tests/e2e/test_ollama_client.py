@@ -149,3 +149,24 @@ def test_open_webui_connection_calls(server):
         with http.stream("POST", "/api/chat", json=body) as r:
             objs = [json.loads(x) for x in r.iter_lines() if x]
         assert objs[-1]["done"] is True and objs[-1]["eval_count"] >= 1
+
+
+def test_images_reach_a_vision_model(qwen25vl_dir, make_module_server):
+    """`images` (the client base64-encodes the bytes) become image parts of a vision-language model's prompt."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    live = make_module_server(qwen25vl_dir, max_num_seqs=2)
+    vc = ollama.Client(host=live.url, timeout=300)
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(buf, "PNG")
+    text_only = vc.chat(model=SERVED_NAME, messages=[{"role": "user", "content": "What is this?"}], options=OPTIONS)
+    seen = vc.chat(model=SERVED_NAME, messages=[{"role": "user", "content": "What is this?",
+                                                 "images": [buf.getvalue()]}], options=OPTIONS)
+    check_final(seen)
+    assert seen.prompt_eval_count > text_only.prompt_eval_count  # the picture's tokens are in the prompt
+    assert "vision" in vc.show(SERVED_NAME).capabilities
+    g = vc.generate(model=SERVED_NAME, prompt="Describe", images=[buf.getvalue()], options=OPTIONS)
+    assert g.prompt_eval_count > text_only.prompt_eval_count
