@@ -110,6 +110,10 @@ def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | Non
         loaded = load_model(spec.source, config.load_strategy)
     if loaded.is_encoder:
         return load_encoder_served(spec, config, loaded)
+    if getattr(loaded.model, "is_audio", False):
+        from mlxserve.audio.engine import audio_served
+
+        return audio_served(spec, config, loaded)
     engine_config = shared_engine_config(spec.engine or config.engine, config, spec.name)
     max_model_len = resolve_max_model_len(loaded, engine_config)
     served = ServedModel(

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mlxserve.api.anthropic import add_anthropic_routes
+from mlxserve.api.audio import add_audio_routes
 from mlxserve.api.door import RETRY_AFTER_S as _RETRY_AFTER_S
 from mlxserve.api.door import EngineDoor, RequestTimer, heartbeats
 from mlxserve.api.embeddings import add_embeddings_route
@@ -124,6 +125,7 @@ def create_app(models: ModelManager) -> FastAPI:
     app.add_middleware(_CountRequests, metrics=metrics)
     app.add_middleware(_HeadAsGet)
     add_embeddings_route(app, models)
+    add_audio_routes(app, models)  # speech to text, text to speech (api/audio/)
     # Other dialects translate into the same requests and go through the same door.
     door = EngineDoor(models, metrics, prep)
     add_anthropic_routes(app, door)

@@ -132,6 +132,8 @@ class EngineDoor:
         async with self.models.lease(body.model) as (model, engine):
             if model.embedding_only:
                 raise APIError(400, f"`{model.name}` is an embedding model: it serves /v1/embeddings only", "model")
+            if model.audio is not None:
+                raise APIError(400, f"`{model.name}` is an audio model: it serves /v1/audio/* only", "model")
             prepared = await self.prep.run(prepare, model, body)
             if not generate:
                 return Opened(model, prepared, None)

@@ -75,6 +75,8 @@ def add_embeddings_route(app: FastAPI, models) -> None:
         from mlxserve.engine.embeddings import DimensionsTooLargeError, EmbeddingJob, EmbeddingsUnsupportedError
 
         async with models.lease(body.model) as (model, engine):
+            if model.audio is not None:
+                raise APIError(400, f"`{model.name}` is an audio model: it serves /v1/audio/* only", "model")
             if model.multimodal is not None:
                 raise APIError(400, "embeddings are not supported for vision-language models", "model")
             token_lists = tokenize_inputs(model, body)

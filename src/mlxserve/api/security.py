@@ -196,6 +196,8 @@ class TrustedHostMiddleware:
 
 
 _JSON_TYPES = (b"application/json",)
+# OpenAI's audio uploads are multipart forms by protocol (api/audio/); no other route takes a form.
+_FORM_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
 
 
 class JSONContentTypeMiddleware:
@@ -218,6 +220,8 @@ class JSONContentTypeMiddleware:
         value = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
         media = value.split(b";", 1)[0].strip().lower()
         if media in _JSON_TYPES or (media.startswith(b"application/") and media.endswith(b"+json")):
+            return await self.app(scope, receive, send)
+        if media == b"multipart/form-data" and scope["path"] in _FORM_PATHS:
             return await self.app(scope, receive, send)
         if not self._takes_post(scope):
             return await self.app(scope, receive, send)

@@ -45,6 +45,7 @@ class ServedModel:
     max_tokens_cap: int | None = None  # --max-tokens-cap: most completion tokens one request may ask for
     max_token_chars: int = 0  # longest vocabulary string: the cheap length bound (prompt_bound.py); 0: none
     embedding_only: bool = False  # an encoder (BERT-style) model: /v1/embeddings only (engine/encoder.py)
+    audio: Any = None  # an audio model (api/audio/model.py AudioInfo): /v1/audio/* only
 
     def check_name(self, requested: str) -> None:
         if requested != self.name and requested not in self.aliases:

@@ -58,9 +58,12 @@ def quantization_bits(config: dict) -> int | None:
 def can_serve(config: dict) -> tuple[bool, str]:
     """(True, "") when mlxserve can serve this config: a VLM type we support (with the vision extra
     installed), or a model_type mlx-lm has a module for."""
+    from mlxserve.audio.detect import AUDIO_HINT, audio_kind, has_audio
     from mlxserve.models.extras import VISION_HINT, has_vision
     from mlxserve.models.vlm import VLM_FAMILIES, is_vlm_config
 
+    if audio_kind(config) is not None:  # a faster-whisper config.json has no model_type
+        return (True, "") if has_audio() else (False, AUDIO_HINT)
     model_type = config.get("model_type")
     if not model_type:
         return False, "config.json has no model_type"

@@ -112,6 +112,13 @@ def _load(source: str, strategy: str) -> LoadedModel:
         loaded = load_encoder(str(folder), config)
         loaded.source = source
         return loaded
+    from mlxserve.audio.detect import audio_kind
+
+    if audio_kind(config) is not None:
+        # Whisper (speech to text) and Kokoro (text to speech) load through mlx-audio (audio/).
+        from mlxserve.audio.engine import load_audio_model
+
+        return load_audio_model(str(folder), config, source)
     files = weight_files(folder)
     if strategy == "auto":
         strategy = choose_load_strategy(sum(p.stat().st_size for p in files))

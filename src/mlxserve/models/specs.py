@@ -146,8 +146,10 @@ def with_source_aliases(specs: tuple[ModelSpec, ...]) -> tuple[ModelSpec, ...]:
 
 
 def weights_on_disk(source: str) -> int:
-    """Bytes of a folder's safetensors files: what loading will add (0 for a hub id not yet fetched)."""
+    """Bytes of a folder's weight files (safetensors; an MLX Whisper's weights.npz, a CTranslate2
+    model.bin): what loading will add (0 for a hub id not yet fetched)."""
     folder = Path(source)
     if not folder.is_dir():
         return 0
-    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    files = [*folder.glob("*.safetensors"), *folder.glob("weights.npz"), *folder.glob("model.bin")]
+    return sum(p.stat().st_size for p in files)
