@@ -153,3 +153,14 @@ def test_reasoning_then_tool_call_all_tokens(ll, tagged_tokenizer, ids):
     c = with_reasoning_prefix(tool_call_constraint([WEATHER], "required", HERMES, tag_ids=ids),
                               starts_in_reasoning=True, tag_ids=ids)
     assert accepts(ll, c, native(tagged_tokenizer, "Call it.</think>\n\n" + CALL))
+
+
+def test_special_tool_tags_are_written_out_by_the_detokenizer(tagged_tokenizer):
+    """`[TOOL_CALLS]` and `<|python_tag|>` are special tokens; the parsers need them in the text. Other
+    special tokens (the end of turn) stay hidden."""
+    from mlxserve.engine.detokenizer import make_detokenizer_factory
+
+    text = 'a[TOOL_CALLS][{"name": "f"}]<|python_tag|>{}<|im_end|>'
+    detok = make_detokenizer_factory(tagged_tokenizer)([])
+    out = "".join(detok.add(t) for t in native(tagged_tokenizer, text)) + detok.flush()
+    assert out == text.replace("<|im_end|>", "")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import codecs
 from typing import Any, Callable, Sequence
 
+from mlxserve.structured.tool_parsers import TOOL_TAGS
+
 _CONTEXT_TOKENS = 6
 
 
@@ -41,8 +43,9 @@ def make_detokenizer_factory(tokenizer: Any) -> Callable[[Sequence[int]], Any]:
     for token_id, added in tokenizer.added_tokens_decoder.items():
         if token_id < len(table):
             # Added tokens are stored as plain text, not in the byte alphabet; special ones are skipped
-            # like `decode(..., skip_special_tokens=True)` does.
-            table[token_id] = b"" if added.special else added.content.encode("utf-8")
+            # like `decode(..., skip_special_tokens=True)` does, except tool-call tags (the parsers read them).
+            hidden = added.special and added.content not in TOOL_TAGS
+            table[token_id] = b"" if hidden else added.content.encode("utf-8")
     return lambda prompt_ids: ByteLevelDetokenizer(table)
 
 

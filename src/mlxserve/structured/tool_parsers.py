@@ -207,6 +207,9 @@ _SPECS = MappingProxyType(
     }
 )
 TOOL_PARSER_NAMES: tuple[str, ...] = tuple(_SPECS)
+# Tags the parsers read; where a tokenizer makes one a *special* token (Mistral's `[TOOL_CALLS]` and `[ARGS]`,
+# Llama 3's `<|python_tag|>`) the detokenizer still writes it out, or no call could be found.
+TOOL_TAGS = frozenset({t for spec in _SPECS.values() for t in (spec.start, spec.end) if t} | {"[ARGS]"})
 
 
 def get_tool_parser(name: str) -> ToolParserSpec:
