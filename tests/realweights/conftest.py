@@ -73,6 +73,7 @@ def smollm2_server(smollm2_gguf):
     """SmolLM2 served from the .gguf file itself, as `mlxserve serve FILE.gguf` does."""
     from tests.e2e.conftest import start_server
 
-    live = start_server(smollm2_gguf, max_num_seqs=4, prefill_step_size=256)
+    # 16-token blocks: a short chat's first turn fills whole prefix-cache blocks.
+    live = start_server(smollm2_gguf, max_num_seqs=4, prefill_step_size=256, block_size=16)
     yield live
     live.stop()
