@@ -62,8 +62,10 @@ def read_model_bin(path: str | Path) -> tuple[str, dict[str, np.ndarray]]:
         for _ in range(num_aliases):
             alias, target = string(), string()
             variables[alias] = variables[target]
-    except struct.error as exc:
-        raise CT2FormatError(f"{path}: truncated CTranslate2 model file ({exc})") from None
+    except CT2FormatError:
+        raise
+    except (struct.error, ValueError, UnicodeDecodeError) as exc:  # a short read, a garbled name
+        raise CT2FormatError(f"{path}: truncated or damaged CTranslate2 model file ({exc})") from None
     return spec, variables
 
 

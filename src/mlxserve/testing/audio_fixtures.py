@@ -93,3 +93,78 @@ def _as_checkpoint(model) -> dict:
         (got,) = model.sanitize({key: value}).values() or (value,)
         out[key] = value.swapaxes(1, 2) if got.shape != value.shape else value
     return out
+
+
+def build_tiny_whisper_ct2(out: str | Path, mlx_folder: str | Path, float16: bool = True) -> Path:
+    """The faster-whisper (CTranslate2) layout of a tiny MLX Whisper folder: model.bin with fused
+    projections and PyTorch-layout convolutions, a decoding-settings config.json, and a tokenizer.json
+    without timestamp tokens (as faster-whisper's own folders ship it)."""
+    out, mlx_folder = Path(out), Path(mlx_folder)
+    out.mkdir(parents=True, exist_ok=True)
+    dims = json.loads((mlx_folder / "config.json").read_text())
+    w = {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(mlx_folder / "weights.safetensors")).items()}
+    variables: list[tuple[str, np.ndarray]] = []
+    add = lambda name, value: variables.append((name, value))
+    for side in ("encoder", "decoder"):
+        for i in range(dims[f"n_{'audio' if side == 'encoder' else 'text'}_layer"]):
+            b, c = f"{side}.blocks.{i}.", f"{side}/layer_{i}/"
+            attn = [("self_attention", "attn", ("query", "key", "value"), "linear_1")]
+            if side == "decoder":
+                attn.append(("attention", "cross_attn", None, None))
+            for ct2, mlx, fused, out_name in attn:
+                add(c + f"{ct2}/layer_norm/gamma", w[b + f"{mlx}_ln.weight"])
+                add(c + f"{ct2}/layer_norm/beta", w[b + f"{mlx}_ln.bias"])
+                zero = np.zeros_like(w[b + f"{mlx}.query.bias"])
+                if fused:  # self-attention: [q; k; v] in linear_0, output in linear_1
+                    groups = [("linear_0", ("query", "key", "value")), ("linear_1", ("out",))]
+                else:  # cross-attention: q in linear_0, [k; v] in linear_1, output in linear_2
+                    groups = [("linear_0", ("query",)), ("linear_1", ("key", "value")), ("linear_2", ("out",))]
+                for linear, names in groups:
+                    add(c + f"{ct2}/{linear}/weight", np.concatenate([w[b + f"{mlx}.{n}.weight"] for n in names]))
+                    add(c + f"{ct2}/{linear}/bias", np.concatenate(
+                        [w.get(b + f"{mlx}.{n}.bias", zero) for n in names]))
+            for leaf, name in (("gamma", "weight"), ("beta", "bias")):
+                add(c + f"ffn/layer_norm/{leaf}", w[b + f"mlp_ln.{name}"])
+            for j, name in enumerate(("mlp1", "mlp2")):
+                add(c + f"ffn/linear_{j}/weight", w[b + f"{name}.weight"])
+                add(c + f"ffn/linear_{j}/bias", w[b + f"{name}.bias"])
+    for conv in ("conv1", "conv2"):
+        add(f"encoder/{conv}/weight", w[f"encoder.{conv}.weight"].transpose(0, 2, 1))
+        add(f"encoder/{conv}/bias", w[f"encoder.{conv}.bias"])
+    for side, name in (("encoder", "ln_post"), ("decoder", "ln")):
+        add(f"{side}/layer_norm/gamma", w[f"{side}.{name}.weight"])
+        add(f"{side}/layer_norm/beta", w[f"{side}.{name}.bias"])
+    add("encoder/position_encodings/encodings", np.zeros((dims["n_audio_ctx"], dims["n_audio_state"]), np.float32))
+    add("decoder/embeddings/weight", w["decoder.token_embedding.weight"])
+    add("decoder/position_encodings/encodings", w["decoder.positional_embedding"])
+    scalars = [("encoder/num_heads", dims["n_audio_head"]), ("decoder/num_heads", dims["n_text_head"])]
+    _write_model_bin(out / "model.bin", variables, scalars, float16)
+    (out / "config.json").write_text(json.dumps({"alignment_heads": [[0, 0]], "lang_ids": [],
+                                                 "suppress_ids": [], "suppress_ids_begin": [220]}))
+    from tokenizers import Tokenizer
+
+    tok = json.loads(Tokenizer.from_file(str(mlx_folder / "tokenizer.json")).to_str())
+    tok["added_tokens"] = [t for t in tok["added_tokens"] if t["content"] not in _TIMESTAMPS]
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    return out
+
+
+def _write_model_bin(path: Path, variables, scalars, float16: bool) -> None:
+    """CTranslate2's binary layout (version 6), as audio/ct2.py reads it."""
+    import struct
+
+    def string(text: str) -> bytes:
+        raw = text.encode() + b"\0"
+        return struct.pack("<H", len(raw)) + raw
+
+    parts = [struct.pack("<I", 6), string("WhisperSpec"), struct.pack("<I", 3),
+             struct.pack("<I", len(variables) + len(scalars))]
+    for name, value in variables:
+        value = value.astype(np.float16 if float16 else np.float32)
+        parts += [string(name), struct.pack("<B", value.ndim), struct.pack(f"<{value.ndim}I", *value.shape),
+                  struct.pack("<B", 4 if float16 else 0), struct.pack("<I", value.nbytes), value.tobytes()]
+    for name, number in scalars:
+        parts += [string(name), struct.pack("<B", 0), struct.pack("<B", 2), struct.pack("<I", 2),
+                  struct.pack("<h", number)]
+    parts += [struct.pack("<I", 1), string("decoder/projection/weight"), string("decoder/embeddings/weight")]
+    path.write_bytes(b"".join(parts))
