@@ -68,6 +68,17 @@ def hash_block(
     return h.digest()
 
 
+# A span over every position a sequence can have: its key is mixed into every block.
+_EVERY_POSITION = 1 << 62
+
+
+def adapter_span(adapter: str) -> tuple[int, int, str]:
+    """A LoRA adapter's identity as a span over the whole sequence (see `extend_block_hashes`): every block
+    computed under it carries it, so blocks never cross between adapters or to the base model, in memory
+    or on the SSD tier. Requests without an adapter add nothing, so their hashes are the same as before."""
+    return (0, _EVERY_POSITION, "lora:" + adapter)
+
+
 def block_extra_keys(model_key: str, extra_keys: tuple = ()) -> tuple:
     """Extra keys mixed into every block; an empty model key adds nothing."""
     return (model_key, *extra_keys) if model_key else tuple(extra_keys)

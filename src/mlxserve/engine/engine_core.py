@@ -345,7 +345,7 @@ class EngineCore:
                                       kv_prealloc_tokens=self.config.kv_prealloc_tokens, grammar=self.grammar,
                                       make_cache=old.make_cache, spec=self.spec,
                                       batch_prefill=self.config.max_num_prefill_rows > 1,
-                                      logits_width=old.logits_width)
+                                      logits_width=old.logits_width, lora=old.lora)
         self.scheduler.reset_after_failure()
         reseed_after_failure()
         return outputs

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxserve.cache.hashing import adapter_span
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -102,6 +104,8 @@ class Request:
     # Prefix-cache hashes of this request's full blocks so far (the scheduler's memo: a long prompt is
     # hashed once, not at every store plan).
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    # The LoRA adapter it runs under (lora/adapters.py `adapter_id`: name and digest); '' for the base model.
+    adapter: str = ""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -115,6 +119,14 @@ class Request:
     def media_spans(self) -> tuple[tuple[int, int, str], ...]:
         """(start, end, content hash) of every placeholder run: extra keys of the blocks they touch."""
         return tuple((s, s + n, m.content_hash) for m in self.media for s, n in m.spans)
+
+    @property
+    def block_key_spans(self) -> tuple[tuple[int, int, str], ...]:
+        """`media_spans`, and the adapter as a key of every block: KV computed under one adapter is never
+        another's, nor the base model's."""
+        if not self.adapter:
+            return self.media_spans
+        return (adapter_span(self.adapter), *self.media_spans)
 
     @property
     def num_tokens(self) -> int:

@@ -28,6 +28,7 @@ from mlxserve.engine.grammar import GrammarSource
 from mlxserve.engine.sampling import RowSampler, gather_logprobs, pending_arrays, sample_batch, to_logprob
 from mlxserve.engine.scheduler import PrefillChunk, SchedulerOutput
 from mlxserve.engine.spec_decode import SpeculativeDecoder
+from mlxserve.lora.manager import AdapterSet
 from mlxserve.models.backend import is_cuda
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,11 @@ class ModelRunner:
         spec: "SpeculativeDecoder | None" = None,
         batch_prefill: bool = True,
         logits_width: int = 0,
+        lora: AdapterSet | None = None,
     ) -> None:
         self.model = model
+        # LoRA adapters on this model (lora/): each forward runs inside `lora.rows(...)`, one id per row.
+        self.lora = lora if lora is not None else AdapterSet(model)
         self.logits_width = logits_width  # the LM head's width (vocab); 0: unknown, taken as 1M
         self.one_forward_logits = _ONE_FORWARD_LOGITS if is_cuda() else 0
         # Batched prefill's first pass padded to a multiple of this many tokens on MLX-CUDA, so the server
@@ -166,8 +170,9 @@ class ModelRunner:
                 self._sync_phase(self._batch.tokens, [c.state for c in self._batch.cache])
             decoding = time.perf_counter()
             self.last_join_s = decoding - started - self.last_prefill_s
-            if self.spec is None or not self._batch.num_live or not self.spec.step(self, requests, out):
-                self._decode(out)
+            with self.lora.rows(self.lora.rows_of(self._batch.row_ids, requests)):
+                if self.spec is None or not self._batch.num_live or not self.spec.step(self, requests, out):
+                    self._decode(out)
             self.last_decode_s = time.perf_counter() - decoding
         except Exception as exc:
             log.exception("decode step failed")
@@ -256,6 +261,7 @@ class ModelRunner:
         rid = request.request_id
         cache = self._prefill_caches.get(rid)
         if cache is None:
+            self.lora.check(request.adapter)
             cache = self.make_cache(self.model)
             if request.cached_block_ids:
                 # Timed on its own (a synced restore) only where it delays nothing: no rows decoding.
@@ -336,9 +342,10 @@ class ModelRunner:
         if not rows:
             return []
         try:
-            logits, grown = prefill_rows(self.model, [cache for _, cache in rows], [
-                requests[c.request_id].prompt_token_ids[c.start : c.start + c.num_tokens] for c, _ in rows],
-                bound=self._bound, pad_to=self.prefill_pad_to, joining=[c.is_last for c, _ in rows])
+            with self.lora.rows([requests[c.request_id].adapter for c, _ in rows]):
+                logits, grown = prefill_rows(self.model, [cache for _, cache in rows], [
+                    requests[c.request_id].prompt_token_ids[c.start : c.start + c.num_tokens] for c, _ in rows],
+                    bound=self._bound, pad_to=self.prefill_pad_to, joining=[c.is_last for c, _ in rows])
             going_on = [layers for (c, _), layers in zip(rows, grown) if not c.is_last]
             if going_on:  # bound the lazy graph, as `_prefill` does between chunks
                 self._bound([c.state for layers in going_on for c in layers])
@@ -378,7 +385,8 @@ class ModelRunner:
     def _prefill_or_fail(self, chunk: PrefillChunk, request: Request, out: StepTokens):
         """`_prefill`; if it raises, only this request fails."""
         try:
-            return self._prefill(chunk, request)
+            with self.lora.rows([request.adapter]):
+                return self._prefill(chunk, request)
         except Exception as exc:
             return self._fail_prefill(chunk.request_id, exc, out)
 

@@ -196,8 +196,8 @@ class Scheduler:
 
     def _look_up(self, request: Request) -> None:
         rid, prefix = request.request_id, self.prefix
-        hashes = prefix.hashes(request.prompt_token_ids, request.media_spans, request.block_hashes)
-        request.cached_block_ids = prefix.lookup(rid, request.prompt_token_ids, request.media_spans, hashes)
+        hashes = prefix.hashes(request.prompt_token_ids, request.block_key_spans, request.block_hashes)
+        request.cached_block_ids = prefix.lookup(rid, request.prompt_token_ids, request.block_key_spans, hashes)
         request.num_cached_tokens = len(request.cached_block_ids) * prefix.block_size
         request.num_computed_tokens = request.num_cached_tokens
         self._next_store_block[rid] = len(request.cached_block_ids)
@@ -206,7 +206,7 @@ class Scheduler:
     def _waits_for_inflight(self, request: Request) -> bool:
         if not self.wait_for_inflight or self.prefix is None or not len(self.inflight):
             return False
-        hashes = self.prefix.hashes(request.prompt_token_ids, request.media_spans, request.block_hashes)
+        hashes = self.prefix.hashes(request.prompt_token_ids, request.block_key_spans, request.block_hashes)
         usable = hashes[: (request.num_prompt_tokens - 1) // self.prefix.block_size]  # as a lookup takes them
         return self.inflight.waits_for(usable, self.prefix.is_cached) is not None
 
@@ -336,7 +336,7 @@ class Scheduler:
         self._finished = []
 
     def _ops(self, request: Request) -> list[StoreOp]:
-        return self.prefix.plan_store(request.prompt_token_ids + request.output_token_ids, request.media_spans,
+        return self.prefix.plan_store(request.prompt_token_ids + request.output_token_ids, request.block_key_spans,
                                       request.block_hashes)
 
     def _prefill_ops(self, request: Request) -> list[StoreOp]:
@@ -344,7 +344,8 @@ class Scheduler:
         if request.num_computed_tokens // self.prefix.block_size <= first:
             return []
         ops, self._next_store_block[request.request_id] = self.prefix.plan_store_from(
-            request.prompt_token_ids[: request.num_computed_tokens], request.media_spans, request.block_hashes, first)
+            request.prompt_token_ids[: request.num_computed_tokens], request.block_key_spans, request.block_hashes,
+            first)
         return ops
 
     def _keep(self, out: SchedulerOutput, request: Request, ops: list[StoreOp], prompt_done: bool = False) -> None:

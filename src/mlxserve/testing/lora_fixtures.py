@@ -1,0 +1,102 @@
+"""LoRA adapter folders for tests and benchmarks, made with mlx-lm's own LoRA code.
+
+`train_adapter` runs a few optimizer steps of `mlx_lm.tuner`'s LoRA layers on a few tokens and saves the
+result as `mlx_lm.lora` does (adapters.safetensors + adapter_config.json); `random_adapter` skips the
+training (benchmarks only need the shapes); `to_peft` writes the same weights in PEFT's layout.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+_DEFAULT_STEPS = 4
+
+
+def _lora_model(model_dir: str | Path, seed: int, rank: int, scale: float, keys, num_layers: int):
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, _ = mlx_lm.load(str(model_dir))
+    model.freeze()
+    params = {"rank": rank, "scale": scale, "dropout": 0.0}
+    if keys:
+        params["keys"] = list(keys)
+    mx.random.seed(seed)
+    linear_to_lora_layers(model, num_layers, params)
+    return model, params
+
+
+def _save(model, params: dict, num_layers: int, out: str | Path) -> Path:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "adapters.safetensors"), dict(tree_flatten(model.trainable_parameters())))
+    (out / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params}, indent=2))
+    return out
+
+
+def train_adapter(model_dir: str | Path, out: str | Path, seed: int = 0, rank: int = 4, scale: float = 10.0,
+                  keys: tuple[str, ...] | None = None, num_layers: int = 16, steps: int = _DEFAULT_STEPS,
+                  learning_rate: float = 2e-2) -> Path:
+    """Fine-tunes LoRA layers (the last `num_layers` blocks, `keys` or every linear layer) for `steps` Adam
+    steps on a fixed token sequence of this seed; saved in mlx-lm's format at `out`."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+
+    model, params = _lora_model(model_dir, seed, rank, scale, keys, num_layers)
+    vocab = model.args.vocab_size
+    ids = mx.array([[(seed * 131 + i * 17) % (vocab - 10) + 10 for i in range(32)]])
+
+    def loss(m):
+        return nn.losses.cross_entropy(m(ids[:, :-1]), ids[:, 1:]).mean()
+
+    opt = optim.Adam(learning_rate=learning_rate)
+    step = nn.value_and_grad(model, loss)
+    for _ in range(steps):
+        _, grads = step(model)
+        opt.update(model, grads)
+        mx.eval(model.parameters(), opt.state)
+    return _save(model, params, num_layers, out)
+
+
+def random_adapter(model_dir: str | Path, out: str | Path, seed: int = 0, rank: int = 8, scale: float = 2.0,
+                   keys: tuple[str, ...] | None = None, num_layers: int = 10_000) -> Path:
+    """An untrained adapter whose B is random too (mlx-lm starts B at zero, which would change nothing)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    model, params = _lora_model(model_dir, seed, rank, scale, keys, num_layers)
+    noisy = [(k, mx.random.normal(v.shape, dtype=v.dtype) * 0.02 if k.endswith("lora_b") else v)
+             for k, v in tree_flatten(model.trainable_parameters())]
+    model.update(tree_unflatten(noisy))
+    return _save(model, params, num_layers, out)
+
+
+def to_peft(mlx_dir: str | Path, out: str | Path, lora_alpha: float | None = None) -> Path:
+    """The adapter at `mlx_dir` (mlx-lm's format) in PEFT's: transposed A/B under PEFT's names, scale as
+    lora_alpha / r (the same scale unless `lora_alpha` says otherwise)."""
+    import mlx.core as mx
+
+    mlx_dir, out = Path(mlx_dir), Path(out)
+    config = json.loads((mlx_dir / "adapter_config.json").read_text())
+    params = config["lora_parameters"]
+    rank = params["rank"]
+    weights = mx.load(str(mlx_dir / "adapters.safetensors"))
+    peft = {}
+    targets = set()
+    for name, w in weights.items():
+        module, leaf = name.rsplit(".", 1)
+        targets.add(module.rsplit(".", 1)[-1])
+        peft[f"base_model.model.{module}.lora_{leaf[-1].upper()}.weight"] = mx.contiguous(w.T)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "adapter_model.safetensors"), peft)
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": lora_alpha if lora_alpha is not None else params["scale"] * rank,
+        "target_modules": sorted(targets), "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM"}, indent=2))
+    return out

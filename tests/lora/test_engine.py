@@ -1,0 +1,194 @@
+"""LoRA adapters inside the engine core, on the tiny qwen3 fixture: greedy tokens under an adapter are
+mlx-lm's with that adapter loaded, alone and in batches that mix adapters and the base model (prefilled
+together and one by one); the prefix cache keeps each adapter's blocks to itself; PEFT's format gives the
+same tokens as mlx-lm's; unloading gives the model back as it was."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.nn as nn
+import pytest
+
+from mlxserve.config import EngineConfig
+from mlxserve.engine.engine_core import EngineCore
+from mlxserve.engine.request import Request, SamplingParams
+from mlxserve.lora.adapters import AdapterError, adapter_id, read_adapter
+from mlxserve.models.loader import load_model
+
+MAX_NEW = 10  # as conftest.py's references
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def loaded(qwen3_model_dir):
+    return load_model(str(qwen3_model_dir))
+
+
+@pytest.fixture
+def make_core(loaded):
+    """make_core(adapters, **config) -> (core, {name: adapter id}); its adapters are unloaded after the test,
+    which gives the shared fixture model back unwrapped (one AdapterSet per model at a time)."""
+    made = []
+
+    def make(adapters: dict[str, str], **kw):
+        core, ids = _make_core(loaded, adapters, **kw)
+        made.append((core, ids))
+        return core, ids
+
+    yield make
+    for core, ids in made:
+        for aid in ids.values():
+            core.runner.lora.unload(aid)
+
+
+def _make_core(loaded, adapters: dict[str, str], **kw) -> tuple[EngineCore, dict[str, str]]:
+    """A core with `adapters` (name -> folder) loaded; returns it and each name's adapter id."""
+    config = EngineConfig(**{"max_num_seqs": 16, "block_size": BS, "cache_memory_bytes": 64 << 20, **kw})
+    core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len=4096, model_key="qwen3-fixture")
+    ids = {}
+    for name, path in adapters.items():
+        files = read_adapter(path)
+        ids[name] = adapter_id(name, files)
+        core.runner.lora.load(ids[name], files)
+    return core, ids
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 2000) for _ in range(n)]
+
+
+def run(core: EngineCore, jobs: dict[str, tuple[str, list[int]]], max_tokens: int = MAX_NEW) -> dict[str, dict]:
+    """jobs: request id -> (adapter id, prompt), all added at once; returns {rid: {"ids", "cached"}}."""
+    for rid, (adapter, prompt) in jobs.items():
+        core.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                             ignore_eos=True), adapter=adapter))
+    out: dict[str, dict] = {}
+    for _ in range(10_000):
+        if not core.has_work:
+            break
+        for o in core.step():
+            assert o.error is None, o.error
+            entry = out.setdefault(o.request_id, {"ids": [], "cached": 0})
+            entry["ids"] += o.new_token_ids
+            entry["cached"] = o.num_cached_tokens
+    assert set(jobs) <= set(out)
+    return out
+
+
+@pytest.fixture
+def core(make_core, adapters):
+    return make_core(adapters)
+
+
+def test_one_adapter_alone_matches_mlx_lm(core, reference):
+    core, ids = core
+    prompt = tokens(1, 23)
+    for name in ("alpha", "beta", "gamma"):
+        got = run(core, {name: (ids[name], prompt)})[name]["ids"]
+        assert got == reference(name, prompt), name
+    # The adapters do change the output, or this test would prove nothing.
+    assert len({tuple(reference(n, prompt)) for n in (None, "alpha", "beta", "gamma")}) == 4
+
+
+@pytest.mark.parametrize("prefill_rows", [8, 1])
+def test_a_batch_mixing_three_adapters_and_the_base(make_core, adapters, reference, prefill_rows):
+    core, ids = make_core(adapters, max_num_prefill_rows=prefill_rows, enable_prefix_cache=False)
+    names = [None, "alpha", "beta", "gamma"] * 4
+    prompts = [tokens(10 + i, 5 + 3 * i) for i in range(len(names))]
+    jobs = {f"r{i}": (ids[n] if n else "", p) for i, (n, p) in enumerate(zip(names, prompts))}
+    out = run(core, jobs)
+    for i, (name, prompt) in enumerate(zip(names, prompts)):
+        assert out[f"r{i}"]["ids"] == reference(name, prompt), (i, name)
+
+
+def test_rows_joining_a_decoding_batch_keep_their_adapters(core, reference):
+    core, ids = core
+    first = {f"a{i}": (ids[n], tokens(40 + i, 9)) for i, n in enumerate(("alpha", "beta"))}
+    for rid, (adapter, prompt) in first.items():
+        core.add_request(Request(rid, prompt, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True),
+                                 adapter=adapter))
+    head = {}
+    for _ in range(3):  # alpha and beta decode while gamma and the base join
+        for o in core.step():
+            head[o.request_id] = head.get(o.request_id, []) + o.new_token_ids
+    later = {"g": (ids["gamma"], tokens(50, 12)), "b": ("", tokens(51, 7))}
+    out = run(core, later)
+    assert out["g"]["ids"] == reference("gamma", later["g"][1])
+    assert out["b"]["ids"] == reference(None, later["b"][1])
+    for rid, name in (("a0", "alpha"), ("a1", "beta")):
+        assert head.get(rid, []) + out[rid]["ids"] == reference(name, first[rid][1]), rid
+
+
+def test_prefix_cache_blocks_stay_with_their_adapter(core, reference):
+    core, ids = core
+    prompt = tokens(7, 3 * BS + 5)
+    under_a = run(core, {"a1": (ids["alpha"], prompt)})["a1"]
+    under_b = run(core, {"b1": (ids["beta"], prompt)})["b1"]
+    base = run(core, {"n1": ("", prompt)})["n1"]
+    again = run(core, {"a2": (ids["alpha"], prompt)})["a2"]
+    assert under_a["cached"] == 0
+    assert under_b["cached"] == 0, "beta was served blocks alpha computed"
+    assert base["cached"] == 0, "the base model was served an adapter's blocks"
+    assert again["cached"] == 3 * BS
+    assert under_a["ids"] == again["ids"] == reference("alpha", prompt)
+    assert under_b["ids"] == reference("beta", prompt)
+    assert base["ids"] == reference(None, prompt)
+
+
+def test_a_peft_adapter_gives_mlx_lm_s_tokens(make_core, peft_adapter, reference):
+    files = read_adapter(peft_adapter)
+    assert files.format == "peft" and files.transposed and files.scale == 10.0
+    core, ids = make_core({"alpha": peft_adapter})
+    prompt = tokens(3, 17)
+    assert run(core, {"p": (ids["alpha"], prompt)})["p"]["ids"] == reference("alpha", prompt)
+
+
+def test_a_request_for_an_adapter_not_loaded_fails_alone(make_core, adapters, reference):
+    core, ids = make_core({"alpha": adapters["alpha"]})
+    prompt = tokens(5, 9)
+    for rid, adapter in (("ok", ids["alpha"]), ("gone", "beta@0123456789abcdef")):
+        core.add_request(Request(rid, prompt, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True),
+                                 adapter=adapter))
+    outs: dict[str, list] = {}
+    errors = {}
+    while core.has_work:
+        for o in core.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.error:
+                errors[o.request_id] = o.error
+    assert "not loaded" in errors["gone"] and "ok" not in errors
+    assert outs["ok"] == reference("alpha", prompt)
+
+
+def test_unloading_every_adapter_gives_the_model_back(loaded, make_core, adapters, reference):
+    core, ids = make_core(adapters)
+    lora = core.runner.lora
+    assert lora.nbytes > 0 and len(lora.layers) == 14  # alpha adapts all 7 linear layers of both blocks
+    freed = [lora.unload(ids[n]) for n in ("beta", "alpha")]
+    assert all(f > 0 for f in freed)
+    assert set(lora.layers) == {p for p, _ in loaded.model.named_modules() if p.startswith("model.layers.1.")
+                                and p.rsplit(".", 1)[-1].endswith("proj")}  # gamma: the last block only
+    prompt = tokens(9, 11)
+    assert run(core, {"g": (ids["gamma"], prompt)})["g"]["ids"] == reference("gamma", prompt)
+    lora.unload(ids["gamma"])
+    assert lora.nbytes == 0 and not lora.layers and len(lora) == 0
+    assert all(type(m) in (nn.Linear,) for p, m in loaded.model.named_modules() if p.endswith("proj"))
+    assert run(core, {"n": ("", prompt)})["n"]["ids"] == reference(None, prompt)
+
+
+def test_an_adapter_for_another_model_is_refused_at_load(make_core, tmp_path, llama_model_dir):
+    from mlxserve.testing.lora_fixtures import random_adapter
+
+    files = read_adapter(random_adapter(llama_model_dir, tmp_path / "other", rank=4, keys=("mlp.down_proj",)))
+    core, _ = make_core({})
+    # The llama fixture has the same module names and sizes: make the shapes disagree on purpose.
+    bad = files.modules[0].__class__(files.modules[0].path, "x", "y", 64, 128, 4)
+    with pytest.raises(AdapterError, match="this model's is"):
+        core.runner.lora.load("bad@0", files.__class__(**{**files.__dict__, "modules": (bad,)}))
+    missing = files.modules[0].__class__("model.layers.9.mlp.down_proj", "x", "y", 256, 128, 4)
+    with pytest.raises(AdapterError, match="does not have"):
+        core.runner.lora.load("bad@1", files.__class__(**{**files.__dict__, "modules": (missing,)}))
+    assert len(core.runner.lora) == 0 and not core.runner.lora.layers
