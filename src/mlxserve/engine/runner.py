@@ -54,7 +54,7 @@ class StepTokens:
 
 # On CUDA a last chunk whose logits (tokens x vocab) stay under this many runs as one forward, not two:
 # there a forward of a few tokens is bound by launching its kernels (~30 ms for a 4B model), so a prefix
-# hit's suffix costs one forward (docs/BENCHMARKS.md, #14: one forward for a hit's suffix). Elsewhere, and for longer chunks,
+# hit's suffix costs one forward (docs/BENCHMARKS.md, #14). Elsewhere, and for longer chunks,
 # the last token runs alone so the LM head never runs over the chunk: on the CPU an 89-token suffix took
 # 65 ms as one forward against 10 ms as 88 + 1.
 _ONE_FORWARD_LOGITS = 1 << 25
