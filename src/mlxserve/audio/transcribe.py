@@ -151,6 +151,12 @@ class TranscriptionJob:
                                result.no_speech_prob))
         if self.options.word_timestamps and new:
             self._add_words(net, tokenizer, new, window, size)
+        for seg in new:  # a confused model can say times past the end or out of order
+            seg.end = _clamp(seg.end, 0.0, self.duration)
+            seg.start = _clamp(seg.start, 0.0, seg.end)
+            for w in seg.words:
+                w["end"] = _clamp(w["end"], seg.start, seg.end)
+                w["start"] = _clamp(w["start"], seg.start, w["end"])
         self.segments.extend(new)
         self._prompt_tokens += [t for s in new for t in s.tokens if t < tokenizer.eot]
         if not self.options.condition_on_previous_text or result.temperature > 0.5:
@@ -181,3 +187,7 @@ class TranscriptionJob:
         for seg, d in zip(segments, dicts):
             seg.words = [{"word": w["word"], "start": w["start"], "end": w["end"]} for w in d.get("words", [])]
             seg.start, seg.end = d["start"], d["end"]
+
+
+def _clamp(x: float, low: float, high: float) -> float:
+    return round(min(max(float(x), low), high), 2)

@@ -43,11 +43,18 @@ def verbose(job, task: str, granularities: set[str]) -> dict:
            "duration": round(job.duration, 2), "text": job.text}
     if "segment" in granularities or not granularities:
         out["segments"] = [{"id": s.id, "seek": s.seek, "start": s.start, "end": s.end, "text": s.text,
-                            "tokens": s.tokens, "temperature": s.temperature, "avg_logprob": s.avg_logprob,
-                            "compression_ratio": s.compression_ratio, "no_speech_prob": s.no_speech_prob}
+                            "tokens": s.tokens, "temperature": _number(s.temperature),
+                            "avg_logprob": _number(s.avg_logprob), "compression_ratio": _number(s.compression_ratio),
+                            "no_speech_prob": _number(s.no_speech_prob)}
                            for s in job.segments]
     if "word" in granularities:
         out["words"] = [{"word": w["word"].strip(), "start": w["start"], "end": w["end"]}
                         for s in job.segments for w in s.words]
     out["usage"] = usage(job)
     return out
+
+
+def _number(x) -> float:
+    # A window with no text tokens has a NaN mean log probability; JSON has no NaN.
+    x = float(x)
+    return x if math.isfinite(x) else 0.0
