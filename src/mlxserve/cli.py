@@ -164,7 +164,7 @@ def _engine_config(args) -> EngineConfig:
 def _models_fields(args) -> dict:
     """ServerConfig's multi-model fields from --model / --models-config (flags win over the file)."""
     from mlxserve.memory.device import total_ram
-    from mlxserve.models.specs import load_models_file, parse_model_flag
+    from mlxserve.models.specs import load_models_file, parse_lora_flag, parse_model_flag
 
     specs, max_models, max_bytes = [], None, None
     if args.models_config:
@@ -177,11 +177,12 @@ def _models_fields(args) -> dict:
         specs += model_dir_specs(model_dir)
     if specs and args.served_model_name:
         raise ValueError("--served-model-name names a single model; name several with --model NAME=PATH")
+    loras = tuple(parse_lora_flag(text) for text in args.lora)
     if args.max_loaded_models is not None:
         max_models = args.max_loaded_models
     if args.max_loaded_memory is not None:
         max_bytes = parse_memory(args.max_loaded_memory, total_ram())
-    return {"models": tuple(specs), "max_loaded_models": max_models, "max_loaded_bytes": max_bytes}
+    return {"models": tuple(specs), "max_loaded_models": max_models, "max_loaded_bytes": max_bytes, "loras": loras}
 
 
 def _serve(args) -> int:
@@ -190,7 +191,8 @@ def _serve(args) -> int:
 
     from mlxserve.models.source import check_serve_sources
 
-    try:  # a mistyped path or an unreachable hub id is reported before anything heavy loads
+    try:  # a bad setting, a mistyped path or an unreachable hub id is reported before anything heavy loads
+        process.switch_interval_s()
         check_serve_sources(args.model, args.extra_models, args.draft_model)
     except (ModelLoadError, ValueError) as e:
         print(f"mlxserve serve: {e}", file=sys.stderr)
@@ -313,6 +315,9 @@ def make_parser(with_bench: bool = True) -> argparse.ArgumentParser:
                             " (repeatable)")
     serve.add_argument("--models-config", default=None, metavar="YAML",
                        help="models to serve: name, path, pinned, ttl, aliases, engine settings (models/specs.py)")
+    serve.add_argument("--lora", action="append", default=[], metavar="[BASE:]NAME=PATH",
+                       help="serve the LoRA adapter at PATH (mlx-lm's or PEFT's format) as model NAME on the base "
+                            "model, batched with it (repeatable; docs/lora.md)")
     serve.add_argument("--max-loaded-models", type=int, default=None,
                        help="most models loaded at once; the least recently used idle unpinned one is unloaded")
     serve.add_argument("--max-loaded-memory", type=size, default=None,
