@@ -188,6 +188,21 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True)
+class LoraSpec:
+    """A LoRA adapter served on a base model as a model name of its own (`--lora`, `loras:` in a models file)."""
+
+    name: str  # what requests put in `model` (or BASE:NAME)
+    path: str  # the adapter folder (mlx-lm's or PEFT's format)
+    base: str | None = None  # the base model's name; None: the server's only (or first) model
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.path:
+            raise ValueError("a LoRA adapter needs a name and a path (--lora NAME=PATH)")
+        if ":" in self.name:
+            raise ValueError(f"LoRA adapter name {self.name!r} must not contain ':' (BASE:NAME addresses it)")
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One model of a multi-model server (`--models-config`, repeated `--model`)."""
 
@@ -197,6 +212,7 @@ class ModelSpec:
     ttl_s: float | None = None  # unloaded after this long idle; None: only when another model needs room
     aliases: tuple[str, ...] = ()  # other names requests may use
     engine: EngineConfig | None = None  # this model's engine settings; None: the server's
+    loras: tuple[LoraSpec, ...] = ()  # LoRA adapters served on this model (lora/)
 
     def __post_init__(self) -> None:
         if not self.name or not self.source:
@@ -228,6 +244,7 @@ class ServerConfig:
     # On SIGTERM/SIGINT running streams may finish for this long; then they end with an error event.
     shutdown_timeout_s: float = 30.0
     web_ui: bool = True  # the chat page and dashboard at / (api/web.py)
+    loras: tuple[LoraSpec, ...] = ()  # --lora adapters, put on their base model's spec by server.model_specs
 
     def __post_init__(self) -> None:
         from mlxserve.models.loader import LOAD_STRATEGIES

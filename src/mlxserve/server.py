@@ -49,7 +49,8 @@ def model_key(loaded: LoadedModel) -> str:
     return h.hexdigest()[:32]
 
 
-def make_engine(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> AsyncEngine:
+def make_engine(loaded: LoadedModel, config: EngineConfig, max_model_len: int, loras=()) -> AsyncEngine:
+    """The model's engine, not yet started; `loras` (LoraSpec) are loaded into it as it starts (lora/)."""
     from mlxserve.engine.batch import make_buckets
     from mlxserve.engine.engine_core import EngineCore
 
@@ -59,6 +60,10 @@ def make_engine(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -
         buckets = make_buckets(config.max_num_seqs) if use_buckets else None
         make = loaded.make_engine_core or EngineCore
         core = make(loaded.model, loaded.tokenizer, config, max_model_len, buckets, model_key(loaded))
+        if loras:
+            from mlxserve.lora.manager import load_configured
+
+            load_configured(core, loras)
         if per_shape if config.warmup == "auto" else config.warmup == "on":
             core.warmup(config.max_num_seqs)
         return core
@@ -91,7 +96,9 @@ def model_specs(config: ServerConfig, loaded: LoadedModel | None = None) -> tupl
     """The configured models; a single-model server is one pinned spec (loaded at start-up) that
     answers to its served name, its path and its folder's name."""
     if config.models:
-        return with_source_aliases(config.models)
+        from mlxserve.lora.registry import with_flag_loras
+
+        return with_flag_loras(with_source_aliases(config.models), config.loras)
     source = loaded.source if loaded is not None else config.model
     if source is None:
         from mlxserve.models.demo import ensure_demo_model
@@ -101,7 +108,9 @@ def model_specs(config: ServerConfig, loaded: LoadedModel | None = None) -> tupl
         log.info("no model named: serving the demo model at %s", source)
     name = config.served_model_name or default_name(source)
     aliases = tuple(sorted({source, default_name(source)} - {name}))
-    return (ModelSpec(name=name, source=source, pinned=True, aliases=aliases),)
+    from mlxserve.lora.registry import with_flag_loras
+
+    return with_flag_loras((ModelSpec(name=name, source=source, pinned=True, aliases=aliases),), config.loras)
 
 
 def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | None = None):
@@ -132,7 +141,7 @@ def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | Non
     )
     log.info("serving %s as %r (context %d tokens, up to %d sequences)", loaded.source, spec.name, max_model_len,
              engine_config.max_num_seqs)
-    return served, make_engine(loaded, engine_config, max_model_len)
+    return served, make_engine(loaded, engine_config, max_model_len, spec.loras)
 
 
 def load_encoder_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel):

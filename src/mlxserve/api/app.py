@@ -19,6 +19,7 @@ from mlxserve.api.door import EngineDoor, RequestTimer, heartbeats
 from mlxserve.api.embeddings import add_embeddings_route
 from mlxserve.api.errors import APIError, error_body, error_response, failed_request_body, install_error_handlers
 from mlxserve.api.metrics import Metrics
+from mlxserve.api.lora import LoadModelBody, add_lora_errors
 from mlxserve.api.ollama import add_ollama_routes
 from mlxserve.api.rerank import add_rerank_routes
 from mlxserve.api.docs import install_docs
@@ -115,6 +116,8 @@ def create_app(models: ModelManager) -> FastAPI:
     async def _unknown_model(_: Request, exc: UnknownModelError):
         return error_response(APIError(404, str(exc), "model", "model_not_found"))
 
+    add_lora_errors(app)
+
     @app.exception_handler(ModelUnavailableError)
     async def _unavailable(_: Request, exc: ModelUnavailableError):
         if isinstance(exc.__cause__, MissingExtraError):  # not a passing state: retrying will not help
@@ -179,11 +182,12 @@ def create_app(models: ModelManager) -> FastAPI:
         return {"object": "list", "data": models.cards()}
 
     def card(name: str) -> dict:
-        return next(c for c in models.cards() if c["id"] == models.resolve(name))
+        return models.card(name)  # a model's or a LoRA adapter's entry; unknown: UnknownModelError -> 404
 
     @app.post("/v1/models/{name:path}/load")
-    async def load_model(name: str):
-        await models.load(name)
+    async def load_model(name: str, body: LoadModelBody | None = None):
+        # With lora_path: NAME is a LoRA adapter at that path, served on `base` (lora/registry.py).
+        await models.load(name, *((body.lora_path, body.base) if body is not None else ()))
         return card(name)
 
     @app.post("/v1/models/{name:path}/unload")
@@ -195,8 +199,7 @@ def create_app(models: ModelManager) -> FastAPI:
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str):
         # The openai client's models.retrieve; ids may hold a slash (hub ids), hence :path.
-        name = models.resolve(model_id)  # an unknown id: UnknownModelError -> 404
-        return next(card for card in models.cards() if card["id"] == name)
+        return card(model_id)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):

@@ -46,6 +46,7 @@ class ServedModel:
     max_token_chars: int = 0  # longest vocabulary string: the cheap length bound (prompt_bound.py); 0: none
     embedding_only: bool = False  # an encoder (BERT-style) model: /v1/embeddings only (engine/encoder.py)
     audio: Any = None  # an audio model (api/audio/model.py AudioInfo): /v1/audio/* only
+    adapter: str = ""  # a LoRA adapter served on this model (lora/registry.py): the id its requests carry
 
     def check_name(self, requested: str) -> None:
         if requested != self.name and requested not in self.aliases:
@@ -214,7 +215,7 @@ class Prepared:
         r, sp = self.request, self.request.sampling
         seed = (sp.seed + i) % 2**64 if sp.seed is not None else None
         return Request(f"{r.request_id}-{i}", list(r.prompt_token_ids), replace(sp, seed=seed), r.eos_token_ids,
-                       media=r.media)
+                       media=r.media, adapter=r.adapter)
 
 
 def make_request(model: ServedModel, body: SamplingFields) -> Request:
@@ -269,5 +270,6 @@ def prepare(model: ServedModel, body: SamplingFields) -> Prepared:
         top_logprobs=body.num_top_logprobs,
         constraint=constraint,
     )
-    request = Request(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, model.eos_token_ids, media=media)
+    request = Request(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, model.eos_token_ids, media=media,
+                      adapter=model.adapter)
     return Prepared(request, output)

@@ -35,6 +35,14 @@ class AdapterError(ValueError):
     """A malformed adapter folder, or one that does not fit its base model: the client's 400."""
 
 
+class AdapterBusy(RuntimeError):
+    """An adapter that running or queued requests use is not unloaded: a 409."""
+
+
+class AdapterNoRoom(RuntimeError):
+    """An adapter the memory budget has no room for now: a 503."""
+
+
 @dataclass(frozen=True)
 class AdapterModule:
     """One adapted linear layer: where it is in the model and the tensors of its low-rank pair."""

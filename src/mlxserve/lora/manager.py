@@ -16,8 +16,9 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 from mlx.utils import tree_unflatten
 
-from mlxserve.lora.adapters import AdapterError, AdapterFiles
+from mlxserve.lora.adapters import AdapterBusy, AdapterError, AdapterFiles, AdapterNoRoom
 from mlxserve.lora.layers import MultiLoRALinear, RowAdapters, linear_dims
+from mlxserve.memory.budget import MemoryBudgetError
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class AdapterSet:
         self._loaded: dict[str, _Loaded] = {}
         self._scales: dict[str, float] = {"": 0.0}
         self._last: tuple | None = None  # (adapter ids, index, scales) of the last forward's rows
+        self.charged_bytes = 0  # what the memory budget counts for the adapters (load_adapter)
 
     # -- what is loaded -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -196,3 +198,57 @@ def _dtype(a: mx.array | None, a_new: mx.array | None):
     if not kinds:
         return mx.float32
     return kinds[0] if len(set(kinds)) == 1 else mx.float32
+
+
+def load_adapter(core: Any, adapter_id: str, files: AdapterFiles) -> int:
+    """On the engine thread: loads an adapter into the core's model (a no-op when it is loaded) and charges
+    its bytes to the memory budget. Returns the bytes the adapters hold now."""
+    lora = core.runner.lora
+    if not lora.has(adapter_id):
+        if getattr(core.runner.model, "is_vlm", False):
+            raise AdapterError("LoRA adapters are served on text models only")
+        lora.load(adapter_id, files)
+        try:
+            _charge(core)
+        except MemoryBudgetError as exc:
+            lora.unload(adapter_id)  # it does not fit: nothing stays loaded
+            raise AdapterNoRoom(f"no room for LoRA adapter {adapter_id.rsplit('@', 1)[0]!r}: {exc}") from None
+    return lora.nbytes
+
+
+def unload_adapter(core: Any, adapter_id: str) -> int:
+    """On the engine thread: unloads an adapter no request uses and gives its memory back; returns the bytes
+    freed. AdapterBusy while a running or waiting request uses it."""
+    scheduler = core.scheduler
+    users = [r.request_id for r in (*scheduler.running.values(), *scheduler.waiting) if r.adapter == adapter_id]
+    if users:
+        raise AdapterBusy(f"LoRA adapter {adapter_id.rsplit('@', 1)[0]!r} is serving {len(users)} "
+                               "request(s); unload it when they end")
+    freed = core.runner.lora.unload(adapter_id)
+    _charge(core)
+    from mlxserve.memory.release import give_back_memory
+
+    give_back_memory()
+    return freed
+
+
+def _charge(core: Any) -> None:
+    """The budget's fixed part follows what the adapters hold (their bytes leave the KV share)."""
+    lora, governor = core.runner.lora, getattr(core, "governor", None)
+    held = lora.nbytes
+    if governor is not None and held != lora.charged_bytes:
+        governor.hold_fixed(held - lora.charged_bytes)
+    lora.charged_bytes = held
+
+
+def load_configured(core: Any, loras: Sequence[Any]) -> None:
+    """On the engine thread as it starts: the adapters configured for this model (LoraSpec: --lora, a models
+    file), so one that does not fit the model fails the model's load with the reason."""
+    from mlxserve.lora.adapters import adapter_id, read_adapter
+
+    for lora in loras:
+        files = read_adapter(lora.path)
+        try:
+            load_adapter(core, adapter_id(lora.name, files), files)
+        except AdapterError as exc:
+            raise AdapterError(f"LoRA adapter {lora.name!r} ({lora.path}): {exc}") from None

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from mlxserve.memory.budget import MemoryBudget, kv_tokens, shrink_for_pressure
+from mlxserve.memory.budget import MemoryBudget, MemoryBudgetError, kv_tokens, shrink_for_pressure
 from mlxserve.memory.device import MemoryReadings, read_memory
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,17 @@ class MemoryGovernor:
             self.scheduler.kv_capacity_tokens = limits.kv_tokens
         self.limits = limits
         return evicted
+
+    def hold_fixed(self, nbytes: int) -> None:
+        """`nbytes` more held from now on outside KV and the caches (LoRA adapters loaded at run time;
+        negative: given back). They leave the KV share, in the start-up budget and the live one, so new
+        admissions see the room they take. MemoryBudgetError where KV has not that much to give."""
+        if nbytes > self.live.kv:
+            raise MemoryBudgetError(f"{nbytes / 1e6:.1f} MB more do not fit: the KV budget holds "
+                                    f"{self.live.kv / 1e6:.1f} MB")
+        self.startup = replace(self.startup, weights=self.startup.weights + nbytes, kv=self.startup.kv - nbytes)
+        self.live = replace(self.live, weights=self.live.weights + nbytes, kv=self.live.kv - nbytes)
+        self._apply(self._limits(self.live))
 
     def status(self) -> dict:
         return {

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from mlxserve.config import ModelSpec
+from mlxserve.config import LoraSpec, ModelSpec
+from mlxserve.lora.registry import AdapterRegistry
 from mlxserve.memory.release import freeze_heap
 from mlxserve.models.specs import weights_on_disk
 
@@ -98,6 +99,8 @@ class ModelManager:
             raise ValueError("a server needs at least one model")
         self._slots = {s.name: _Slot(s, size_of(s)) for s in specs}
         self._names = {n: s.name for s in specs for n in (s.name, *s.aliases)}
+        # LoRA adapters, each a model name on its base (lora/registry.py); a bad folder fails start-up here.
+        self.adapters = AdapterRegistry(specs)
         self._load_fn, self._release = load, release
         self.max_loaded_models, self.max_loaded_bytes = max_loaded_models, max_loaded_bytes
         # Without a configured cap: what the memory budget says this process may still take.
@@ -162,7 +165,8 @@ class ModelManager:
         """`(ServedModel, AsyncEngine)` of a model, loading it first if needed. The model stays loaded
         while the lease is held and while its engine has requests: take the lease around
         `engine.generate`, whose stream then keeps the model busy until it ends."""
-        slot = self._slots[self.resolve(requested)]
+        adapter = self.adapters.find(requested)
+        slot = self._slots[adapter.base if adapter is not None else self.resolve(requested)]
         slot.num_leases += 1
         try:
             while slot.state is not ModelState.LOADED:
@@ -178,19 +182,32 @@ class ModelManager:
                 except Exception as exc:
                     raise ModelUnavailableError(f"model `{slot.spec.name}` failed to load: {exc}") from exc
             slot.last_used = self._clock()
-            yield slot.served, slot.engine
+            if adapter is not None:
+                self._check_adapter_room(adapter, slot)
+            served = slot.served if adapter is None else await self.adapters.attach(adapter, slot.served, slot.engine)
+            yield served, slot.engine
         finally:
             slot.num_leases -= 1
             slot.last_used = self._clock()
 
-    async def load(self, requested: str) -> None:
-        """Loads a model now (an operator's request, POST /v1/models/NAME/load), as a request would."""
+    async def load(self, requested: str, lora_path: str | None = None, base: str | None = None) -> None:
+        """Loads a model now (an operator's request, POST /v1/models/NAME/load), as a request would. With
+        `lora_path`, `requested` names a LoRA adapter at that path, served on `base` (default: the first
+        model); AdapterError for a bad folder."""
+        if lora_path is not None:
+            base = self.resolve(base) if base is not None else self.names[0]
+            self.adapters.add(LoraSpec(requested, lora_path, base))
         async with self.lease(requested):
             pass
 
     async def unload(self, requested: str) -> bool:
         """Unloads a model now (POST /v1/models/NAME/unload); False while it serves requests. The next
         request loads it again, pinned or not."""
+        adapter = self.adapters.find(requested)
+        if adapter is not None:  # AdapterBusy while its requests run
+            slot = self._slots[adapter.base]
+            await self.adapters.unload(adapter, slot.engine if slot.state is ModelState.LOADED else None)
+            return True
         slot = self._slots[self.resolve(requested)]
         async with self._lock:  # after a load under way
             if slot.state is ModelState.LOADED:
@@ -215,6 +232,7 @@ class ModelManager:
 
     def _mark_loaded(self, slot: _Slot) -> None:
         slot.state, slot.error = ModelState.LOADED, None
+        self.adapters.base_loaded(slot.spec.name, slot.engine, slot.spec.loras)
         slot.last_used, slot.loaded_at = self._clock(), int(time.time())
         slot.num_loads += 1
 
@@ -288,7 +306,7 @@ class ModelManager:
         if self.max_loaded_models is not None and len(loaded) >= self.max_loaded_models:
             return f"{len(loaded)} of max {self.max_loaded_models} models loaded", True
         if self.max_loaded_bytes is not None:
-            used = sum(s.weight_bytes for s in loaded)
+            used = sum(self._weight_bytes(s) for s in loaded)
             if used + target.weight_bytes > self.max_loaded_bytes:
                 return (f"weights {_mb(target.weight_bytes)} + {_mb(used)} loaded > max "
                         f"{_mb(self.max_loaded_bytes)}"), True
@@ -305,11 +323,26 @@ class ModelManager:
             raise ModelUnavailableError(f"cannot load `{target.spec.name}`: the {len(pinned)} pinned models "
                                         f"take all max {self.max_loaded_models} loaded models")
         if self.max_loaded_bytes is not None:
-            floor = sum(s.weight_bytes for s in pinned) + target.weight_bytes
+            floor = sum(self._weight_bytes(s) for s in pinned) + target.weight_bytes
             if floor > self.max_loaded_bytes:
                 raise ModelUnavailableError(f"cannot load `{target.spec.name}`: its weights "
                                             f"{_mb(target.weight_bytes)} and the pinned models' do not fit in "
                                             f"max {_mb(self.max_loaded_bytes)}")
+
+    def _weight_bytes(self, slot: _Slot) -> int:
+        """A loaded model's weights and the LoRA adapters loaded on it."""
+        return slot.weight_bytes + self.adapters.loaded_bytes(slot.spec.name, slot.engine)
+
+    def _check_adapter_room(self, adapter, slot: _Slot) -> None:
+        """A LoRA adapter about to load must fit --max-loaded-memory beside the loaded models (the engine
+        checks its memory budget itself)."""
+        if self.max_loaded_bytes is None or self.adapters.is_loaded(adapter, slot.engine):
+            return
+        used = sum(self._weight_bytes(s) for s in self._slots.values() if s.state is ModelState.LOADED)
+        if used + adapter.files.nbytes > self.max_loaded_bytes:
+            raise ModelUnavailableError(f"cannot load LoRA adapter `{adapter.spec.name}`: its weights "
+                                        f"{_mb(adapter.files.nbytes)} + {_mb(used)} loaded > max "
+                                        f"{_mb(self.max_loaded_bytes)}")
 
     def _lru_victim(self, target: _Slot) -> _Slot | None:
         idle = [s for s in self._loaded(target) if not s.spec.pinned and s.is_idle]
@@ -378,6 +411,12 @@ class ModelManager:
         finally:
             slot.num_leases -= 1
 
+    def card(self, requested: str) -> dict:
+        """The /v1/models entry of a model or LoRA adapter name."""
+        adapter = self.adapters.find(requested)
+        wanted = adapter.spec.name if adapter is not None else self.resolve(requested)
+        return next(c for c in self.cards() if c["id"] == wanted)
+
     def loaded_engines(self) -> list:
         return [s.engine for s in self._slots.values() if s.state is ModelState.LOADED]
 
@@ -393,7 +432,8 @@ class ModelManager:
             if slot.error:
                 card["error"] = slot.error
             out.append(card)
-        return out
+        engines = {s.spec.name: s.engine if s.state is ModelState.LOADED else None for s in self._slots.values()}
+        return out + self.adapters.cards(engines, self._created)
 
 
 def _mb(n: int) -> str:

@@ -11,6 +11,7 @@
         path: /models/Llama-3.2-3B-4bit
         ttl: 10m                  # unloaded after 10 minutes idle (number: seconds)
         engine: {max_num_seqs: 8, kv_budget_tokens: 32768}   # EngineConfig fields for this model
+        loras: {sql: /adapters/sql, chat: ./chat-lora}     # LoRA adapters served as models on this one
 
 Imports no MLX: specs are plain data, parsed before anything loads.
 """
@@ -22,9 +23,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxserve.config import EngineConfig, ModelSpec, parse_memory
+from mlxserve.config import EngineConfig, LoraSpec, ModelSpec, parse_memory
 
-_ENTRY_KEYS = {"name", "path", "pinned", "ttl", "aliases", "engine"}
+_ENTRY_KEYS = {"name", "path", "pinned", "ttl", "aliases", "engine", "loras"}
 _TTL_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -49,6 +50,37 @@ def parse_model_flag(text: str) -> ModelSpec:
     if not sep:
         name, source = default_name(text), text
     return ModelSpec(name=name.strip(), source=source.strip())
+
+
+def parse_lora_flag(text: str) -> LoraSpec:
+    """`--lora NAME=PATH`, or `--lora BASE:NAME=PATH` to put it on one of several models."""
+    name, sep, path = text.partition("=")
+    if not sep:
+        raise ValueError(f"--lora takes NAME=PATH (or BASE:NAME=PATH), got {text!r}")
+    base, colon, name = name.strip().rpartition(":")
+    return LoraSpec(name=name.strip(), path=path.strip(), base=base.strip() if colon else None)
+
+
+def _loras(value, name: str, where: Path) -> tuple[LoraSpec, ...]:
+    """A model entry's `loras`: a mapping name -> path, or a list of {name, path} / "NAME=PATH"."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        value = [{"name": n, "path": p} for n, p in value.items()]
+    if not isinstance(value, list):
+        raise ValueError(f"`loras` of model {name!r} must be a mapping name -> path or a list")
+    out = []
+    for item in value:
+        if isinstance(item, str):
+            item = {"name": item.partition("=")[0], "path": item.partition("=")[2]}
+        if not isinstance(item, dict) or set(item) - {"name", "path"}:
+            raise ValueError(f"a LoRA entry of model {name!r} must be name and path, got {item!r}")
+        path = str(item.get("path") or "")
+        local = where.parent / Path(path).expanduser()
+        if path and not Path(path).is_absolute() and local.exists():
+            path = str(local)  # relative to the YAML file, like a model's path
+        out.append(LoraSpec(name=str(item.get("name") or ""), path=path, base=name))
+    return tuple(out)
 
 
 def parse_ttl(value) -> float | None:
@@ -95,7 +127,7 @@ def _spec(entry, name: str | None, base: EngineConfig, where: Path) -> ModelSpec
         aliases = (aliases,)
     return ModelSpec(name=name, source=source, pinned=bool(entry.get("pinned", False)),
                      ttl_s=parse_ttl(entry.get("ttl")), aliases=tuple(str(a) for a in aliases),
-                     engine=_engine(base, entry.get("engine"), name))
+                     engine=_engine(base, entry.get("engine"), name), loras=_loras(entry.get("loras"), name, where))
 
 
 def load_models_file(path: str | Path, base: EngineConfig) -> ModelsFile:
