@@ -170,3 +170,30 @@ def test_images_reach_a_vision_model(qwen25vl_dir, make_module_server):
     assert "vision" in vc.show(SERVED_NAME).capabilities
     g = vc.generate(model=SERVED_NAME, prompt="Describe", images=[buf.getvalue()], options=OPTIONS)
     assert g.prompt_eval_count > text_only.prompt_eval_count
+
+
+def test_keep_alive_unloads_and_expires(qwen3_model_dir, llama_model_dir, serve_module_app):
+    """keep_alive on a second, unpinned model: "10m" shows in ps as its expiry, 0 unloads it once the
+    request ends, a request with no messages loads it again (`ollama run` / `ollama stop` do this)."""
+    import time
+    from datetime import datetime, timezone
+
+    from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
+    from mlxserve.server import build_app
+
+    specs = (ModelSpec("chat", str(qwen3_model_dir), pinned=True), ModelSpec("other", str(llama_model_dir)))
+    live = serve_module_app(build_app(ServerConfig(models=specs, engine=EngineConfig(max_num_seqs=4))))
+    mc = ollama.Client(host=live.url, timeout=120)
+    mc.chat(model="other", messages=[{"role": "user", "content": "hi"}], options=OPTIONS, keep_alive="10m")
+    (entry,) = [m for m in mc.ps().models if m.model == "other"]
+    left = (entry.expires_at - datetime.now(timezone.utc)).total_seconds()
+    assert 500 < left <= 600
+    mc.chat(model="other", messages=[{"role": "user", "content": "hi"}], options=OPTIONS, keep_alive=0)
+    deadline = time.monotonic() + 60  # a bound for the poll, not a timing check
+    while "other" in [m.model for m in mc.ps().models] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [m.model for m in mc.ps().models] == ["chat"]
+    loaded = mc.chat(model="other", messages=[])
+    assert loaded.done_reason == "load" and "other" in [m.model for m in mc.ps().models]
+    assert mc.generate(model="other", keep_alive=0).done_reason == "unload"
+    assert [m.model for m in mc.ps().models] == ["chat"]

@@ -181,6 +181,9 @@ class ModelManager:
                     raise
                 except Exception as exc:
                     raise ModelUnavailableError(f"model `{slot.spec.name}` failed to load: {exc}") from exc
+                # An unload's task is done before `_unload` marks the slot NOT_LOADED: yield, or this
+                # loop awaits the same done task forever without letting that happen.
+                await asyncio.sleep(0)
             slot.last_used = self._clock()
             if adapter is not None:
                 self._check_adapter_room(adapter, slot)
