@@ -92,3 +92,18 @@ def test_bad_model_bin_is_a_load_error(folders, tmp_path):
         read_model_bin(broken / "model.bin")
     with pytest.raises(ModelLoadError):
         _load(broken)
+
+
+def test_convert_writes_an_mlx_folder(folders, tmp_path):
+    from mlxserve.audio.convert import convert_ct2_whisper, is_ct2_whisper
+
+    _, ct2_dir = folders
+    assert is_ct2_whisper(ct2_dir) and not is_ct2_whisper(folders[0])
+    out = convert_ct2_whisper(ct2_dir, tmp_path / "converted", dtype="float32")
+    assert whisper_layout(json.loads((out / "config.json").read_text())) == "mlx"
+    a = dict(tree_flatten(_load(ct2_dir).net.parameters()))
+    b = dict(tree_flatten(_load(out).net.parameters()))
+    for key in a:
+        np.testing.assert_array_equal(np.array(a[key]), np.array(b[key]), err_msg=key)
+    with pytest.raises(FileExistsError):
+        convert_ct2_whisper(ct2_dir, out)

@@ -19,11 +19,11 @@ _MLX_WHISPER_KEYS = {"n_mels", "n_audio_ctx", "n_text_ctx"}
 
 def whisper_layout(config: dict) -> str | None:
     """"mlx", "hf" or "ct2" for a Whisper config; None for anything else."""
+    if _MLX_WHISPER_KEYS <= set(config):  # before model_type: mlx-community configs say "whisper" too
+        return "mlx"
     if str(config.get("model_type", "")).lower() == "whisper" or any(
             str(a).startswith("Whisper") for a in config.get("architectures") or ()):
         return "hf"
-    if _MLX_WHISPER_KEYS <= set(config):
-        return "mlx"
     if _CT2_WHISPER_KEYS & set(config) and "model_type" not in config:
         return "ct2"
     return None

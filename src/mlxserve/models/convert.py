@@ -98,6 +98,12 @@ def convert_model(hf_path: str, out: str | Path, bits: int = 4, group_size: int 
 
 
 def run(args) -> int:
+    from mlxserve.audio.convert import is_ct2_whisper
+
+    if is_ct2_whisper(args.hf_path):  # a faster-whisper folder: rewritten in MLX's layout (audio/convert.py)
+        from mlxserve.audio import convert as whisper_convert
+
+        return whisper_convert.run(args)
     src = Path(args.hf_path)
     if src.exists():
         from mlxserve.models.gguf import GGUFError, find_gguf
