@@ -197,3 +197,20 @@ def test_keep_alive_unloads_and_expires(qwen3_model_dir, llama_model_dir, serve_
     assert loaded.done_reason == "load" and "other" in [m.model for m in mc.ps().models]
     assert mc.generate(model="other", keep_alive=0).done_reason == "unload"
     assert [m.model for m in mc.ps().models] == ["chat"]
+
+
+def test_lora_adapters_are_ollama_models(qwen3_model_dir, tmp_path_factory, serve_module_app):
+    """A LoRA adapter served as a model is listed by tags and ps and answers chat under its name."""
+    from mlxserve.config import LoraSpec, ServerConfig
+    from mlxserve.server import build_app
+    from mlxserve.testing.lora_fixtures import train_adapter
+
+    adapter = train_adapter(qwen3_model_dir, tmp_path_factory.mktemp("ollama-lora") / "alpha", seed=1, rank=4)
+    live = serve_module_app(build_app(ServerConfig(model=str(qwen3_model_dir), served_model_name=SERVED_NAME,
+                                                   loras=(LoraSpec("alpha", str(adapter)),))))
+    lc = ollama.Client(host=live.url, timeout=120)
+    assert {m.model for m in lc.list().models} == {SERVED_NAME, "alpha"}
+    r = lc.chat(model="alpha", messages=[{"role": "user", "content": "hi"}], options=OPTIONS, keep_alive="5m")
+    check_final(r)
+    assert "alpha" in {m.model for m in lc.ps().models}
+    assert lc.show("alpha").details is not None

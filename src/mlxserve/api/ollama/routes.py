@@ -84,15 +84,42 @@ def install_ollama_errors(app: FastAPI) -> None:
 # -- helpers ---------------------------------------------------------------------------------------
 
 
+def _adapter(models, name: str):
+    adapters = getattr(models, "adapters", None)  # LoRA adapters served as models (lora/registry.py)
+    return adapters.find(name) if adapters is not None else None
+
+
 def _served_name(models, requested: str) -> str:
-    """The served name for an Ollama model name: `name:latest` is `name` (Ollama adds the tag)."""
+    """The served name for an Ollama model name: `name:latest` is `name` (Ollama adds the tag); a LoRA
+    adapter's name as it is (the lease routes it to its base model)."""
     try:
         return models.resolve(requested)
     except LookupError:
+        if _adapter(models, requested) is not None:
+            return requested
         base, _, tag = requested.rpartition(":")
         if base and tag == "latest":
-            return models.resolve(base)
+            return _served_name(models, base)
         raise
+
+
+def _model_of(models, name: str) -> str:
+    """The loaded model behind a served name: an adapter's base model, else the model itself."""
+    adapter = _adapter(models, name)
+    return adapter.base if adapter is not None else models.resolve(name)
+
+
+def _keep(models, name: str, seconds: float) -> None:
+    """A request's keep_alive onto its model; an adapter's is ignored (unloading its base for it would take
+    every other user of the base model with it)."""
+    if _adapter(models, name) is None:
+        models.keep_alive(models.resolve(name), seconds)
+    else:
+        log.debug("keep_alive %s for the adapter %r: not applied", seconds, name)
+
+
+def _source(models, card: dict) -> str:
+    return card.get("lora_path") or models.source(card["id"])
 
 
 def _keep_alive(value) -> Optional[float]:
@@ -112,12 +139,12 @@ async def _load_only(models, name: str, requested: str, keep: Optional[float], c
     """A request with nothing to generate: load the model, or unload it when keep_alive is 0."""
     if keep == 0:
         if not await models.unload(name):
-            models.keep_alive(name, 0)  # busy: it goes once its requests end
+            _keep(models, name, 0)  # busy: it goes once its requests end
         reason = "unload"
     else:
         await models.load(name)
         if keep is not None:
-            models.keep_alive(name, keep)
+            _keep(models, name, keep)
         reason = "load"
     body = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
     return {"model": requested, "created_at": now_iso(), **body, "done": True, "done_reason": reason}
@@ -139,7 +166,7 @@ def add_ollama_routes(app: FastAPI, door: EngineDoor, pull_fn: Callable[[str], A
         opened = await door.open(internal)
         durations.mark_loaded()
         if keep is not None:
-            models.keep_alive(internal.model, keep)
+            _keep(models, internal.model, keep)
         reply = Reply(requested, opened, chat, durations, want_logprobs)
         timer = door.timer()
         if stream:
@@ -182,7 +209,7 @@ def add_ollama_routes(app: FastAPI, door: EngineDoor, pull_fn: Callable[[str], A
             token_lists = await door.prep.run(tokenize_texts, served, texts, "input", truncate)
             vectors = await embed_token_lists(served, engine, token_lists, dimensions, raw.is_disconnected)
             if keep is not None:
-                models.keep_alive(name, keep)
+                _keep(models, name, keep)
         return vectors, sum(len(t) for t in token_lists)
 
     @router.post("/api/embed")
@@ -210,11 +237,11 @@ def add_ollama_routes(app: FastAPI, door: EngineDoor, pull_fn: Callable[[str], A
 
     @router.get("/api/tags")
     async def tags():
-        return {"models": [tag_entry(card, models.source(card["id"])) for card in models.cards()]}
+        return {"models": [tag_entry(card, _source(models, card)) for card in models.cards()]}
 
     @router.get("/api/ps")
     async def ps():
-        return {"models": [ps_entry(card, models.source(card["id"]), models.expires_in(card["id"]))
+        return {"models": [ps_entry(card, _source(models, card), models.expires_in(_model_of(models, card["id"])))
                            for card in models.cards() if card["status"] == "loaded"]}
 
     @router.post("/api/show")
@@ -225,7 +252,7 @@ def add_ollama_routes(app: FastAPI, door: EngineDoor, pull_fn: Callable[[str], A
         if card["status"] == "loaded":  # the template and capabilities of the loaded model; nothing loads
             async with models.lease(name) as (served, _):
                 pass
-        return show(card, models.source(name), served)
+        return show(card, _source(models, card), served)
 
     @router.get("/api/version")
     async def version():
