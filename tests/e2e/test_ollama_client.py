@@ -103,6 +103,19 @@ def test_tools_accepted_and_history_with_calls(oc):
     for call in r.message.tool_calls or ():  # a random model rarely calls; any call it makes is whole
         assert call.function.name == "get_weather" and isinstance(call.function.arguments, dict)
 
+    def add_two_numbers(a: int, b: int) -> int:
+        """Add two numbers
+
+        Args:
+          a: The first number
+          b: The second number
+        """
+        return a + b
+
+    # The client turns a Python function into a tool definition from its signature and docstring.
+    check_final(oc.chat(model=SERVED_NAME, messages=[{"role": "user", "content": "2 + 3?"}], tools=[add_two_numbers],
+                        options=OPTIONS))
+
 
 def test_structured_output_schema_and_json(oc):
     options = {**OPTIONS, "num_predict": 64}
