@@ -12,6 +12,7 @@ import pytest
 from agent_lane import MAX_OUTPUT_TOKENS, RESULTS, DemoServer, Turn, find_cli, pinned_clients, run_turn
 
 from mlxserve.agents import AGENTS, Target
+from mlxserve.agents.base import default_max_output_tokens
 
 pytestmark = pytest.mark.external
 
@@ -27,9 +28,9 @@ def conventions(n: int) -> str:
                      for i in range(n))
 
 
-def _target(server: DemoServer) -> Target:
+def _target(server: DemoServer, max_output_tokens: int) -> Target:
     return Target(url=server.url, model=server.model, api_key=API_KEY, context_tokens=server.context_tokens,
-                  max_output_tokens=MAX_OUTPUT_TOKENS)
+                  max_output_tokens=max_output_tokens)
 
 
 def _two_turns(server: DemoServer, name: str, first: list[str], second: list[str], env: dict, cwd: pathlib.Path):
@@ -45,15 +46,20 @@ def _two_turns(server: DemoServer, name: str, first: list[str], second: list[str
     return turns
 
 
-def _launch_env(server: DemoServer, agent: str, base_env: dict, folder: pathlib.Path):
-    setup = AGENTS[agent].configure(_target(server), folder)
+def _launch_env(server: DemoServer, agent: str, base_env: dict, folder: pathlib.Path,
+                max_output_tokens: int = MAX_OUTPUT_TOKENS):
+    setup = AGENTS[agent].configure(_target(server, max_output_tokens), folder)
     return {**base_env, **setup.env}, list(setup.args)
 
 
 def test_claude_code(demo_server, isolated_env):
     claude = find_cli("claude")
     base, home, project = isolated_env
-    env, args = _launch_env(demo_server, "claude", base, home / ".claude")
+    # Claude Code (2.1.197) fails a run whose answer stops at max_tokens ("Claude's response exceeded the N output
+    # token maximum", after three tries to continue it): it gets launch's own limit, and the random model's
+    # answers end at its end-of-text token (~3k tokens on average).
+    limit = default_max_output_tokens(demo_server.context_tokens)
+    env, args = _launch_env(demo_server, "claude", base, home / ".claude", limit)
     env["CLAUDE_CONFIG_DIR"] = str(home / ".claude")  # sessions for --continue, no user settings
     out = ["--output-format", "stream-json", "--verbose"]
     turns = _two_turns(demo_server, "claude", [claude, *args, "-p", FIRST, *out],
