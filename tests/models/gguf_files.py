@@ -44,9 +44,9 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(path, arch: str, weights: dict, hparams: dict, qtype: str = "F32", split_max_tensors: int = 0,
-               drop: tuple[str, ...] = ()) -> None:
+               drop: tuple[str, ...] = (), extra: dict | None = None) -> None:
     """`weights`: Hugging Face name -> float32 numpy. `hparams`: block_count, embedding_length,
-    feed_forward_length, head_count, head_count_kv, (key_length, sliding_window). Matrices are stored as
+    feed_forward_length, head_count, head_count_kv, (key_length, sliding_window, rope_theta). Matrices are stored as
     `qtype`, vectors as F32."""
     import gguf
 
@@ -90,6 +90,8 @@ def write_gguf(path, arch: str, weights: dict, hparams: dict, qtype: str = "F32"
             writer.add_tensor(name, gguf.quants.quantize(value, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, value)
+    for name, value in (extra or {}).items():  # GGUF-named tensors as they are (e.g. rope_freqs.weight)
+        writer.add_tensor(name, np.asarray(value, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

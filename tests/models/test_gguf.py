@@ -206,3 +206,26 @@ def test_unsupported_architecture_is_named(tmp_path):
     with pytest.raises(GGUFError, match="'falcon' is not supported"):
         convert_gguf(tmp_path / "m.gguf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_llama3_rope_freqs_become_its_rope_scaling(tmp_path):
+    from mlx_lm.models import llama
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    _, fields, _ = _args("llama")
+    model = llama.Model(llama.ModelArgs.from_dict(dict(fields, rope_theta=500000.0, rope_scaling=scaling)))
+    _, weights, hparams = _model("llama")
+    model.update(tree_unflatten([(k, mx.array(v)) for k, v in weights.items()]))
+    # What llama.cpp stores for Llama 3.1+: one divisor per rotary frequency.
+    inv = 500000.0 ** (-np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+    wavelen = 2 * np.pi / inv
+    smooth = (8192 / wavelen - 1) / 3
+    freqs = np.where(wavelen < 2048, 1.0, np.where(wavelen > 8192, 8.0, 1 / ((1 - smooth) / 8 + smooth)))
+    assert len(set(freqs.round(3))) > 2  # unscaled, fully scaled and blended frequencies
+    write_gguf(tmp_path / "m.gguf", "llama", weights, dict(hparams, rope_theta=500000.0),
+               extra={"rope_freqs.weight": freqs})
+    out = convert_gguf(tmp_path / "m.gguf", tmp_path / "out", GGUFConvertConfig(dtype="float32"))
+    assert json.loads((out / "config.json").read_text())["rope_scaling"] == scaling
+    ids = list(range(3, 3 + 40))
+    np.testing.assert_allclose(_logits(_load(out)[0], ids), _logits(model, ids), atol=1e-4)
