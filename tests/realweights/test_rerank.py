@@ -18,19 +18,8 @@ DOCS = ["The Eiffel Tower was finished in 1889.", "Berlin is the capital of Germ
 
 
 @pytest.fixture(scope="module")
-def minilm(request):
-    """The shared fixture's folder when there is one; else the cached real model (or a skip saying how)."""
-    try:
-        return request.getfixturevalue("minilm_dir")
-    except pytest.FixtureLookupError:
-        from mlxserve.testing.real_models import require
-
-        return require("minilm")
-
-
-@pytest.fixture(scope="module")
-def http(minilm):
-    live = start_app(build_app(ServerConfig(model=str(minilm), served_model_name="minilm",
+def http(minilm_dir):
+    live = start_app(build_app(ServerConfig(model=str(minilm_dir), served_model_name="minilm",
                                             engine=EngineConfig(max_num_seqs=4))))
     with httpx.Client(base_url=live.url, timeout=300) as client:
         yield client
