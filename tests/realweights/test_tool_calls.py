@@ -22,20 +22,8 @@ MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def qwen_dir(request):
-    """The shared fixture's converted folder; without it, the same conversion through models.gguf (cached)."""
-    try:
-        return request.getfixturevalue("qwen25_coder_dir")
-    except pytest.FixtureLookupError:
-        from mlxserve.models.gguf import GGUFConvertConfig, prepare_gguf
-        from mlxserve.testing.real_models import require
-
-        return prepare_gguf(require("qwen25-coder"), GGUFConvertConfig(dtype="float32"))
-
-
-@pytest.fixture(scope="module")
-def server(qwen_dir):
-    live = start_server(qwen_dir, max_num_seqs=2, prefill_step_size=512)
+def server(qwen25_coder_dir):
+    live = start_server(qwen25_coder_dir, max_num_seqs=2, prefill_step_size=512)
     yield live
     live.stop()
 

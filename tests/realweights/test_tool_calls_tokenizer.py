@@ -24,25 +24,15 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 LOGITS_WIDTH = 151936  # Qwen2.5's embedding rows: wider than its 151,665 tokens
 
 
-def shared_fixture(request, name: str):
-    """A fixture of tests/realweights/conftest.py if it is there; else None."""
-    try:
-        return request.getfixturevalue(name)
-    except pytest.FixtureLookupError:
-        return None
-
-
 @pytest.fixture(scope="module")
-def qwen25_tokenizer(request, tmp_path_factory):
+def qwen25_tokenizer(qwen25_coder_gguf, tmp_path_factory):
     from transformers import AutoTokenizer
 
     from mlxserve.models.gguf.reader import read_header
     from mlxserve.models.gguf.tokenizer import write_tokenizer
-    from mlxserve.testing.real_models import require
 
-    gguf = shared_fixture(request, "qwen25_coder_gguf") or require("qwen25-coder")
     out = tmp_path_factory.mktemp("qwen25-tokenizer")
-    write_tokenizer(read_header(gguf), out, 32768)
+    write_tokenizer(read_header(qwen25_coder_gguf), out, 32768)
     return AutoTokenizer.from_pretrained(str(out))
 
 
