@@ -143,7 +143,9 @@ def scan_model_dir(model_dir: str | Path) -> list[LocalModel]:
         raise ValueError(f"--model-dir {model_dir}: not a folder")
     found = (describe(child.name, child) for child in sorted(root.iterdir()) if child.is_dir()
              and not child.name.startswith("."))
-    return [m for m in found if m is not None]
+    from mlxserve.models.stores import scan_store  # an Ollama store, GGUF files, LM Studio folders
+
+    return [m for m in found if m is not None] + scan_store(root)
 
 
 def model_dir_specs(model_dir: str | Path) -> list[ModelSpec]:
@@ -205,6 +207,10 @@ def run_list(args) -> int:
     sections = [] if args.no_hf_cache else [(f"Hugging Face cache ({hf_cache_dir()})", scan_hf_cache)]
     dirs = args.model_dir or [d for d in os.environ.get("MLXSERVE_MODEL_DIR", "").split(",") if d]
     sections += [(f"--model-dir {d}", lambda d=d: scan_model_dir(d)) for d in dirs]
+    from mlxserve.models.stores import default_store_sections  # Ollama's and LM Studio's, when present
+
+    sections += [(title, lambda d=d: scan_model_dir(d)) for title, d in default_store_sections()
+                 if str(d) not in {str(Path(x).expanduser()) for x in dirs}]
     for title, scan in sections:
         try:
             models = scan()

@@ -30,6 +30,10 @@ def looks_local(source: str) -> bool:
 def resolve_source(source: str, download: bool = True) -> Path | None:
     """The local folder or file that `source` names. A hub id comes from the Hugging Face cache, else (when
     `download`) from the hub; with `download=False` a hub id the hub has but the cache lacks gives None."""
+    if source.startswith("ollama:"):  # a model in Ollama's store: its GGUF blob (models/stores.py)
+        from mlxserve.models.stores import resolve_ollama
+
+        return resolve_ollama(source)
     path = Path(source).expanduser()
     if path.exists():
         check_local(path, source)
@@ -72,7 +76,9 @@ def check_local(path: Path, source: str) -> None:
     """An existing path must be a model folder (config.json) or a GGUF file / a folder holding one (the GGUF
     loader reads those)."""
     if path.is_file():
-        if path.suffix.lower() == ".gguf":
+        from mlxserve.models.gguf.reader import is_gguf_file
+
+        if is_gguf_file(path):  # also an Ollama blob, which has no suffix
             return
         raise ModelLoadError(f"{source} is a file, not a model folder (expected a folder with config.json,"
                              " or a .gguf file)")

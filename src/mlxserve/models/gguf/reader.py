@@ -24,7 +24,7 @@ _DEFAULT_ALIGNMENT = 32
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
-_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
 class GGUFError(ModelLoadError):
@@ -167,10 +167,51 @@ def read_file_header(path: Path) -> GGUFHeader:
     return GGUFHeader(path, metadata, tensors, [path])
 
 
+def is_gguf_file(path: Path) -> bool:
+    """A `.gguf` file, or a file that starts with GGUF's magic (Ollama's blobs have no suffix)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == _MAGIC
+    except OSError:
+        return False
+
+
+def peek_metadata(path: Path, keys: tuple[str, ...] = ("general.architecture", "general.file_type"),
+                  max_keys: int = 64) -> dict:
+    """The first of `keys` found among the first `max_keys` metadata entries (the general.* keys come
+    first; the vocabulary, which takes a second to parse, comes later): for listings. {} when unreadable."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            if mm[:4] != _MAGIC:
+                return {}
+            cur = _Cursor(mm, Path(path))
+            cur.take(8)
+            cur.take(8)  # tensor count
+            found = {}
+            for _ in range(min(cur.scalar("Q"), max_keys)):
+                key = cur.string()
+                vtype = cur.scalar("I")
+                if vtype == 9 and key not in keys:
+                    break  # an array: past the small general.* keys
+                value = cur.value(vtype)
+                if key in keys:
+                    found[key] = value
+                    if len(found) == len(keys):
+                        break
+            return found
+    except (OSError, ValueError, struct.error, GGUFError):
+        return {}
+
+
 def split_files(path: Path) -> list[Path]:
     """All files of a split GGUF (`name-00001-of-00003.gguf`) given any of them; [path] otherwise."""
     path = Path(path)
-    m = _SPLIT.match(path.name)
+    m = SPLIT_NAME.match(path.name)
     if m is None:
         return [path]
     count = int(m["count"])
@@ -202,12 +243,12 @@ def find_gguf(source: str | Path) -> Path | None:
     set) and no safetensors; None when the source is not a GGUF."""
     source = Path(source)
     if source.is_file():
-        return source if source.suffix.lower() == ".gguf" else None
+        return source if is_gguf_file(source) else None
     if not source.is_dir() or any(source.glob("*.safetensors")):
         return None
     found = sorted(p for p in source.glob("*.gguf") if p.is_file() and not p.name.startswith("."))
     # A split set counts once: its first part stands for it.
-    firsts = [p for p in found if not (m := _SPLIT.match(p.name)) or int(m["no"]) == 1]
+    firsts = [p for p in found if not (m := SPLIT_NAME.match(p.name)) or int(m["no"]) == 1]
     if not firsts:
         return None
     if len(firsts) > 1:

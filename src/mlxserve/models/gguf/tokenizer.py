@@ -8,9 +8,12 @@ builder the metadata our reader parsed.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from mlxserve.models.gguf.reader import GGUFError, GGUFHeader
+
+log = logging.getLogger(__name__)
 
 _SPECIAL = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
             "pad_token": "padding_token_id"}
@@ -57,6 +60,10 @@ def write_tokenizer(header: GGUFHeader, out: Path, max_length: int) -> dict:
     template = meta.get("tokenizer.chat_template")
     if template:
         config["chat_template"] = template
+    else:
+        # Ollama's template layer is Go template syntax, not Jinja: it cannot stand in for one.
+        log.warning("%s: no chat template in its metadata; chat requests need one, plain completions "
+                    "work", header.path)
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
     return config
 

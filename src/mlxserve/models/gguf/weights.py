@@ -121,7 +121,7 @@ def _native_source(header: GGUFHeader):
     loaded = {}
     for path in header.files:
         try:
-            loaded.update(mx.load(str(path)))
+            loaded.update(mx.load(str(path), format="gguf"))  # Ollama blobs have no suffix
         except (RuntimeError, ValueError) as exc:
             raise GGUFError(f"{path}: MLX cannot read it: {exc}") from None
 
