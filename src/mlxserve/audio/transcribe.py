@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx_audio.stt.models.whisper.audio import HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, log_mel_spectrogram, pad_or_trim
 from mlx_audio.stt.models.whisper.decoding import DecodingOptions
@@ -113,7 +114,7 @@ class TranscriptionJob:
         size = min(N_FRAMES, self._content_frames - seek)
         window = pad_or_trim(self._mel[seek:seek + size], N_FRAMES, axis=-2).astype(net.dtype)
         # Encoded once: `decode` takes features in place of a spectrogram, so fallbacks skip the encoder.
-        features = net.encoder(window[None])
+        features = encode(net, window[None])
         result = self._decode(net, features)
         tokens = list(result.tokens)
         if result.no_speech_prob > _NO_SPEECH_MIN and result.avg_logprob < _LOGPROB_MIN:
@@ -187,6 +188,19 @@ class TranscriptionJob:
         for seg, d in zip(segments, dicts):
             seg.words = [{"word": w["word"], "start": w["start"], "end": w["end"]} for w in d.get("words", [])]
             seg.start, seg.end = d["start"], d["end"]
+
+
+def encode(net, mel: mx.array) -> mx.array:
+    """The audio encoder's output, evaluated block by block (mlx-audio's AudioEncoder, step by step):
+    on a CPU one window's encoder is seconds of work, and another engine thread's decode step (a chat
+    stream) waits at most one block for it, not the whole window."""
+    enc = net.encoder
+    x = nn.gelu(enc.conv2(nn.gelu(enc.conv1(mel)))) + enc._positional_embedding
+    mx.eval(x)
+    for block in enc.blocks:
+        x, _, _ = block(x)
+        mx.eval(x)
+    return enc.ln_post(x)
 
 
 def _clamp(x: float, low: float, high: float) -> float:
