@@ -44,7 +44,7 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(path, arch: str, weights: dict, hparams: dict, qtype: str = "F32", split_max_tensors: int = 0,
-               drop: tuple[str, ...] = (), extra: dict | None = None) -> None:
+               drop: tuple[str, ...] = (), extra: dict | None = None, add_bos: bool = False) -> None:
     """`weights`: Hugging Face name -> float32 numpy. `hparams`: block_count, embedding_length,
     feed_forward_length, head_count, head_count_kv, (key_length, sliding_window, rope_theta). Matrices are stored as
     `qtype`, vectors as F32."""
@@ -72,7 +72,7 @@ def write_gguf(path, arch: str, weights: dict, hparams: dict, qtype: str = "F32"
     writer.add_token_merges(["Ġ t", "h e"])
     writer.add_bos_token_id(tokens.index("<|endoftext|>"))
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
-    writer.add_add_bos_token(False)
+    writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHATML)
     for hf, value in weights.items():
         if hf in drop:

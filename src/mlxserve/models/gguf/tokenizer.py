@@ -45,8 +45,9 @@ def write_tokenizer(header: GGUFHeader, out: Path, max_length: int) -> dict:
         backend, _ = convert(header.architecture, tokenizer_dict)
     except (ValueError, KeyError, TypeError) as exc:
         raise GGUFError(f"{header.path}: cannot build its tokenizer: {exc}") from None
-    backend.save(str(out / "tokenizer.json"))
     tokens = meta["tokenizer.ggml.tokens"]
+    _add_bos_eos(backend, meta, tokens)
+    backend.save(str(out / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
               "clean_up_tokenization_spaces": False}
     for name, key in _SPECIAL.items():
@@ -66,6 +67,28 @@ def write_tokenizer(header: GGUFHeader, out: Path, max_length: int) -> dict:
                     "work", header.path)
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
     return config
+
+
+def _add_bos_eos(backend, meta: dict, tokens: list[str]) -> None:
+    """BOS / EOS added by the tokenizer itself, as llama.cpp does when the file asks for it (Gemma's and
+    Llama's sentencepiece vocabularies): tokenizer_config's add_bos_token alone does not change
+    tokenizer.json, which is what a fast tokenizer runs."""
+    from tokenizers import processors
+
+    default_bos = meta.get("tokenizer.ggml.model") == "llama"
+    wrap = []
+    for key, flag, default in (("bos", "add_bos_token", default_bos), ("eos", "add_eos_token", False)):
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if bool(meta.get(f"tokenizer.ggml.{flag}", default)) and token_id is not None:
+            wrap.append((key, tokens[int(token_id)], int(token_id)))
+    if not wrap:
+        return
+    bos = next((f"{t}:0 " for k, t, _ in wrap if k == "bos"), "")
+    eos = next((f" {t}:0" for k, t, _ in wrap if k == "eos"), "")
+    template = processors.TemplateProcessing(single=f"{bos}$A:0{eos}", pair=f"{bos}$A:0{eos} {bos}$B:1{eos}",
+                                             special_tokens=sorted({(t, i) for _, t, i in wrap}))
+    existing = backend.post_processor
+    backend.post_processor = template if existing is None else processors.Sequence([existing, template])
 
 
 def stop_token_ids(header: GGUFHeader) -> list[int]:
