@@ -2,9 +2,10 @@
 
 Missing models skip with that command as the reason; under CI=true they fail instead.
 
-Session fixtures: `smollm2_gguf`, `qwen25_coder_gguf` (the GGUF files), `smollm2_dir`, `qwen25_coder_dir`
-(their converted MLX folders, cached in the GGUF cache between runs), `minilm_dir` (a sentence-transformers
-folder), and `smollm2_server` (SmolLM2 served straight from its .gguf file).
+Session fixtures: `smollm2_gguf`, `qwen25_coder_gguf`, `gemma3_gguf` (the GGUF files), `smollm2_dir`,
+`qwen25_coder_dir`, `gemma3_dir` (their converted MLX folders, cached in the GGUF cache between runs),
+`minilm_dir` (a sentence-transformers folder), and `smollm2_server` (SmolLM2 served straight from its .gguf
+file).
 """
 
 from __future__ import annotations
@@ -43,6 +44,16 @@ def smollm2_gguf():
 @pytest.fixture(scope="session")
 def qwen25_coder_gguf():
     return require("qwen25-coder")
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf():
+    return require("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(gemma3_gguf):
+    return prepare_gguf(gemma3_gguf, TEST_CONFIG)
 
 
 @pytest.fixture(scope="session")
