@@ -29,7 +29,8 @@ def _builder():
         try:
             from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
         except ImportError as exc:
-            raise GGUFError(f"building a tokenizer from GGUF metadata needs transformers' GGUF support: {exc}")
+            raise GGUFError("building a tokenizer from GGUF metadata needs transformers' GGUF tokenizer "
+                            f"builder (pip install -U transformers): {exc}") from None
     return GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
 
