@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mlx_lm
 import openai
+import pytest
 from mlx_lm.sample_utils import make_sampler
 
 from mlxserve.config import EngineConfig
@@ -39,16 +40,24 @@ def _engine_greedy(loaded, prompts: list[list[int]]) -> list[list[int]]:
     return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
-def test_served_gguf_answers_with_content(smollm2_server):
+@pytest.fixture(scope="module")
+def reference(smollm2_loaded):
+    """(prompt ids, mlx-lm's greedy tokens) of each question."""
+    prompts = [_prompt(smollm2_loaded.tokenizer, q) for q in QUESTIONS]
+    return prompts, [_mlx_lm_greedy(smollm2_loaded, p) for p in prompts]
+
+
+def test_served_gguf_answers_as_mlx_lm_does(smollm2_server, smollm2_loaded, reference):
     with openai.OpenAI(base_url=smollm2_server.base_url, api_key="x", max_retries=0, timeout=300) as client:
         r = client.chat.completions.create(model=smollm2_server.model_name, temperature=0.0, max_tokens=MAX_NEW,
                                            messages=[{"role": "user", "content": QUESTIONS[0]}])
-    assert "Paris" in r.choices[0].message.content
+    text = r.choices[0].message.content
+    assert "Paris" in text
+    assert text == smollm2_loaded.tokenizer.decode(reference[1][0], skip_special_tokens=True)
 
 
-def test_engine_matches_mlx_lm_alone_and_batched(smollm2_loaded):
-    prompts = [_prompt(smollm2_loaded.tokenizer, q) for q in QUESTIONS]
-    want = [_mlx_lm_greedy(smollm2_loaded, p) for p in prompts]
+def test_engine_matches_mlx_lm_alone_and_batched(smollm2_loaded, reference):
+    prompts, want = reference
     assert "Paris" in smollm2_loaded.tokenizer.decode(want[0])
     assert len({tuple(w) for w in want}) == 3  # three different answers, so a mixed-up row would show
     assert _engine_greedy(smollm2_loaded, prompts[:1]) == want[:1]
