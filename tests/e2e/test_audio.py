@@ -201,3 +201,14 @@ def test_bad_speech_requests_are_400(live, body, param):
 def test_speech_on_whisper_is_400(client):
     with pytest.raises(openai.BadRequestError):
         client.audio.speech.create(model="whisper", voice="af_test", input="Hi.")
+
+
+def test_unload_and_load_again_on_use(live, client, audio):
+    client.audio.transcriptions.create(model="whisper", file=("a.wav", audio))
+    r = httpx.post(live.base_url + "/models/whisper/unload", json={}, timeout=60)
+    assert r.status_code == 200
+    cards = {c["id"]: c for c in httpx.get(live.base_url + "/models").json()["data"]}
+    assert cards["whisper"]["status"] == "not_loaded" and cards["whisper"]["weight_bytes"] > 0
+    assert isinstance(client.audio.transcriptions.create(model="whisper", file=("a.wav", audio)).text, str)
+    cards = {c["id"]: c for c in httpx.get(live.base_url + "/models").json()["data"]}
+    assert cards["whisper"]["status"] == "loaded"
