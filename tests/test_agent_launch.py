@@ -176,7 +176,7 @@ def test_launch_stops_the_server_it_started(fake_agent, monkeypatch, tmp_path):
     started = []
 
     def start(args, log_path):  # a stand-in for `mlxserve serve` that answers /v1/models
-        code = ("import sys; sys.path.insert(0, %r); from test_launch import _Models; "
+        code = ("import sys; sys.path.insert(0, %r); from test_agent_launch import _Models; "
                 "from http.server import HTTPServer; HTTPServer(('127.0.0.1', %d), _Models).serve_forever()"
                 % (str(__import__("pathlib").Path(__file__).parent), args.port))
         started.append(subprocess.Popen([sys.executable, "-c", code]))

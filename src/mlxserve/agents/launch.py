@@ -12,11 +12,13 @@ import signal
 import subprocess
 import sys
 import time
-
-import httpx
+from typing import TYPE_CHECKING
 
 from mlxserve.agents import AGENTS
 from mlxserve.agents.base import MAX_OUTPUT_TOKENS, Target, default_max_output_tokens
+
+if TYPE_CHECKING:  # imported where used: `mlxserve serve` builds this parser too (0.4 s)
+    import httpx
 
 _PLACEHOLDER_KEY = "mlxserve"  # a server without --api-key takes any key; agents insist on having one
 
@@ -75,6 +77,8 @@ def agent_folder(name: str) -> pathlib.Path:
 def find_model(url: str, model: str | None, api_key: str, client: httpx.Client | None = None) -> dict | None:
     """The model card (/v1/models) of `model` (None: the server's first loaded model) at url; None when
     nothing answers there. A server without that model is a LaunchError."""
+    import httpx
+
     http = client or httpx.Client(timeout=30)
     try:
         reply = http.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {api_key}"})
@@ -98,6 +102,8 @@ def find_model(url: str, model: str | None, api_key: str, client: httpx.Client |
 
 
 def _context(url: str, card: dict, api_key: str) -> int:
+    import httpx
+
     if card.get("max_model_len") is None:  # listed, not loaded yet: loading tells its context
         httpx.post(f"{url}/v1/models/{card['id']}/load", headers={"Authorization": f"Bearer {api_key}"}, timeout=None)
         card = find_model(url, card["id"], api_key)
@@ -160,6 +166,8 @@ def _sigint_to_child():
 
 
 def run(args) -> int:
+    import httpx
+
     agent = AGENTS[args.agent]
     executable = find_command(agent.command)
     if executable is None:
