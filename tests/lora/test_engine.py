@@ -192,3 +192,66 @@ def test_an_adapter_for_another_model_is_refused_at_load(make_core, tmp_path, ll
     with pytest.raises(AdapterError, match="does not have"):
         core.runner.lora.load("bad@1", files.__class__(**{**files.__dict__, "modules": (missing,)}))
     assert len(core.runner.lora) == 0 and not core.runner.lora.layers
+
+
+def test_ngram_speculation_under_adapters_keeps_the_tokens(make_core, adapters, reference):
+    core, ids = make_core(adapters, speculative="ngram", num_draft_tokens=4)
+    assert core.spec is not None
+    # Repeated phrases, so prompt lookup has drafts to verify; every row's output must stay its own.
+    prompts = {f"s{i}": tokens(60 + i, 6) * 4 for i in range(4)}
+    names = {"s0": None, "s1": "alpha", "s2": "beta", "s3": "gamma"}
+    out = run(core, {rid: (ids[n] if n else "", p) for rid, (n, p) in zip(prompts, zip(names.values(),
+                                                                                      prompts.values()))}, 16)
+    for rid, prompt in prompts.items():
+        assert out[rid]["ids"] == reference(names[rid], prompt, 16), rid
+    assert core.spec.stats.num_drafted > 0
+
+
+def test_structured_output_under_an_adapter(make_core, adapters, loaded):
+    import json
+
+    from mlxserve.structured.grammar import json_schema_constraint
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    core, ids = make_core(adapters)
+    for i, name in enumerate(("alpha", "beta")):
+        core.add_request(Request(f"j{i}", tokens(70 + i, 9), SamplingParams(
+            max_tokens=60, temperature=0.0, constraint=json_schema_constraint(schema)),
+            eos_token_ids=loaded.eos_token_ids, adapter=ids[name]))
+    text: dict[str, str] = {}
+    while core.has_work:
+        for o in core.step():
+            assert o.error is None, o.error
+            text[o.request_id] = text.get(o.request_id, "") + o.text
+    for rid in ("j0", "j1"):
+        assert json.loads(text[rid]) in ({"ok": True}, {"ok": False}), text[rid]
+
+
+def test_an_adapter_in_use_is_not_unloaded_and_its_memory_returns(make_core, adapters):
+    import mlx.core as mx
+
+    from mlxserve.lora.adapters import AdapterBusy
+    from mlxserve.lora.manager import load_adapter, unload_adapter
+
+    core, _ = make_core({})
+    files = read_adapter(adapters["alpha"])
+    aid = adapter_id("alpha", files)
+    mx.synchronize()
+    before = mx.get_active_memory()
+    kv_before = core.scheduler.kv_capacity_tokens
+    held = load_adapter(core, aid, files)
+    assert held == core.runner.lora.nbytes > 0
+    assert mx.get_active_memory() >= before + held
+    if core.governor is not None:  # the adapter's bytes left the KV budget
+        assert core.scheduler.kv_capacity_tokens < kv_before
+    core.add_request(Request("busy", tokens(80, 9), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                             adapter=aid))
+    with pytest.raises(AdapterBusy, match="serving 1 request"):
+        unload_adapter(core, aid)
+    while core.has_work:
+        core.step()
+    assert unload_adapter(core, aid) == held
+    assert core.runner.lora.nbytes == 0 and core.scheduler.kv_capacity_tokens == kv_before
+    mx.synchronize()
+    assert mx.get_active_memory() <= before

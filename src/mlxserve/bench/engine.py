@@ -25,14 +25,15 @@ from mlxserve.engine.request import Request, SamplingParams
 
 
 async def run_one(engine, tokenizer, cfg: ServeBenchConfig, prompt: str, eos,
-                  params: SamplingParams | None = None) -> RequestResult:
-    """One request through the async engine, timed like `bench serve` times one over HTTP."""
+                  params: SamplingParams | None = None, adapter: str = "") -> RequestResult:
+    """One request through the async engine (under a LoRA adapter's id, if given), timed like `bench serve`
+    times one over HTTP."""
     ids = tokenizer.encode(prompt)
     params = params or SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=cfg.ignore_eos)
     res = RequestResult(num_prompt_tokens=len(ids))
     start = time.perf_counter()
     first = last = None
-    async for out in engine.generate(Request(uuid.uuid4().hex, ids, params, eos)):
+    async for out in engine.generate(Request(uuid.uuid4().hex, ids, params, eos, adapter=adapter)):
         now = time.perf_counter()
         if out.error:
             res.error = out.error

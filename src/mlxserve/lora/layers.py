@@ -1,12 +1,18 @@
 """The multi-adapter linear layer: the base layer's output plus each row's own low-rank delta.
 
-Every loaded adapter's (A, B) for this layer sits in one stack, slot 0 all zeros (rows without an adapter,
-and adapters that leave this layer alone). Before a forward the runner says which slot each row of the
-batch runs under (`RowAdapters`); the layer gathers those rows' A and B and adds
-`scale * (x @ A) @ B` per row, as mlx-lm's `LoRALinear` does for one adapter. So a batch of 16 rows over 4
-adapters is one base forward plus two small batched matmuls per adapted layer, never a forward per adapter.
-Gathering was chosen over grouping rows by adapter: a fixed handful of ops per layer whatever the mix,
-and plain `take` + `matmul`, which every MLX backend has (`gather_mm` is float32-only on the CPU).
+Every loaded adapter's A and B for this layer sit side by side in one pair of matrices: A_all (in, K*R) and
+B_all (K*R, out) for K adapters padded to rank R, adapter k in block k (zeros where it leaves this layer
+alone). Before a forward the runner says which adapter each row of the batch runs under (`RowAdapters`:
+per row, its adapter's scale over that adapter's K*R columns and 0 elsewhere), and the layer computes
+
+    y = base(x) + ((x @ A_all) * row_scales) @ B_all         (the last matmul and the add: one addmm)
+
+which for a row of adapter k is mlx-lm's `LoRALinear` output, `scale * (x @ A_k) @ B_k` (the scale applied
+before B rather than after: the same up to float rounding), the other blocks adding exact zeros. So a batch
+of 16 rows over 4 adapters is one base forward plus three ops per adapted layer, never a forward per
+adapter. Chosen over gathering each row's A and B (`take` + batched matmul: 7 ops a layer) and over grouping
+rows by adapter (ops growing with the adapters in the batch): on the CPU with a tiny model every op shows.
+Ranks are small, so the width K*R costs little. Only matmul, addmm and a multiply: every MLX backend has them.
 """
 
 from __future__ import annotations
@@ -18,49 +24,114 @@ import mlx.nn as nn
 
 
 class RowAdapters:
-    """The adapter slot and scale of each row of the next forward, shared by every wrapped layer of a model.
-    `index` None: no row runs under an adapter, and the layers add nothing."""
+    """Each row's adapter for the next forward, shared by every wrapped layer of a model. `scales` None: no
+    row runs under an adapter, and the layers add nothing."""
 
     def __init__(self) -> None:
-        self.index: mx.array | None = None  # [B] int32 slots
-        self.scales: mx.array | None = None  # [B, 1, 1] each row's adapter scale (0 for slot 0)
+        self.scales: mx.array | None = None  # [B, 1, K*R]: the row adapter's scale over its block, 0 elsewhere
+        self.forward = 0  # counts forwards: a group's shared product is only reused within one
+        self._cast: dict = {}
+
+    def set(self, scales: mx.array | None) -> None:
+        self.scales, self._cast = scales, {}
+        self.forward += 1
+
+    def as_dtype(self, dtype, repeat: int) -> mx.array:
+        """The scales in the dtype of the layer's activations (as mlx-lm's Python float scale would be),
+        repeated for each member of a group."""
+        key = (dtype, repeat)
+        if key not in self._cast:
+            scales = self.scales if self.scales.dtype == dtype else self.scales.astype(dtype)
+            self._cast[key] = mx.tile(scales, (1, 1, repeat)) if repeat > 1 else scales
+        return self._cast[key]
+
+
+class InputGroup:
+    """Wrapped layers of one parent module that read the same input (q/k/v projections, gate/up): their A
+    side by side, A_group (in, G*K*R), so one matmul and one multiply serve them all when they are called
+    with the same array, as mlx-lm's attention and MLP blocks do. Each member's B is widened with zero rows to
+    the group's width, so it reads the shared product without slicing it. A member called with another
+    input computes the product for itself: still right, only not shared."""
+
+    def __init__(self, a: mx.array, size: int) -> None:
+        self.a, self.size = a, size
+        self._key: tuple | None = None  # (forward, input) the product below belongs to
+        self._h: mx.array | None = None
+
+    def product(self, x: mx.array, rows: RowAdapters) -> mx.array:
+        if self._key is not None and self._key[0] == rows.forward and self._key[1] is x:
+            return self._h
+        h = x @ self.a
+        scales = rows.as_dtype(h.dtype, self.size)
+        h = h * (scales if x.ndim == 3 else scales[:, 0, :])  # [B, in] input: one position per row
+        self._key, self._h = (rows.forward, x), h
+        return h
+
+    def forget(self) -> None:
+        self._key = self._h = None
 
 
 class MultiLoRALinear(nn.Module):
     """Wraps a `nn.Linear` / `nn.QuantizedLinear` in place of it (the base weights stay its child `linear`).
-    The stacks are kept out of `parameters()`: they are serving state, not the model's weights."""
+    The adapters' matrices are kept out of `parameters()`: they are serving state, not the model's weights."""
 
     def __init__(self, linear: nn.Module, rows: RowAdapters, in_dims: int, out_dims: int) -> None:
         super().__init__()
         self.linear = linear
         self.in_dims, self.out_dims = in_dims, out_dims
         self._rows = rows
-        self._a: mx.array | None = None  # [num_slots, in, rank]
-        self._b: mx.array | None = None  # [num_slots, rank, out]
+        self._group: InputGroup | None = None
+        self._slot = 0  # this layer's place in its group
+        self._b: mx.array | None = None  # [G*K*R, out]: this layer's B in its rows of the group's width
 
-    def set_stacks(self, a: mx.array, b: mx.array) -> None:
-        self._a, self._b = a, b
+    def attach(self, group: InputGroup | None, slot: int, b: mx.array | None) -> None:
+        self._group, self._slot, self._b = group, slot, b
 
     @property
-    def stacks(self) -> tuple[mx.array | None, mx.array | None]:
-        return self._a, self._b
+    def weights(self) -> tuple[mx.array | None, mx.array | None]:
+        """This layer's own A [in, K*R] and B [K*R, out] (views into the group's)."""
+        if self._group is None:
+            return None, None
+        width = self._b.shape[0]
+        return self._group.a[:, self._slot * width: (self._slot + 1) * width], self._b
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.linear(x)
-        rows = self._rows
-        if rows.index is None or self._a is None:
+        if self._rows.scales is None or self._group is None:
             return y
-        a = mx.take(self._a, rows.index, axis=0)  # [B, in, r]
-        b = mx.take(self._b, rows.index, axis=0)  # [B, r, out]
-        if x.ndim == 2:  # [B, in]: one position per row
-            z = ((x[:, None, :] @ a) @ b)[:, 0, :]
-            scales = rows.scales[:, 0, :]
-        else:
-            z = (x @ a) @ b
-            scales = rows.scales
-        if scales.dtype != z.dtype:
-            scales = scales.astype(z.dtype)
-        return y + (scales * z).astype(x.dtype)
+        h = self._group.product(x, self._rows)
+        if self._group.size > 1:
+            width = self._b.shape[0]
+            h = h[..., self._slot * width: (self._slot + 1) * width]
+        if h.dtype != y.dtype:  # adapters in float32 on a bfloat16 model: the delta in float32, then cast
+            return y + (h @ self._b).astype(y.dtype)
+        return mx.addmm(y, h, self._b)
+
+
+# Sibling layers mlx-lm's blocks call with one input (a group only saves work: any grouping gives the same
+# output, as a member called with another input computes its own product).
+_SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("wq", "wk", "wv"), ("w1", "w3"))
+_SHARED_OF = {name: i for i, names in enumerate(_SHARED_INPUT) for name in names}
+
+
+def group_layers(layers: dict[str, MultiLoRALinear], weights: dict[str, tuple[mx.array, mx.array]]) -> None:
+    """Gives each wrapped layer its matrices (`weights`: path -> A [in, K*R], B [K*R, out]), grouping the
+    siblings that share their input (InputGroup)."""
+    groups: dict[tuple, list[str]] = {}
+    for path, layer in layers.items():
+        parent, _, name = path.rpartition(".")
+        groups.setdefault((parent, layer.in_dims, _SHARED_OF.get(name, name)), []).append(path)
+    for paths in groups.values():
+        a = mx.concatenate([weights[p][0] for p in paths], axis=1) if len(paths) > 1 else weights[paths[0]][0]
+        group = InputGroup(a, len(paths))
+        for slot, path in enumerate(paths):
+            layers[path].attach(group, slot, weights[path][1])
+
+
+def layer_bytes(layers: dict[str, MultiLoRALinear]) -> int:
+    groups = {id(layer._group): layer._group for layer in layers.values() if layer._group is not None}
+    return sum(g.a.nbytes for g in groups.values()) + sum(
+        layer._b.nbytes for layer in layers.values() if layer._b is not None)
 
 
 def linear_dims(layer: Any) -> tuple[int, int] | None:

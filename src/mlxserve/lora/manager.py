@@ -1,8 +1,8 @@
 """The adapters loaded onto one model, on its engine thread: load, unload, and each forward's rows.
 
 `AdapterSet` is the single owner of the wrapped layers and their stacks. Loading an adapter wraps the layers
-it names (the first time any adapter names them) and appends its weights to their stacks as a new slot;
-unloading removes its slot, and a layer no adapter names any more gets its base layer back, so a model with
+it names (the first time any adapter names them) and appends its weights to theirs as a new block;
+unloading removes its block, and a layer no adapter names any more gets its base layer back, so a model with
 no adapters left is the model as loaded. The runner brackets each forward with `rows(adapter_ids)`.
 """
 
@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx.utils import tree_unflatten
 
 from mlxserve.lora.adapters import AdapterBusy, AdapterError, AdapterFiles, AdapterNoRoom
-from mlxserve.lora.layers import MultiLoRALinear, RowAdapters, linear_dims
+from mlxserve.lora.layers import MultiLoRALinear, RowAdapters, group_layers, layer_bytes, linear_dims
 from mlxserve.memory.budget import MemoryBudgetError
 
 log = logging.getLogger(__name__)
@@ -35,10 +35,11 @@ class AdapterSet:
         self.model = model
         self.row_state = RowAdapters()
         self.layers: dict[str, MultiLoRALinear] = {}  # module path -> wrapper in the model
-        self.slots: list[str] = [""]  # slot -> adapter id; slot 0: no adapter
+        self.slots: list[str] = []  # adapter ids, in the order of their blocks in every layer
+        self.rank = 0  # every block's width: the largest loaded rank
+        self.dtype = None  # of every layer's adapter matrices
         self._loaded: dict[str, _Loaded] = {}
-        self._scales: dict[str, float] = {"": 0.0}
-        self._last: tuple | None = None  # (adapter ids, index, scales) of the last forward's rows
+        self._last: tuple | None = None  # (adapter ids, scales) of the last forward's rows
         self.charged_bytes = 0  # what the memory budget counts for the adapters (load_adapter)
 
     # -- what is loaded -------------------------------------------------------------------------
@@ -55,8 +56,8 @@ class AdapterSet:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the stacks hold (padding to the largest rank and zero slots included)."""
-        return sum(a.nbytes + b.nbytes for layer in self.layers.values() for a, b in [layer.stacks])
+        """Bytes the adapters' matrices hold (padding to the largest rank and zero blocks included)."""
+        return layer_bytes(self.layers)
 
     def stats(self) -> dict:
         return {"num_adapters": len(self._loaded), "num_layers": len(self.layers), "memory_bytes": self.nbytes,
@@ -67,24 +68,25 @@ class AdapterSet:
     @contextlib.contextmanager
     def rows(self, adapter_ids: Sequence[str]) -> Iterator[None]:
         """The forward run inside runs row i under adapter `adapter_ids[i]` ('' for none). A forward only
-        builds the graph, which keeps the index arrays it read, so they are cleared again on exit."""
+        builds the graph, which keeps the arrays it read, so they are cleared again on exit."""
         if not self._loaded or not any(adapter_ids):
             yield
             return
         key = tuple(adapter_ids)
         if self._last is None or self._last[0] != key:
-            slot_of = {aid: i for i, aid in enumerate(self.slots)}
+            block = {aid: i for i, aid in enumerate(self.slots)}
             for aid in key:
                 self.check(aid)
-            index = mx.array([slot_of[a] for a in key], dtype=mx.int32)
-            scales = mx.array([self._scales[a] for a in key], dtype=mx.float32)[:, None, None]
-            self._last = (key, index, scales)
-        state = self.row_state
-        state.index, state.scales = self._last[1], self._last[2]
+            index = mx.array([block.get(a, -1) for a in key], dtype=mx.int32)
+            columns = mx.arange(len(self.slots) * self.rank, dtype=mx.int32) // self.rank
+            scale = mx.array([self._loaded[a].files.scale if a else 0.0 for a in key], dtype=mx.float32)
+            scales = mx.where(columns[None, :] == index[:, None], scale[:, None], 0.0).astype(mx.float32)
+            self._last = (key, scales[:, None, :])
+        self.row_state.set(self._last[1])
         try:
             yield
         finally:
-            state.index = state.scales = None
+            self.row_state.set(None)
 
     def rows_of(self, row_ids: Sequence[str | None], requests: dict) -> list[str]:
         """Adapter ids of a decode batch's rows (fillers and unknown rows: none)."""
@@ -92,8 +94,8 @@ class AdapterSet:
 
     # -- loading --------------------------------------------------------------------------------
     def load(self, adapter_id: str, files: AdapterFiles) -> int:
-        """Adds an adapter as a new slot of every layer; returns the bytes it added. AdapterError when its
-        modules do not fit the model (nothing changes then)."""
+        """Adds an adapter as a new block of every wrapped layer; returns the bytes it added. AdapterError
+        when its modules do not fit the model (nothing changes then)."""
         if adapter_id in self._loaded:
             return 0
         targets = self._targets(files)
@@ -102,22 +104,31 @@ class AdapterSet:
         pairs = {}
         for m in files.modules:
             a, b = weights[m.key_a], weights[m.key_b]
-            if files.transposed:
-                a, b = a.T, b.T
-            pairs[m.path] = (a, b)
+            pairs[m.path] = (a.T, b.T) if files.transposed else (a, b)
+        dtype = _dtype(self.dtype, [a.dtype for a, _ in pairs.values()])
         for path, layer in targets.items():
             if path not in self.layers:
                 self.layers[path] = layer = MultiLoRALinear(layer, self.row_state, *linear_dims(layer))
                 self.model.update_modules(tree_unflatten([(path, layer)]))
-        num_slots = len(self.slots)
+        rank, num = max(self.rank, files.rank), len(self.slots)
+        new = {}
         for path, layer in self.layers.items():
+            a, b = _blocks(layer, num, self.rank, rank, dtype)
             a_new, b_new = pairs.get(path, (None, None))
-            layer.set_stacks(*_append(layer, num_slots, a_new, b_new))
+            if a_new is None:
+                a_new, b_new = mx.zeros((layer.in_dims, rank), dtype), mx.zeros((rank, layer.out_dims), dtype)
+            else:
+                pad = rank - a_new.shape[-1]
+                a_new = mx.pad(a_new.astype(dtype), [(0, 0), (0, pad)])
+                b_new = mx.pad(b_new.astype(dtype), [(0, pad), (0, 0)])
+            a = mx.concatenate([a, a_new[:, None, :]], axis=1).reshape(layer.in_dims, (num + 1) * rank)
+            b = mx.concatenate([b, b_new[None]], axis=0).reshape((num + 1) * rank, layer.out_dims)
+            new[path] = (a, b)
+        group_layers(self.layers, new)
         self.slots.append(adapter_id)
-        self._scales[adapter_id] = files.scale
+        self.rank, self.dtype, self._last = rank, dtype, None
         self._loaded[adapter_id] = _Loaded(files, {m.path: m.rank for m in files.modules}, 0)
-        self._last = None
-        mx.eval([s for layer in self.layers.values() for s in layer.stacks])
+        self._settle()
         added = self.nbytes - before
         self._loaded[adapter_id].nbytes = added
         log.info("LoRA adapter %s loaded from %s (%s, rank %d, scale %g, %d layers, %.1f MB)", adapter_id,
@@ -125,26 +136,37 @@ class AdapterSet:
         return added
 
     def unload(self, adapter_id: str) -> int:
-        """Removes an adapter's slot; layers no adapter adapts any more get their base layer back. Returns
+        """Removes an adapter's block; layers no adapter adapts any more get their base layer back. Returns
         the bytes freed. The caller makes sure no running request uses it."""
         if adapter_id not in self._loaded:
             return 0
         before = self.nbytes
-        slot = self.slots.index(adapter_id)
-        keep = mx.array([i for i in range(len(self.slots)) if i != slot], dtype=mx.int32)
-        del self._loaded[adapter_id], self._scales[adapter_id]
-        self.slots.pop(slot)
+        num, old_rank = len(self.slots), self.rank
+        keep = mx.array([i for i, aid in enumerate(self.slots) if aid != adapter_id], dtype=mx.int32)
+        del self._loaded[adapter_id]
+        self.slots.remove(adapter_id)
+        self.rank = max((f.files.rank for f in self._loaded.values()), default=0)
         self._last = None
+        new = {}
         for path, layer in list(self.layers.items()):
-            rank = max((f.ranks[path] for f in self._loaded.values() if path in f.ranks), default=0)
-            if rank == 0:  # nobody adapts this layer now: the base layer goes back in its place
+            if not any(path in f.ranks for f in self._loaded.values()):
+                # Nobody adapts this layer now: the base layer goes back in its place.
                 self.model.update_modules(tree_unflatten([(path, layer.linear)]))
                 del self.layers[path]
                 continue
-            a, b = layer.stacks
-            layer.set_stacks(mx.take(a, keep, axis=0)[..., :rank], mx.take(b, keep, axis=0)[:, :rank, :])
-        mx.eval([s for layer in self.layers.values() for s in layer.stacks])
+            a, b = _blocks(layer, num, old_rank, old_rank, self.dtype)
+            a = mx.take(a, keep, axis=1)[..., : self.rank].reshape(layer.in_dims, -1)
+            b = mx.take(b, keep, axis=0)[:, : self.rank].reshape(-1, layer.out_dims)
+            new[path] = (a, b)
+        group_layers(self.layers, new)
+        if not self._loaded:
+            self.dtype = None
+        self._settle()
         return before - self.nbytes
+
+    def _settle(self) -> None:
+        """Evaluates the new matrices now, so the old ones are freed and no forward builds them."""
+        mx.eval([w for layer in self.layers.values() for w in (layer._group.a, layer._b)])
 
     def _targets(self, files: AdapterFiles) -> dict[str, Any]:
         """The model's layers the adapter names, checked: each must exist, be a linear layer and have the
@@ -165,39 +187,28 @@ class AdapterSet:
                                    f"this model's is {dims[0]} -> {dims[1]} (another base model?)")
             if isinstance(layer, MultiLoRALinear) and self.layers.get(m.path) is not layer:
                 raise RuntimeError("this model's layers are wrapped by another AdapterSet: one set per model")
-            found[m.path] = layer.linear if isinstance(layer, MultiLoRALinear) else layer
+            found[m.path] = layer
         return found
 
 
-def _append(layer: MultiLoRALinear, num_slots: int, a_new: mx.array | None, b_new: mx.array | None):
-    """The layer's stacks with one more slot: the adapter's pair, or zeros where it leaves the layer alone.
-    Ranks are padded with zeros to the largest, which adds exact zeros to each row's delta."""
-    a, b = layer.stacks
-    old_rank = a.shape[-1] if a is not None else 0
-    rank = max(old_rank, a_new.shape[-1] if a_new is not None else 0)
-    dtype = _dtype(a, a_new)
+def _blocks(layer: MultiLoRALinear, num: int, rank: int, new_rank: int, dtype):
+    """The layer's matrices as blocks, A [in, num, new_rank] and B [num, new_rank, out], padded with zeros
+    from `rank` (zero blocks for a layer wrapped just now). Zero padding adds exact zeros to each row's delta."""
+    a, b = layer.weights
     if a is None:
-        a = mx.zeros((num_slots, layer.in_dims, rank), dtype)
-        b = mx.zeros((num_slots, rank, layer.out_dims), dtype)
-    elif rank > old_rank or a.dtype != dtype:
-        a = mx.pad(a.astype(dtype), [(0, 0), (0, 0), (0, rank - old_rank)])
-        b = mx.pad(b.astype(dtype), [(0, 0), (0, rank - old_rank), (0, 0)])
-    if a_new is None:
-        a_new = mx.zeros((layer.in_dims, rank), dtype)
-        b_new = mx.zeros((rank, layer.out_dims), dtype)
-    else:
-        pad = rank - a_new.shape[-1]
-        a_new = mx.pad(a_new.astype(dtype), [(0, 0), (0, pad)])
-        b_new = mx.pad(b_new.astype(dtype), [(0, pad), (0, 0)])
-    return mx.concatenate([a, a_new[None]]), mx.concatenate([b, b_new[None]])
+        return (mx.zeros((layer.in_dims, num, new_rank), dtype), mx.zeros((num, new_rank, layer.out_dims), dtype))
+    a, b = a.reshape(layer.in_dims, num, rank).astype(dtype), b.reshape(num, rank, layer.out_dims).astype(dtype)
+    if new_rank > rank:
+        a = mx.pad(a, [(0, 0), (0, 0), (0, new_rank - rank)])
+        b = mx.pad(b, [(0, 0), (0, new_rank - rank), (0, 0)])
+    return a, b
 
 
-def _dtype(a: mx.array | None, a_new: mx.array | None):
-    """One dtype per stack: the widest of the adapters' (they are usually all float32 or all bfloat16)."""
-    kinds = [x.dtype for x in (a, a_new) if x is not None]
-    if not kinds:
-        return mx.float32
-    return kinds[0] if len(set(kinds)) == 1 else mx.float32
+def _dtype(current, new: list):
+    """One dtype for every adapter matrix: the adapters' own when they agree (usually all float32 or all
+    bfloat16), float32 when they do not."""
+    kinds = set(new) | ({current} if current is not None else set())
+    return kinds.pop() if len(kinds) == 1 else mx.float32
 
 
 def load_adapter(core: Any, adapter_id: str, files: AdapterFiles) -> int:

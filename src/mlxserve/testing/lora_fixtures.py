@@ -65,17 +65,36 @@ def train_adapter(model_dir: str | Path, out: str | Path, seed: int = 0, rank: i
     return _save(model, params, num_layers, out)
 
 
-def random_adapter(model_dir: str | Path, out: str | Path, seed: int = 0, rank: int = 8, scale: float = 2.0,
-                   keys: tuple[str, ...] | None = None, num_layers: int = 10_000) -> Path:
-    """An untrained adapter whose B is random too (mlx-lm starts B at zero, which would change nothing)."""
+def random_adapter(model, out: str | Path, seed: int = 0, rank: int = 8, scale: float = 2.0,
+                   keys: tuple[str, ...] | None = None) -> Path:
+    """An untrained adapter on every linear layer of every block (or those whose name ends in one of `keys`),
+    A and B random (mlx-lm starts B at zero, which would change nothing). `model`: a loaded mlx-lm model, or
+    a model folder. Benchmarks need only the shapes."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_unflatten
 
-    model, params = _lora_model(model_dir, seed, rank, scale, keys, num_layers)
-    noisy = [(k, mx.random.normal(v.shape, dtype=v.dtype) * 0.02 if k.endswith("lora_b") else v)
-             for k, v in tree_flatten(model.trainable_parameters())]
-    model.update(tree_unflatten(noisy))
-    return _save(model, params, num_layers, out)
+    from mlxserve.lora.layers import linear_dims
+
+    if isinstance(model, (str, Path)):
+        import mlx_lm
+
+        model, _ = mlx_lm.load(str(model))
+    key = mx.random.key(seed)
+    weights = {}
+    for path, layer in model.named_modules():
+        dims = linear_dims(layer)
+        if dims is None or ".layers." not in path or (keys and not any(path.endswith(k) for k in keys)):
+            continue
+        key, ka, kb = mx.random.split(key, 3)
+        bound = 1 / dims[0] ** 0.5  # mlx-lm's init of A
+        weights[f"{path}.lora_a"] = mx.random.uniform(-bound, bound, (dims[0], rank), key=ka)
+        weights[f"{path}.lora_b"] = mx.random.normal((rank, dims[1]), key=kb) * 0.02
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "adapters.safetensors"), weights)
+    params = {"rank": rank, "scale": scale, "dropout": 0.0, **({"keys": list(keys)} if keys else {})}
+    (out / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "num_layers": len(model.layers), "lora_parameters": params}, indent=2))
+    return out
 
 
 def to_peft(mlx_dir: str | Path, out: str | Path, lora_alpha: float | None = None) -> Path:
