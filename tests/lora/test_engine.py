@@ -255,3 +255,23 @@ def test_an_adapter_in_use_is_not_unloaded_and_its_memory_returns(make_core, ada
     assert core.runner.lora.nbytes == 0 and core.scheduler.kv_capacity_tokens == kv_before
     mx.synchronize()
     assert mx.get_active_memory() <= before
+
+
+def test_an_adapter_on_a_4bit_base_matches_mlx_lm(qwen3_4bit_model_dir, tmp_path):
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlxserve.testing.lora_fixtures import train_adapter
+
+    path = str(train_adapter(qwen3_4bit_model_dir, tmp_path / "q", seed=5, rank=4, scale=10.0))
+    model, _ = mlx_lm.load(str(qwen3_4bit_model_dir), adapter_path=path)
+    prompt = tokens(90, 13)
+    want = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_NEW,
+                                             sampler=make_sampler(temp=0.0))]
+    loaded = load_model(str(qwen3_4bit_model_dir))
+    core, ids = _make_core(loaded, {"q": path})
+    assert all(isinstance(layer.linear, nn.QuantizedLinear) for layer in core.runner.lora.layers.values())
+    out = run(core, {"q": (ids["q"], prompt), "b": ("", prompt)})
+    assert out["q"]["ids"] == want and out["q"]["ids"] != out["b"]["ids"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from mlxserve.config import LoraSpec, ModelSpec
-from mlxserve.lora.adapters import AdapterError, AdapterFiles, adapter_id, read_adapter
+from mlxserve.lora.adapters import AdapterBusy, AdapterError, AdapterFiles, adapter_id, read_adapter
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +113,15 @@ class AdapterRegistry:
         from mlxserve.lora.manager import unload_adapter
 
         aid = adapter.id
-        freed = await engine.call(lambda core: unload_adapter(core, aid))
-        adapter.engine = adapter.served = None
+        # Marked unloaded first: a request arriving meanwhile queues a load behind this unload, not a request
+        # for an adapter about to go.
+        adapter.engine = None
+        try:
+            freed = await engine.call(lambda core: unload_adapter(core, aid))
+        except AdapterBusy:
+            self._mark(adapter, engine)
+            raise
+        adapter.served = None
         log.info("LoRA adapter %r unloaded (%.1f MB freed)", adapter.spec.name, freed / 1e6)
 
     def _mark(self, adapter: ServedAdapter, engine: Any) -> None:
