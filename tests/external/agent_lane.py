@@ -21,7 +21,8 @@ CLIENTS_FILE = pathlib.Path(__file__).with_name("clients.txt")
 MAX_OUTPUT_TOKENS = 32
 TURN_TIMEOUT_S = float(os.environ.get("MLXSERVE_EXTERNAL_TURN_TIMEOUT", "900"))
 RESULTS: list[str] = []  # one line per client, printed at the end of the run (conftest.py)
-_METRIC = re.compile(r"^(mlxserve_prefix_cache_(?:queried|hit)_tokens_total)\s+(\S+)$", re.M)
+_METRIC = re.compile(r"^(mlxserve_(?:prefix_cache_queried|prefix_cache_hit|completion)_tokens_total)\s+(\S+)$",
+                     re.M)
 
 
 def pinned_clients() -> dict[str, tuple[str, str, str]]:
@@ -67,11 +68,12 @@ class DemoServer:
     log_path: pathlib.Path
     process: subprocess.Popen = field(repr=False)
 
-    def prefix_counters(self) -> tuple[float, float]:
-        """(prompt tokens looked up in the prefix cache, tokens found there) so far."""
+    def token_counters(self) -> tuple[float, float, float]:
+        """(prompt tokens looked up in the prefix cache, tokens found there, tokens generated) so far."""
         found = dict(_METRIC.findall(httpx.get(self.url + "/metrics", timeout=30).text))
         return (float(found["mlxserve_prefix_cache_queried_tokens_total"]),
-                float(found["mlxserve_prefix_cache_hit_tokens_total"]))
+                float(found["mlxserve_prefix_cache_hit_tokens_total"]),
+                float(found["mlxserve_completion_tokens_total"]))
 
     def access_log(self) -> list[tuple[str, str, int]]:
         """(method, path, status) of every request answered so far."""
@@ -121,6 +123,7 @@ class Turn:
     errors: Counter  # "METHOD PATH STATUS" of every 4xx/5xx answered during the turn
     queried_tokens: float  # prompt tokens looked up in the prefix cache during the turn
     hit_tokens: float
+    completion_tokens: float  # tokens the model generated during the turn
 
     @property
     def reuse(self) -> float:
@@ -129,12 +132,12 @@ class Turn:
     def describe(self) -> str:
         return (f"exit {self.returncode}, {sum(self.errors.values())} 4xx/5xx {dict(self.errors)}, "
                 f"{self.hit_tokens:.0f}/{self.queried_tokens:.0f} prompt tokens cached ({self.reuse:.1%}), "
-                f"{self.seconds:.0f} s")
+                f"{self.completion_tokens:.0f} generated, {self.seconds:.0f} s")
 
 
 def run_turn(server: DemoServer, argv: list[str], env: dict[str, str], cwd: pathlib.Path) -> Turn:
     start = len(server.access_log())
-    queried0, hit0 = server.prefix_counters()
+    queried0, hit0, generated0 = server.token_counters()
     began = time.monotonic()
     try:
         done = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=TURN_TIMEOUT_S,
@@ -142,9 +145,9 @@ def run_turn(server: DemoServer, argv: list[str], env: dict[str, str], cwd: path
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{argv[0]} did not finish within {TURN_TIMEOUT_S:.0f} s; stderr: {(e.stderr or '')[-2000:]}")
     seconds = time.monotonic() - began
-    queried1, hit1 = server.prefix_counters()
+    queried1, hit1, generated1 = server.token_counters()
     return Turn(done.returncode, done.stdout, done.stderr, seconds, server.errors_since(start),
-                queried1 - queried0, hit1 - hit0)
+                queried1 - queried0, hit1 - hit0, generated1 - generated0)
 
 
 def stop_demo_server(server: DemoServer) -> None:

@@ -1,7 +1,7 @@
 """Each real agent CLI, headless, two turns against the served demo model: both turns exit 0, the server answers
-no request with a 4xx/5xx, and turn 2 finds at least 80% of its prompt in the prefix cache. The model has random
-weights: answers are noise, and the agents must still complete. Claude Code, Codex, opencode and Qwen Code get
-exactly what `mlxserve launch` gives them (mlxserve/agents/)."""
+no request with a 4xx/5xx, and turn 2 finds at least 80% of its prompt (less turn 1's answer) in the prefix
+cache. The model has random weights: answers are noise, and the agents must still complete. Claude Code, Codex,
+opencode and Qwen Code get exactly what `mlxserve launch` gives them (mlxserve/agents/)."""
 
 from __future__ import annotations
 
@@ -41,8 +41,14 @@ def _two_turns(server: DemoServer, name: str, first: list[str], second: list[str
         detail = f"{name} turn {len(turns)}: {turn.describe()}"
         assert turn.returncode == 0, f"{detail}\nstdout: {turn.stdout[-3000:]}\nstderr: {turn.stderr[-3000:]}"
         assert not turn.errors, detail
-    RESULTS.append(f"{name} {pinned_clients()[name][2]}: turn 1 {turns[0].describe()}; turn 2 {turns[1].describe()}")
-    assert turns[1].reuse >= MIN_REUSE, RESULTS[-1]
+    # A random model's answer decodes to text that tokenizes to other ids than the ones generated, so turn 2
+    # cannot find turn 1's answer in the cache (a real model's answer mostly re-tokenizes the same). Claude Code
+    # and Codex answers run to the end-of-text token, thousands of tokens at times: the bar is on the rest.
+    rest = turns[1].queried_tokens - turns[0].completion_tokens
+    reuse = turns[1].hit_tokens / rest if rest > 0 else 0.0
+    RESULTS.append(f"{name} {pinned_clients()[name][2]}: turn 1 {turns[0].describe()}; turn 2 {turns[1].describe()}"
+                   f"; turn 2 without turn 1's answer {reuse:.1%} cached")
+    assert reuse >= MIN_REUSE, RESULTS[-1]
     return turns
 
 
