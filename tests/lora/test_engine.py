@@ -93,9 +93,12 @@ def test_one_adapter_alone_matches_mlx_lm(core, reference):
     assert len({tuple(reference(n, prompt)) for n in (None, "alpha", "beta", "gamma")}) == 4
 
 
-@pytest.mark.parametrize("prefill_rows", [8, 1])
-def test_a_batch_mixing_three_adapters_and_the_base(make_core, adapters, reference, prefill_rows):
+@pytest.mark.parametrize("prefill_rows, layout", [(8, "dense"), (1, "dense"), (8, "gather")])
+def test_a_batch_mixing_three_adapters_and_the_base(make_core, adapters, reference, prefill_rows, layout,
+                                                    monkeypatch):
+    monkeypatch.setenv("MLXSERVE_LORA_LAYOUT", layout)  # the dense layout (CPU, Metal) and MLX-CUDA's gathered one
     core, ids = make_core(adapters, max_num_prefill_rows=prefill_rows, enable_prefix_cache=False)
+    assert core.runner.lora.gather == (layout == "gather")
     names = [None, "alpha", "beta", "gamma"] * 4
     prompts = [tokens(10 + i, 5 + 3 * i) for i in range(len(names))]
     jobs = {f"r{i}": (ids[n] if n else "", p) for i, (n, p) in enumerate(zip(names, prompts))}

@@ -31,15 +31,18 @@ class _Loaded:
 
 
 class AdapterSet:
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, gather: bool | None = None) -> None:
         self.model = model
+        # The layers' layout (layers.py): gathered on MLX-CUDA, dense elsewhere; MLXSERVE_LORA_LAYOUT=dense|gather
+        # picks one (for benchmarks).
+        self.gather = _gather_layout() if gather is None else gather
         self.row_state = RowAdapters()
         self.layers: dict[str, MultiLoRALinear] = {}  # module path -> wrapper in the model
         self.slots: list[str] = []  # adapter ids, in the order of their blocks in every layer
         self.rank = 0  # every block's width: the largest loaded rank
         self.dtype = None  # of every layer's adapter matrices
         self._loaded: dict[str, _Loaded] = {}
-        self._last: tuple | None = None  # (adapter ids, scales) of the last forward's rows
+        self._last: tuple | None = None  # (adapter ids, *_row_arrays) of the last forward's rows
         self.charged_bytes = 0  # what the memory budget counts for the adapters (load_adapter)
 
     # -- what is loaded -------------------------------------------------------------------------
@@ -74,22 +77,32 @@ class AdapterSet:
             return
         key = tuple(adapter_ids)
         if self._last is None or self._last[0] != key:
-            block = {aid: i for i, aid in enumerate(self.slots)}
-            for aid in key:
-                self.check(aid)
-            index = mx.array([block.get(a, -1) for a in key], dtype=mx.int32)
-            columns = mx.arange(len(self.slots) * self.rank, dtype=mx.int32) // self.rank
-            scale = mx.array([self._loaded[a].files.scale if a else 0.0 for a in key], dtype=mx.float32)
-            scales = mx.where(columns[None, :] == index[:, None], scale[:, None], 0.0).astype(mx.float32)
-            self._last = (key, scales[:, None, :])
-        self.row_state.set(self._last[1])
+            self._last = (key, *self._row_arrays(key))
+        self.row_state.set(*self._last[1:])
         try:
             yield
         finally:
             self.row_state.set(None)
 
+    def _row_arrays(self, key: tuple[str, ...]) -> tuple:
+        """(dense scales [B, 1, K*R], gathered slots [B], gathered scales [B, 1, 1]) for these rows."""
+        for aid in key:
+            self.check(aid)
+        block = {aid: i for i, aid in enumerate(self.slots)}
+        scale = mx.array([self._loaded[a].files.scale if a else 0.0 for a in key], dtype=mx.float32)
+        if self.gather:
+            index = mx.array([block[a] + 1 if a else 0 for a in key], dtype=mx.int32)
+            return None, index, scale[:, None, None]
+        index = mx.array([block.get(a, -1) for a in key], dtype=mx.int32)
+        columns = mx.arange(len(self.slots) * self.rank, dtype=mx.int32) // self.rank
+        scales = mx.where(columns[None, :] == index[:, None], scale[:, None], 0.0).astype(mx.float32)
+        return scales[:, None, :], None, None
+
     def rows_of(self, row_ids: Sequence[str | None], requests: dict) -> list[str]:
-        """Adapter ids of a decode batch's rows (fillers and unknown rows: none)."""
+        """Adapter ids of a decode batch's rows (fillers and unknown rows: none); nothing to look up while no
+        adapter is loaded."""
+        if not self._loaded:
+            return []
         return [getattr(requests.get(rid), "adapter", "") if rid is not None else "" for rid in row_ids]
 
     # -- loading --------------------------------------------------------------------------------
@@ -124,7 +137,7 @@ class AdapterSet:
             a = mx.concatenate([a, a_new[:, None, :]], axis=1).reshape(layer.in_dims, (num + 1) * rank)
             b = mx.concatenate([b, b_new[None]], axis=0).reshape((num + 1) * rank, layer.out_dims)
             new[path] = (a, b)
-        group_layers(self.layers, new)
+        group_layers(self.layers, new, rank if self.gather else 0)
         self.slots.append(adapter_id)
         self.rank, self.dtype, self._last = rank, dtype, None
         self._loaded[adapter_id] = _Loaded(files, {m.path: m.rank for m in files.modules}, 0)
@@ -158,7 +171,7 @@ class AdapterSet:
             a = mx.take(a, keep, axis=1)[..., : self.rank].reshape(layer.in_dims, -1)
             b = mx.take(b, keep, axis=0)[:, : self.rank].reshape(-1, layer.out_dims)
             new[path] = (a, b)
-        group_layers(self.layers, new)
+        group_layers(self.layers, new, self.rank if self.gather else 0)
         if not self._loaded:
             self.dtype = None
         self._settle()
@@ -166,7 +179,7 @@ class AdapterSet:
 
     def _settle(self) -> None:
         """Evaluates the new matrices now, so the old ones are freed and no forward builds them."""
-        mx.eval([w for layer in self.layers.values() for w in (layer._group.a, layer._b)])
+        mx.eval([a for layer in self.layers.values() for a in layer.arrays])
 
     def _targets(self, files: AdapterFiles) -> dict[str, Any]:
         """The model's layers the adapter names, checked: each must exist, be a linear layer and have the
@@ -189,6 +202,15 @@ class AdapterSet:
                 raise RuntimeError("this model's layers are wrapped by another AdapterSet: one set per model")
             found[m.path] = layer
         return found
+
+
+def _gather_layout() -> bool:
+    import os
+
+    from mlxserve.models.backend import is_cuda
+
+    choice = os.environ.get("MLXSERVE_LORA_LAYOUT", "")
+    return choice == "gather" or (choice != "dense" and is_cuda())
 
 
 def _blocks(layer: MultiLoRALinear, num: int, rank: int, new_rank: int, dtype):
