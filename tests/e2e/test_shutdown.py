@@ -131,12 +131,16 @@ def test_port_in_use_is_reported_before_loading(qwen3_model_dir, stopper, tmp_pa
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        missing = Path(tmp_path) / "no-model-here"  # loading would fail differently: the port is checked first
-        proc = serve(missing, port)
+        # A folder that passes the start-up check (it has a config.json) but has no weights: loading would fail
+        # with another message, so only a port checked before loading gives this one.
+        unloadable = Path(tmp_path) / "no-weights-here"
+        unloadable.mkdir()
+        (unloadable / "config.json").write_text('{"model_type": "qwen3"}')
+        proc = serve(unloadable, port)
         stopper(proc)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2
-    assert f"127.0.0.1:{port}" in out and "no-model-here" not in out
+    assert f"127.0.0.1:{port}" in out and "no-weights-here" not in out
 
 
 @pytest.mark.skipif(not hasattr(os, "getpgid"), reason="POSIX signals")

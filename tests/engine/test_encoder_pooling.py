@@ -71,7 +71,7 @@ def test_unsupported_folders_are_refused(tmp_path, modules, pooling):
     ({"model_type": "modernbert", "architectures": ["ModernBertForMaskedLM"]}, "modernbert"),
     ({"architectures": ["BertModel"]}, "bert"),
     ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}, None),
-    ({"architectures": ["BertForSequenceClassification"]}, None),
+    ({"architectures": ["BertForSequenceClassification"]}, "bert"),  # a cross-encoder: served for rerank
 ])
 def test_encoder_detection(config, expected):
     assert encoder_type(config) == expected
