@@ -8,6 +8,7 @@ when no Chromium is installed; .ci/run installs Debian's `chromium` and `chromiu
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import httpx
@@ -63,7 +64,9 @@ def browser(tmp_path_factory):
                 "--window-size=1280,860", "--disable-extensions", "--no-first-run",
                 f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
         options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
+    # Chromium dies at start with a preloaded library (.ci/run preloads OpenBLAS for MLX): not for the browser.
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    driver = webdriver.Chrome(service=Service(executable_path=driver_path, env=env), options=options)
     yield driver
     driver.quit()
 
