@@ -71,7 +71,9 @@ def test_claude_code(demo_server, isolated_env):
     turns = _two_turns(demo_server, "claude", [claude, *args, "-p", FIRST, *out],
                        [claude, *args, "-p", SECOND, "--continue", *out], env, project)
     for turn in turns:  # the last event says how the run ended
-        result = json.loads(turn.stdout.strip().splitlines()[-1])
+        # One event a line, split on "\n" only: str.splitlines() also splits at U+2028, \x85, ... which a JSON
+        # string may hold unescaped (the random model writes them).
+        result = json.loads(turn.stdout.strip().split("\n")[-1])
         assert result["type"] == "result" and result["is_error"] is False, result
 
 
