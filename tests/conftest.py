@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxserve.models.demo import DemoModelConfig, build_model_folder
+from mlxserve.testing.demo import DemoModelConfig, build_model_folder
 
 _TESTS = Path(__file__).resolve().parent
 # (path prefix under tests/, marker). A test gets every marker whose prefix matches, so the web page test is
@@ -53,20 +53,20 @@ def qwen3_4bit_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def qwen25vl_dir(tmp_path_factory):
-    from mlxserve.models.vlm_demo import build_vlm_folder
+    from mlxserve.testing.vlm_demo import build_vlm_folder
 
     return build_vlm_folder(tmp_path_factory.mktemp("qwen2_5_vl"), family="qwen2_5_vl")
 
 
 @pytest.fixture(scope="session")
 def qwen3vl_dir(tmp_path_factory):
-    from mlxserve.models.vlm_demo import build_vlm_folder
+    from mlxserve.testing.vlm_demo import build_vlm_folder
 
     return build_vlm_folder(tmp_path_factory.mktemp("qwen3_vl"), family="qwen3_vl")
 
 
 @pytest.fixture(scope="session")
 def gemma3_dir(tmp_path_factory):
-    from mlxserve.models.vlm_demo import build_vlm_folder
+    from mlxserve.testing.vlm_demo import build_vlm_folder
 
     return build_vlm_folder(tmp_path_factory.mktemp("gemma3"), family="gemma3")

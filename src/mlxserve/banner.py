@@ -29,7 +29,7 @@ class BannerModel:
 
 def is_demo_source(source: str) -> bool:
     """The built-in demo model (`mlxserve serve` with no model): tiny, random weights."""
-    from mlxserve.models.demo import default_demo_model_dir
+    from mlxserve.testing.demo import default_demo_model_dir
 
     try:
         return Path(source).expanduser().resolve() == default_demo_model_dir().resolve()

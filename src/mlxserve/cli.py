@@ -235,9 +235,9 @@ def _serve(args) -> int:
 def _demo_model(args) -> int:
     import dataclasses
 
-    from mlxserve.models.demo import SHAPES, build_model_folder, ensure_demo_model
-    from mlxserve.models.families import FAMILIES, FAMILY_SHAPES, build_family_folder
-    from mlxserve.models.vlm_demo import CLI_SHAPES as VLM_SHAPES, build_vlm_folder
+    from mlxserve.testing.demo import SHAPES, build_model_folder, ensure_demo_model
+    from mlxserve.testing.families import FAMILIES, FAMILY_SHAPES, build_family_folder
+    from mlxserve.testing.vlm_demo import CLI_SHAPES as VLM_SHAPES, build_vlm_folder
 
     if args.shape in FAMILIES or args.shape in FAMILY_SHAPES:
         if args.path is None or args.bits is not None:
@@ -357,7 +357,7 @@ def make_parser(with_bench: bool = True) -> argparse.ArgumentParser:
                           help="also list what the server at URL serves (its /v1/models); '' to skip")
     list_cmd.set_defaults(func=catalog.run_list)
 
-    from mlxserve.models.families import FAMILIES, FAMILY_SHAPES
+    from mlxserve.testing.families import FAMILIES, FAMILY_SHAPES
 
     demo = sub.add_parser("demo-model", help="build the offline demo model (tiny, random weights)")
     demo.add_argument("path", nargs="?", default=None, help="output folder (default: the user cache dir)")

@@ -101,7 +101,7 @@ def model_specs(config: ServerConfig, loaded: LoadedModel | None = None) -> tupl
         return with_flag_loras(with_source_aliases(config.models), config.loras)
     source = loaded.source if loaded is not None else config.model
     if source is None:
-        from mlxserve.models.demo import ensure_demo_model
+        from mlxserve.testing.demo import ensure_demo_model
         from mlxserve.progress import StageLog
 
         source = str(ensure_demo_model(progress=StageLog("building the demo model (first run only)")))

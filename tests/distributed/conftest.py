@@ -90,8 +90,8 @@ def qwen2_model_dir(tmp_path_factory):
     from mlx_lm.utils import save_config, save_model
     from tokenizers import Tokenizer
 
-    from mlxserve.models.demo import EOS_TOKEN, PAD_TOKEN, build_tokenizer
-    from mlxserve.models.families import INIT_STD, _random_model
+    from mlxserve.testing.demo import EOS_TOKEN, PAD_TOKEN, build_tokenizer
+    from mlxserve.testing.families import INIT_STD, _random_model
 
     out = tmp_path_factory.mktemp("qwen2")
     build_tokenizer(out)

@@ -10,7 +10,7 @@ import openai
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from mlxserve.models.families import build_family_folder
+from mlxserve.testing.families import build_family_folder
 from tests.distributed.conftest import SERVED_NAME, start_dist_server
 
 PROMPT = list(range(5, 41))  # 36 tokens: 2 full blocks of 16 before the last token

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
-from mlxserve.models.encoder_demo import EncoderDemoConfig, build_encoder_folder
+from mlxserve.testing.encoder_demo import EncoderDemoConfig, build_encoder_folder
 from mlxserve.server import build_app
 
 TEXTS = ["The quick brown fox", "jumps", "over the lazy dog, again and again and again and again", "a"]

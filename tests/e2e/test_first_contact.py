@@ -78,7 +78,7 @@ def test_with_an_api_key_both_lines_read_it_from_the_environment(keyed_server):
 
 def test_the_demo_model_is_said_to_be_random(tmp_path, monkeypatch):
     demo_dir = tmp_path / "demo-model"
-    monkeypatch.setattr("mlxserve.models.demo.default_demo_model_dir", lambda: demo_dir)
+    monkeypatch.setattr("mlxserve.testing.demo.default_demo_model_dir", lambda: demo_dir)
     assert is_demo_source(str(demo_dir)) and not is_demo_source(str(tmp_path / "other"))
     text = format_banner("0", "http://127.0.0.1:8000", [BannerModel("demo", str(demo_dir), "loaded")], "m",
                          needs_key=False, demo=True)
@@ -93,7 +93,7 @@ def test_list_shows_the_demo_model_and_what_a_server_serves(server, qwen3_model_
                                                             capsys):
     demo_dir = tmp_path / "demo-model"
     shutil.copytree(qwen3_model_dir, demo_dir)
-    monkeypatch.setattr("mlxserve.models.demo.default_demo_model_dir", lambda: demo_dir)
+    monkeypatch.setattr("mlxserve.testing.demo.default_demo_model_dir", lambda: demo_dir)
     monkeypatch.delenv("MLXSERVE_API_KEY", raising=False)
     assert cli.main(["list", "--no-hf-cache", "--server", server.url]) == 0
     out = capsys.readouterr().out

@@ -13,7 +13,7 @@ import asyncio
 import httpx
 import pytest
 
-from mlxserve.models.demo import DemoModelConfig, build_model_folder
+from mlxserve.testing.demo import DemoModelConfig, build_model_folder
 
 
 @pytest.fixture(scope="module")

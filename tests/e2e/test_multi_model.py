@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
-from mlxserve.models.demo import DemoModelConfig, build_model_folder
+from mlxserve.testing.demo import DemoModelConfig, build_model_folder
 from mlxserve.server import build_app
 
 PROMPTS = ["The quick brown fox", "In the morning the teacher opens the window and"]

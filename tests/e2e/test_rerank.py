@@ -17,8 +17,8 @@ import openai
 import pytest
 
 from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
-from mlxserve.models.cross_encoder_demo import CrossEncoderDemoConfig, build_cross_encoder_folder
-from mlxserve.models.encoder_demo import EncoderDemoConfig, build_encoder_folder
+from mlxserve.testing.cross_encoder_demo import CrossEncoderDemoConfig, build_cross_encoder_folder
+from mlxserve.testing.encoder_demo import EncoderDemoConfig, build_encoder_folder
 from mlxserve.server import build_app
 
 QUERY = "what is the capital of france"

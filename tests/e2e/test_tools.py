@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from mlxserve.models.demo import DemoModelConfig, build_model_folder
+from mlxserve.testing.demo import DemoModelConfig, build_model_folder
 from mlxserve.testing.tag_tokens import add_tag_tokens
 
 WEATHER = {

@@ -17,7 +17,7 @@ from mlxserve.config import EngineConfig
 from mlxserve.engine.batch_prefill import why_not_batched
 from mlxserve.engine.engine_core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.models.families import build_family_folder
+from mlxserve.testing.families import build_family_folder
 from mlxserve.models.loader import load_model
 
 BS = 16

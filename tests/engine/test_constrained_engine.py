@@ -16,7 +16,7 @@ from mlxserve.config import EngineConfig
 from mlxserve.engine.engine_core import EngineCore
 from mlxserve.engine.grammar import GrammarSource
 from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.models.demo import DemoModelConfig, build_model_folder
+from mlxserve.testing.demo import DemoModelConfig, build_model_folder
 from mlxserve.models.loader import load_model
 from mlxserve.structured.grammar import Constraint, GrammarFailure, json_schema_constraint
 from mlxserve.testing.tag_tokens import add_tag_tokens

@@ -19,7 +19,7 @@ from mlxserve.engine.embeddings import (
     hidden_size,
     plan_batches,
 )
-from mlxserve.models.families import build_family_folder
+from mlxserve.testing.families import build_family_folder
 from mlxserve.models.loader import load_model
 
 TOL = 1e-5

@@ -3,7 +3,7 @@
 with the prefix cache on (every family caches its blocks: plain KV, MLA, sliding windows, recurrent state)
 completes and the same prompt again hits.
 
-One tiny random-weight fixture per family (`mlxserve.models.families`), built once per module.
+One tiny random-weight fixture per family (`mlxserve.testing.families`), built once per module.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlxserve.config import EngineConfig
 from mlxserve.engine.engine_core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.models.families import FAMILIES, build_family_folder
+from mlxserve.testing.families import FAMILIES, build_family_folder
 from mlxserve.models.loader import load_model
 
 BS = 16

@@ -27,7 +27,7 @@ from mlxserve.cache.quantized_batch import BatchQuantizedKVCache
 from mlxserve.config import EngineConfig
 from mlxserve.engine.engine_core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.models.demo import DemoModelConfig, build_model_folder
+from mlxserve.testing.demo import DemoModelConfig, build_model_folder
 from mlxserve.models.loader import load_model
 
 BS = 16

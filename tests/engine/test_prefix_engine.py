@@ -408,7 +408,7 @@ LAYOUT_FAMILIES = ["deepseek_v2", "gemma3_text", "qwen3_next"]
 
 @pytest.fixture(scope="module", params=LAYOUT_FAMILIES)
 def family(request, tmp_path_factory):
-    from mlxserve.models.families import build_family_folder
+    from mlxserve.testing.families import build_family_folder
 
     return request.param, load_model(str(build_family_folder(tmp_path_factory.mktemp(request.param), request.param)))
 

@@ -15,7 +15,7 @@ import pytest
 from mlxserve.config import EngineConfig
 from mlxserve.engine.engine_core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.models.families import build_family_folder
+from mlxserve.testing.families import build_family_folder
 from mlxserve.models.loader import load_model
 
 BS = 16

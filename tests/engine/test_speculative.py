@@ -81,7 +81,7 @@ def plain_outputs(loaded, concurrent_requests):
 @pytest.fixture(scope="module")
 def noisy_dir(qwen3_model_dir, tmp_path_factory):
     """The target with noise on its weights: a draft accepted part of the time (~30% here)."""
-    from mlxserve.models.perturb import perturbed_copy
+    from mlxserve.testing.perturb import perturbed_copy
 
     return perturbed_copy(qwen3_model_dir, tmp_path_factory.mktemp("noisy"), noise=0.1)
 
@@ -272,7 +272,7 @@ def test_prefix_cache_hit_with_speculation(loaded, qwen3_model_dir):
 
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen3_next"])
 def test_unrewindable_families_serve_without_speculation(tmp_path_factory, family, caplog):
-    from mlxserve.models.families import build_family_folder
+    from mlxserve.testing.families import build_family_folder
 
     loaded = load_model(str(build_family_folder(tmp_path_factory.mktemp(family), family)))
     with caplog.at_level(logging.WARNING, logger="mlxserve.engine.spec_setup"):
@@ -283,7 +283,7 @@ def test_unrewindable_families_serve_without_speculation(tmp_path_factory, famil
 
 
 def test_mla_family_speculates(tmp_path_factory):
-    from mlxserve.models.families import build_family_folder
+    from mlxserve.testing.families import build_family_folder
 
     loaded = load_model(str(build_family_folder(tmp_path_factory.mktemp("dsv2"), "deepseek_v2")))
     reqs = [greedy(f"r{i}", echo_prompt(i), max_tokens=16) for i in range(4)]

@@ -37,7 +37,7 @@ def build_hf_folder(out, arch: str, seed: int):
     import transformers
     from tokenizers import Tokenizer
 
-    from mlxserve.models.demo import build_tokenizer
+    from mlxserve.testing.demo import build_tokenizer
 
     build_tokenizer(out)
     vocab_size = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()

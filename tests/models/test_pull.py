@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mlxserve.models.demo import build_model_folder
+from mlxserve.testing.demo import build_model_folder
 from tests.models.fake_hub import COMMIT, FakeHub
 
 REPO = "tiny-org/tiny-qwen3"

@@ -5,7 +5,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tagged_tokenizer_dir(tmp_path_factory):
-    from mlxserve.models.demo import build_tokenizer
+    from mlxserve.testing.demo import build_tokenizer
     from mlxserve.testing.tag_tokens import add_tag_tokens
 
     path = tmp_path_factory.mktemp("tagged-tokenizer")

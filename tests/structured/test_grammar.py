@@ -8,7 +8,7 @@ import llguidance.hf
 import pytest
 from transformers import AutoTokenizer
 
-from mlxserve.models.demo import build_tokenizer
+from mlxserve.testing.demo import build_tokenizer
 from mlxserve.structured.grammar import (
     HERMES,
     LLAMA3_JSON,

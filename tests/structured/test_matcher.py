@@ -7,7 +7,7 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from mlxserve.models.demo import ensure_demo_model
+from mlxserve.testing.demo import ensure_demo_model
 from mlxserve.structured.grammar import (
     Constraint,
     ConstraintError,

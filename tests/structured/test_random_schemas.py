@@ -15,7 +15,7 @@ import mlx_lm
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxserve.models.demo import ensure_demo_model
+from mlxserve.testing.demo import ensure_demo_model
 from mlxserve.structured.grammar import (
     HERMES,
     LLAMA3_JSON,

@@ -79,7 +79,7 @@ def test_tag_token_ids_finds_only_exact_single_tokens(tagged_tokenizer, ids):
 def test_plain_tokenizer_has_no_tag_tokens(tmp_path):
     from transformers import AutoTokenizer
 
-    from mlxserve.models.demo import build_tokenizer
+    from mlxserve.testing.demo import build_tokenizer
 
     build_tokenizer(tmp_path)
     assert tag_token_ids(AutoTokenizer.from_pretrained(str(tmp_path)), TAGS) == {}

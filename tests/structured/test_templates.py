@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mlxserve.models.demo import CHAT_TEMPLATE, build_tokenizer
+from mlxserve.testing.demo import CHAT_TEMPLATE, build_tokenizer
 from mlxserve.structured.templates import AGENT_CHAT_TEMPLATE
 from mlxserve.structured.tool_parsers import parse_complete
 

@@ -217,7 +217,7 @@ def test_tags_match_mlx_lm_modules():
 
 
 def test_choose_tool_parser():
-    from mlxserve.models.demo import CHAT_TEMPLATE
+    from mlxserve.testing.demo import CHAT_TEMPLATE
     from mlxserve.structured.templates import AGENT_CHAT_TEMPLATE
 
     qwen3_coder = "{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}"

@@ -56,7 +56,7 @@ def columns(mix: list[int]) -> list[tuple[str, str, str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlxserve.models.demo import ensure_demo_model
+    from mlxserve.testing.demo import ensure_demo_model
 
     model = args.model or str(ensure_demo_model())
     mix = args.prompt_tokens_mix

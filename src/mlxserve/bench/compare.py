@@ -104,7 +104,7 @@ def _ratios(levels: list[dict]) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlxserve.models.demo import ensure_demo_model
+    from mlxserve.testing.demo import ensure_demo_model
 
     model = args.model or str(ensure_demo_model())
     levels, errors = [], 0

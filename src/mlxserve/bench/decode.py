@@ -147,7 +147,7 @@ async def _served(cfg, prompt: str) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from mlxserve.bench.serve import ServeBenchConfig
-    from mlxserve.models.demo import ensure_demo_model
+    from mlxserve.testing.demo import ensure_demo_model
     from mlxserve.models.loader import load_model
 
     unknown = set(args.paths) - set(PATHS)

@@ -32,7 +32,7 @@ TABLE_COLUMNS = [
 
 
 def shapes() -> dict:
-    from mlxserve.models.demo import SHAPES
+    from mlxserve.testing.demo import SHAPES
 
     # Qwen3-32B's shape (config.json of Qwen/Qwen3-32B), random weights.
     qwen3_32b = dataclasses.replace(SHAPES["qwen3-8b"], hidden_size=5120, num_hidden_layers=64,
@@ -41,7 +41,7 @@ def shapes() -> dict:
 
 
 def ensure_shape(root: Path, shape: str, bits: int | None) -> Path:
-    from mlxserve.models.demo import build_model_folder
+    from mlxserve.testing.demo import build_model_folder
 
     folder = root / f"{shape}-{bits or 'float'}bit"
     if (folder / "config.json").exists():

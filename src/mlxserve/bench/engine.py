@@ -52,7 +52,7 @@ async def run_one(engine, tokenizer, cfg: ServeBenchConfig, prompt: str, eos,
 
 
 async def run_engine_bench(cfg: ServeBenchConfig, model_path: str | None, engine_config: EngineConfig) -> dict:
-    from mlxserve.models.demo import ensure_demo_model
+    from mlxserve.testing.demo import ensure_demo_model
     from mlxserve.models.loader import load_model
     from mlxserve.server import make_engine, resolve_max_model_len
 

@@ -185,7 +185,7 @@ def run_kvquant_bench(args: argparse.Namespace) -> dict:
 
 
 def _model_path(args: argparse.Namespace) -> str:
-    from mlxserve.models.demo import SHAPES, build_model_folder, ensure_demo_model
+    from mlxserve.testing.demo import SHAPES, build_model_folder, ensure_demo_model
 
     if args.model:
         return args.model
@@ -198,7 +198,7 @@ def _model_path(args: argparse.Namespace) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mlxserve.models.demo import SHAPES
+    from mlxserve.testing.demo import SHAPES
 
     parser.add_argument("--model", default=None, help="model folder (default: --shape)")
     parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES),

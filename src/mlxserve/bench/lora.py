@@ -55,7 +55,7 @@ async def run_lora_bench(cfg: ServeBenchConfig, model_path: str | None, engine_c
                          num_adapters: int, rank: int, keys: tuple[str, ...] | None, repeats: int = 3) -> dict:
     from mlxserve.config import LoraSpec
     from mlxserve.lora.adapters import adapter_id, read_adapter
-    from mlxserve.models.demo import ensure_demo_model
+    from mlxserve.testing.demo import ensure_demo_model
     from mlxserve.models.loader import load_model
     from mlxserve.server import make_engine, resolve_max_model_len
     from mlxserve.testing.lora_fixtures import random_adapter

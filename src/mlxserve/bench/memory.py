@@ -160,7 +160,7 @@ def summary_row(name: str, r: dict) -> dict:
 
 
 def run_memory_bench(args: argparse.Namespace) -> dict:
-    from mlxserve.models.demo import ensure_demo_model
+    from mlxserve.testing.demo import ensure_demo_model
     from mlxserve.models.loader import load_model
 
     loaded = load_model(args.model or str(ensure_demo_model()))

@@ -125,7 +125,7 @@ def _start_server(model: str, prefix: bool, vision: bool, args):
 
 
 def run_multimodal_bench(args) -> dict:
-    from mlxserve.models.vlm_demo import build_vlm_folder
+    from mlxserve.testing.vlm_demo import build_vlm_folder
 
     model = args.model
     if model is None:

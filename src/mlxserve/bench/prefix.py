@@ -76,7 +76,7 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 def run_prefix_bench(args) -> dict:
     with contextlib.ExitStack() as stack:
         if args.shape:
-            from mlxserve.models.families import build_family_folder
+            from mlxserve.testing.families import build_family_folder
 
             # GPU shapes write gigabytes: the folder goes when the run ends.
             folder = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"mlxserve-bench-{args.shape}-"))
@@ -143,7 +143,7 @@ def _together_rows(loaded, args, vocab: int) -> list[dict]:
 
 def _run_prefix_bench(args) -> dict:
     from mlxserve.engine.engine_core import EngineCore
-    from mlxserve.models.demo import ensure_demo_model
+    from mlxserve.testing.demo import ensure_demo_model
     from mlxserve.models.loader import load_model
     from mlxserve.server import model_key, resolve_max_model_len
 
@@ -226,7 +226,7 @@ def _decode_on_off(loaded, args, vocab: int) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model folder (default: the demo model)")
     parser.add_argument("--shape", default=None,
-                        help="instead of --model, a random-weight fixture (models/families.py): a tiny one per "
+                        help="instead of --model, a random-weight fixture (testing/families.py): a tiny one per "
                              "family, e.g. gemma3_text (sliding window) or qwen3_next (recurrent state), or a GPU-sized "
                              "bfloat16 one: gemma3-4b (sliding window), qwen3.5-4b (hybrid)")
     parser.add_argument("--answer-tokens", type=int, default=0,

@@ -2,7 +2,7 @@
 by draft models of several acceptance rates, single stream and concurrent, in-process on the engine core.
 
 Random weights have no real small sibling, so the drafts are made from the target
-(models/perturb.py): `self` (the target drafting for itself: 100% acceptance, and a draft as costly as
+(testing/perturb.py): `self` (the target drafting for itself: 100% acceptance, and a draft as costly as
 the target), `noise:X` (the target with noise on its weights: lower acceptance, same cost) and
 `layers:N` (its first N layers: cheap, acceptance whatever it turns out to be). The acceptance column
 is measured, not chosen. Workloads: `random` (random-token prompts) and `echo` (a passage repeated in the
@@ -34,8 +34,8 @@ _COLUMNS = [
 
 def build_models(shape: str, bits: int | None, drafts: list[str], root: Path) -> tuple[Path, dict[str, Path]]:
     """The target folder (a random model of `shape`) and one folder per draft spec."""
-    from mlxserve.models.demo import SHAPES, build_model_folder
-    from mlxserve.models.perturb import perturbed_copy, truncated_copy
+    from mlxserve.testing.demo import SHAPES, build_model_folder
+    from mlxserve.testing.perturb import perturbed_copy, truncated_copy
 
     config = SHAPES[shape]
     if bits is not None:
@@ -150,7 +150,7 @@ def json_path(args) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="tiny", choices=["tiny", "qwen3-0.6b", "qwen3-8b"],
-                        help="target: a random model of this shape (models/demo.py SHAPES)")
+                        help="target: a random model of this shape (testing/demo.py SHAPES)")
     parser.add_argument("--bits", type=int, default=None, help="quantize the target (and drafts) to this many bits")
     parser.add_argument("--drafts", default="self,noise:0.03,noise:0.1,layers:1",
                         help="draft models, comma-separated: self, noise:X (target + noise), layers:N (first N layers)")

@@ -45,7 +45,7 @@ async def _pass(engine, loaded, cfg: ServeBenchConfig, concurrency: int, params:
 
 async def run_structured_bench(cfg: ServeBenchConfig, model_path: str | None, engine_config: EngineConfig,
                                min_items: int) -> dict:
-    from mlxserve.models.demo import ensure_demo_model
+    from mlxserve.testing.demo import ensure_demo_model
     from mlxserve.models.loader import load_model
     from mlxserve.server import make_engine, resolve_max_model_len
     from mlxserve.structured.grammar import json_schema_constraint

@@ -175,7 +175,7 @@ def format_table(models: list[LocalModel]) -> str:
 
 def demo_models() -> list[LocalModel]:
     """The built-in demo model, once `mlxserve serve` (or `demo-model`) has built it in the user cache."""
-    from mlxserve.models.demo import DEMO_MODEL_DIRNAME, default_demo_model_dir
+    from mlxserve.testing.demo import DEMO_MODEL_DIRNAME, default_demo_model_dir
 
     model = describe(DEMO_MODEL_DIRNAME, default_demo_model_dir())
     return [model] if model is not None else []

@@ -16,7 +16,7 @@
 Content is a string, a list of OpenAI parts (text parts concatenated) or none.
 
 For conversations without tools and tool messages, with `enable_thinking` undefined, the rendering is
-byte-identical to `mlxserve.models.demo.CHAT_TEMPLATE`, so switching templates keeps prompts (and their
+byte-identical to `mlxserve.testing.demo.CHAT_TEMPLATE`, so switching templates keeps prompts (and their
 prefix-cache hits) unchanged. Whitespace control is explicit (`{%- -%}`, no newlines in the source), so it
 renders the same with or without transformers' `trim_blocks`/`lstrip_blocks`.
 """

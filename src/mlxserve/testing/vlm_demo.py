@@ -1,5 +1,5 @@
 """Offline builder of tiny random-weight vision-language model folders (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
-Gemma 3; Gemma's own parts live in models/vlm_demo_gemma3.py).
+Gemma 3; Gemma's own parts live in testing/vlm_demo_gemma3.py).
 
 The folders load with `mlx_vlm.load(path)` and no network: config.json written the way mlx-vlm 0.7.10
 reads it, random weights saved from mlx-vlm's own Model class (so they load back exactly), the text
@@ -15,8 +15,8 @@ import json
 import pathlib
 from dataclasses import dataclass
 
-from mlxserve.models import demo
-from mlxserve.models import vlm_demo_gemma3 as gemma3
+from mlxserve.testing import demo
+from mlxserve.testing import vlm_demo_gemma3 as gemma3
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3")
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
@@ -61,7 +61,7 @@ CHAT_TEMPLATE = (
 @dataclass(frozen=True)
 class VlmDemoConfig:
     family: str = "qwen2_5_vl"
-    # Text model: the same tiny shape as the text demo (models/demo.py).
+    # Text model: the same tiny shape as the text demo (testing/demo.py).
     hidden_size: int = 128
     num_hidden_layers: int = 2
     num_attention_heads: int = 4

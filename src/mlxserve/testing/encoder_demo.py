@@ -37,7 +37,7 @@ class EncoderDemoConfig:
 def _train_tokenizer():
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-    from mlxserve.models.tokenizer_corpus import make_corpus
+    from mlxserve.testing.tokenizer_corpus import make_corpus
 
     tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     # bert-base-uncased's pipeline: lowercase, split on spaces and punctuation, [CLS] ... [SEP].

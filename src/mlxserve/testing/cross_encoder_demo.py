@@ -10,7 +10,7 @@ from __future__ import annotations
 import pathlib
 from dataclasses import dataclass
 
-from mlxserve.models.encoder_demo import _write_json, build_tokenizer
+from mlxserve.testing.encoder_demo import _write_json, build_tokenizer
 
 
 @dataclass(frozen=True)

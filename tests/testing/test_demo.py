@@ -6,8 +6,8 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 from tokenizers import Tokenizer
 
-from mlxserve.models import demo
-from mlxserve.models.demo import (
+from mlxserve.testing import demo
+from mlxserve.testing.demo import (
     AGENT_CHAT_TEMPLATE,
     DemoModelConfig,
     build_model_folder,

@@ -10,8 +10,8 @@ from PIL import Image
 from tokenizers import Tokenizer
 
 from mlxserve.cli import main
-from mlxserve.models import vlm_demo
-from mlxserve.models.vlm_demo import VISION_TOKENS, make_hf_config, make_random_vlm, make_vlm_model, vlm_config_for
+from mlxserve.testing import vlm_demo
+from mlxserve.testing.vlm_demo import VISION_TOKENS, make_hf_config, make_random_vlm, make_vlm_model, vlm_config_for
 
 FAMILY_FIXTURES = {"qwen2_5_vl": "qwen25vl_dir", "qwen3_vl": "qwen3vl_dir"}
 FAMILIES = list(FAMILY_FIXTURES)

@@ -16,7 +16,7 @@ import importlib
 import json
 import pathlib
 
-from mlxserve.models.demo import EOS_TOKEN, PAD_TOKEN, build_tokenizer
+from mlxserve.testing.demo import EOS_TOKEN, PAD_TOKEN, build_tokenizer
 
 INIT_STD = 0.1  # std 0.1 gives varied output (std 0.02 repeats one token)
 MAX_POSITION_EMBEDDINGS = 4096

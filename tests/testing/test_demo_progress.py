@@ -15,7 +15,7 @@ def test_demo_model_prints_stages(tmp_path, capsys):
 
 
 def test_serve_without_a_model_shows_the_first_build(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("mlxserve.models.demo.default_demo_model_dir", lambda: tmp_path / "demo")
+    monkeypatch.setattr("mlxserve.testing.demo.default_demo_model_dir", lambda: tmp_path / "demo")
     (spec,) = model_specs(ServerConfig())
     assert spec.source == str(tmp_path / "demo")
     assert "building the demo model (first run only): writing weights..." in capsys.readouterr().err

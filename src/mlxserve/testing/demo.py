@@ -92,7 +92,7 @@ class DemoModelConfig:
 def _train_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    from mlxserve.models.tokenizer_corpus import make_corpus
+    from mlxserve.testing.tokenizer_corpus import make_corpus
 
     tokenizer = Tokenizer(models.BPE())
     # Byte-level with no normalizer: any UTF-8 string survives encode -> decode unchanged.

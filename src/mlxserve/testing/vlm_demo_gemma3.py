@@ -1,4 +1,4 @@
-"""Gemma 3's parts of the tiny vision-language fixtures (models/vlm_demo.py builds the folder).
+"""Gemma 3's parts of the tiny vision-language fixtures (testing/vlm_demo.py builds the folder).
 
 Gemma's special tokens after the text demo's vocabulary, a Gemma-style chat template (a system
 message folds into the first user turn, the assistant is "model", an image part is one
@@ -9,7 +9,7 @@ placeholder tokens).
 
 from __future__ import annotations
 
-from mlxserve.models import demo
+from mlxserve.testing import demo
 
 BOI_TOKEN, EOI_TOKEN, IMAGE_TOKEN = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, END_OF_TURN = "<bos>", "<eos>", "<pad>", "<end_of_turn>"
