@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from mlxserve import cli
+from mlxserve.server import cli
 from mlxserve.agents import AGENTS, Target, launch
 from mlxserve.agents.base import default_max_output_tokens
 

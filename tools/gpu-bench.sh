@@ -41,10 +41,10 @@ python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_devic
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for shape in "${shapes[@]}"; do
   m=/tmp/models/$shape
-  [ -f "$m/config.json" ] || python3 -m mlxserve.cli demo-model "$m" --shape "$shape" --bits 4 >/dev/null
+  [ -f "$m/config.json" ] || python3 -m mlxserve.server.cli demo-model "$m" --shape "$shape" --bits 4 >/dev/null
   echo "=== $shape"
   if [[ $steps == *decode* ]]; then
-    python3 -m mlxserve.cli bench decode --model "$m" --max-tokens 256 --output-json "$out/decode-$shape.json"
+    python3 -m mlxserve.server.cli bench decode --model "$m" --max-tokens 256 --output-json "$out/decode-$shape.json"
   fi
   if [[ $steps == *c1* ]]; then
     read -ra extra <<< "${MLXSERVE_ARGS:-}"
@@ -74,7 +74,7 @@ for shape in "${shapes[@]}"; do
     cache=fresh; [ "${KERNELS:-}" = shared ] && cache=shared
     for cudnn in ${BURST_CUDNN//,/ }; do
       MLXSERVE_STEP_TRACE=${MLXSERVE_STEP_TRACE:+$out/steps-burst-$shape-$cudnn.tsv} timeout "${BURST_S:-300}" \
-        python3 -m mlxserve.cli bench burst --model "$m" --rows "${BURST_ROWS:-1,8}" \
+        python3 -m mlxserve.server.cli bench burst --model "$m" --rows "${BURST_ROWS:-1,8}" \
         --prefill-step-sizes "${BURST_STEPS:-512,2048}" --repeats 3 --max-tokens 64 --kernel-cache "$cache" \
         --serve-args "--cudnn-attention $cudnn" --output-json "$out/burst-$shape-$cudnn.json" \
         > "$out/burst-$shape-$cudnn.log" 2>&1

@@ -16,7 +16,7 @@ export PYTHONPATH=${PYTHONPATH:-$PWD/src} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 out=${OUT:-/tmp/gpu-bench}; mkdir -p "$out"
 port=$((8100 + RANDOM % 800))
 case $server in
-  mlxserve) cmd=(python3 -m mlxserve.cli serve "$model" --served-model-name bench --max-num-seqs 64) ;;
+  mlxserve) cmd=(python3 -m mlxserve.server.cli serve "$model" --served-model-name bench --max-num-seqs 64) ;;
   vllm_mlx) cmd=(python3 -m vllm_mlx.cli serve "$model" --continuous-batching --max-num-seqs 64
                  --served-model-name bench) ;;
   mlx_lm) cmd=(python3 -m mlx_lm.server --model "$model") ;;
@@ -50,12 +50,12 @@ done
 left=$((limit - $(date +%s) + start))
 echo "$tag: up after $(($(date +%s) - start)) s, $left s left for the load"
 if ((left > 0)) && [ "${LOAD:-serve}" = c1 ]; then
-  timeout "$left" python3 -m mlxserve.cli bench decode --model "$model" --paths raw --max-tokens 128 \
+  timeout "$left" python3 -m mlxserve.server.cli bench decode --model "$model" --paths raw --max-tokens 128 \
     --url "http://127.0.0.1:$port" --served-model "$name" --repeat "${C1_ROUNDS:-24}" \
     --output-json "$out/c1-$tag.json" > "$out/bench-$tag.log" 2>&1
   echo "$tag: bench exit $?"
 elif ((left > 0)); then
-  timeout "$left" python3 -m mlxserve.cli bench serve --url "http://127.0.0.1:$port" \
+  timeout "$left" python3 -m mlxserve.server.cli bench serve --url "http://127.0.0.1:$port" \
     --model "$name" --concurrency "${CONC:-1,16,32,64}" --endpoint chat --warmup 4 --label "$tag" \
     --output-json "$out/serve-$tag.json" > "$out/bench-$tag.log" 2>&1
   echo "$tag: bench exit $?"

@@ -4,7 +4,7 @@ printed, the JSON written, and the capacity follows the bytes per token (float32
 
 import json
 
-from mlxserve.cli import make_parser
+from mlxserve.server.cli import make_parser
 
 
 def test_kvquant_bench_small(qwen3_model_dir, tmp_path, capsys):

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from mlxserve.bench.load import evict_page_cache, page_cache_fraction, warm_page_cache
-from mlxserve.cli import main
+from mlxserve.server.cli import main
 
 
 def test_bench_writes_every_cell(qwen3_model_dir, tmp_path, capsys):

@@ -3,7 +3,7 @@ the numbers say what they should (flat with prealloc; fewer running with admissi
 
 import json
 
-from mlxserve.cli import make_parser
+from mlxserve.server.cli import make_parser
 
 
 def test_memory_bench_small(qwen3_model_dir, tmp_path, capsys):

@@ -3,7 +3,7 @@ restore time reported beside it, and the same after a restart from the SSD tier.
 
 import json
 
-from mlxserve.cli import make_parser
+from mlxserve.server.cli import make_parser
 
 
 def test_prefix_bench_on_a_shape(tmp_path, capsys):

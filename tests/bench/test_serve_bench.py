@@ -213,7 +213,7 @@ def test_cli_plot_writes_a_png_of_the_expected_size(server, tmp_path):
     pytest.importorskip("matplotlib")
     import struct
 
-    from mlxserve import cli
+    from mlxserve.server import cli
     from mlxserve.bench import plot
 
     url, _ = server
@@ -314,7 +314,7 @@ def test_cli_run_logs_no_line_per_request(server, caplog):
 
     url, _ = server
     with caplog.at_level(logging.INFO):
-        from mlxserve import cli
+        from mlxserve.server import cli
 
         assert cli.main(["bench", "serve", "--url", url, "--model", "fake", "--concurrency", "1",
                          "--num-requests", "3", "--no-json"]) == 0
@@ -322,7 +322,7 @@ def test_cli_run_logs_no_line_per_request(server, caplog):
 
 
 def test_bad_concurrency_list_names_the_flag(capsys):
-    from mlxserve import cli
+    from mlxserve.server import cli
 
     with pytest.raises(SystemExit):
         cli.main(["bench", "serve", "--url", "http://127.0.0.1:1", "--model", "m", "--concurrency", "1,x"])

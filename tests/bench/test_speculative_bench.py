@@ -3,7 +3,7 @@ every mode measured, and the self-draft accepted in full."""
 
 import json
 
-from mlxserve.cli import make_parser
+from mlxserve.server.cli import make_parser
 
 
 def test_speculative_bench_small(tmp_path, capsys):

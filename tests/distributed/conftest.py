@@ -65,7 +65,7 @@ def start_dist_server(model_dir, tmp_path: Path, *flags: str) -> DistServer:
     port = _free_port()
     log_path = tmp_path / f"server-{port}.log"
     env = {**os.environ, "PYTHONPATH": _SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "mlxserve.cli", "serve", str(model_dir), "--port", str(port),
+    cmd = [sys.executable, "-m", "mlxserve.server.cli", "serve", str(model_dir), "--port", str(port),
            "--served-model-name", SERVED_NAME, "--memory-mode", "dedicated", "--no-web-ui", *flags]
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

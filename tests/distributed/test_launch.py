@@ -28,7 +28,7 @@ def _launch(model_dirs, tmp_path, port):
                "PYTHONPATH": _SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
         log = open(tmp_path / f"rank{rank}.log", "wb")
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "mlxserve.cli", "serve", str(model_dir), "--tensor-parallel", str(len(model_dirs)),
+            [sys.executable, "-m", "mlxserve.server.cli", "serve", str(model_dir), "--tensor-parallel", str(len(model_dirs)),
              "--port", str(port), "--served-model-name", "tiny", "--memory-mode", "dedicated", "--no-web-ui"],
             stdout=log, stderr=subprocess.STDOUT, env=env))
     return procs
@@ -87,7 +87,7 @@ def test_a_rank_with_another_model_is_named(qwen3_model_dir, llama_model_dir, tm
                                    ["--tensor-parallel", "3"]])
 def test_bad_layouts_are_refused_before_loading(qwen3_model_dir, flags):
     env = {**os.environ, "PYTHONPATH": _SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, "-m", "mlxserve.cli", "serve", str(qwen3_model_dir), "--port",
+    r = subprocess.run([sys.executable, "-m", "mlxserve.server.cli", "serve", str(qwen3_model_dir), "--port",
                         str(_free_port()), *flags], capture_output=True, text=True, env=env, timeout=_BOUND_S)
     assert r.returncode == 2, r.stderr
     assert "cannot be combined" in r.stderr or "does not divide" in r.stderr, r.stderr

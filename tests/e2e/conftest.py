@@ -16,8 +16,8 @@ import openai
 import pytest
 import uvicorn
 
-from mlxserve.config import EngineConfig, MediaConfig, ServerConfig
-from mlxserve.server import build_app
+from mlxserve.server.config import EngineConfig, MediaConfig, ServerConfig
+from mlxserve.server.app import build_app
 
 SERVED_NAME = "tiny"
 _START_TIMEOUT_S = 120  # a bound for the start-up loop, not a timing check

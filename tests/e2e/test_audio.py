@@ -17,8 +17,8 @@ import openai
 import pytest
 
 from mlxserve.api.audio.media import decode_audio
-from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
-from mlxserve.server import build_app
+from mlxserve.server.config import EngineConfig, ModelSpec, ServerConfig
+from mlxserve.server.app import build_app
 from mlxserve.testing.audio_fixtures import build_tiny_kokoro, build_tiny_whisper, build_tiny_whisper_ct2
 
 pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="Kokoro phonemizes with espeak-ng")

@@ -8,8 +8,8 @@ import httpx
 import openai
 import pytest
 
-from mlxserve.config import EngineConfig, SecurityConfig, ServerConfig
-from mlxserve.server import build_app
+from mlxserve.server.config import EngineConfig, SecurityConfig, ServerConfig
+from mlxserve.server.app import build_app
 from tests.e2e.conftest import response_head_to_headers_only
 
 SERVED_NAME = "tiny"  # the name tests/e2e/conftest.py serves under

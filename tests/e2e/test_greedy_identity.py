@@ -17,7 +17,7 @@ import openai
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from mlxserve.config import EngineConfig
+from mlxserve.server.config import EngineConfig
 from mlxserve.engine.batch import make_buckets
 from mlxserve.engine.engine_core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams

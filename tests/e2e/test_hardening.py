@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from mlxserve.config import EngineConfig, SecurityConfig, ServerConfig
-from mlxserve.server import build_app
+from mlxserve.server.config import EngineConfig, SecurityConfig, ServerConfig
+from mlxserve.server.app import build_app
 from tests.e2e.conftest import SERVED_NAME, response_head_to_headers_only, start_app
 
 MAX_GAP_S = 1.0  # the bound for a running stream's inter-token gap while big bodies arrive

@@ -12,10 +12,10 @@ import httpx
 import openai
 import pytest
 
-from mlxserve.banner import make_ready_hook
-from mlxserve.config import EngineConfig, ServerConfig
+from mlxserve.server.banner import make_ready_hook
+from mlxserve.server.config import EngineConfig, ServerConfig
 from mlxserve.models.catalog import model_dir_specs
-from mlxserve.server import build_app
+from mlxserve.server.app import build_app
 
 
 @pytest.fixture(scope="module")

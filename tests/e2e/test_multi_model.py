@@ -14,9 +14,9 @@ import mlx.core as mx
 import openai
 import pytest
 
-from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
+from mlxserve.server.config import EngineConfig, ModelSpec, ServerConfig
 from mlxserve.testing.demo import DemoModelConfig, build_model_folder
-from mlxserve.server import build_app
+from mlxserve.server.app import build_app
 
 PROMPTS = ["The quick brown fox", "In the morning the teacher opens the window and"]
 MAX_TOKENS = 24

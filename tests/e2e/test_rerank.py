@@ -16,10 +16,10 @@ import numpy as np
 import openai
 import pytest
 
-from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
+from mlxserve.server.config import EngineConfig, ModelSpec, ServerConfig
 from mlxserve.testing.cross_encoder_demo import CrossEncoderDemoConfig, build_cross_encoder_folder
 from mlxserve.testing.encoder_demo import EncoderDemoConfig, build_encoder_folder
-from mlxserve.server import build_app
+from mlxserve.server.app import build_app
 
 QUERY = "what is the capital of france"
 DOCS = ["paris is the capital of france", "the quick brown fox", "import os and sys",

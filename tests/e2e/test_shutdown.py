@@ -31,7 +31,7 @@ def free_port() -> int:
 
 
 def serve(model_dir, port: int, *flags: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "mlxserve.cli", "serve", str(model_dir), "--port", str(port),
+    cmd = [sys.executable, "-m", "mlxserve.server.cli", "serve", str(model_dir), "--port", str(port),
            "--served-model-name", "tiny", "--log-level", "warning", *flags]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -115,7 +115,7 @@ def cli_server(model_dir, ssd: Path, log_path: Path, max_file_bytes: int | None 
         f"import resource; resource.setrlimit(resource.RLIMIT_FSIZE, ({max_file_bytes}, {max_file_bytes})); ")
     # CPython ignores SIGXFSZ, so a write past the limit raises OSError(EFBIG) instead of killing us.
     launcher = limit + ("import runpy, sys; sys.argv[0] = 'mlxserve'; "
-                        "runpy.run_module('mlxserve.cli', run_name='__main__')")
+                        "runpy.run_module('mlxserve.server.cli', run_name='__main__')")
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-c", launcher, "serve", *flags], stdout=log,

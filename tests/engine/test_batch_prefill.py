@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
 import mlxserve.engine.runner as runner_module
-from mlxserve.config import EngineConfig
+from mlxserve.server.config import EngineConfig
 from mlxserve.engine.batch_prefill import why_not_batched
 from mlxserve.engine.engine_core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams

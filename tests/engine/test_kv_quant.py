@@ -24,7 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxserve.cache.kv_quant import DEQUANTIZED, QUANTIZED_ATTENTION, plan_kv_quant, probe_attention
 from mlxserve.cache.quantized_batch import BatchQuantizedKVCache
-from mlxserve.config import EngineConfig
+from mlxserve.server.config import EngineConfig
 from mlxserve.engine.engine_core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.testing.demo import DemoModelConfig, build_model_folder
@@ -237,7 +237,7 @@ def test_flags_are_validated(loaded):
     with pytest.raises(ValueError, match=r"kv_group_size 64 must divide the attention head dim \(32\); "
                                          r"try --kv-group-size 32"):
         make_core(loaded, kv_bits=8, kv_group_size=64)
-    from mlxserve.cli import make_parser
+    from mlxserve.server.cli import make_parser
 
     with pytest.raises(SystemExit):
         make_parser().parse_args(["serve", "--kv-bits", "3"])

@@ -82,7 +82,7 @@ def hf_dir(request):
 def int4_package(hf_dir, tmp_path_factory):
     """`mlxserve export coreml MODEL OUT --quantize int4 --block-size 32` of each fixture."""
     requires_coreml()
-    from mlxserve.cli import main
+    from mlxserve.server.cli import main
 
     out = tmp_path_factory.mktemp("coreml") / "model.mlpackage"
     assert main(["export", "coreml", str(hf_dir), str(out), "--context", str(CONTEXT),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlxserve.bench.coreml import plan
-from mlxserve.cli import main
+from mlxserve.server.cli import main
 
 
 def test_plan_leaves_room_for_the_extend_steps():

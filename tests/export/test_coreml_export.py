@@ -10,7 +10,7 @@ from tests.export.conftest import CONTEXT, requires_coreml
 
 requires_coreml()
 
-from mlxserve.cli import main  # noqa: E402
+from mlxserve.server.cli import main  # noqa: E402
 from mlxserve.export.package_info import BLOCKWISE_OP, dequantized_weights, summarize  # noqa: E402
 
 

@@ -15,7 +15,7 @@ if sys.platform != "darwin":
                 allow_module_level=True)
 requires_coreml()
 
-from mlxserve.cli import main  # noqa: E402
+from mlxserve.server.cli import main  # noqa: E402
 from mlxserve.export.wrapper import StatefulCausalLM, load_hf_model, make_causal_mask, stateful_logits  # noqa: E402
 
 # Core ML states are float16, so even the float32-compute package rounds keys and values: PyTorch with its

@@ -95,7 +95,7 @@ def start_demo_server(log_path: pathlib.Path, default_max_tokens: int = MAX_OUTP
     env = dict(os.environ)
     if OPENBLAS.exists() and "LD_PRELOAD" not in env:
         env["LD_PRELOAD"] = str(OPENBLAS)
-    cmd = [sys.executable, "-m", "mlxserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "mlxserve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--default-max-tokens", str(default_max_tokens), "--no-web-ui"]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from mlxserve.cli import _engine_config, make_parser
-from mlxserve.config import EngineConfig
+from mlxserve.server.cli import _engine_config, make_parser
+from mlxserve.server.config import EngineConfig
 from mlxserve.engine.engine_core import EngineCore
 from mlxserve.memory.budget import compute_ceiling
 from mlxserve.memory.device import read_memory

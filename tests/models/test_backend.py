@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import mlxserve.cli as cli
+import mlxserve.server.cli as cli
 import mlxserve.models.backend as backend
 
 

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from mlxserve import cli
+from mlxserve.server import cli
 from mlxserve.models import catalog
 
 

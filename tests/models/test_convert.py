@@ -5,7 +5,7 @@ import mlx_lm
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from mlxserve.cli import main
+from mlxserve.server.cli import main
 from mlxserve.models.convert import convert_model
 
 

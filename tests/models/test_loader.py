@@ -3,8 +3,8 @@ import struct
 
 import pytest
 
-from mlxserve.cli import main
-from mlxserve.config import ServerConfig
+from mlxserve.server.cli import main
+from mlxserve.server.config import ServerConfig
 from mlxserve.models.loader import (
     LOAD_STRATEGIES,
     ModelLoadError,

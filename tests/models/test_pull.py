@@ -24,7 +24,7 @@ def _pull(hub: FakeHub, hf_home, *args: str) -> subprocess.CompletedProcess:
            "HF_HUB_DISABLE_TELEMETRY": "1", "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}
     for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN"):
         env.pop(name, None)
-    return subprocess.run([sys.executable, "-m", "mlxserve.cli", "pull", REPO, *args], env=env,
+    return subprocess.run([sys.executable, "-m", "mlxserve.server.cli", "pull", REPO, *args], env=env,
                           capture_output=True, text=True, timeout=300)
 
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from mlxserve.cli import main
+from mlxserve.server.cli import main
 from mlxserve.models.loader import ModelLoadError
 from mlxserve.models.source import looks_local, resolve_source
 from tests.models.fake_hub import FakeHub
@@ -32,7 +32,7 @@ def _run(args: list[str], hf_home, endpoint: str, offline: bool, code: str | Non
            "no_proxy": "127.0.0.1"}
     for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN"):
         env.pop(name, None)
-    cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "mlxserve.cli", *args]
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "mlxserve.server.cli", *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=_BOUND_S)
 
 

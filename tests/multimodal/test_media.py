@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mlxserve.config import MediaConfig
+from mlxserve.server.config import MediaConfig
 from mlxserve.multimodal import fetch
 from mlxserve.multimodal.hashing import image_hash
 from mlxserve.multimodal.media import MediaError, load_image
@@ -257,7 +257,7 @@ def test_compressed_bodies_are_refused(media_server, routes):
 
 
 def test_serve_flags_reach_the_media_config(tmp_path):
-    from mlxserve.cli import _engine_config, _media_config, make_parser
+    from mlxserve.server.cli import _engine_config, _media_config, make_parser
 
     args = make_parser().parse_args([
         "serve", "--allowed-local-media-path", str(tmp_path), "--allowed-local-media-path", "/srv/media",

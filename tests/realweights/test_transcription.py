@@ -15,8 +15,8 @@ import numpy as np
 import openai
 import pytest
 
-from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
-from mlxserve.server import build_app
+from mlxserve.server.config import EngineConfig, ModelSpec, ServerConfig
+from mlxserve.server.app import build_app
 from mlxserve.testing.real_models import require
 
 SENTENCES = ["the quick brown fox jumps over the lazy dog",

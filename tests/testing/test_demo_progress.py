@@ -1,8 +1,8 @@
 """Building the demo model says what it is doing on stderr: `demo-model`, and a first `serve` with no model."""
 
-from mlxserve import cli
-from mlxserve.config import ServerConfig
-from mlxserve.server import model_specs
+from mlxserve.server import cli
+from mlxserve.server.config import ServerConfig
+from mlxserve.server.app import model_specs
 
 
 def test_demo_model_prints_stages(tmp_path, capsys):

@@ -9,7 +9,7 @@ from mlx_vlm.prompt_utils import apply_chat_template
 from PIL import Image
 from tokenizers import Tokenizer
 
-from mlxserve.cli import main
+from mlxserve.server.cli import main
 from mlxserve.testing import vlm_demo
 from mlxserve.testing.vlm_demo import VISION_TOKENS, make_hf_config, make_random_vlm, make_vlm_model, vlm_config_for
 

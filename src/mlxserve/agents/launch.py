@@ -114,7 +114,7 @@ def start_server(args, log_path: pathlib.Path) -> subprocess.Popen:
     # Codex sends no answer limit and fails a turn whose answer was cut: the server's default (2048) would cut
     # long answers. The server still keeps each answer within the context; --serve-arg comes last and wins.
     default_max_tokens = args.max_output_tokens or MAX_OUTPUT_TOKENS
-    cmd = [sys.executable, "-m", "mlxserve.cli", "serve", *([args.model] if args.model else []),
+    cmd = [sys.executable, "-m", "mlxserve.server.cli", "serve", *([args.model] if args.model else []),
            "--host", args.host, "--port", str(args.port), "--default-max-tokens", str(default_max_tokens),
            *args.serve_arg]
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ from mlxserve.api.schemas import ChatCompletionRequest, CompletionRequest, Sampl
 from mlxserve.engine.async_engine import EngineStats
 from mlxserve.engine.request import RequestOutput
 from mlxserve.models.extras import MissingExtraError
-from mlxserve.models.manager import ModelManager, ModelUnavailableError, UnknownModelError
+from mlxserve.server.manager import ModelManager, ModelUnavailableError, UnknownModelError
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import json
 import logging
 
 from mlxserve.api.errors import error_body
-from mlxserve.config import SecurityConfig
+from mlxserve.server.config import SecurityConfig
 
 log = logging.getLogger(__name__)
 

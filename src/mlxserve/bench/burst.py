@@ -23,7 +23,7 @@ DEFAULT_MIX = [180, 1900, 550, 1100, 270, 1500, 820, 400]
 
 
 def _command(model: str, port: int, rows: int, step: int, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "mlxserve.cli", "serve", model, "--port", str(port), "--served-model-name", "bench",
+    return [sys.executable, "-m", "mlxserve.server.cli", "serve", model, "--port", str(port), "--served-model-name", "bench",
             "--max-num-prefill-rows", str(rows), "--prefill-step-size", str(step), "--log-level", "warning", *extra]
 
 

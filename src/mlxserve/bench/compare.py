@@ -36,7 +36,7 @@ def _free_port() -> int:
 def _command(server: str, model: str, port: int, args) -> tuple[list[str], str]:
     """The command line and the model name clients send."""
     if server == "mlxserve":
-        cmd = [sys.executable, "-m", "mlxserve.cli", "serve", model, "--port", str(port),
+        cmd = [sys.executable, "-m", "mlxserve.server.cli", "serve", model, "--port", str(port),
                "--served-model-name", "bench", "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning",
                *args.serve_args]
         return cmd, "bench"

@@ -26,7 +26,7 @@ import uuid
 
 from mlxserve.bench.report import format_table, write_json
 from mlxserve.bench.serve import default_json_path, make_prompt
-from mlxserve.config import EngineConfig
+from mlxserve.server.config import EngineConfig
 from mlxserve.engine.request import Request, SamplingParams
 
 PATHS = ("raw", "core", "thread", "async")
@@ -93,7 +93,7 @@ async def _async(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens: i
                  switch_s: float | None = None) -> dict:
     import sys
 
-    from mlxserve.server import make_engine
+    from mlxserve.server.app import make_engine
 
     previous = sys.getswitchinterval()
     if switch_s is not None:

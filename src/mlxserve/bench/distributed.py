@@ -55,7 +55,7 @@ def ensure_shape(root: Path, shape: str, bits: int | None) -> Path:
 def serving(model: Path, tp: int, args, log_path: Path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "mlxserve.cli", "serve", str(model), "--port", str(port), "--served-model-name",
+    cmd = [sys.executable, "-m", "mlxserve.server.cli", "serve", str(model), "--port", str(port), "--served-model-name",
            "bench", "--max-num-seqs", str(args.max_num_seqs), "--memory-mode", "dedicated", "--no-web-ui",
            "--log-level", "info", *args.server_flag]
     if tp > 1:

@@ -20,7 +20,7 @@ from mlxserve.bench.serve import (
     make_prompt,
     summarize_level,
 )
-from mlxserve.config import EngineConfig
+from mlxserve.server.config import EngineConfig
 from mlxserve.engine.request import Request, SamplingParams
 
 
@@ -54,7 +54,7 @@ async def run_one(engine, tokenizer, cfg: ServeBenchConfig, prompt: str, eos,
 async def run_engine_bench(cfg: ServeBenchConfig, model_path: str | None, engine_config: EngineConfig) -> dict:
     from mlxserve.testing.demo import ensure_demo_model
     from mlxserve.models.loader import load_model
-    from mlxserve.server import make_engine, resolve_max_model_len
+    from mlxserve.server.app import make_engine, resolve_max_model_len
 
     loaded = load_model(model_path or str(ensure_demo_model()))
     engine = make_engine(loaded, engine_config, resolve_max_model_len(loaded, engine_config))

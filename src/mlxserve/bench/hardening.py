@@ -99,7 +99,7 @@ def rss(args) -> dict:
 
 
 def startup(args) -> dict:
-    cmd = [sys.executable, "-m", "mlxserve.cli", "serve", args.model_path, "--port", str(args.port)]
+    cmd = [sys.executable, "-m", "mlxserve.server.cli", "serve", args.model_path, "--port", str(args.port)]
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     ready = None
@@ -119,7 +119,7 @@ def startup(args) -> dict:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from mlxserve.settings import HelpFormatter
+    from mlxserve.server.settings import HelpFormatter
 
     p = argparse.ArgumentParser(prog="python -m mlxserve.bench.hardening", formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)

@@ -25,7 +25,7 @@ from mlxserve.bench.serve import (
     make_prompt,
     summarize_level,
 )
-from mlxserve.config import EngineConfig
+from mlxserve.server.config import EngineConfig
 
 TABLE_COLUMNS = [
     ("mode", "mode", ""), ("concurrency", "conc", "d"), ("num_adapters", "adapters", "d"),
@@ -53,11 +53,11 @@ async def _level(engine, loaded, cfg: ServeBenchConfig, c: int, tag: str, adapte
 
 async def run_lora_bench(cfg: ServeBenchConfig, model_path: str | None, engine_config: EngineConfig,
                          num_adapters: int, rank: int, keys: tuple[str, ...] | None, repeats: int = 3) -> dict:
-    from mlxserve.config import LoraSpec
+    from mlxserve.server.config import LoraSpec
     from mlxserve.lora.adapters import adapter_id, read_adapter
     from mlxserve.testing.demo import ensure_demo_model
     from mlxserve.models.loader import load_model
-    from mlxserve.server import make_engine, resolve_max_model_len
+    from mlxserve.server.app import make_engine, resolve_max_model_len
     from mlxserve.testing.lora_fixtures import random_adapter
 
     loaded = load_model(model_path or str(ensure_demo_model()))

@@ -22,7 +22,7 @@ import time
 from mlxserve.bench import plot
 from mlxserve.bench.report import format_table, write_json
 from mlxserve.bench.serve import default_json_path, int_list
-from mlxserve.config import EngineConfig
+from mlxserve.server.config import EngineConfig
 from mlxserve.engine.request import Request, SamplingParams
 
 _COLUMNS = [
@@ -113,7 +113,7 @@ def _run_together(core, prompt: list[int], max_tokens: int) -> dict:
 
 def _together_rows(loaded, args, vocab: int) -> list[dict]:
     from mlxserve.engine.engine_core import EngineCore
-    from mlxserve.server import model_key, resolve_max_model_len
+    from mlxserve.server.app import model_key, resolve_max_model_len
 
     rows = []
     config = EngineConfig(block_size=args.block_size[0], prefill_step_size=args.prefill_step_size,
@@ -145,7 +145,7 @@ def _run_prefix_bench(args) -> dict:
     from mlxserve.engine.engine_core import EngineCore
     from mlxserve.testing.demo import ensure_demo_model
     from mlxserve.models.loader import load_model
-    from mlxserve.server import model_key, resolve_max_model_len
+    from mlxserve.server.app import model_key, resolve_max_model_len
 
     loaded = load_model(args.model or str(ensure_demo_model()))
     vocab = min(len(loaded.tokenizer), 2000)
@@ -208,7 +208,7 @@ def _run_prefix_bench(args) -> dict:
 def _decode_on_off(loaded, args, vocab: int) -> dict:
     """Decode tokens/s of the same requests with the cache on and off (alternating, median)."""
     from mlxserve.engine.engine_core import EngineCore
-    from mlxserve.server import model_key, resolve_max_model_len
+    from mlxserve.server.app import model_key, resolve_max_model_len
 
     rates: dict[bool, list[float]] = {True: [], False: []}
     for rep in range(args.repeats):

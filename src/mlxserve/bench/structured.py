@@ -16,7 +16,7 @@ import time
 from mlxserve.bench.engine import run_one
 from mlxserve.bench.report import format_table, write_json
 from mlxserve.bench.serve import ServeBenchConfig, add_load_arguments, default_json_path, make_prompt, summarize_level
-from mlxserve.config import EngineConfig
+from mlxserve.server.config import EngineConfig
 from mlxserve.engine.request import SamplingParams
 
 
@@ -47,7 +47,7 @@ async def run_structured_bench(cfg: ServeBenchConfig, model_path: str | None, en
                                min_items: int) -> dict:
     from mlxserve.testing.demo import ensure_demo_model
     from mlxserve.models.loader import load_model
-    from mlxserve.server import make_engine, resolve_max_model_len
+    from mlxserve.server.app import make_engine, resolve_max_model_len
     from mlxserve.structured.grammar import json_schema_constraint
 
     loaded = load_model(model_path or str(ensure_demo_model()))

@@ -14,7 +14,7 @@ from mlxserve.cache.kv_store import KVBlockStore
 from mlxserve.cache.layout import KVLayout, read_layout
 from mlxserve.cache.prefix_cache import PrefixCacheManager
 from mlxserve.cache.ssd_tier import BlockMeta, SSDTier
-from mlxserve.config import EngineConfig
+from mlxserve.server.config import EngineConfig
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from mlxserve.config import EngineConfig, ServerConfig
+from mlxserve.server.config import EngineConfig, ServerConfig
 from mlxserve.distributed.channel import Channel
 from mlxserve.distributed.config import DistributedConfig
 from mlxserve.distributed.launch import LocalRanks, init_group, plan_channel, spawn_local_ranks, under_launcher
@@ -85,7 +85,7 @@ def _check_ranks(channel: Channel, source: str) -> None:
 
 def serve_distributed(config: ServerConfig, dist: DistributedConfig) -> int:
     """Runs this process's rank: rank 0 serves until shut down, the others follow it."""
-    from mlxserve import process
+    from mlxserve.server import process
 
     if config.models:
         raise ValueError("--tensor-parallel / --pipeline-parallel serve one model: name it as MODEL")
@@ -127,10 +127,10 @@ def _check_local_model(source: str | None, dist: DistributedConfig) -> None:
 
 
 def _build_lead(config: ServerConfig, dist: DistributedConfig, group: Any, supervisor: Any, port: int):
-    from mlxserve.banner import make_ready_hook
+    from mlxserve.server.banner import make_ready_hook
     from mlxserve.distributed.engine import DistributedEngineCore, RankContext
     from mlxserve.distributed.shard import load_sharded
-    from mlxserve.server import build_app, model_specs
+    from mlxserve.server.app import build_app, model_specs
 
     source = model_specs(config)[0].source  # the demo model when none is named
     channel = plan_channel(group, dist.backend)
@@ -161,7 +161,7 @@ def run_follower(group: Any, backend: str, own_source: str | None = None) -> Non
     from mlxserve.distributed.engine import DistributedEngineCore, RankContext, follow_until_shutdown
     from mlxserve.distributed.shard import fingerprint, load_sharded, local_folder
     from mlxserve.engine.batch import make_buckets
-    from mlxserve.server import resolve_max_model_len
+    from mlxserve.server.app import resolve_max_model_len
 
     channel = plan_channel(group, backend)
     setup: Setup = channel.broadcast()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from mlxserve.cache.inflight import InflightBlocks
 from mlxserve.cache.prefix_cache import PrefixCacheManager, StoreOp
-from mlxserve.config import EngineConfig
+from mlxserve.server.config import EngineConfig
 from mlxserve.engine.request import Request, RequestStatus
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlxserve.config import EngineConfig
+from mlxserve.server.config import EngineConfig
 from mlxserve.engine.spec_decode import SpeculativeDecoder
 
 log = logging.getLogger(__name__)

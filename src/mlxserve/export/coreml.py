@@ -133,7 +133,7 @@ def quantize_int4(mlmodel, block_size: int):
 
 def export_coreml(source: str | Path, out: str | Path, config: CoreMLExportConfig, progress=None) -> Path:
     """Export the model folder (or hub id) `source` to the package `out`; returns its path.
-    `progress(stage)` is called as each stage starts (mlxserve.progress.StageLog prints them)."""
+    `progress(stage)` is called as each stage starts (mlxserve.server.progress.StageLog prints them)."""
     require_coreml()
     stage = progress or (lambda _: None)
     out = Path(out)
@@ -180,7 +180,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from mlxserve.export import UnsupportedModelError
-    from mlxserve.progress import StageLog
+    from mlxserve.server.progress import StageLog
 
     import logging
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from mlxserve.config import LoraSpec, ModelSpec
+from mlxserve.server.config import LoraSpec, ModelSpec
 from mlxserve.lora.adapters import AdapterBusy, AdapterError, AdapterFiles, adapter_id, read_adapter
 
 log = logging.getLogger(__name__)

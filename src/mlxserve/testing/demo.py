@@ -296,7 +296,7 @@ def _quantize_folder(src: pathlib.Path, out: pathlib.Path, config: DemoModelConf
 
 def build_model_folder(out_dir, config: DemoModelConfig = DemoModelConfig(), progress=None) -> pathlib.Path:
     """Build a tiny random-weight model folder at out_dir (created if missing) and return its path.
-    `progress(stage)` is called as each stage starts (mlxserve.progress.StageLog prints them)."""
+    `progress(stage)` is called as each stage starts (mlxserve.server.progress.StageLog prints them)."""
     out = pathlib.Path(out_dir)
     if config.quantize_bits is None or not config.quantize_with_converter:
         out.mkdir(parents=True, exist_ok=True)

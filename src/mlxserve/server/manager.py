@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from mlxserve.config import LoraSpec, ModelSpec
+from mlxserve.server.config import LoraSpec, ModelSpec
 from mlxserve.lora.registry import AdapterRegistry
 from mlxserve.memory.release import freeze_heap
 from mlxserve.models.specs import weights_on_disk

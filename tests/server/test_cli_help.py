@@ -7,9 +7,9 @@ import argparse
 
 import pytest
 
-from mlxserve import cli
+from mlxserve.server import cli
 from mlxserve.bench import hardening
-from mlxserve.settings import HelpFormatter
+from mlxserve.server.settings import HelpFormatter
 
 
 def _parsers(parser: argparse.ArgumentParser, path: str):

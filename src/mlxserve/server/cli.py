@@ -9,10 +9,10 @@ import logging
 import os
 import sys
 
-from mlxserve import foreign_flags
-from mlxserve.config import EngineConfig, MediaConfig, SecurityConfig, ServerConfig, parse_memory
+from mlxserve.server import foreign_flags
+from mlxserve.server.config import EngineConfig, MediaConfig, SecurityConfig, ServerConfig, parse_memory
 from mlxserve.models.backend import default_prefill_step_size
-from mlxserve.settings import fraction, size
+from mlxserve.server.settings import fraction, size
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def _models_fields(args) -> dict:
 
 
 def _serve(args) -> int:
-    from mlxserve import process
+    from mlxserve.server import process
     from mlxserve.models.loader import ModelLoadError
 
     from mlxserve.models.source import check_serve_sources
@@ -197,7 +197,7 @@ def _serve(args) -> int:
     except (ModelLoadError, ValueError) as e:
         print(f"mlxserve serve: {e}", file=sys.stderr)
         return 2
-    from mlxserve.server import build_app
+    from mlxserve.server.app import build_app
 
     sock = None
     try:
@@ -219,7 +219,7 @@ def _serve(args) -> int:
         sock = process.bind(config.host, config.port)
         # build_app loads every pinned model (a single one always) with config.load_strategy.
         app = build_app(config)
-        from mlxserve.banner import make_ready_hook
+        from mlxserve.server.banner import make_ready_hook
 
         app.state.on_ready = make_ready_hook(config, app.state.models, app.state.model_specs,
                                              sock.getsockname()[1] if sock is not None else config.port)
@@ -255,7 +255,7 @@ def _demo_model(args) -> int:
             raise SystemExit(f"mlxserve demo-model: {e}") from None
         print(build_vlm_folder(args.path, shape=args.shape))
         return 0
-    from mlxserve.progress import StageLog
+    from mlxserve.server.progress import StageLog
 
     progress = StageLog("demo model")
     if args.shape == "tiny" and args.bits is None:
@@ -289,7 +289,7 @@ def _convert(args) -> int:
 def make_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     """The whole command line; `with_bench=False` leaves out the bench commands' flags, whose modules take
     seconds to import (a mistyped `serve` path is reported faster)."""
-    from mlxserve.settings import ArgumentParser, HelpFormatter
+    from mlxserve.server.settings import ArgumentParser, HelpFormatter
 
     # Every parser shows each flag's default in --help and says an error in one line (settings.py).
     make = functools.partial(ArgumentParser, formatter_class=HelpFormatter)
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     settings_parser = getattr(args, "settings_parser", None)
     if settings_parser is not None:
         # serve: MLXSERVE_<FLAG> and --config become its defaults, then the flags are parsed again over them.
-        from mlxserve.settings import settings_defaults
+        from mlxserve.server.settings import settings_defaults
 
         try:
             settings_parser.set_defaults(**settings_defaults(settings_parser,

@@ -14,11 +14,11 @@ from mlxserve.api.prompt_bound import max_token_chars
 from mlxserve.api.security import install_security
 from mlxserve.api.serving import ServedModel
 from mlxserve.api.web import add_web_routes
-from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
+from mlxserve.server.config import EngineConfig, ModelSpec, ServerConfig
 from mlxserve.engine.async_engine import AsyncEngine
 from mlxserve.models.backend import is_cuda
 from mlxserve.models.loader import LoadedModel, load_model
-from mlxserve.models.manager import ModelManager
+from mlxserve.server.manager import ModelManager
 from mlxserve.models.specs import default_name, weights_on_disk, with_source_aliases
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def model_specs(config: ServerConfig, loaded: LoadedModel | None = None) -> tupl
     source = loaded.source if loaded is not None else config.model
     if source is None:
         from mlxserve.testing.demo import ensure_demo_model
-        from mlxserve.progress import StageLog
+        from mlxserve.server.progress import StageLog
 
         source = str(ensure_demo_model(progress=StageLog("building the demo model (first run only)")))
         log.info("no model named: serving the demo model at %s", source)

@@ -47,7 +47,7 @@ class ArgumentParser(argparse.ArgumentParser):
 def size(text: str) -> str:
     """type= of the size flags: the text as given (a percentage needs the machine's RAM, read later), once it
     reads as a size."""
-    from mlxserve.config import parse_memory
+    from mlxserve.server.config import parse_memory
 
     try:
         ok = parse_memory(text, 1 << 40) >= 0
@@ -181,7 +181,7 @@ def settings_defaults(parser: argparse.ArgumentParser, config_file: str | None,
 def _foreign_key(key: str, where: str, actions: dict, notes: list) -> tuple[str | None, dict]:
     """A key another server's config uses (vLLM's gpu_memory_utilization): ours and the keys it implies, None
     for one that is ignored; ValueError for one with no same meaning here or no such key at all."""
-    from mlxserve.foreign_flags import FOREIGN, refusal
+    from mlxserve.server.foreign_flags import FOREIGN, refusal
 
     flag = "--" + key.replace("_", "-")
     foreign = FOREIGN.get(flag)

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from mlxserve import cli
-from mlxserve.foreign_flags import FOREIGN, translate
+from mlxserve.server import cli
+from mlxserve.server.foreign_flags import FOREIGN, translate
 
 
 def _serve_args(argv, monkeypatch, env=None):
@@ -31,7 +31,7 @@ def _error(argv, monkeypatch, capsys, env=None) -> str:
 
 
 def test_vllm_memory_share_maps_to_ours_in_dedicated_mode(monkeypatch, caplog):
-    with caplog.at_level(logging.INFO, logger="mlxserve.cli"):
+    with caplog.at_level(logging.INFO, logger="mlxserve.server.cli"):
         args = _serve_args(["--gpu-memory-utilization", "0.8"], monkeypatch)
     assert (args.memory_utilization, args.memory_mode, args.model) == (0.8, "dedicated", None)  # 0.8 is no model
     assert "--gpu-memory-utilization is vLLM's name for --memory-utilization (with --memory-mode dedicated)" \
@@ -58,7 +58,7 @@ def test_same_meaning_maps(argv, dest, value, monkeypatch):
 
 
 def test_accepted_and_ignored(monkeypatch, caplog):
-    with caplog.at_level(logging.INFO, logger="mlxserve.cli"):
+    with caplog.at_level(logging.INFO, logger="mlxserve.server.cli"):
         args = _serve_args(["--trust-remote-code", "--enable-prefix-caching", "m"], monkeypatch)
     assert args.model == "m" and args.no_prefix_cache is False
     assert "--trust-remote-code (vLLM) is ignored" in caplog.text
@@ -125,7 +125,7 @@ def test_env_and_yaml_values_name_their_source(monkeypatch, capsys, tmp_path):
 def test_a_vllm_yaml_maps_like_its_flags(monkeypatch, tmp_path, caplog):
     cfg = tmp_path / "vllm.yaml"
     cfg.write_text("gpu_memory_utilization: 0.85\ntensor-parallel-size: 1\ntrust_remote_code: true\n")
-    with caplog.at_level(logging.INFO, logger="mlxserve.cli"):
+    with caplog.at_level(logging.INFO, logger="mlxserve.server.cli"):
         args = _serve_args(["--config", str(cfg)], monkeypatch)
     assert (args.memory_utilization, args.memory_mode, args.tensor_parallel) == (0.85, "dedicated", 1)
     assert f"--config {cfg}: gpu_memory_utilization is vLLM's name for memory_utilization" in caplog.text

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from mlxserve import cli
-from mlxserve.settings import settings_defaults
+from mlxserve.server import cli
+from mlxserve.server.settings import settings_defaults
 
 
 def _serve_args(argv, monkeypatch, env=None):

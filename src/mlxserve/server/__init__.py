@@ -1,0 +1,1 @@
+"""The serving process: command line, settings and configs, wiring (app.py), the model manager."""
