@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = ServeBenchConfig(url="http://in-process", model=args.model or "demo", concurrency=args.concurrency,
                            prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                            num_requests=args.num_requests, label=args.label, output_json=args.output_json)
-    from mlxserve.models.backend import default_prefill_step_size
+    from mlxserve.platform.backend import default_prefill_step_size
 
     step = args.prefill_step_size if args.prefill_step_size is not None else default_prefill_step_size()
     engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, prefill_step_size=step)

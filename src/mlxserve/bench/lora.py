@@ -109,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlxserve.models.backend import default_prefill_step_size
+    from mlxserve.platform.backend import default_prefill_step_size
 
     cfg = ServeBenchConfig(url="http://in-process", model=args.model or "demo", concurrency=args.concurrency,
                            prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,

@@ -109,7 +109,7 @@ def measure(loaded, mode: str, draft_dir: Path | None, args, workload: str, c: i
 
 
 def run_spec_bench(args) -> dict:
-    from mlxserve.models.cudnn_attention import apply_cudnn_attention
+    from mlxserve.platform.cudnn_attention import apply_cudnn_attention
     from mlxserve.models.loader import load_model
 
     # One attention path for every row, the "off" baseline included (MLX decides once per process).

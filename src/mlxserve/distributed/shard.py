@@ -57,7 +57,7 @@ def check_shardable(config: dict, dist: DistributedConfig) -> None:
 def load_sharded(source: str, group: Any, dist: DistributedConfig) -> LoadedModel:
     from mlx_lm.utils import load_model, load_tokenizer
 
-    from mlxserve.models.quantized_rows import fold_on_cuda
+    from mlxserve.platform.quantized_rows import fold_on_cuda
 
     folder = local_folder(source)
     for path in weight_files(folder):

@@ -28,8 +28,8 @@ from mlxserve.cache.setup import make_prefix_cache, probe_kv
 from mlxserve.memory.budget import kv_tokens, reserve_state
 from mlxserve.memory.pressure import MemoryGovernor
 from mlxserve.memory.profile import budget_config, startup_budget
-from mlxserve.models.backend import is_cuda
-from mlxserve.models.cudnn_attention import apply_cudnn_attention
+from mlxserve.platform.backend import is_cuda
+from mlxserve.platform.cudnn_attention import apply_cudnn_attention
 
 log = logging.getLogger(__name__)
 

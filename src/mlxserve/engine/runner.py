@@ -29,7 +29,7 @@ from mlxserve.engine.sampling import RowSampler, gather_logprobs, pending_arrays
 from mlxserve.engine.scheduler import PrefillChunk, SchedulerOutput
 from mlxserve.engine.spec_decode import SpeculativeDecoder
 from mlxserve.lora.manager import AdapterSet
-from mlxserve.models.backend import is_cuda
+from mlxserve.platform.backend import is_cuda
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class ModelRunner:
         self.one_forward_logits = _ONE_FORWARD_LOGITS if is_cuda() else 0
         # Batched prefill's first pass padded to a multiple of this many tokens on MLX-CUDA, so the server
         # meets few distinct forward shapes: with `--cudnn-attention on` every new attention shape costs a
-        # graph (45-71 ms, models/cudnn_attention.py). Runs 13-16 (docs/BENCHMARKS.md) ran with it, cuDNN
+        # graph (45-71 ms, platform/cudnn_attention.py). Runs 13-16 (docs/BENCHMARKS.md) ran with it, cuDNN
         # on and off; its own effect was not measured apart. Elsewhere shapes cost nothing, padding would.
         self.prefill_pad_to = _PREFILL_PAD_TO if is_cuda() else 1
         self.make_cache = make_cache  # a request's fresh caches (quantized layers under --kv-bits)

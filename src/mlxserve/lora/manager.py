@@ -207,7 +207,7 @@ class AdapterSet:
 def _gather_layout() -> bool:
     import os
 
-    from mlxserve.models.backend import is_cuda
+    from mlxserve.platform.backend import is_cuda
 
     choice = os.environ.get("MLXSERVE_LORA_LAYOUT", "")
     return choice == "gather" or (choice != "dense" and is_cuda())

@@ -16,7 +16,7 @@ from mlxserve.api.serving import ServedModel
 from mlxserve.api.web import add_web_routes
 from mlxserve.server.config import EngineConfig, ModelSpec, ServerConfig
 from mlxserve.engine.async_engine import AsyncEngine
-from mlxserve.models.backend import is_cuda
+from mlxserve.platform.backend import is_cuda
 from mlxserve.models.loader import LoadedModel, load_model
 from mlxserve.server.manager import ModelManager
 from mlxserve.models.specs import default_name, weights_on_disk, with_source_aliases

@@ -11,7 +11,7 @@ import sys
 
 from mlxserve.server import foreign_flags
 from mlxserve.server.config import EngineConfig, MediaConfig, SecurityConfig, ServerConfig, parse_memory
-from mlxserve.models.backend import default_prefill_step_size
+from mlxserve.platform.backend import default_prefill_step_size
 from mlxserve.server.settings import fraction, size
 
 log = logging.getLogger(__name__)

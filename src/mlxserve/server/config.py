@@ -71,7 +71,7 @@ class EngineConfig:
     speculative: str = "off"
     draft_model: str | None = None
     num_draft_tokens: int = 4
-    # MLX-CUDA only (models/cudnn_attention.py): cuDNN attention builds a graph per new shape (40-80 ms);
+    # MLX-CUDA only (platform/cudnn_attention.py): cuDNN attention builds a graph per new shape (40-80 ms);
     # "auto" turns it off (served traffic rarely repeats a shape), "on" keeps MLX's default.
     cudnn_attention: str = "auto"
     # Speculate only while at most this many requests decode: verifying drafts is nearly free while

@@ -3,7 +3,7 @@
 import pytest
 
 from mlxserve.server.config import EngineConfig
-from mlxserve.models.cudnn_attention import ENV, apply_cudnn_attention, wants_cudnn
+from mlxserve.platform.cudnn_attention import ENV, apply_cudnn_attention, wants_cudnn
 
 
 def test_auto_turns_cudnn_off():

@@ -1,4 +1,4 @@
-"""Quantized layers that fold a batch of decode rows into one matrix (models/quantized_rows.py): the same
+"""Quantized layers that fold a batch of decode rows into one matrix (platform/quantized_rows.py): the same
 numbers, the same parameter tree, the same greedy tokens through the engine; applied on MLX-CUDA only."""
 
 import mlx.core as mx
@@ -8,12 +8,12 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-import mlxserve.models.backend as backend
+import mlxserve.platform.backend as backend
 from mlxserve.server.config import EngineConfig
 from mlxserve.engine.engine_core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.models.loader import load_model
-from mlxserve.models.quantized_rows import (RowsQuantizedEmbedding, RowsQuantizedLinear, fold_on_cuda,
+from mlxserve.platform.quantized_rows import (RowsQuantizedEmbedding, RowsQuantizedLinear, fold_on_cuda,
                                             fold_quantized_rows)
 
 

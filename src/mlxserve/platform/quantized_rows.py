@@ -137,7 +137,7 @@ def fold_quantized_rows(model: nn.Module, dequant_rows: int = DEQUANT_ROWS) -> i
 def fold_on_cuda(model: nn.Module, environ=os.environ) -> int:
     """fold_quantized_rows where it pays: on MLX-CUDA, unless MLXSERVE_FOLD_ROWS=0 (for A/B benchmarks);
     MLXSERVE_DEQUANT_ROWS=N moves the dequantize threshold (0: off). Returns how many layers were replaced."""
-    from mlxserve.models.backend import is_cuda
+    from mlxserve.platform.backend import is_cuda
 
     if not is_cuda() or environ.get("MLXSERVE_FOLD_ROWS", "1") == "0":
         return 0

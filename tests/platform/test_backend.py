@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import mlxserve.server.cli as cli
-import mlxserve.models.backend as backend
+import mlxserve.platform.backend as backend
 
 
 def test_prefill_step_size_is_2048_on_cuda_and_512_elsewhere(monkeypatch):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 
-from mlxserve.models.backend import is_cuda
+from mlxserve.platform.backend import is_cuda
 
 log = logging.getLogger(__name__)
 
