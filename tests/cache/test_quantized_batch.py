@@ -10,8 +10,8 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxserve.cache.quantized_batch import BatchQuantizedKVCache, QuantizedRowKVCache
-from mlxserve.engine.kv_prealloc import reserve, room
-from mlxserve.engine.speculative import rewind
+from mlxserve.engine.runner.kv_prealloc import reserve, room
+from mlxserve.engine.spec.verify import rewind
 
 H, D, GS = 2, 64, 32
 

@@ -18,8 +18,8 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 from mlxserve.server.config import EngineConfig
-from mlxserve.engine.batch import make_buckets
-from mlxserve.engine.engine_core import EngineCore
+from mlxserve.engine.runner.batch import make_buckets
+from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.models.loader import load_model
 

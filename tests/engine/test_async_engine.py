@@ -8,7 +8,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from mlxserve.engine.async_engine import AsyncEngine
+from mlxserve.engine.loop import AsyncEngine
 from mlxserve.engine.request import Request, RequestOutput, SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""Joins into filler slots (engine/batch.py `_fill_slots`): with bucketed batch sizes a finished row stays
+"""Joins into filler slots (engine/runner/batch.py `_fill_slots`): with bucketed batch sizes a finished row stays
 as a filler and a later prompt is written into its slot in place. Greedy tokens stay identical to each
 prompt decoded alone (mlx-lm's `generate_step`), with staggered arrivals of mixed lengths, a slot refilled
 several times, rows longer than the batch's width (which take the old extend path) and the trim of
@@ -13,9 +13,9 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-import mlxserve.engine.batch as batch_module
+import mlxserve.engine.runner.batch as batch_module
 from mlxserve.server.config import EngineConfig
-from mlxserve.engine.engine_core import EngineCore
+from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.models.loader import load_model
 

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from mlxserve.server.config import EngineConfig
-from mlxserve.engine.engine_core import EngineCore
+from mlxserve.engine.core import EngineCore
 from mlxserve.engine.grammar import GrammarSource
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.testing.demo import DemoModelConfig, build_model_folder

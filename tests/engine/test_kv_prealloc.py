@@ -9,8 +9,8 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxserve.server.config import EngineConfig
-from mlxserve.engine.engine_core import EngineCore
-from mlxserve.engine.kv_prealloc import reserve, room
+from mlxserve.engine.core import EngineCore
+from mlxserve.engine.runner.kv_prealloc import reserve, room
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.models.loader import load_model
 

@@ -25,7 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxserve.cache.kv_quant import DEQUANTIZED, QUANTIZED_ATTENTION, plan_kv_quant, probe_attention
 from mlxserve.cache.quantized_batch import BatchQuantizedKVCache
 from mlxserve.server.config import EngineConfig
-from mlxserve.engine.engine_core import EngineCore
+from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.testing.demo import DemoModelConfig, build_model_folder
 from mlxserve.models.loader import load_model

@@ -17,7 +17,7 @@ import random
 import pytest
 
 from mlxserve.server.config import EngineConfig
-from mlxserve.engine.engine_core import EngineCore
+from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.testing.families import build_family_folder
 from mlxserve.models.loader import load_model

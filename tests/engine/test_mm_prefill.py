@@ -13,7 +13,7 @@ from mlx_vlm.prompt_utils import apply_chat_template
 from PIL import Image
 
 from mlxserve.server.config import EngineConfig
-from mlxserve.engine.engine_core import EngineCore
+from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import MediaItem, Request, SamplingParams
 from mlxserve.models.loader import load_model
 

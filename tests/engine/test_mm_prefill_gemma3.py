@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mlxserve.server.config import EngineConfig, MediaConfig
-from mlxserve.engine.engine_core import EngineCore
+from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.models.loader import load_model
 from mlxserve.multimodal.prompt import MediaPart, MultimodalPromptBuilder

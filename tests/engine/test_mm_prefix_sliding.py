@@ -184,9 +184,9 @@ def test_a_vision_model_with_recurrent_layers_keeps_the_cache_off(fx, tmp_path):
 def test_a_last_chunk_in_one_forward_on_cuda(fx, step, monkeypatch):
     """On CUDA a short last chunk (image or text) runs as one forward, not its body and its last token
     apart, and matches the split."""
-    monkeypatch.setattr("mlxserve.engine.runner.is_cuda", lambda: False)
+    monkeypatch.setattr("mlxserve.engine.runner.model_runner.is_cuda", lambda: False)
     split = core(fx, step)
-    monkeypatch.setattr("mlxserve.engine.runner.is_cuda", lambda: True)
+    monkeypatch.setattr("mlxserve.engine.runner.model_runner.is_cuda", lambda: True)
     whole = core(fx, step)
     assert split.runner.one_forward_logits == 0 < whole.runner.one_forward_logits
     turn1 = ask(fx, [user()], [noise(0)], 12)

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from mlxserve.server.config import EngineConfig
-from mlxserve.engine.engine_core import EngineCore
+from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.models.loader import load_model
 from mlxserve.structured.grammar import json_schema_constraint
@@ -275,7 +275,7 @@ def test_unrewindable_families_serve_without_speculation(tmp_path_factory, famil
     from mlxserve.testing.families import build_family_folder
 
     loaded = load_model(str(build_family_folder(tmp_path_factory.mktemp(family), family)))
-    with caplog.at_level(logging.WARNING, logger="mlxserve.engine.spec_setup"):
+    with caplog.at_level(logging.WARNING, logger="mlxserve.engine.spec.setup"):
         core = make_core(loaded, speculative="ngram")
     assert core.spec is None and "speculative decoding is off" in caplog.text
     reqs = [greedy("a", echo_prompt(0), max_tokens=8)]

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from mlxserve.server.config import EngineConfig
-from mlxserve.engine.engine_core import EngineCore
+from mlxserve.engine.core import EngineCore
 from mlxserve.engine.grammar import GrammarSource
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.models.loader import load_model
 from mlxserve.structured.grammar import json_schema_constraint
-from mlxserve.engine.speculative import target_logprobs
+from mlxserve.engine.spec.verify import target_logprobs
 from mlxserve.structured.matcher import allocate_bitmask, apply_bitmask
 from tests.engine.test_speculative import copy, echo_prompt, greedy, make_core, run
 from tests.engine.test_speculative_sampling import chi2_bound, chi2_vs_exact

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from mlxserve.server.config import EngineConfig
-from mlxserve.engine.engine_core import EngineCore
+from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.engine.speculative import target_logprobs, verify_group
+from mlxserve.engine.spec.verify import target_logprobs, verify_group
 from mlxserve.models.loader import load_model
 
 _Z = 3.719  # one-sided normal quantile for p = 1e-4: a correct rule fails about once in 10,000 runs

@@ -11,7 +11,7 @@ import mlx.nn as nn
 import pytest
 
 from mlxserve.server.config import EngineConfig
-from mlxserve.engine.engine_core import EngineCore
+from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.lora.adapters import AdapterError, adapter_id, read_adapter
 from mlxserve.models.loader import load_model

@@ -10,7 +10,7 @@ import pytest
 
 from mlxserve.server.cli import _engine_config, make_parser
 from mlxserve.server.config import EngineConfig
-from mlxserve.engine.engine_core import EngineCore
+from mlxserve.engine.core import EngineCore
 from mlxserve.memory.budget import compute_ceiling
 from mlxserve.memory.device import read_memory
 from mlxserve.models.loader import load_model

@@ -217,7 +217,7 @@ def test_snapshots_keep_their_share_of_the_prefix_memory_as_it_shrinks():
 
 def test_on_cuda_desktop_mode_keeps_the_start_up_budget(monkeypatch):
     """Free device memory on MLX-CUDA includes CUDA's pool of MLX's freed buffers: not followed there."""
-    import mlxserve.engine.engine_core as core_module
+    import mlxserve.engine.core as core_module
 
     config = EngineConfig(memory_refresh_s=2.0)
     monkeypatch.setattr(core_module, "is_cuda", lambda: True)

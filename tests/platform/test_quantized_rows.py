@@ -10,7 +10,7 @@ from mlx_lm.sample_utils import make_sampler
 
 import mlxserve.platform.backend as backend
 from mlxserve.server.config import EngineConfig
-from mlxserve.engine.engine_core import EngineCore
+from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.models.loader import load_model
 from mlxserve.platform.quantized_rows import (RowsQuantizedEmbedding, RowsQuantizedLinear, fold_on_cuda,

@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 from mlxserve.server.config import EngineConfig
-from mlxserve.engine.engine_core import EngineCore
+from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 
 QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?"]

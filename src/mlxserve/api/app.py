@@ -28,7 +28,7 @@ from mlxserve.api.prompt_bound import PrepPool
 from mlxserve.api.responses import SSE_DONE, ResponseBuilder, sse, usage
 from mlxserve.api.responses_api import add_responses_routes
 from mlxserve.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from mlxserve.engine.async_engine import EngineStats
+from mlxserve.engine.loop import EngineStats
 from mlxserve.engine.request import RequestOutput
 from mlxserve.models.extras import MissingExtraError
 from mlxserve.server.manager import ModelManager, ModelUnavailableError, UnknownModelError

@@ -50,7 +50,7 @@ def audio_served(spec, config, loaded: LoadedModel):
     """(ServedModel, AsyncEngine not started) for an audio model (server.load_served's hook)."""
     from mlxserve.api.audio.model import AudioInfo
     from mlxserve.api.serving import ServedModel
-    from mlxserve.engine.async_engine import AsyncEngine
+    from mlxserve.engine.loop import AsyncEngine
 
     model = loaded.model
     info = AudioInfo(task=model.task, kind=model.kind, sample_rate=getattr(model, "sample_rate", 16000),

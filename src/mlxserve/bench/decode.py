@@ -51,7 +51,7 @@ def _raw(model, prompt_ids: list[int], max_tokens: int) -> dict:
 
 
 def _core(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens: int, label: str) -> dict:
-    from mlxserve.engine.engine_core import EngineCore
+    from mlxserve.engine.core import EngineCore
 
     core = EngineCore(loaded.model, loaded.tokenizer, cfg, 1 << 20)
     best = None

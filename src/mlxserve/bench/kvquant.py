@@ -49,7 +49,7 @@ def _label(bits: int | None) -> str:
 def _make_core(loaded, args, bits: int | None, max_num_seqs: int, **kw):
     import mlx.core as mx
 
-    from mlxserve.engine.engine_core import EngineCore
+    from mlxserve.engine.core import EngineCore
 
     gc.collect()
     mx.clear_cache()

@@ -36,7 +36,7 @@ def _rss() -> int:
 def _make_core(loaded, **kw):
     import mlx.core as mx
 
-    from mlxserve.engine.engine_core import EngineCore
+    from mlxserve.engine.core import EngineCore
 
     gc.collect()
     mx.clear_cache()

@@ -112,7 +112,7 @@ def _run_together(core, prompt: list[int], max_tokens: int) -> dict:
 
 
 def _together_rows(loaded, args, vocab: int) -> list[dict]:
-    from mlxserve.engine.engine_core import EngineCore
+    from mlxserve.engine.core import EngineCore
     from mlxserve.server.app import model_key, resolve_max_model_len
 
     rows = []
@@ -142,7 +142,7 @@ def _together_rows(loaded, args, vocab: int) -> list[dict]:
 
 
 def _run_prefix_bench(args) -> dict:
-    from mlxserve.engine.engine_core import EngineCore
+    from mlxserve.engine.core import EngineCore
     from mlxserve.testing.demo import ensure_demo_model
     from mlxserve.models.loader import load_model
     from mlxserve.server.app import model_key, resolve_max_model_len
@@ -207,7 +207,7 @@ def _run_prefix_bench(args) -> dict:
 
 def _decode_on_off(loaded, args, vocab: int) -> dict:
     """Decode tokens/s of the same requests with the cache on and off (alternating, median)."""
-    from mlxserve.engine.engine_core import EngineCore
+    from mlxserve.engine.core import EngineCore
     from mlxserve.server.app import model_key, resolve_max_model_len
 
     rates: dict[bool, list[float]] = {True: [], False: []}

@@ -82,7 +82,7 @@ def run_wave(core, prompts: list[list[int]], max_tokens: int) -> tuple[int, floa
 
 
 def measure(loaded, mode: str, draft_dir: Path | None, args, workload: str, c: int, vocab: int) -> dict:
-    from mlxserve.engine.engine_core import EngineCore
+    from mlxserve.engine.core import EngineCore
 
     spec = {"speculative": "ngram"} if mode == "ngram" else ({"draft_model": str(draft_dir)} if draft_dir else {})
     config = EngineConfig(max_num_seqs=max(c, 1), enable_prefix_cache=False, num_draft_tokens=args.num_draft_tokens,

@@ -25,9 +25,9 @@ import mlx.core as mx
 from mlxserve.cache.kv_store import KVBlockStore
 from mlxserve.distributed.channel import Channel
 from mlxserve.distributed.config import DistributedConfig
-from mlxserve.engine.engine_core import EngineCore
+from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request
-from mlxserve.engine.runner import ModelRunner, StepTokens
+from mlxserve.engine.runner.model_runner import ModelRunner, StepTokens
 from mlxserve.engine.scheduler import SchedulerOutput
 from mlxserve.memory.profile import startup_budget
 

@@ -160,7 +160,7 @@ def run_follower(group: Any, backend: str, own_source: str | None = None) -> Non
     ranks mlxserve starts itself use rank 0's."""
     from mlxserve.distributed.engine import DistributedEngineCore, RankContext, follow_until_shutdown
     from mlxserve.distributed.shard import fingerprint, load_sharded, local_folder
-    from mlxserve.engine.batch import make_buckets
+    from mlxserve.engine.runner.batch import make_buckets
     from mlxserve.server.app import resolve_max_model_len
 
     channel = plan_channel(group, backend)

@@ -131,6 +131,6 @@ class EncoderCore:
 
 def make_encoder_engine(model: Any, config: Any):
     """An `AsyncEngine` (not started) whose thread owns `model` (an EncoderModel)."""
-    from mlxserve.engine.async_engine import AsyncEngine
+    from mlxserve.engine.loop import AsyncEngine
 
     return AsyncEngine(lambda: EncoderCore(model, config), max_num_waiting=config.max_num_waiting)

@@ -15,7 +15,7 @@ from mlxserve.api.security import install_security
 from mlxserve.api.serving import ServedModel
 from mlxserve.api.web import add_web_routes
 from mlxserve.server.config import EngineConfig, ModelSpec, ServerConfig
-from mlxserve.engine.async_engine import AsyncEngine
+from mlxserve.engine.loop import AsyncEngine
 from mlxserve.platform.backend import is_cuda
 from mlxserve.models.loader import LoadedModel, load_model
 from mlxserve.server.manager import ModelManager
@@ -51,8 +51,8 @@ def model_key(loaded: LoadedModel) -> str:
 
 def make_engine(loaded: LoadedModel, config: EngineConfig, max_model_len: int, loras=()) -> AsyncEngine:
     """The model's engine, not yet started; `loras` (LoraSpec) are loaded into it as it starts (lora/)."""
-    from mlxserve.engine.batch import make_buckets
-    from mlxserve.engine.engine_core import EngineCore
+    from mlxserve.engine.runner.batch import make_buckets
+    from mlxserve.engine.core import EngineCore
 
     def make_core():
         per_shape = is_cuda()  # only MLX's CUDA backend compiles per shape at first use

@@ -14,16 +14,16 @@ from typing import Any
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxserve.server.config import EngineConfig
-from mlxserve.engine.batch import can_batch
-from mlxserve.engine.batch_prefill import why_not_batched
+from mlxserve.engine.runner.batch import can_batch
+from mlxserve.engine.runner.batch_prefill import why_not_batched
 from mlxserve.engine.grammar import GrammarSource
 from mlxserve.engine.detokenizer import StopStringMatcher, make_detokenizer_factory
 from mlxserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
-from mlxserve.engine.runner import ModelRunner, reseed_after_failure
+from mlxserve.engine.runner.model_runner import ModelRunner, reseed_after_failure
 from mlxserve.engine.scheduler import Scheduler
 from mlxserve.cache.kv_quant import plan_kv_quant
 from mlxserve.cache.kv_store import KVBlockStore
-from mlxserve.engine.spec_setup import make_speculative, reserve_draft
+from mlxserve.engine.spec.setup import make_speculative, reserve_draft
 from mlxserve.cache.setup import make_prefix_cache, probe_kv
 from mlxserve.memory.budget import kv_tokens, reserve_state
 from mlxserve.memory.pressure import MemoryGovernor

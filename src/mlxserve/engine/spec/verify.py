@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxserve.engine.request import SamplingParams
-from mlxserve.engine.sampling import apply_filters
+from mlxserve.engine.runner.sampling import apply_filters
 
 
 def target_logprobs(logprobs: mx.array, sp: SamplingParams) -> mx.array:

@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxserve.engine.request import Request
-from mlxserve.engine.speculative import rewind
+from mlxserve.engine.spec.verify import rewind
 
 _PREFILL_STEP = 512
 

@@ -19,15 +19,15 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxserve.cache.kv_io import read_prefill_window, read_state
 from mlxserve.cache.kv_store import KVBlockStore
-from mlxserve.engine.batch import DecodeBatch
-from mlxserve.engine.batch_prefill import pick_rows, prefill_rows, why_not_batched
-from mlxserve.engine.block_copy import copy_blocks
-from mlxserve.engine.mm_prefill import MultimodalPrefill
+from mlxserve.engine.runner.batch import DecodeBatch
+from mlxserve.engine.runner.batch_prefill import pick_rows, prefill_rows, why_not_batched
+from mlxserve.engine.runner.block_copy import copy_blocks
+from mlxserve.engine.runner.mm_prefill import MultimodalPrefill
 from mlxserve.engine.request import Request, SamplingParams, TokenLogprob
 from mlxserve.engine.grammar import GrammarSource
-from mlxserve.engine.sampling import RowSampler, gather_logprobs, pending_arrays, sample_batch, to_logprob
+from mlxserve.engine.runner.sampling import RowSampler, gather_logprobs, pending_arrays, sample_batch, to_logprob
 from mlxserve.engine.scheduler import PrefillChunk, SchedulerOutput
-from mlxserve.engine.spec_decode import SpeculativeDecoder
+from mlxserve.engine.spec.decoder import SpeculativeDecoder
 from mlxserve.lora.manager import AdapterSet
 from mlxserve.platform.backend import is_cuda
 
@@ -89,7 +89,7 @@ class ModelRunner:
         self.prefill_pad_to = _PREFILL_PAD_TO if is_cuda() else 1
         self.make_cache = make_cache  # a request's fresh caches (quantized layers under --kv-bits)
         self.grammar = grammar
-        self.spec = spec  # speculative decoding (engine/spec_decode.py); None: off
+        self.spec = spec  # speculative decoding (engine/spec/decoder.py); None: off
         self.buckets = buckets
         self.store = store
         self.block_size = block_size

@@ -8,7 +8,7 @@ from typing import Any
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxserve.server.config import EngineConfig
-from mlxserve.engine.spec_decode import SpeculativeDecoder
+from mlxserve.engine.spec.decoder import SpeculativeDecoder
 
 log = logging.getLogger(__name__)
 

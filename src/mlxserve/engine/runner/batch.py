@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlxserve.engine.kv_prealloc import reserve
+from mlxserve.engine.runner.kv_prealloc import reserve
 
 
 def make_buckets(max_num_seqs: int) -> list[int]:

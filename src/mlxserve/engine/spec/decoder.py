@@ -29,12 +29,12 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxserve.engine.ngram import NgramIndex
+from mlxserve.engine.spec.ngram import NgramIndex
 from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.engine.sampling import gather_logprobs, pending_arrays, sample_batch, to_logprob
-from mlxserve.engine.spec_draft import DraftModel, last_emitted
-from mlxserve.engine.spec_policy import DraftLength, can_speculate
-from mlxserve.engine.speculative import can_rewind, rewind, verify_group
+from mlxserve.engine.runner.sampling import gather_logprobs, pending_arrays, sample_batch, to_logprob
+from mlxserve.engine.spec.draft import DraftModel, last_emitted
+from mlxserve.engine.spec.policy import DraftLength, can_speculate
+from mlxserve.engine.spec.verify import can_rewind, rewind, verify_group
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (registry.py), verification inside the decode batch, and when it pays."""
