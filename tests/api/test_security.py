@@ -14,7 +14,8 @@ from fastapi.testclient import TestClient
 
 from mlxserve.api.errors import install_error_handlers
 from mlxserve.api.security import BodyLimitMiddleware, install_security
-from mlxserve.server.cli import _security_config, make_parser
+from mlxserve.server.cli import make_parser
+from mlxserve.server.serve_command import _security_config
 from mlxserve.server.config import SecurityConfig
 
 KEYS = ("sk-first", "sk-second")

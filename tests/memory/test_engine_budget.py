@@ -8,7 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from mlxserve.server.cli import _engine_config, make_parser
+from mlxserve.server.cli import make_parser
+from mlxserve.server.serve_command import _engine_config
 from mlxserve.server.config import EngineConfig
 from mlxserve.engine.core import EngineCore
 from mlxserve.memory.budget import compute_ceiling

@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 
-from mlxserve.server import cli
 from mlxserve.models import catalog
+from mlxserve.server import cli, serve_command
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +77,6 @@ def test_list_command_prints_a_table(model_dir, capsys):
 
 def test_model_dir_flag_becomes_model_specs(model_dir):
     args = cli.make_parser().parse_args(["serve", "--model-dir", str(model_dir), "--max-loaded-models", "1"])
-    fields = cli._models_fields(args)
+    fields = serve_command._models_fields(args)
     assert sorted(s.name for s in fields["models"]) == ["qwen-4bit", "qwen-small"]
     assert fields["max_loaded_models"] == 1

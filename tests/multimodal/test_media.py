@@ -257,7 +257,8 @@ def test_compressed_bodies_are_refused(media_server, routes):
 
 
 def test_serve_flags_reach_the_media_config(tmp_path):
-    from mlxserve.server.cli import _engine_config, _media_config, make_parser
+    from mlxserve.server.cli import make_parser
+    from mlxserve.server.serve_command import _engine_config, _media_config
 
     args = make_parser().parse_args([
         "serve", "--allowed-local-media-path", str(tmp_path), "--allowed-local-media-path", "/srv/media",

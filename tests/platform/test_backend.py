@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import mlxserve.server.cli as cli
 import mlxserve.platform.backend as backend
+import mlxserve.server.cli as cli
+import mlxserve.server.serve_command as serve_command
 
 
 def test_prefill_step_size_is_2048_on_cuda_and_512_elsewhere(monkeypatch):
@@ -14,7 +15,7 @@ def test_prefill_step_size_is_2048_on_cuda_and_512_elsewhere(monkeypatch):
 
 
 def test_serve_takes_the_backend_default_unless_a_size_is_given(monkeypatch):
-    monkeypatch.setattr(cli, "default_prefill_step_size", lambda: 2048)
+    monkeypatch.setattr(serve_command, "default_prefill_step_size", lambda: 2048)
     parser = cli.make_parser()
-    assert cli._engine_config(parser.parse_args(["serve", "m"])).prefill_step_size == 2048
-    assert cli._engine_config(parser.parse_args(["serve", "m", "--prefill-step-size", "256"])).prefill_step_size == 256
+    assert serve_command._engine_config(parser.parse_args(["serve", "m"])).prefill_step_size == 2048
+    assert serve_command._engine_config(parser.parse_args(["serve", "m", "--prefill-step-size", "256"])).prefill_step_size == 256

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from mlxserve.server import cli
+from mlxserve.server import cli, serve_command
 from mlxserve.server.foreign_flags import FOREIGN, translate
 
 
@@ -18,7 +18,7 @@ def _serve_args(argv, monkeypatch, env=None):
     for name, value in (env or {}).items():
         monkeypatch.setenv(name, value)
     seen = {}
-    monkeypatch.setattr(cli, "_serve", lambda args: seen.setdefault("args", args) and 0)
+    monkeypatch.setattr(serve_command, "_serve", lambda args: seen.setdefault("args", args) and 0)
     cli.main(["serve", *argv])
     return seen["args"]
 

@@ -380,7 +380,8 @@ def test_names_must_be_unique_and_paths_become_aliases():
 
 
 def test_cli_flags_and_file(tmp_path):
-    from mlxserve.server.cli import _models_fields, make_parser
+    from mlxserve.server.cli import make_parser
+    from mlxserve.server.serve_command import _models_fields
 
     path = tmp_path / "models.yaml"
     path.write_text("max_loaded_models: 3\nmodels:\n  - {name: a, path: /x/a, pinned: true}\n")

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from mlxserve.server import cli
+from mlxserve.server import cli, serve_command
 from mlxserve.server.settings import settings_defaults
 
 
@@ -17,7 +17,7 @@ def _serve_args(argv, monkeypatch, env=None):
         monkeypatch.setenv(name, value)
     seen = {}
     # make_parser (run inside main) picks up the stand-in, which keeps the namespace instead of serving.
-    monkeypatch.setattr(cli, "_serve", lambda args: seen.setdefault("args", args) and 0)
+    monkeypatch.setattr(serve_command, "_serve", lambda args: seen.setdefault("args", args) and 0)
     cli.main(["serve", *argv])
     return seen["args"]
 
