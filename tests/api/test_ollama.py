@@ -241,7 +241,7 @@ def test_real_pull_without_the_hub_says_why(monkeypatch):
 
 def test_manager_keep_alive_sets_the_idle_ttl_of_the_current_load():
     from mlxserve.server.manager import ModelState
-    from tests.models.test_manager import Clock, make_manager, spec, use
+    from tests.server.test_manager import Clock, make_manager, spec, use
 
     async def run():
         clock = Clock()
