@@ -14,14 +14,14 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from mlxserve.server.config import LoraSpec, ModelSpec
 from mlxserve.lora.registry import AdapterRegistry
 from mlxserve.memory.release import freeze_heap
 from mlxserve.models.specs import weights_on_disk
+from mlxserve.server.config import LoraSpec, ModelSpec
+from mlxserve.server.model_slot import (Loader, ModelSlot, ModelState, ModelUnavailableError, UnknownModelError,
+                                        mb)
 
 log = logging.getLogger(__name__)
 
@@ -31,54 +31,6 @@ _BUSY_WAIT_S = 300.0
 _POLL_S = 0.05
 # How often the ttl watcher looks when a client's keep_alive (not the config) started it.
 _KEEP_ALIVE_POLL_S = 0.5
-
-
-class ModelState(str, Enum):
-    NOT_LOADED = "not_loaded"
-    LOADING = "loading"
-    LOADED = "loaded"
-    UNLOADING = "unloading"
-
-
-class UnknownModelError(LookupError):
-    def __init__(self, requested: str, names: Sequence[str]) -> None:
-        shown = requested if len(requested) <= 200 else f"{requested[:200]}... ({len(requested)} characters)"
-        super().__init__(f"The model `{shown}` does not exist; this server serves "
-                         + ", ".join(f"`{n}`" for n in names) + ".")
-        self.requested, self.names = requested, list(names)
-
-
-class ModelUnavailableError(RuntimeError):
-    """A model that cannot be loaded now: no room (all others busy or pinned), or its load failed."""
-
-
-@dataclass
-class _Slot:
-    spec: ModelSpec
-    weight_bytes: int
-    state: ModelState = ModelState.NOT_LOADED
-    served: Any = None  # ServedModel while loaded
-    engine: Any = None  # AsyncEngine while loaded (started)
-    last_used: float = 0.0
-    # Requests holding or waiting for this model: a leased model is never unloaded.
-    num_leases: int = 0
-    task: asyncio.Future | None = None  # the load or unload in progress
-    error: str | None = None  # why the last load failed
-    loaded_at: int = 0  # unix time, the card's `created`
-    num_loads: int = 0
-    # A client's idle ttl for this load (Ollama's keep_alive), over the spec's; None: the spec's.
-    keep_alive_s: float | None = None
-
-    @property
-    def ttl_s(self) -> float | None:
-        return self.keep_alive_s if self.keep_alive_s is not None else self.spec.ttl_s
-
-    @property
-    def is_idle(self) -> bool:
-        return self.num_leases == 0 and (self.engine is None or self.engine.num_active == 0)
-
-
-Loader = Callable[[ModelSpec], "tuple[Any, Any]"]  # spec -> (ServedModel, AsyncEngine not yet started)
 
 
 class ModelManager:
@@ -97,7 +49,7 @@ class ModelManager:
     ) -> None:
         if not specs:
             raise ValueError("a server needs at least one model")
-        self._slots = {s.name: _Slot(s, size_of(s)) for s in specs}
+        self._slots = {s.name: ModelSlot(s, size_of(s)) for s in specs}
         self._names = {n: s.name for s in specs for n in (s.name, *s.aliases)}
         # LoRA adapters, each a model name on its base (lora/registry.py); a bad folder fails start-up here.
         self.adapters = AdapterRegistry(specs)
@@ -220,7 +172,7 @@ class ModelManager:
         return True
 
     # -- loading and unloading -----------------------------------------------------------------
-    async def _load(self, slot: _Slot) -> None:
+    async def _load(self, slot: ModelSlot) -> None:
         try:
             async with self._lock:
                 await self._make_room(slot)
@@ -233,7 +185,7 @@ class ModelManager:
         slot.served, slot.engine = served, engine
         self._mark_loaded(slot)
 
-    def _mark_loaded(self, slot: _Slot) -> None:
+    def _mark_loaded(self, slot: ModelSlot) -> None:
         slot.state, slot.error = ModelState.LOADED, None
         self.adapters.base_loaded(slot.spec.name, slot.engine, slot.spec.loras)
         slot.last_used, slot.loaded_at = self._clock(), int(time.time())
@@ -247,7 +199,7 @@ class ModelManager:
         freeze_heap()
         return served, engine
 
-    async def _unload(self, slot: _Slot, reason: str) -> None:
+    async def _unload(self, slot: ModelSlot, reason: str) -> None:
         """Under the lock: stops the engine and drops every reference before memory is released."""
         log.info("unloading model %r: %s", slot.spec.name, reason)
         slot.state = ModelState.UNLOADING
@@ -273,7 +225,7 @@ class ModelManager:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     # -- room ------------------------------------------------------------------------------------
-    async def _make_room(self, target: _Slot) -> None:
+    async def _make_room(self, target: ModelSlot) -> None:
         """Unloads least recently used idle unpinned models until `target` fits; waits for busy ones
         to go idle (up to busy_wait_s) when only those could make room."""
         self._check_possible(target)
@@ -299,10 +251,10 @@ class ModelManager:
                                             "other loaded model is busy; retry shortly")
             await asyncio.sleep(_POLL_S)
 
-    def _loaded(self, but: _Slot) -> list[_Slot]:
+    def _loaded(self, but: ModelSlot) -> list[ModelSlot]:
         return [s for s in self._slots.values() if s is not but and s.state is ModelState.LOADED]
 
-    def _shortfall(self, target: _Slot) -> tuple[str, bool] | None:
+    def _shortfall(self, target: ModelSlot) -> tuple[str, bool] | None:
         """Why `target` does not fit next to the loaded models, and whether a configured cap says so
         (hard) or only the memory estimate; None when it fits."""
         loaded = self._loaded(target)
@@ -311,15 +263,15 @@ class ModelManager:
         if self.max_loaded_bytes is not None:
             used = sum(self._weight_bytes(s) for s in loaded)
             if used + target.weight_bytes > self.max_loaded_bytes:
-                return (f"weights {_mb(target.weight_bytes)} + {_mb(used)} loaded > max "
-                        f"{_mb(self.max_loaded_bytes)}"), True
+                return (f"weights {mb(target.weight_bytes)} + {mb(used)} loaded > max "
+                        f"{mb(self.max_loaded_bytes)}"), True
         elif self._free_bytes is not None and loaded:
             free = self._free_bytes()
             if free is not None and target.weight_bytes > free:
-                return f"weights {_mb(target.weight_bytes)} > {_mb(free)} free in the memory budget", False
+                return f"weights {mb(target.weight_bytes)} > {mb(free)} free in the memory budget", False
         return None
 
-    def _check_possible(self, target: _Slot) -> None:
+    def _check_possible(self, target: ModelSlot) -> None:
         """Refuses at once what unloading everything unpinned could not fix."""
         pinned = [s for s in self._loaded(target) if s.spec.pinned]
         if self.max_loaded_models is not None and len(pinned) >= self.max_loaded_models:
@@ -329,14 +281,14 @@ class ModelManager:
             floor = sum(self._weight_bytes(s) for s in pinned) + target.weight_bytes
             if floor > self.max_loaded_bytes:
                 raise ModelUnavailableError(f"cannot load `{target.spec.name}`: its weights "
-                                            f"{_mb(target.weight_bytes)} and the pinned models' do not fit in "
-                                            f"max {_mb(self.max_loaded_bytes)}")
+                                            f"{mb(target.weight_bytes)} and the pinned models' do not fit in "
+                                            f"max {mb(self.max_loaded_bytes)}")
 
-    def _weight_bytes(self, slot: _Slot) -> int:
+    def _weight_bytes(self, slot: ModelSlot) -> int:
         """A loaded model's weights and the LoRA adapters loaded on it."""
         return slot.weight_bytes + self.adapters.loaded_bytes(slot.spec.name, slot.engine)
 
-    def _check_adapter_room(self, adapter, slot: _Slot) -> None:
+    def _check_adapter_room(self, adapter, slot: ModelSlot) -> None:
         """A LoRA adapter about to load must fit --max-loaded-memory beside the loaded models (the engine
         checks its memory budget itself)."""
         if self.max_loaded_bytes is None or self.adapters.is_loaded(adapter, slot.engine):
@@ -344,10 +296,10 @@ class ModelManager:
         used = sum(self._weight_bytes(s) for s in self._slots.values() if s.state is ModelState.LOADED)
         if used + adapter.files.nbytes > self.max_loaded_bytes:
             raise ModelUnavailableError(f"cannot load LoRA adapter `{adapter.spec.name}`: its weights "
-                                        f"{_mb(adapter.files.nbytes)} + {_mb(used)} loaded > max "
-                                        f"{_mb(self.max_loaded_bytes)}")
+                                        f"{mb(adapter.files.nbytes)} + {mb(used)} loaded > max "
+                                        f"{mb(self.max_loaded_bytes)}")
 
-    def _lru_victim(self, target: _Slot) -> _Slot | None:
+    def _lru_victim(self, target: ModelSlot) -> ModelSlot | None:
         idle = [s for s in self._loaded(target) if not s.spec.pinned and s.is_idle]
         return min(idle, key=lambda s: s.last_used, default=None)
 
@@ -375,7 +327,7 @@ class ModelManager:
         return done
 
     @staticmethod
-    def _expired(slot: _Slot, now: float) -> bool:
+    def _expired(slot: ModelSlot, now: float) -> bool:
         ttl = slot.ttl_s
         # A pinned model goes only when a client asks for it to go at once (keep_alive 0, `ollama stop`).
         unpinned = not slot.spec.pinned or slot.keep_alive_s == 0
@@ -438,6 +390,3 @@ class ModelManager:
         engines = {s.spec.name: s.engine if s.state is ModelState.LOADED else None for s in self._slots.values()}
         return out + self.adapters.cards(engines, self._created)
 
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
