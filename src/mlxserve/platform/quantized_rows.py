@@ -28,7 +28,7 @@ import os
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map_with_path
+from mlx.utils import tree_flatten, tree_map_with_path
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,9 @@ _MIN_ROWS = 8
 # default) stay under it. The probe's 0.6B projections break even at 128-512 rows and gain from ~1,400; the
 # 8B's gain from 128 (1.0-1.5x) to 4,096 rows (3-4x); the whole prefill gained on both at this setting.
 DEQUANT_ROWS = 128
+# Row counts up to this run the tiled kernel; above it (from _MIN_ROWS rows on) a layer dequantizes too, while
+# that kernel is still being compiled by another process (platform/tile_compile.py, engine/warmup.py).
+ALL_TILED_ROWS = 1 << 30
 
 
 def _folded(matmul, x: mx.array, layer=None) -> mx.array:
@@ -50,7 +53,7 @@ def _folded(matmul, x: mx.array, layer=None) -> mx.array:
     layer of every step, so it reads the shape once."""
     shape = x.shape
     rows = x.size // shape[-1]
-    if layer is not None and 0 < layer.dequant_rows <= rows:
+    if layer is not None and (0 < layer.dequant_rows <= rows or (rows >= _MIN_ROWS and rows > layer.tiled_rows)):
         w = mx.dequantize(layer["weight"], layer["scales"], layer.get("biases"), layer.group_size, layer.bits,
                           getattr(layer, "mode", "affine"))
         y = (x.reshape(rows, shape[-1]) @ w.astype(x.dtype).T).reshape(*shape[:-1], -1)
@@ -69,6 +72,7 @@ class _FoldsRows:
 
 class RowsQuantizedLinear(nn.QuantizedLinear):
     dequant_rows = DEQUANT_ROWS  # 0: never (set per layer by fold_quantized_rows)
+    tiled_rows = ALL_TILED_ROWS  # set per layer by set_tiled_rows
 
     def __call__(self, x: mx.array) -> mx.array:
         return _folded(super().__call__, x, self)
@@ -76,6 +80,7 @@ class RowsQuantizedLinear(nn.QuantizedLinear):
 
 class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
     dequant_rows = DEQUANT_ROWS
+    tiled_rows = ALL_TILED_ROWS
 
     def as_linear(self, x: mx.array) -> mx.array:
         # The tied output head: the largest matmul of a small model's step.
@@ -132,6 +137,16 @@ def fold_quantized_rows(model: nn.Module, dequant_rows: int = DEQUANT_ROWS) -> i
     if replaced:
         model.update_modules(leaves)
     return replaced
+
+
+def set_tiled_rows(model: nn.Module, rows: int) -> int:
+    """Row counts up to `rows` take the tiled kernel in the model's row-folding layers, more (from _MIN_ROWS
+    on) dequantize + matmul; ALL_TILED_ROWS: no limit. Returns how many layers were set."""
+    layers = [m for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
+              if isinstance(m, (RowsQuantizedLinear, RowsQuantizedEmbedding))]
+    for layer in layers:
+        layer.tiled_rows = rows
+    return len(layers)
 
 
 def fold_on_cuda(model: nn.Module, environ=os.environ) -> int:

@@ -1,0 +1,200 @@
+"""Compiles MLX-CUDA's tiled quantized-matmul kernels in a helper process, so no request waits for them.
+
+MLX-CUDA 0.32 compiles its tiled quantized matmul (CUTLASS, through NVRTC) once per tile of rows: from 8
+rows on (below, a precompiled matrix-vector kernel runs), one module for up to 16 rows, one up to 32, one
+for more. On an H100 each took 39-50 s, about 130 of the 156 s a warm-up took with an empty kernel cache
+(docs/BENCHMARKS.md). MLX holds a process-wide lock while it compiles, which stops every other kernel lookup
+of the process: compiled on the engine thread or beside it, the server stalls for the whole compile.
+
+This process runs the model's quantized matmul shapes on its own at growing row counts; each compile lands in
+the kernel cache on disk (platform/kernel_cache.py), and a line `ready ROWS SECONDS` tells the server that
+every row count up to ROWS is compiled. Until then the server's quantized layers take dequantize + matmul for
+those rows, which needs no run-time kernel (platform/quantized_rows.py); afterwards MLX loads the binary from
+disk in milliseconds. MLX writes a cache file in place, so a process stopped mid-write would leave a truncated
+binary that every later start fails to load: this process compiles into a staging folder that links to the
+cache's files, and moves each new file into the cache whole, the kernel-name list before the binary (the
+binary's presence is what MLX looks for).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Row counts below this take MLX-CUDA's precompiled matrix-vector kernel (quantized_rows._MIN_ROWS).
+MIN_TILED_ROWS = 8
+
+
+def tile_checkpoints(buckets: list[int] | None, limit: int) -> list[int]:
+    """Row counts to compile at, ascending: each decode bucket from MIN_TILED_ROWS up to `limit` (where
+    layers switch to dequantize + matmul anyway), the powers of two between (tiles come in powers of two,
+    so every row count up to a checkpoint has its tile compiled once all checkpoints below it ran), and
+    `limit` - 1, which covers every row count below `limit`."""
+    rows = {b for b in buckets or () if MIN_TILED_ROWS <= b < limit}
+    p = MIN_TILED_ROWS
+    while p < limit:
+        rows.add(p)
+        p *= 2
+    if limit > MIN_TILED_ROWS:
+        rows.add(limit - 1)
+    return sorted(rows)
+
+
+def quantized_shapes(model: Any) -> list[list]:
+    """The distinct matmul problems of the model's row-folding quantized layers (quantized_rows.py), as
+    [out features, in features, bits, group size, mode, activation dtype, has biases]."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from mlxserve.platform.quantized_rows import RowsQuantizedEmbedding, RowsQuantizedLinear
+
+    shapes = set()
+    for _, layer in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+        if isinstance(layer, (RowsQuantizedLinear, RowsQuantizedEmbedding)):
+            out_features, packed = layer["weight"].shape
+            mode = getattr(layer, "mode", "affine")
+            # Affine scales have the activations' dtype; the float modes' are uint8 (bf16 activations then).
+            dtype = str(layer["scales"].dtype).rsplit(".", 1)[-1] if mode == "affine" else "bfloat16"
+            shapes.add((out_features, packed * 32 // layer.bits, layer.bits, layer.group_size, mode, dtype,
+                        layer.get("biases") is not None))
+    return [list(s) for s in sorted(shapes)]
+
+
+class TileCompiler:
+    """The helper process seen from the server: `poll()` returns what it reported since the last call,
+    without waiting. Reports: ("ready", rows, seconds), ("done", 0, total seconds) or ("failed", 0, 0.0)."""
+
+    def __init__(self, shapes: list[list], rows: list[int], cache_dir: Path, python: str = sys.executable) -> None:
+        self.spec = {"cache_dir": str(cache_dir), "rows": rows, "shapes": shapes}
+        self._python = python
+        self._proc: subprocess.Popen | None = None
+        self._reports: queue.SimpleQueue = queue.SimpleQueue()
+        self._started = 0.0
+
+    def start(self) -> None:
+        self._started = time.perf_counter()
+        self._proc = subprocess.Popen([self._python, "-m", "mlxserve.platform.tile_compile", json.dumps(self.spec)],
+                                      stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        threading.Thread(target=self._read, name="mlxserve-tile-compile", daemon=True).start()
+
+    def _read(self) -> None:
+        done = False
+        for line in self._proc.stdout:
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == "ready":
+                self._reports.put(("ready", int(parts[1]), float(parts[2])))
+            elif parts[:1] == ["done"]:
+                done = True
+                self._reports.put(("done", 0, time.perf_counter() - self._started))
+        if not done:  # it died, or was stopped
+            self._reports.put(("failed", 0, 0.0))
+
+    def poll(self) -> list[tuple[str, int, float]]:
+        out = []
+        while True:
+            try:
+                out.append(self._reports.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        """Stops the process if it still runs (its staging folder stays behind; the next run removes it)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+
+
+# -- the helper process ------------------------------------------------------------------------------------
+
+
+def _files(root: Path) -> set[Path]:
+    return {p.relative_to(root) for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")
+            and not any(part.startswith(".staging-") for part in p.relative_to(root).parts)}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def make_staging(cache: Path) -> tuple[Path, set[Path]]:
+    """A staging folder inside the cache holding links to every cached file (copies where links fail), so
+    MLX finds what is compiled already; stale staging folders of stopped runs are removed first."""
+    for old in cache.glob(".staging-*"):
+        pid = old.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    staging = cache / f".staging-{os.getpid()}"
+    staging.mkdir(parents=True, exist_ok=True)
+    linked = _files(cache)
+    for rel in linked:
+        (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(cache / rel, staging / rel)
+        except OSError:
+            shutil.copyfile(cache / rel, staging / rel)
+    return staging, linked
+
+
+def publish(staging: Path, cache: Path, linked: set[Path]) -> int:
+    """Moves the files MLX wrote into staging since the last call into the cache, each by one rename;
+    every binary (.ptx) after the other files of its module. Returns how many modules were published."""
+    new = sorted(_files(staging) - linked, key=lambda rel: (rel.suffix == ".ptx", str(rel)))
+    for rel in new:
+        (cache / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging / rel, cache / rel)
+    return sum(rel.suffix == ".ptx" for rel in new)
+
+
+def main(argv: list[str] | None = None) -> int:
+    spec = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    cache = Path(spec["cache_dir"])
+    staging, linked = make_staging(cache)
+    os.environ["MLX_PTX_CACHE_DIR"] = str(staging)  # before MLX's first compile, which reads it
+    import mlx.core as mx
+
+    try:
+        weights = []
+        for out_features, in_features, bits, group_size, mode, dtype, has_biases in spec["shapes"]:
+            dt = getattr(mx, dtype)
+            groups = in_features // group_size
+            scales = mx.ones((out_features, groups), dtype=dt if mode == "affine" else mx.uint8)
+            biases = mx.zeros((out_features, groups), dtype=dt) if has_biases else None
+            w = mx.zeros((out_features, in_features * bits // 32), dtype=mx.uint32)
+            weights.append((w, scales, biases, in_features, bits, group_size, mode, dt))
+        for rows in spec["rows"]:
+            started = time.perf_counter()
+            outs = [mx.quantized_matmul(mx.ones((rows, k), dtype=dt), w, scales, biases, transpose=True,
+                                        group_size=g, bits=b, mode=m)
+                    for w, scales, biases, k, b, g, m, dt in weights]
+            mx.eval(outs)
+            del outs
+            publish(staging, cache, linked)
+            print(f"ready {rows} {time.perf_counter() - started:.3f}", flush=True)
+        print("done", flush=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
