@@ -47,7 +47,7 @@ def test_channel_on_one_rank_round_trips():
 
 @pytest.fixture(scope="module")
 def tiny(qwen3_model_dir):
-    from mlxserve.cache.setup import probe_kv
+    from mlxserve.kv.kinds.probe import probe_kv
     from mlxserve.models.loader import load_model
 
     loaded = load_model(str(qwen3_model_dir))
@@ -55,7 +55,7 @@ def tiny(qwen3_model_dir):
 
 
 def test_recording_store_replays_the_schedulers_calls(tiny):
-    from mlxserve.cache.kv_store import KVBlock
+    from mlxserve.kv.store.kv_store import KVBlock
 
     _, layout = tiny
     lead, other = RecordingStore(layout, 16), RecordingStore(layout, 16)

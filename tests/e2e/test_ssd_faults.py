@@ -27,7 +27,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mlxserve.cache.ssd_tier import BlockData, BlockMeta, SSDTier
+from mlxserve.kv.store.ssd_format import BlockData, BlockMeta
+from mlxserve.kv.store.ssd_tier import SSDTier
 
 SERVED_NAME = "tiny"  # the name tests/e2e/conftest.py serves under
 BS = 16

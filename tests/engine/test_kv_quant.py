@@ -22,8 +22,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxserve.cache.kv_quant import DEQUANTIZED, QUANTIZED_ATTENTION, plan_kv_quant, probe_attention
-from mlxserve.cache.quantized_batch import BatchQuantizedKVCache
+from mlxserve.kv.kinds.kv_quant import DEQUANTIZED, QUANTIZED_ATTENTION, plan_kv_quant, probe_attention
+from mlxserve.kv.kinds.quantized import BatchQuantizedKVCache
 from mlxserve.server.config import EngineConfig
 from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams

@@ -168,7 +168,7 @@ def test_restart_from_the_ssd_tier(fx, tmp_path):
 def test_a_vision_model_with_recurrent_layers_keeps_the_cache_off(fx, tmp_path):
     """No recurrent-layer VLM has run snapshots with images: such a model (a recurrent text fixture
     marked as a VLM here) gets no prefix cache, while the Gemma 3 VLM gets one."""
-    from mlxserve.cache.setup import probe_kv
+    from mlxserve.kv.kinds.probe import probe_kv
     from mlxserve.testing.families import build_family_folder
     from mlxserve.models.loader import load_model
 

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from mlxserve.cache.hashing import block_hashes
+from mlxserve.kv.hashing import block_hashes
 from mlxserve.server.config import EngineConfig, LoraSpec, ModelSpec
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.lora.adapters import AdapterError, read_adapter

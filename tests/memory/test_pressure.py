@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from mlxserve.cache.prefix_cache import PrefixCacheManager
+from mlxserve.kv.prefix_cache import PrefixCacheManager
 from mlxserve.server.config import EngineConfig
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.engine.scheduler import Scheduler
@@ -61,7 +61,7 @@ def cached(prefix: PrefixCacheManager, tokens) -> bool:
 
 
 def prefix_hashes(prefix, tokens):
-    from mlxserve.cache.hashing import block_hashes
+    from mlxserve.kv.hashing import block_hashes
 
     return block_hashes(list(tokens), BS, model_key=prefix.model_key)
 
@@ -194,10 +194,10 @@ def test_the_vision_cache_gives_back_what_the_budget_takes():
 
 
 def test_snapshots_keep_their_share_of_the_prefix_memory_as_it_shrinks():
-    from mlxserve.cache.snapshots import SnapshotStore
+    from mlxserve.kv.store.snapshots import SnapshotStore
 
     budget, prefix, sched, gov, _ = make()
-    snapshots = SnapshotStore(budget.prefix_cache // 4)  # the start-up share (cache/setup.py)
+    snapshots = SnapshotStore(budget.prefix_cache // 4)  # the start-up share (kv/store/setup.py)
     gov.attach_snapshots(snapshots)
     assert gov.limits.prefix_blocks == (budget.prefix_cache - snapshots.max_bytes) // BLOCK
     for i in range(8):  # 16 MiB each: the 128 MiB share is full

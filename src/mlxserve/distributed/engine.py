@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from mlxserve.cache.kv_store import KVBlockStore
+from mlxserve.kv.store.kv_store import KVBlockStore
 from mlxserve.distributed.channel import Channel
 from mlxserve.distributed.config import DistributedConfig
 from mlxserve.engine.core import EngineCore

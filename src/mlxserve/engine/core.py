@@ -21,10 +21,11 @@ from mlxserve.engine.detokenizer import StopStringMatcher, make_detokenizer_fact
 from mlxserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from mlxserve.engine.runner.model_runner import ModelRunner, reseed_after_failure
 from mlxserve.engine.scheduler import Scheduler
-from mlxserve.cache.kv_quant import plan_kv_quant
-from mlxserve.cache.kv_store import KVBlockStore
+from mlxserve.kv.kinds.kv_quant import plan_kv_quant
+from mlxserve.kv.store.kv_store import KVBlockStore
 from mlxserve.engine.spec.setup import make_speculative, reserve_draft
-from mlxserve.cache.setup import make_prefix_cache, probe_kv
+from mlxserve.kv.kinds.probe import probe_kv
+from mlxserve.kv.store.setup import make_prefix_cache
 from mlxserve.memory.budget import kv_tokens, reserve_state
 from mlxserve.memory.pressure import MemoryGovernor
 from mlxserve.memory.profile import budget_config, startup_budget

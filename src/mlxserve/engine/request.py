@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxserve.cache.hashing import adapter_span
+from mlxserve.kv.hashing import adapter_span
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from mlxserve.cache.inflight import InflightBlocks
-from mlxserve.cache.prefix_cache import PrefixCacheManager, StoreOp
+from mlxserve.kv.inflight import InflightBlocks
+from mlxserve.kv.prefix_cache import PrefixCacheManager, StoreOp
 from mlxserve.server.config import EngineConfig
 from mlxserve.engine.request import Request, RequestStatus
 

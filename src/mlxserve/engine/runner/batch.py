@@ -43,7 +43,7 @@ def make_buckets(max_num_seqs: int) -> list[int]:
 def can_batch(cache: list[Any]) -> bool:
     """Whether every layer's cache kind has a batch version (mlx-lm's `merge`). Those that do not
     (e.g. chunked KV, or mlx-lm's own QuantizedKVCache) are served one sequence at a time; `--kv-bits`
-    uses cache/quantized_batch.py's batchable subclass instead."""
+    uses kv/kinds/quantized.py's batchable subclass instead."""
     return all(getattr(type(c), "merge", None) is not None for c in cache)
 
 

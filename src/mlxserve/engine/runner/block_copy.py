@@ -17,8 +17,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxserve.cache.kv_io import kv_slice, read_prefill_window, read_row_kv, read_row_window, read_state
-from mlxserve.cache.kv_store import KVBlock, KVBlockStore
+from mlxserve.kv.kinds.block_io import kv_slice, read_prefill_window, read_row_kv, read_row_window, read_state
+from mlxserve.kv.store.kv_store import KVBlock, KVBlockStore
 
 
 def copy_blocks(store: KVBlockStore, ops: list, cache: list[Any], row: int | None, pad: int | None,

@@ -17,8 +17,8 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxserve.cache.kv_io import read_prefill_window, read_state
-from mlxserve.cache.kv_store import KVBlockStore
+from mlxserve.kv.kinds.block_io import read_prefill_window, read_state
+from mlxserve.kv.store.kv_store import KVBlockStore
 from mlxserve.engine.runner.batch import DecodeBatch
 from mlxserve.engine.runner.batch_prefill import pick_rows, prefill_rows, why_not_batched
 from mlxserve.engine.runner.block_copy import copy_blocks

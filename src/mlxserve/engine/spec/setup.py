@@ -26,7 +26,7 @@ def reserve_draft(budget: Any, draft: Any, per_token: int) -> tuple[Any, int]:
 
     from mlx.utils import tree_flatten
 
-    from mlxserve.cache.setup import probe_kv
+    from mlxserve.kv.kinds.probe import probe_kv
 
     per_token += probe_kv(draft).budget_bytes_per_token
     if budget is None:

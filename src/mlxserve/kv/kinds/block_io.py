@@ -13,7 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxserve.cache.layout import KVLayout
+from mlxserve.kv.kinds.layout import KVLayout
 
 Snapshot = list[list[mx.array]]  # per recurrent layer, its ArraysCache arrays (batch 1)
 KVArrays = mx.array | tuple[mx.array, ...]  # a float block array, or the quantized tuple

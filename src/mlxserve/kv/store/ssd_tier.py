@@ -1,10 +1,7 @@
-"""The SSD cold tier of the prefix cache: one safetensors file per KV block.
+"""The SSD cold tier of the prefix cache: one safetensors file per KV block (`ssd_format.py`).
 
-Files are named by the block's chained hash (`hashing.disk_key`), so they survive restarts.
-Each carries a compatibility header (model, block size, layers, dtype, format version), the
-block's token ids and a sha256; a file failing any check is a miss and is deleted, never an
-error. No MLX here: blocks arrive as raw little-endian bytes (bfloat16 has no numpy dtype),
-stored as 1-D uint8 tensors that any safetensors reader opens; the real shapes are in the header.
+Files are named by the block's chained hash (`hashing.disk_key`), so they survive restarts. A file
+failing any check is a miss and is deleted, never an error. No MLX here.
 
 Threads: `put` only enqueues; one writer thread writes (temp file, fsync, rename) and keeps the
 size cap; `get` reads on the caller's thread. The index (hash -> size, LRU order) is shared and
@@ -14,132 +11,25 @@ guarded by one lock; file I/O stays outside it. The directory belongs to the tie
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import queue
-import re
 import threading
 import uuid
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from mlxserve.cache.hashing import disk_key
-
-FORMAT_VERSION = 2  # 2: attention KV concatenated on the last axis (MLA), sliding KV, snapshots
-BLOCK_SUFFIX = ".safetensors"
-TMP_SUFFIX = ".tmp"
-_BLOCK_NAME = re.compile(r"(?:[0-9a-f]{2})+" + re.escape(BLOCK_SUFFIX))  # what disk_key() makes
-# Far above any real header; bounds what a corrupt length prefix can make us allocate.
-_MAX_HEADER_BYTES = 16 << 20
-_METADATA = "__metadata__"
-
-
-@dataclass(frozen=True)
-class BlockMeta:
-    """What makes stored blocks usable by this server; any difference makes a file foreign."""
-
-    model_key: str
-    block_size: int
-    num_layers: int
-    dtype: str
-    format_version: int = FORMAT_VERSION
-    # Quantized KV (--kv-bits): bits, group size and quantized layers (KVQuantPlan.label); "none" for
-    # float KV, which files from before this field hold too (see LEGACY_FIELDS).
-    kv_quant: str = "none"
-
-    def header_fields(self) -> dict[str, str]:
-        return {k: str(v) for k, v in asdict(self).items()}  # safetensors metadata is str -> str
-
-
-# Header fields added after files were written without them, and the value such files stand for.
-LEGACY_FIELDS = {"kv_quant": "none"}
-
-
-@dataclass
-class BlockData:
-    """One block's KV: tensor name (e.g. "l0.k") -> (raw little-endian bytes, shape). On `put`
-    any C-contiguous buffer will do, but another thread writes it later: it must not change."""
-
-    token_ids: tuple[int, ...]
-    tensors: dict[str, tuple[bytes, tuple[int, ...]]]
-
-
-class _BadFile(Exception):
-    """A block file failed a check; the message says which."""
-
-
-class _Incompatible(_BadFile):
-    """A well-formed file from another model, block size, dtype or format version."""
-
-
-class _TokenMismatch(_BadFile):
-    """The file's tokens differ from the caller's: it cannot serve this hash."""
+from mlxserve.kv.hashing import disk_key
+from mlxserve.kv.store.ssd_format import (BLOCK_SUFFIX, METADATA, TMP_SUFFIX, BadFile, BlockData, BlockMeta,
+                                          Incompatible, TokenMismatch, encode, hash_from_name, read_block,
+                                          read_header)
 
 
 @dataclass(eq=False)  # identity tells the entry a reader saw from a later rewrite
 class _Entry:
     size: int
-
-
-def _checksum(block_hash: bytes, token_ids, shapes: list, buffers: list) -> str:
-    # Covers the manifest as well as the tensor bytes: a flipped header byte that still
-    # parses (a shape digit, a token id) must not be served either.
-    h = hashlib.sha256()
-    manifest = [block_hash.hex(), [int(t) for t in token_ids], shapes]
-    h.update(json.dumps(manifest, separators=(",", ":")).encode())
-    for buf in buffers:
-        h.update(buf)
-    return h.hexdigest()
-
-
-def _encode(meta: BlockMeta, block_hash: bytes, block: BlockData) -> tuple[bytes, list]:
-    """The safetensors length prefix + JSON header, and the buffers to write after it."""
-    entries, shapes, buffers, offset = {}, [], [], 0
-    for name, (buf, shape) in block.tensors.items():
-        size = memoryview(buf).nbytes
-        entries[name] = {"dtype": "U8", "shape": [size], "data_offsets": [offset, offset + size]}
-        shapes.append([name, [int(d) for d in shape]])
-        buffers.append(buf)
-        offset += size
-    metadata = {**meta.header_fields(), "block_hash": block_hash.hex(),
-                "token_ids": json.dumps([int(t) for t in block.token_ids], separators=(",", ":")),
-                "shapes": json.dumps(shapes, separators=(",", ":")),
-                "sha256": _checksum(block_hash, block.token_ids, shapes, buffers)}
-    header = json.dumps({_METADATA: metadata, **entries}, separators=(",", ":")).encode()
-    header += b" " * (-len(header) % 8)  # the format pads so tensor data starts 8-byte aligned
-    return len(header).to_bytes(8, "little") + header, buffers
-
-
-def _read_header(f, meta: BlockMeta, file_size: int) -> tuple[dict, list[tuple[str, int, int]]]:
-    """Check the header; return its metadata and tensors as (name, begin, end) in file order."""
-    header_len = int.from_bytes(f.read(8), "little")
-    if header_len > _MAX_HEADER_BYTES or 8 + header_len > file_size:  # also: shorter than 8 bytes
-        raise _BadFile(f"header length {header_len} out of range")
-    try:
-        header = json.loads(f.read(header_len))
-        metadata = header.pop(_METADATA)
-        for key, expected in meta.header_fields().items():
-            found = metadata.get(key, LEGACY_FIELDS.get(key))
-            if found != expected:
-                raise _Incompatible(f"{key}={found!r}, expected {expected!r}")
-        spans = sorted(((n, int(e["data_offsets"][0]), int(e["data_offsets"][1]))
-                        for n, e in header.items()), key=lambda span: span[1])
-    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
-        raise _BadFile(f"unreadable header: {exc!r}") from None
-    ends = [0] + [end for _, _, end in spans]  # the format wants the data tiled exactly
-    tiled = all(b == ends[i] and e >= b for i, (_, b, e) in enumerate(spans))
-    if not tiled or 8 + header_len + ends[-1] != file_size:
-        raise _BadFile(f"tensor offsets do not tile the {file_size}-byte file (truncated?)")
-    return metadata, spans
-
-
-def _hash_from_name(name: str) -> bytes | None:
-    """The block hash a file name stands for, or None for files that are not blocks."""
-    return bytes.fromhex(name[: -len(BLOCK_SUFFIX)]) if _BLOCK_NAME.fullmatch(name) else None
 
 
 class SSDTier:
@@ -178,7 +68,7 @@ class SSDTier:
         if len(block.token_ids) != self.meta.block_size:
             raise ValueError(f"a block has {self.meta.block_size} tokens, got {len(block.token_ids)}")
         views = [memoryview(buf) for buf, _ in block.tensors.values()]
-        if _METADATA in block.tensors or not all(v.c_contiguous for v in views):
+        if METADATA in block.tensors or not all(v.c_contiguous for v in views):
             raise ValueError("tensor buffers must be C-contiguous and not named __metadata__")
         nbytes = sum(v.nbytes for v in views)
         with self._lock:
@@ -212,8 +102,8 @@ class SSDTier:
             self._counts["reads"] += 1
         path = self._path(block_hash)
         try:
-            block = self._read_block(path, block_hash, tokens)
-        except (_BadFile, OSError) as exc:
+            block = read_block(path, self.meta, block_hash, tokens)
+        except (BadFile, OSError) as exc:
             self._on_bad_read(block_hash, entry, path, exc)
             return None
         with contextlib.suppress(OSError):
@@ -237,7 +127,7 @@ class SSDTier:
             self._bytes = 0
         count = 0
         for item in os.scandir(self.directory):
-            if _hash_from_name(item.name) is not None and self._unlink(item.path):
+            if hash_from_name(item.name) is not None and self._unlink(item.path):
                 count += 1
         return count
 
@@ -256,27 +146,6 @@ class SSDTier:
             return {"num_blocks": len(self._index), "bytes": self._bytes, "max_bytes": self.max_bytes,
                     "pending_writes": len(self._pending), **self._counts}
 
-    def _read_block(self, path: Path, block_hash: bytes, tokens: tuple[int, ...]) -> BlockData:
-        with open(path, "rb") as f:
-            metadata, spans = _read_header(f, self.meta, os.fstat(f.fileno()).st_size)
-            try:
-                if metadata["block_hash"] != block_hash.hex():
-                    raise _BadFile("file holds another block hash")
-                stored = tuple(json.loads(metadata["token_ids"]))
-                if stored != tokens:
-                    raise _TokenMismatch("stored token ids differ from the request's")
-                shapes = json.loads(metadata["shapes"])
-                if [s[0] for s in shapes] != [name for name, _, _ in spans]:
-                    raise _BadFile("shapes do not match the tensors")
-                expected_sum = metadata["sha256"]
-            except (ValueError, KeyError, TypeError, IndexError) as exc:
-                raise _BadFile(f"unreadable metadata: {exc!r}") from None
-            buffers = [f.read(end - begin) for _, begin, end in spans]
-        if _checksum(block_hash, stored, shapes, buffers) != expected_sum:  # also catches short reads
-            raise _BadFile("checksum mismatch")
-        tensors = {name: (buf, tuple(shape)) for (name, shape), buf in zip(shapes, buffers)}
-        return BlockData(stored, tensors)
-
     def _on_bad_read(self, block_hash: bytes, entry: _Entry, path: Path, exc: Exception) -> None:
         with self._lock:
             # Only drop what we read: the writer may have evicted or rewritten it meanwhile.
@@ -285,8 +154,8 @@ class SSDTier:
                 del self._index[block_hash]
                 self._bytes -= entry.size
             self._counts["misses"] += 1
-            if isinstance(exc, _BadFile):
-                self._counts["collisions" if isinstance(exc, _TokenMismatch) else "corrupt_removed"] += 1
+            if isinstance(exc, BadFile):
+                self._counts["collisions" if isinstance(exc, TokenMismatch) else "corrupt_removed"] += 1
         # A vanished file is a race with eviction, not damage.
         level = logging.DEBUG if isinstance(exc, FileNotFoundError) else logging.WARNING
         self._log.log(level, "ssd tier: dropping block %s: %s", disk_key(block_hash), exc)
@@ -301,15 +170,15 @@ class SSDTier:
                 self._log.info("ssd tier: removing leftover temp file %s", item.name)
                 self._unlink(item.path)
                 continue
-            block_hash = _hash_from_name(item.name)
+            block_hash = hash_from_name(item.name)
             if block_hash is None:
                 continue
             try:
                 st = item.stat()
                 with open(item.path, "rb") as f:  # headers only: checksums are verified on read
-                    _read_header(f, self.meta, st.st_size)
-            except (_BadFile, OSError) as exc:
-                kind = "incompatible_removed" if isinstance(exc, _Incompatible) else "corrupt_removed"
+                    read_header(f, self.meta, st.st_size)
+            except (BadFile, OSError) as exc:
+                kind = "incompatible_removed" if isinstance(exc, Incompatible) else "corrupt_removed"
                 self._counts[kind] += 1
                 self._log.info("ssd tier: removing %s (%s)", item.name, exc)
                 self._unlink(item.path)
@@ -357,7 +226,7 @@ class SSDTier:
 
     def _write_block(self, block_hash: bytes, block: BlockData) -> int:
         """Write atomically: a reader or a crash sees the whole file or none of it."""
-        prefix, buffers = _encode(self.meta, block_hash, block)
+        prefix, buffers = encode(self.meta, block_hash, block)
         final = self._path(block_hash)
         tmp = final.with_name(f"{final.name}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}")
         try:

@@ -22,13 +22,13 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from mlxserve.cache.kv_io import KVArrays, Snapshot, fill_cache, kv_arrays
-from mlxserve.cache.layout import KVLayout
-from mlxserve.cache.snapshots import SnapshotStore
-from mlxserve.cache.spill import QUANT_TENSORS, SpillQueue, block_from_data, snapshot_from_data, window_from_data
+from mlxserve.kv.kinds.block_io import KVArrays, Snapshot, fill_cache, kv_arrays
+from mlxserve.kv.kinds.layout import KVLayout
+from mlxserve.kv.store.snapshots import SnapshotStore
+from mlxserve.kv.store.spill import QUANT_TENSORS, SpillQueue, block_from_data, snapshot_from_data, window_from_data
 
 WINDOW_MARK = "window"  # a block file's tensor: its sliding KV is in a window file of its own
-from mlxserve.cache.ssd_tier import SSDTier
+from mlxserve.kv.store.ssd_tier import SSDTier
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlxserve.cache.snapshots import SnapshotStore
+from mlxserve.kv.store.snapshots import SnapshotStore
 
 
 def test_budget_evicts_least_recently_used_but_never_a_pinned_snapshot():

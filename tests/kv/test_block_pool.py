@@ -1,7 +1,7 @@
 import pytest
 
-from mlxserve.cache.block_pool import Block, BlockPool, FreeBlockQueue, NoFreeBlocksError
-from mlxserve.cache.hashing import hash_block
+from mlxserve.kv.block_pool import Block, BlockPool, FreeBlockQueue, NoFreeBlocksError
+from mlxserve.kv.hashing import hash_block
 
 BS = 4
 

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlxserve.cache.quantized_batch import BatchQuantizedKVCache, QuantizedRowKVCache
+from mlxserve.kv.kinds.quantized import BatchQuantizedKVCache, QuantizedRowKVCache
 from mlxserve.engine.runner.kv_prealloc import reserve, room
 from mlxserve.engine.spec.verify import rewind
 

@@ -1,6 +1,6 @@
 import pytest
 
-from mlxserve.cache.hashing import (
+from mlxserve.kv.hashing import (
     HASH_SIZE,
     block_extra_keys,
     block_hashes,

@@ -19,7 +19,7 @@ from typing import Any
 
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from mlxserve.cache.quantized_batch import QuantizedRowKVCache, quantized_width, quantized_widths
+from mlxserve.kv.kinds.quantized import QuantizedRowKVCache, quantized_width, quantized_widths
 
 KV, SWA, STATE = "kv", "swa", "state"
 

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlxserve.cache.quantized_batch import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantizedRowKVCache
+from mlxserve.kv.kinds.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantizedRowKVCache
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,9 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlxserve.cache.layout import KVLayout
-from mlxserve.cache.ssd_tier import BlockData, SSDTier
+from mlxserve.kv.kinds.layout import KVLayout
+from mlxserve.kv.store.ssd_format import BlockData
+from mlxserve.kv.store.ssd_tier import SSDTier
 
 
 def _from_bytes(raw: bytes, shape: Sequence[int], dtype: mx.Dtype) -> mx.array:

@@ -32,8 +32,8 @@ class ResumeCheck(Protocol):
 
     def take_lost_windows(self) -> list[int]: ...
 
-from mlxserve.cache.block_pool import Block, BlockPool
-from mlxserve.cache.hashing import extend_block_hashes
+from mlxserve.kv.block_pool import Block, BlockPool
+from mlxserve.kv.hashing import extend_block_hashes
 
 
 @dataclass(frozen=True)

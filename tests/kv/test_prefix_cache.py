@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
-from mlxserve.cache.hashing import block_hashes
-from mlxserve.cache.prefix_cache import PrefixCacheManager, StoreOp
+import mlxserve.kv
+from mlxserve.kv.hashing import block_hashes
+from mlxserve.kv.prefix_cache import PrefixCacheManager, StoreOp
 
 BS = 4
 
@@ -29,10 +31,20 @@ def store(mgr: PrefixCacheManager, tokens: list[int]) -> list[StoreOp]:
     return ops
 
 
-def test_prefix_cache_imports_no_tensor_library():
-    code = ("import sys, mlxserve.cache.prefix_cache; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'numpy')]; assert not bad, bad")
-    subprocess.run([sys.executable, "-c", code], check=True)
+# The logical half (every module directly in kv/) and the SSD tier's file handling: plain Python.
+NO_TENSOR_MODULES = [
+    *(f"mlxserve.kv.{p.stem}" for p in sorted(Path(mlxserve.kv.__file__).parent.glob("*.py"))),
+    "mlxserve.kv.store.snapshots", "mlxserve.kv.store.ssd_format", "mlxserve.kv.store.ssd_tier",
+]
+
+
+def test_kv_logical_modules_import_no_tensor_library():
+    assert {"mlxserve.kv.block_pool", "mlxserve.kv.prefix_cache", "mlxserve.kv.hashing",
+            "mlxserve.kv.inflight"} <= set(NO_TENSOR_MODULES)
+    for module in NO_TENSOR_MODULES:  # one interpreter each: an import of one must not hide another's
+        code = (f"import sys, {module}; "
+                "bad = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'numpy')]; assert not bad, bad")
+        subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_plan_store_covers_full_blocks_only_with_chained_hashes():
