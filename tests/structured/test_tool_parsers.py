@@ -8,16 +8,14 @@ import sys
 
 import pytest
 
+from mlxserve.structured.tool_formats import TOOL_PARSER_NAMES, choose_tool_parser, get_tool_parser
 from mlxserve.structured.tool_parsers import (
-    TOOL_PARSER_NAMES,
     ContentDelta,
     StreamingToolParser,
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
-    choose_tool_parser,
     collect_tool_events,
-    get_tool_parser,
     parse_complete,
 )
 

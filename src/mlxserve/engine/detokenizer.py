@@ -11,7 +11,7 @@ from __future__ import annotations
 import codecs
 from typing import Any, Callable, Sequence
 
-from mlxserve.structured.tool_parsers import TOOL_TAGS
+from mlxserve.structured.tool_formats import TOOL_TAGS
 
 _CONTEXT_TOKENS = 6
 

@@ -203,7 +203,7 @@ def _prompt_builder(loaded: LoadedModel, config: ServerConfig, engine: EngineCon
 def output_conventions(loaded: LoadedModel, tool_call_parser: str | None) -> dict:
     """How this model's replies carry tool calls and reasoning, read off its chat template and vocabulary."""
     from mlxserve.structured.reasoning import reasoning_tags_for
-    from mlxserve.structured.tool_parsers import choose_tool_parser
+    from mlxserve.structured.tool_formats import choose_tool_parser
 
     tok = loaded.tokenizer
     template = getattr(tok, "chat_template", None)

@@ -238,7 +238,7 @@ class ServerConfig:
     media: MediaConfig = field(default_factory=MediaConfig)  # images and videos in requests (VLMs)
     # How weights are read: "auto" (models/loader.py's measured rule by size) or a strategy name.
     load_strategy: str = "auto"
-    # How replies carry tool calls (a structured.tool_parsers name); None: read off the chat template.
+    # How replies carry tool calls (a structured.tool_formats name); None: read off the chat template.
     tool_call_parser: str | None = None
     security: SecurityConfig = field(default_factory=SecurityConfig)  # keys, CORS, body and max_tokens limits
     # On SIGTERM/SIGINT running streams may finish for this long; then they end with an error event.
@@ -256,7 +256,7 @@ class ServerConfig:
         if self.load_strategy != "auto" and self.load_strategy not in LOAD_STRATEGIES:
             raise ValueError(f"load_strategy must be auto or one of {LOAD_STRATEGIES}, got {self.load_strategy!r}")
         if self.tool_call_parser is not None:
-            from mlxserve.structured.tool_parsers import get_tool_parser
+            from mlxserve.structured.tool_formats import get_tool_parser
 
             get_tool_parser(self.tool_call_parser)  # an unknown name fails here, listing the names
         if self.models and self.model is not None:

@@ -46,7 +46,7 @@ def add_serve_command(sub) -> argparse.ArgumentParser:
 
     serve.add_argument("--load-strategy", default="auto", choices=("auto",) + LOAD_STRATEGIES,
                        help="how weights are read (auto: by total weight size, see models/loader.py)")
-    from mlxserve.structured.tool_parsers import TOOL_PARSER_NAMES
+    from mlxserve.structured.tool_formats import TOOL_PARSER_NAMES
 
     serve.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSER_NAMES,
                        help="how the model writes tool calls (default: read off its chat template / model type)")
