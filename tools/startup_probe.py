@@ -1,0 +1,179 @@
+"""Start-up of one `mlxserve serve` from launch: when it answers, when the first request's first token comes,
+how long requests sent while the warm-up still runs wait (first token, longest gap between two tokens), when
+the warm-up ends, and the same load once it has ended. The server's log lines about the warm-up and the kernel
+cache are printed beside the numbers, each with its time since launch.
+
+usage: python tools/startup_probe.py MODEL_DIR --label cold-0.6b [--kernel-dir DIR] [--load-s 60]
+       [--concurrency 16] [--wait-warmup-s 240] [--out FILE.json] [-- SERVER FLAGS...]
+--kernel-dir: MLX_PTX_CACHE_DIR for the server (an empty folder: a fresh machine; one an earlier start
+filled: a warm restart). Runs where mlxserve, its MLX build and httpx import (tools/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+_WORDS = "time person year way day thing man world life hand part child eye woman place work week case point".split()
+_LOGGED = re.compile(r"loaded |memory budget|KV for running|warm-up|kernel cache|tiled|slow engine step|Traceback|Error|"
+                     r"ready on")
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
+
+
+def _prompt(tag: str, i: int, words: int = 170) -> str:
+    rng = random.Random(f"{tag}/{i}")
+    return f"Request {tag}.{i}: " + " ".join(rng.choices(_WORDS, k=words))
+
+
+async def _one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, t0: float) -> dict:
+    body = {"model": "bench", "stream": True, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True,
+            "messages": [{"role": "user", "content": prompt}]}
+    sent = time.monotonic()
+    first, last, gap, tokens = None, None, 0.0, 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"sent_s": sent - t0, "error": f"HTTP {r.status_code}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            delta = json.loads(line[6:])["choices"]
+            if not delta or not delta[0].get("delta", {}).get("content"):
+                continue
+            now = time.monotonic()
+            tokens += 1
+            if first is None:
+                first = now
+            else:
+                gap = max(gap, now - last)
+            last = now
+    if first is None:
+        return {"sent_s": sent - t0, "error": "no content"}
+    return {"sent_s": sent - t0, "ttft_s": first - sent, "max_gap_s": gap, "end_s": last - t0, "chunks": tokens}
+
+
+async def _waves(url: str, tag: str, concurrency: int, until: float, t0: float, max_tokens: int,
+                 min_waves: int = 1) -> list[dict]:
+    out, wave = [], 0
+    async with httpx.AsyncClient(timeout=600, trust_env=False) as client:
+        while wave < min_waves or time.monotonic() < until:
+            out += await asyncio.gather(*(_one(client, url, _prompt(f"{tag}{wave}", i), max_tokens, t0)
+                                          for i in range(concurrency)))
+            wave += 1
+    return out
+
+
+def _stats(results: list[dict]) -> dict:
+    ok = [r for r in results if "error" not in r]
+    ttft = sorted(r["ttft_s"] for r in ok)
+    return {"num": len(results), "errors": len(results) - len(ok),
+            "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None, "ttft_max_s": ttft[-1] if ttft else None,
+            "max_gap_s": max((r["max_gap_s"] for r in ok), default=None)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("--label", required=True)
+    p.add_argument("--kernel-dir", default=None)
+    p.add_argument("--load-s", type=float, default=60)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--wait-warmup-s", type=float, default=240)
+    p.add_argument("--out", default=None)
+    p.add_argument("server_args", nargs="*")
+    args = p.parse_args()
+    port = 8100 + random.randrange(800)
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.kernel_dir:
+        env["MLX_PTX_CACHE_DIR"] = args.kernel_dir
+    log_path = (args.out or f"/tmp/startup-{args.label}.json").rsplit(".", 1)[0] + ".log"
+    log = open(log_path, "w")
+    t0, wall0 = time.monotonic(), time.time()
+    server = subprocess.Popen([sys.executable, "-m", "mlxserve.server.cli", "serve", args.model, "--port", str(port),
+                               "--served-model-name", "bench", "--max-num-seqs", "64", *args.server_args],
+                              stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    lines: list[tuple[float, str]] = []
+    seen = 0
+
+    def read_log() -> None:  # each new line of the server's log, with its time since launch (its own stamp if any)
+        nonlocal seen
+        with open(log_path) as f:
+            text = f.read()
+        for line in text.splitlines()[seen:]:
+            m = _STAMP.match(line)
+            when = (time.mktime(time.strptime(m[1], "%Y-%m-%d %H:%M:%S")) + int(m[2]) / 1000 - wall0 if m
+                    else time.monotonic() - t0)
+            lines.append((when, line))
+        seen = len(text.splitlines())
+
+    out: dict = {"label": args.label}
+    try:
+        while True:
+            if server.poll() is not None:
+                read_log()
+                print("\n".join(line for _, line in lines[-30:]))
+                return 1
+            try:
+                if httpx.get(url + "/v1/models", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        out["ready_s"] = time.monotonic() - t0
+        first = asyncio.run(_first(url, t0))
+        out["first_request"] = first
+        out["first_token_s"] = first.get("sent_s", 0) + first.get("ttft_s", float("nan"))
+        during = asyncio.run(_waves(url, "during", args.concurrency, time.monotonic() + args.load_s, t0,
+                                    args.max_tokens))
+        out["during"] = _stats(during)
+        read_log()
+        deadline = time.monotonic() + args.wait_warmup_s
+        while not any("warm-up finished" in line for _, line in lines) and time.monotonic() < deadline:
+            time.sleep(1)
+            read_log()
+        finished = [t for t, line in lines if "warm-up finished" in line]
+        out["warmup_finished_s"] = finished[0] if finished else None
+        after = asyncio.run(_waves(url, "after", args.concurrency, 0, t0, args.max_tokens, min_waves=2))
+        out["after"] = _stats(after)
+        out["requests_during"] = during
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        read_log()
+    out["log"] = [f"{t:7.1f} s  {line[:260]}" for t, line in lines if _LOGGED.search(line)]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    done = out["warmup_finished_s"]
+    print(f"== {args.label}: ready {out['ready_s']:.1f} s, first token {out['first_token_s']:.1f} s after launch; "
+          f"warm-up finished {'%.1f s' % done if done is not None else 'not seen'}")
+    for key in ("during", "after"):
+        s = out[key]
+        f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        print(f"   {key:6s} c={args.concurrency}: {s['num']} requests, {s['errors']} errors, TTFT p50 "
+              f"{f(s['ttft_p50_s'])} s, max {f(s['ttft_max_s'])} s, longest gap between tokens {f(s['max_gap_s'])} s")
+    print("\n".join(out["log"][-25:]))
+    return 0
+
+
+async def _first(url: str, t0: float) -> dict:
+    async with httpx.AsyncClient(timeout=600, trust_env=False) as client:
+        return await _one(client, url, _prompt("first", 0), 16, t0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
