@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from mlxserve import cli  # noqa: E402
+from mlxserve.server import cli  # noqa: E402
 from mlxserve.bench import plot  # noqa: E402
 
 

@@ -17,19 +17,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from mlxserve.bench.report import format_table, write_json
 from mlxserve.bench.serve import (
-    RequestResult,
     ServeBenchConfig,
     ServeBenchError,
     add_arguments,
-    decode_rate,
-    e2e_rate,
-    make_prompt,
-    pooled_rate,
     run,
     run_level,
     run_serve_bench,
     summarize_level,
 )
+from mlxserve.bench.serve_request import RequestResult, decode_rate, e2e_rate, make_prompt, pooled_rate
 
 # Five SSE events, six tokens: " brown fox" stands for one event that carries two.
 PIECES = ["The", " quick", " brown fox", " jumps", " over"]

@@ -25,7 +25,8 @@ import time
 import uuid
 
 from mlxserve.bench.report import format_table, write_json
-from mlxserve.bench.serve import default_json_path, make_prompt
+from mlxserve.bench.serve import default_json_path
+from mlxserve.bench.serve_request import make_prompt
 from mlxserve.server.config import EngineConfig
 from mlxserve.engine.request import Request, SamplingParams
 
@@ -132,11 +133,11 @@ async def _served(cfg, prompt: str) -> dict:
     the server: 8B shape on an H100, 155 tok/s for the one stream timed right after another, 96-112 for the
     five timed first after the server sat idle while the raw row ran. The wake asks for few tokens so the
     timed stream stays close in time to the raw pass it is compared with."""
-    from mlxserve.bench.serve import _make_client, _timed_request
+    from mlxserve.bench.serve_request import make_client, timed_request
 
-    async with _make_client(cfg, 1) as client:
-        await _timed_request(client, dataclasses.replace(cfg, max_tokens=_WAKE_TOKENS), prompt)
-        result = await _timed_request(client, cfg, prompt)
+    async with make_client(cfg, 1) as client:
+        await timed_request(client, dataclasses.replace(cfg, max_tokens=_WAKE_TOKENS), prompt)
+        result = await timed_request(client, cfg, prompt)
     if not result.ok:
         raise RuntimeError(f"served request failed: {result.error}")
     gaps = sorted(result.itl_s)

@@ -17,14 +17,8 @@ from pathlib import Path
 
 from mlxserve.bench.engine import run_one
 from mlxserve.bench.report import format_table, write_json
-from mlxserve.bench.serve import (
-    RequestResult,
-    ServeBenchConfig,
-    add_load_arguments,
-    default_json_path,
-    make_prompt,
-    summarize_level,
-)
+from mlxserve.bench.serve import ServeBenchConfig, add_load_arguments, default_json_path, summarize_level
+from mlxserve.bench.serve_request import RequestResult, make_prompt
 from mlxserve.server.config import EngineConfig
 
 TABLE_COLUMNS = [
