@@ -10,9 +10,8 @@ def is_cuda() -> bool:
 
 def default_prefill_step_size() -> int:
     """Prompt tokens per engine step unless `--prefill-step-size` says otherwise: 2048 on MLX-CUDA, 512
-    elsewhere. On an H100 a step that prefilled 8 prompts together cost nearly the same for 64 tokens
-    each (34.6 ms) as for 180 (40.1 ms, random Qwen3-0.6B 4-bit; docs/BENCHMARKS.md, runs 11-12), so 512
-    tokens shared by 8 prompts paid that cost three times per prompt; at 64 streams steps that prefilled
-    took 48% of the engine's time. On Metal and the CPU a step's cost grows with its tokens, and 512 keeps
-    the decode streams' step time short while a prompt is prefilled."""
+    elsewhere. On MLX-CUDA a step that prefills several prompts costs about the same for a few tokens each
+    as for a few hundred, so small steps pay that cost several times per prompt (docs/BENCHMARKS.md,
+    "Prefill step size on MLX-CUDA"). On Metal and the CPU a step's cost grows with its tokens, and 512
+    keeps the decode streams' step time short while a prompt is prefilled."""
     return 2048 if is_cuda() else 512

@@ -2,15 +2,12 @@
 first forward of the process.
 
 cuDNN builds an execution graph for every new (query length, key length, mask) shape and keeps the last
-256. Measured on an H200 (MLX-CUDA 0.32.4, random Qwen3-0.6B 4-bit, 2026-11-25): a 5-token forward at a
-new offset 45-71 ms against 6 ms for a shape seen before; a 37-token suffix after 4k tokens 72-80 ms
-against 13 ms. Speculative verification meets a new key length at every step. Without cuDNN, MLX's unfused
-attention needs no graph (new-offset 5-token forward 8-17 ms) but a 4k prefill of shapes seen before takes
-95 ms instead of 46. Served traffic rarely repeats a shape (every prompt, suffix after a prefix hit and
-batch of prompts prefilled together has its own lengths), so `auto` turns cuDNN off. Measured under load
-on an H100 (random Qwen3-0.6B 4-bit, 2026-11-25, docs/BENCHMARKS.md run 13): a burst of 8 prompts of
-180-1,900 tokens got TTFT max 897 ms off against 1,535 ms on, c=1 TTFT 28 ms against 60 ms, and 16-64
-streams the same aggregate (within 4%). `on` keeps it for workloads that repeat long prompts' shapes.
+256. A new shape's graph costs several times the forward it serves, and speculative verification meets a
+new key length at every step; without cuDNN, MLX's unfused attention needs no graph, but a long prefill of
+shapes seen before runs at about half the speed. Served traffic rarely repeats a shape (every prompt, suffix
+after a prefix hit and batch of prompts prefilled together has its own lengths), so `auto` turns cuDNN off:
+under load that lowered burst and single-stream TTFT and left throughput as it was (docs/BENCHMARKS.md,
+"cuDNN attention"). `on` keeps it for workloads that repeat long prompts' shapes.
 MLX reads MLX_CUDA_USE_CUDNN_SDPA once, at its first attention call, so the choice holds for the whole
 process: the first engine decides, and an explicit environment variable wins.
 """

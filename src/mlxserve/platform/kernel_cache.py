@@ -3,7 +3,7 @@
 MLX-CUDA compiles its run-time kernels with NVRTC (to the GPU's own machine code where NVRTC can, else PTX)
 and writes each module's binary to MLX_PTX_CACHE_DIR, by default $TMPDIR/mlx/<mlx version>/ptx; a later
 process loads a module from there instead of compiling it again (mlx/backend/cuda/jit_module.cpp). With the
-modules on disk a 0.6B model's warm-up took 3-5 s on an H100, without them 103-157 s (docs/BENCHMARKS.md).
+modules on disk a warm-up takes seconds instead of minutes (docs/BENCHMARKS.md, "Compile stalls on MLX-CUDA").
 Most Linux systems empty /tmp at boot (a tmpfs, or systemd-tmpfiles), so a rebooted machine compiled
 everything again. The server points MLX at a folder in the user's cache instead, one per MLX version and GPU
 architecture: a module's file name says neither, and a binary from another version or GPU must never load.

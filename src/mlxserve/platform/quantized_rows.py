@@ -5,14 +5,13 @@ quantized matmul treats the leading axis as a batch of separate problems: its ti
 grid slice per row, each reading the whole weight matrix for a single useful row of its 16-row tile
 (mlx/backend/cuda/quantized/qmm: `l` is the grid's z extent). Weight reads, the cost of a decode step,
 then grow with the rows. The same activations as (rows, hidden) are one problem with `rows` rows, and the
-weights are read once per tile of rows: on an H100 a 16-row step of a 4-bit 8B model took 18 ms instead
-of 62 (docs/BENCHMARKS.md, run 18). Metal folds the batch itself, so this is
+weights are read once per tile of rows, which makes a decode step of many rows several times faster
+(docs/BENCHMARKS.md, "Quantized layers on MLX-CUDA"). Metal folds the batch itself, so this is
 applied on MLX-CUDA only (models/loader.py, distributed/shard.py).
 
 The other way round, at many rows (a prompt's chunk, several prompts' chunks prefilled together) the same
-kernel is slower than dequantizing the weight and one plain matmul (cuBLAS): on an H100 a whole prefill
-forward of 8 prompts x 176 tokens took 21.6 -> 14.3 ms for a 4-bit 0.6B model and 195.8 -> 74.2 ms for an
-8B one, logits unchanged (docs/BENCHMARKS.md, run 32). So from
+kernel is slower than dequantizing the weight and one plain matmul (cuBLAS), with the logits unchanged
+(docs/BENCHMARKS.md, "Quantized layers on MLX-CUDA"). So from
 `dequant_rows` rows on, a linear layer (and the tied head) takes that path. The dequantized copy of one
 weight lives only until its matmul has run; the start-up memory profile's prefill forward takes the same
 path, so the budget counts it.
@@ -36,8 +35,7 @@ log = logging.getLogger(__name__)
 # there only adds two reshapes to every layer of a step whose host time is the bottleneck.
 _MIN_ROWS = 8
 # From this many rows on, dequantize + matmul (see above). Decode batches (at most --max-num-seqs rows, 64 by
-# default) stay under it. The probe's 0.6B projections break even at 128-512 rows and gain from ~1,400; the
-# 8B's gain from 128 (1.0-1.5x) to 4,096 rows (3-4x); the whole prefill gained on both at this setting.
+# default) stay under it; at this setting the whole prefill gained on both probed shapes (docs/BENCHMARKS.md).
 DEQUANT_ROWS = 128
 # Row counts up to this run the tiled kernel; above it (from _MIN_ROWS rows on) a layer dequantizes too, while
 # that kernel is still being compiled by another process (platform/tile_compile.py, engine/warmup.py).

@@ -2,9 +2,10 @@
 
 MLX-CUDA 0.32 compiles its tiled quantized matmul (CUTLASS, through NVRTC) once per tile of rows: from 8
 rows on (below, a precompiled matrix-vector kernel runs), one module for up to 16 rows, one up to 32, one
-for more. On an H100 each took 39-50 s, about 130 of the 156 s a warm-up took with an empty kernel cache
-(docs/BENCHMARKS.md). MLX holds a process-wide lock while it compiles, which stops every other kernel lookup
-of the process: compiled on the engine thread or beside it, the server stalls for the whole compile.
+for more. Each takes tens of seconds, most of a warm-up with an empty kernel cache (docs/BENCHMARKS.md,
+"Compile stalls on MLX-CUDA"). MLX holds a process-wide lock while it compiles, which stops every other
+kernel lookup of the process: compiled on the engine thread or beside it, the server stalls for the whole
+compile.
 
 This process runs the model's quantized matmul shapes on its own at growing row counts; each compile lands in
 the kernel cache on disk (platform/kernel_cache.py), and a line `ready ROWS SECONDS` tells the server that

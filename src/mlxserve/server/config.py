@@ -30,8 +30,8 @@ class EngineConfig:
     # measured at start-up leaves for KV.
     kv_budget_tokens: int | None = None
     # Run the batch through its sizes at start-up, so kernels a backend compiles per shape at first
-    # use are ready before traffic: "auto" does so on MLX's CUDA backend, where a cold 16-stream load
-    # on an H100 saw a 34 s TTFT p99 (random 0.6B 4-bit, 2026-11-24). Metal and CPU gain nothing.
+    # use are ready before traffic: "auto" does so on MLX's CUDA backend, where a cold load otherwise
+    # stalls its first requests for seconds (docs/BENCHMARKS.md). Metal and CPU gain nothing.
     warmup: str = "auto"
     # Pad the decode batch to a few fixed sizes (fewer shapes to compile, some wasted rows); "auto":
     # on where the backend compiles per shape (CUDA), so warm-up covers ~10 sizes instead of every one.
@@ -71,11 +71,11 @@ class EngineConfig:
     speculative: str = "off"
     draft_model: str | None = None
     num_draft_tokens: int = 4
-    # MLX-CUDA only (platform/cudnn_attention.py): cuDNN attention builds a graph per new shape (40-80 ms);
+    # MLX-CUDA only (platform/cudnn_attention.py): cuDNN attention builds a graph per new shape;
     # "auto" turns it off (served traffic rarely repeats a shape), "on" keeps MLX's default.
     cudnn_attention: str = "auto"
     # Speculate only while at most this many requests decode: verifying drafts is nearly free while
-    # decode is memory-bound (small batches) and costs compute beyond (35-50% lost at 16 rows, H200).
+    # decode is memory-bound (small batches) and costs compute beyond (docs/BENCHMARKS.md).
     spec_max_batch: int = 4
 
     def __post_init__(self) -> None:

@@ -114,8 +114,8 @@ class GracefulServer(uvicorn.Server):
 
 # The HTTP thread and the engine thread share one GIL. Python makes a thread that wants it wait up to the
 # switch interval (5 ms by default) before the holder must let go, and under load the HTTP thread holds it
-# for long runs of SSE chunks while the engine thread's step waits to build its next graph. 1 ms measured no
-# different from the default on an H100 (docs/BENCHMARKS.md run 25), so Python's stays; this is for A/B runs.
+# for long runs of SSE chunks while the engine thread's step waits to build its next graph. A shorter interval
+# measured no different from the default (docs/BENCHMARKS.md), so Python's stays; this is for A/B runs.
 SWITCH_INTERVAL_ENV = "MLXSERVE_SWITCH_INTERVAL_MS"
 
 
