@@ -444,10 +444,9 @@ def _eos_ids(tokenizer: Any) -> frozenset[int]:
 def _memory_refresh_s(config: EngineConfig, mode: str) -> float:
     """Seconds between desktop mode's reads of free memory; 0 (the start-up budget stays) on MLX-CUDA.
     There free device memory cannot tell other processes' use from ours: MLX-CUDA hands freed buffers to
-    CUDA's memory pool, which keeps them beyond what MLX counts. Under load on an H100 (random Qwen3-0.6B
-    4-bit, 64 streams) it read 1.6 GiB free while MLX counted 9-10 GiB held and nothing else ran, and
-    the governor evicted the prefix cache and cut new requests' KV to ~18k tokens. A discrete GPU is not
-    the memory desktop apps draw on either."""
+    CUDA's memory pool, which keeps them beyond what MLX counts, so under load it read a fraction of what
+    was free and the governor evicted the prefix cache for nothing (docs/BENCHMARKS.md, "Memory readings
+    under CUDA's memory pool"). A discrete GPU is not the memory desktop apps draw on either."""
     if mode == "desktop" and config.memory_refresh_s and is_cuda():
         log.info("memory: on MLX-CUDA the budget stays as computed at start-up (free device memory counts "
                  "CUDA's pool of MLX's freed buffers as used)")

@@ -172,8 +172,8 @@ class AsyncEngine:
         import mlx.core as mx
 
         # The engine thread's own default stream, not `mx.new_stream`: on MLX's CUDA backend a new
-        # stream made every new prompt length stall for ~35 s (H200, mlx 0.32.4), the default one
-        # did not. The thread is the only one issuing MLX work, so it owns this stream all the same.
+        # stream made every new prompt length stall for tens of seconds, the default one did not
+        # (docs/BENCHMARKS.md). The thread is the only one issuing MLX work, so it owns this stream all the same.
         stream = mx.default_stream(mx.default_device())
         with mx.stream(stream):
             try:

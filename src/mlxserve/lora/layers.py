@@ -15,8 +15,8 @@ rows by adapter (ops growing with the adapters in the batch): on the CPU with a 
 Ranks are small, so the width K*R costs little. Only matmul, addmm and a multiply: every MLX backend has them.
 
 The gathered layout is kept for MLX-CUDA (`gather=True`): there each float matmul above goes through
-cuBLASLt, set up anew on every call, while a 4-bit base model runs only MLX's own kernels; an H200 took
-50 ms against 10 ms for a 16-row decode step of a 0.6B-shape 4-bit model with 4 adapters on every layer.
+cuBLASLt, set up anew on every call, while a 4-bit base model runs only MLX's own kernels, which made a
+decode step with adapters several times slower than the base model's (docs/BENCHMARKS.md).
 Gathered, each row takes its adapter's A and B (`take`, slot 0 all zeros for rows without one) and one
 position per row is a batched matrix-vector product, which MLX-CUDA runs with its own gemv kernel (ranks
 padded to a multiple of 32 for it). Both layouts give the same rows; the CPU keeps the dense one.

@@ -2,20 +2,19 @@
 
 Rows can be kept at a few fixed sizes ("buckets"). MLX's CUDA backend compiles kernels for every new
 shape it meets, and a batch that wanders over every size from 1 to 64 paid seconds per new size
-(a 63 s TTFT p99 in our first H200 run). With buckets the batch is padded with filler rows —
+(docs/BENCHMARKS.md, "Compile stalls on MLX-CUDA"). With buckets the batch is padded with filler rows —
 copies of a live row, so they hold finite values — and only a handful of shapes ever exist.
 
 A batch of one plain-KV row decodes through mlx-lm's own `KVCache` (the "lean" path): no left-padding
 mask, one integer rope offset — what `generate_step` runs. The batch cache's mask and per-row offsets
-cost a single stream a third of its speed on an H100 (step 6.4 ms vs 4.2 ms, random 0.6B 4-bit).
+cost a single stream much of its speed (docs/BENCHMARKS.md, "The decode batch").
 The row is copied out once when it is left alone and merged back when another joins.
 
 With buckets, a finished row stays as a filler and a prompt that joins later is written into its slot
 in place (`_fill_slots`): its keys and values right-aligned at the batch's write position, its left
 padding and offset set. Before, every join removed the fillers and re-padded the batch, two gathers
-and a concatenation of the whole batch's KV: on an H100 (random Qwen3-0.6B 4-bit, 64 rows of ~350
-positions) a filter took 25 ms and an extend 4 ms, against 0.8 ms to write a row into a slot, so a step
-that prefilled at 64 streams cost ~46 ms more than its prefill and decode. The batch shrinks only once
+and a concatenation of the whole batch's KV, each many times the cost of writing a row into a slot
+(docs/BENCHMARKS.md, "The decode batch"). The batch shrinks only once
 its live rows fit in a bucket under half its size, so traffic that hovers near a bucket boundary does
 not shrink and regrow it every few steps.
 """
@@ -249,9 +248,8 @@ class DecodeBatch:
     def _trim(self, at_least: int = 64) -> None:
         """Cuts the positions every live row has as left padding, once they are `at_least`: a batch whose
         slots are refilled never empties, and its write position would otherwise only grow (the width
-        every step's attention covers). One copy of the batch's KV per `at_least` positions, against
-        attention over them every step: on an H100 a 64-row step took ~1 ms longer per 100 positions
-        (docs/BENCHMARKS.md, runs 11-12) and a copy of the batch's KV ~4 ms."""
+        every step's attention covers). One copy of the batch's KV per `at_least` positions costs less than
+        attention over them every step (docs/BENCHMARKS.md, "The decode batch")."""
         left = self._host_pads()
         cut = min(left[i] for i, rid in enumerate(self.row_ids) if rid is not None)
         if cut < at_least:

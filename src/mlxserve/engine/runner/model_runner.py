@@ -53,10 +53,10 @@ class StepTokens:
 
 
 # On CUDA a last chunk whose logits (tokens x vocab) stay under this many runs as one forward, not two:
-# there a forward of a few tokens is bound by launching its kernels (~30 ms for a 4B model), so a prefix
-# hit's suffix costs one forward (docs/BENCHMARKS.md, #14). Elsewhere, and for longer chunks,
-# the last token runs alone so the LM head never runs over the chunk: on the CPU an 89-token suffix took
-# 65 ms as one forward against 10 ms as 88 + 1.
+# there a forward of a few tokens is bound by launching its kernels, so a prefix hit's suffix costs one
+# forward. Elsewhere, and for longer chunks, the last token runs alone so the LM head never runs over the
+# chunk, which there costs more than a second forward (docs/BENCHMARKS.md, "Prefill forwards and kernel
+# launches").
 _ONE_FORWARD_LOGITS = 1 << 25
 _PREFILL_PAD_TO = 32
 
@@ -84,8 +84,8 @@ class ModelRunner:
         self.one_forward_logits = _ONE_FORWARD_LOGITS if is_cuda() else 0
         # Batched prefill's first pass padded to a multiple of this many tokens on MLX-CUDA, so the server
         # meets few distinct forward shapes: with `--cudnn-attention on` every new attention shape costs a
-        # graph (45-71 ms, platform/cudnn_attention.py). Runs 13-16 (docs/BENCHMARKS.md) ran with it, cuDNN
-        # on and off; its own effect was not measured apart. Elsewhere shapes cost nothing, padding would.
+        # graph (platform/cudnn_attention.py); its own effect was not measured apart (docs/BENCHMARKS.md,
+        # "cuDNN attention"). Elsewhere shapes cost nothing, padding would.
         self.prefill_pad_to = _PREFILL_PAD_TO if is_cuda() else 1
         self.make_cache = make_cache  # a request's fresh caches (quantized layers under --kv-bits)
         self.grammar = grammar
@@ -157,8 +157,8 @@ class ModelRunner:
             self._joined_last_step = [j[0] for j in joined]
             if joined:
                 rids, caches, tokens = zip(*joined)
-                # The prefills start on the device now, while the host builds the decode step's graph
-                # (~5 ms for a 4B model): their first tokens, read back in `_decode`, come that much sooner.
+                # The prefills start on the device now, while the host builds the decode step's graph:
+                # their first tokens, read back in `_decode`, come that much sooner (docs/BENCHMARKS.md).
                 mx.async_eval(*tokens)
                 positions = None
                 if self.mm is not None:

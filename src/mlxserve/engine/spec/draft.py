@@ -77,7 +77,7 @@ class DraftModel:
 
 def _bucket(n: int) -> int:
     """Catch-up widths rounded up to powers of two (at least 8): MLX-CUDA compiles kernels for every new
-    shape, and a catch-up of each odd length took ~1 s (H100, 2026-11-25: 2.9 tok/s with a paused draft)."""
+    shape, and a catch-up of each odd length stalled the draft for a compile (docs/BENCHMARKS.md)."""
     return max(8, 1 << (n - 1).bit_length())
 
 

@@ -2,7 +2,7 @@
 
 Verifying K drafts costs K + 1 positions per row in the forward. While decode is memory-bound (few
 rows: the weights' read dominates) the extra positions are nearly free; in a large batch they are
-compute, and speculation lost 35-50% at 16 rows on an H200 (random Qwen3-0.6B 4-bit). So only small
+compute, and 16 speculating rows decoded slower than plain ones (docs/BENCHMARKS.md). So only small
 batches speculate (`can_speculate`), and a row whose drafts keep failing stops drafting for a while
 (`DraftLength`), so a useless draft costs little.
 """

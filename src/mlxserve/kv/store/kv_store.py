@@ -6,8 +6,8 @@ A block is at most two arrays (see `layout.py`): `kv` [full layers, kv_heads, bl
 value_width] (under --kv-bits the quantized tuple's three arrays, each laid out so) and, for
 sliding-window models, `swa` with the sliding layers' KV of the same positions when it was still in
 the window at store time. One array per kind, not per layer: storing, attaching
-and spilling then cost a kernel launch or a device-to-host copy per block (on an H200 the per-layer
-version made a hit slower than recomputing).
+and spilling then cost a kernel launch or a device-to-host copy per block (per layer, a hit was slower
+than recomputing: docs/BENCHMARKS.md).
 
 On the SSD tier `swa` has its own files (`window_ssd`): a hit reads it back only for the few blocks
 inside the window where it resumes, not for the whole chain (Gemma 3 4B: 29 of 34 layers slide).

@@ -2,7 +2,7 @@
 
 Blocks and snapshots stored in one step are copied to the host in one go the step after (by then
 they are computed, so the copy never waits on the device), or at once when the engine goes idle: on
-MLX-CUDA a copy per block cost more than recomputing the prefix (0.6B model on an H200: 32 blocks, ~400 ms).
+MLX-CUDA a copy per block cost more than recomputing the prefix (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
