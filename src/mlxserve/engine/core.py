@@ -238,8 +238,8 @@ class EngineCore:
     def _warm_traffic(self, prompt_len: int) -> None:
         """The paths real traffic takes beyond batch sizes: several prompts of unequal lengths joining
         a decoding batch in one step, a prompt split over steps, prompt blocks stored from a lone row
-        and from a padded batch, a prefix hit resuming mid-prompt. On an H100 a 37 s step met the
-        first burst of such joins after the size warm-up (random 0.6B 4-bit, 2026-11-24)."""
+        and from a padded batch, a prefix hit resuming mid-prompt: on MLX-CUDA the
+        first burst of such joins after the size warm-up stalled for seconds (docs/BENCHMARKS.md)."""
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         block = self.config.block_size
         step_size = self.config.prefill_step_size
@@ -258,8 +258,8 @@ class EngineCore:
         while self.has_work:
             self._warm_step()
         # Chat turns of similar length arriving together: as many as one forward prefills (rows of unequal
-        # lengths above are not all taken together). On an H100 the first such forward of 8 prompts
-        # after warm-up took 1.08 s (2026-11-25, run 11).
+        # lengths above are not all taken together): on MLX-CUDA the first such forward after
+        # warm-up took over a second (docs/BENCHMARKS.md).
         rows = min(self.config.max_num_prefill_rows, self.config.max_num_seqs)
         if rows > 1:
             n = min(block + 40, longest)
@@ -276,7 +276,7 @@ class EngineCore:
 
     def _warm_step(self) -> None:
         """One warm-up step; a slow one is logged with its work, so a long warm-up shows where it went
-        (on an H100 warm-up took 103-157 s with an empty kernel cache, 2026-11-25)."""
+        (with an empty kernel cache an MLX-CUDA warm-up takes minutes: docs/BENCHMARKS.md)."""
         started = time.perf_counter()
         self.step()
         took = time.perf_counter() - started
