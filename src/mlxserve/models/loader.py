@@ -72,7 +72,8 @@ def load_model(source: str, strategy: str = "auto") -> LoadedModel:
 
     loaded = _load(source, strategy)
     materialize(loaded.model)
-    fold_on_cuda(loaded.model)
+    if not getattr(loaded.model, "is_audio", False):  # audio models (audio/) are no nn.Module: nothing to fold
+        fold_on_cuda(loaded.model)
     return loaded
 
 
