@@ -18,7 +18,7 @@ class _Core:
     def __init__(self) -> None:
         self.requests: dict[str, Request] = {}
         self.aborted: list[str] = []
-        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, kv_capacity_tokens=1000)
+        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0)
         self.prefix = None
         self.kv_capacity_tokens = 1000
         self.config = SimpleNamespace(memory_refresh_s=0.05)
@@ -37,7 +37,7 @@ class _Core:
 
     def step(self) -> list[RequestOutput]:
         time.sleep(0.001)
-        self.scheduler.kv_capacity_tokens = 500  # as if memory pressure lowered it
+        self.kv_capacity_tokens = 500  # as if memory pressure lowered it
         return [RequestOutput(rid, [1], "x", 1, 1) for rid in self.requests]
 
     def on_idle(self) -> None:
@@ -92,7 +92,7 @@ def test_a_stream_left_early_aborts_once_and_a_finished_one_not_at_all():
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)
         assert engine.num_active == 0
-        # The live KV capacity follows the scheduler's (lowered under pressure), not the start-up one.
+        # The live KV capacity follows the core's (lowered under pressure), not the start-up one.
         assert engine.kv_capacity_tokens == 500
 
     try:

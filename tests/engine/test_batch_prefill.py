@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-import mlxserve.engine.runner.model_runner as runner_module
+import mlxserve.engine.runner.prefill as runner_module
 from mlxserve.server.config import EngineConfig
 from mlxserve.engine.runner.batch_prefill import why_not_batched
 from mlxserve.engine.core import EngineCore

@@ -78,7 +78,7 @@ def run_staggered(loaded, arrivals: list[tuple[int, list[int], int]], trim_at: i
         for o in core.step():
             assert o.error is None, o.error
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
-        held = core.runner._batch
+        held = core.runner.batch
         if held._pads is not None:  # the host copy of the rows' left padding never goes stale
             assert held._pads == held.cache[0].state[3].tolist()
             pads_checked.append(step)

@@ -78,7 +78,7 @@ def test_warmup_leaves_nothing_behind(loaded):
     a request afterwards decodes exactly as on a core that never warmed up."""
     from mlxserve.engine.runner.batch import make_buckets
 
-    import mlxserve.engine.runner.model_runner as runner_module
+    import mlxserve.engine.runner.prefill as runner_module
 
     config = EngineConfig(max_num_seqs=8, block_size=16, prefill_step_size=48)
     warmed = EngineCore(loaded.model, loaded.tokenizer, config, 4096, make_buckets(8))
@@ -126,7 +126,7 @@ def test_lone_row_decodes_through_a_plain_kv_cache(loaded):
                                                                       ignore_eos=True)))
         for out in core.step():
             got[out.request_id] += out.new_token_ids
-        cache = core.runner._batch.cache
+        cache = core.runner.batch.cache
         kinds.append(type(cache[0]) if cache else None)
     assert kinds[1] is KVCache  # alone
     assert BatchKVCache in kinds  # while the second request ran

@@ -144,7 +144,7 @@ def test_greedy_tokens_alone_among_8_and_joining(loaded, bits, mode):
     for _ in range(3):  # the rest join a running batch
         for o in together.step():
             early.setdefault(o.request_id, []).extend(o.new_token_ids)
-    held = together.runner._batch.cache  # the decode batch holds quantized KV
+    held = together.runner.batch.cache  # the decode batch holds quantized KV
     assert all(isinstance(c, BatchQuantizedKVCache) and c.kv_bits == bits for c in held) and len(held) == 2
     # Only with quantized attention does the cache have `bits`, which sends mlx-lm's attention there.
     assert all(hasattr(c, "bits") == (mode == "quantized") for c in held)
@@ -175,7 +175,7 @@ def test_buckets_and_kv_prealloc_keep_the_tokens(loaded, mode):
         for o in core.step():
             assert o.error is None, o.error
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
-        held = core.runner._batch
+        held = core.runner.batch
         if held.num_live == 5:
             full_steps += 1
             assert len(held) == 8 and all(c.keys[0].shape[2] >= 300 for c in held.cache)  # 3 fillers, reserved

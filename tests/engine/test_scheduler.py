@@ -9,6 +9,7 @@ import pytest
 
 from mlxserve.server.config import EngineConfig
 from mlxserve.engine.request import Request, RequestStatus, SamplingParams
+from mlxserve.memory.capacity import KVCapacity
 from mlxserve.engine.scheduler import PrefillChunk, QueueFullError, Scheduler, split_prefill_budget
 
 EOS = 0
@@ -293,14 +294,17 @@ def test_update_ignores_unknown_and_finished_requests():
 
 
 def test_finish_from_outside_the_scheduler():
+    """A stop string, found in the text outside the scheduler, ends the request through `update` too."""
     s = make_scheduler()
-    r = single(s)
+    r = single(s, max_tokens=3)
     s.schedule()
-    s.finish("x", RequestStatus.FINISHED_STOPPED)
-    assert r.finish_reason == "stop"
+    # What the request keeps of a speculative run: up to EOS, or to max_tokens; nothing changes yet.
+    assert s.num_kept(r, [5, EOS, 7]) == 2 and s.num_kept(r, [5, 6, 7, 8]) == 3 and r.output_token_ids == []
+    assert [f.request_id for f in s.update({"x": [5, 6]}, stopped={"x"})] == ["x"]
+    assert r.finish_reason == "stop" and r.output_token_ids == [5, 6]
     assert s.schedule().finished_request_ids == ["x"]
-    s.finish("x", RequestStatus.FINISHED_STOPPED)  # already gone: no-op
-    assert s.schedule().finished_request_ids == []
+    assert s.update({"x": [9]}, stopped={"x"}) == []  # already gone: no-op
+    assert s.schedule().finished_request_ids == [] and r.output_token_ids == [5, 6]
 
 
 def test_abort_waiting_request():
@@ -383,7 +387,7 @@ def test_full_lifecycle_many_requests():
 
 
 def test_kv_budget_admits_while_rows_times_longest_fit():
-    sched = Scheduler(EngineConfig(max_num_seqs=8), max_model_len=1024, kv_capacity_tokens=100)
+    sched = Scheduler(EngineConfig(max_num_seqs=8), max_model_len=1024, kv_capacity=KVCapacity(100))
     for i in range(4):
         sched.add_request(make_request(f"r{i}", num_prompt=10, max_tokens=20))  # 30 tokens each
     sched.schedule()
@@ -400,7 +404,7 @@ def test_kv_budget_admits_while_rows_times_longest_fit():
 
 
 def test_kv_budget_never_stalls_an_empty_engine():
-    sched = Scheduler(EngineConfig(), max_model_len=1024, kv_capacity_tokens=10)
+    sched = Scheduler(EngineConfig(), max_model_len=1024, kv_capacity=KVCapacity(10))
     sched.add_request(make_request("big", num_prompt=10, max_tokens=20))
     sched.schedule()
     assert "big" in sched.running

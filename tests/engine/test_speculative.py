@@ -123,7 +123,7 @@ def test_a_lone_row_speculates_on_the_lean_path(loaded, drafts, mode):
         for o in core.step():
             assert o.error is None, o.error
             ids += o.new_token_ids
-        lean_steps += core.runner._batch.is_lean
+        lean_steps += core.runner.batch.is_lean
     assert ids == plain["a"]["ids"]
     assert lean_steps > 0 and core.spec_stats()["num_accepted"] > 0
 
@@ -142,7 +142,7 @@ def test_greedy_identity_16_concurrent(loaded, drafts, concurrent_requests, plai
 
 def _draft_in_step(core: EngineCore) -> bool:
     """A draft model's cache of each live row holds all the row's KV but its last emitted token."""
-    batch = core.runner._batch
+    batch = core.runner.batch
     live = [i for i, rid in enumerate(batch.row_ids) if rid is not None]
     # A lone row decodes through mlx-lm's KVCache (the lean path): one int offset.
     target, draft = (c.offset.tolist() if hasattr(c.offset, "tolist") else [c.offset]
@@ -168,7 +168,7 @@ def test_batches_over_spec_max_batch_decode_plainly(loaded, drafts, mode):
             assert o.error is None
             got.setdefault(o.request_id, []).extend(o.new_token_ids)
         after = core.spec_stats()
-        num_live = core.runner._batch.num_live  # the rows this step decoded (finished ones leave next step)
+        num_live = core.runner.batch.num_live  # the rows this step decoded (finished ones leave next step)
         if not num_live:
             continue
         big = after["num_big_batch_steps"] - before["num_big_batch_steps"]
@@ -201,7 +201,7 @@ def test_a_row_whose_drafts_keep_failing_pauses_drafting(loaded, drafts):
         before = core.spec_stats()["num_steps"]
         for o in core.step():
             ids += o.new_token_ids
-        if core.spec_stats()["num_steps"] > before and core.runner._batch.num_live:
+        if core.spec_stats()["num_steps"] > before and core.runner.batch.num_live:
             assert _draft_in_step(core)
     assert ids == plain["a"]["ids"]
     stats = core.spec_stats()

@@ -44,7 +44,7 @@ def test_cli_flags_reach_the_engine_config():
 
 def test_prefix_cache_sized_from_the_budget_by_default(loaded):
     core = core_for(loaded)
-    block_bytes = core._block_bytes
+    block_bytes = core.block_bytes
     assert core.budget.prefix_cache > 0
     assert core.prefix.pool.num_blocks == core.budget.prefix_cache // block_bytes
     status = core.status()
@@ -56,7 +56,7 @@ def test_prefix_cache_sized_from_the_budget_by_default(loaded):
 def test_explicit_cache_memory_overrides_and_kv_gets_the_rest(loaded):
     default = core_for(loaded)
     fixed = core_for(loaded, cache_memory_bytes=8 << 20)
-    assert fixed.budget.prefix_cache == 8 << 20 and fixed.prefix.pool.num_blocks == (8 << 20) // fixed._block_bytes
+    assert fixed.budget.prefix_cache == 8 << 20 and fixed.prefix.pool.num_blocks == (8 << 20) // fixed.block_bytes
     rest = fixed.budget.ceiling - fixed.budget.weights - fixed.budget.activations
     assert fixed.budget.kv == rest - (8 << 20) - fixed.budget.vision_cache
     off = core_for(loaded, enable_prefix_cache=False)

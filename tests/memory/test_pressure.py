@@ -11,6 +11,7 @@ from mlxserve.kv.prefix_cache import PrefixCacheManager
 from mlxserve.server.config import EngineConfig
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.engine.scheduler import Scheduler
+from mlxserve.memory.capacity import KVCapacity
 from mlxserve.memory.budget import BudgetConfig, compute_budget
 from mlxserve.memory.device import MemoryReadings
 from mlxserve.memory.pressure import MemoryGovernor, limits_for
@@ -34,14 +35,14 @@ def make(mode: str = "desktop", kv_override=None):
     cfg = BudgetConfig(mode=mode, vision_cache_bytes=0, memory_utilization=0.25)
     budget = compute_budget(START, 1 * GIB, 1 * GIB, cfg)  # rest 2 GiB: prefix 512 MiB, KV 1.5 GiB
     prefix = PrefixCacheManager(budget.prefix_cache // BLOCK, BS, "m")
-    sched = Scheduler(EngineConfig(max_num_seqs=8, block_size=BS), 10_000, prefix,
-                      limits_for(budget, PER_TOKEN, BLOCK, kv_override).kv_tokens)
+    capacity = KVCapacity(limits_for(budget, PER_TOKEN, BLOCK, kv_override).kv_tokens)
+    sched = Scheduler(EngineConfig(max_num_seqs=8, block_size=BS), 10_000, prefix, capacity)
     # No runner stores blocks here, and the requests share their first tokens: a newcomer would wait for the
     # running request's blocks for ever. These tests are about memory, not about sharing a prefill.
     sched.wait_for_inflight = False
     clock = [0.0]
     gov = MemoryGovernor(budget, PER_TOKEN, prefix, sched, block_bytes=BLOCK, kv_tokens_override=kv_override,
-                         refresh_s=2.0, read=lambda: START, clock=lambda: clock[0])
+                         capacity=capacity, refresh_s=2.0, read=lambda: START, clock=lambda: clock[0])
     return budget, prefix, sched, gov, clock
 
 

@@ -109,7 +109,7 @@ def _measure_contexts(core, prompts: list[list[int]], max_tokens: int) -> int:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         core.add_request(Request(f"ctx-{i}", p, params))
-    while core.runner._batch.num_live < len(prompts):
+    while core.runner.batch.num_live < len(prompts):
         for out in core.step():
             if out.error:
                 raise RuntimeError(out.error)

@@ -253,7 +253,7 @@ class DistributedEngineCore(EngineCore):
             return
         kv = [k for k, _ in everyone if k is not None]
         if kv and (self.kv_capacity_tokens is None or min(kv) < self.kv_capacity_tokens):
-            self.kv_capacity_tokens = self.scheduler.kv_capacity_tokens = min(kv)
+            self.kv_capacity.tokens = min(kv)  # memory/capacity.py: the one holder
             log.info("KV capacity: %d tokens, the smallest rank's", self.kv_capacity_tokens)
         blocks = [b for _, b in everyone if b is not None]
         if self.prefix is not None and blocks and min(blocks) < self.prefix.max_cached_blocks:

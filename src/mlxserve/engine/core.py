@@ -18,15 +18,19 @@ from mlxserve.engine.runner.batch import can_batch
 from mlxserve.engine.runner.batch_prefill import why_not_batched
 from mlxserve.engine.grammar import GrammarSource
 from mlxserve.engine.detokenizer import StopStringMatcher, make_detokenizer_factory
-from mlxserve.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
-from mlxserve.engine.runner.model_runner import ModelRunner, reseed_after_failure
+from mlxserve.engine.request import Request, RequestOutput
+from mlxserve.engine.runner.model_runner import ModelRunner
+from mlxserve.engine.runner.sampling import reseed_after_failure
 from mlxserve.engine.scheduler import Scheduler
 from mlxserve.kv.kinds.kv_quant import plan_kv_quant
 from mlxserve.kv.store.kv_store import KVBlockStore
 from mlxserve.engine.spec.setup import make_speculative, reserve_draft
 from mlxserve.kv.kinds.probe import probe_kv
 from mlxserve.kv.store.setup import make_prefix_cache
-from mlxserve.memory.budget import kv_tokens, reserve_state
+from mlxserve.engine.status import cache_stats, describe_last_step, engine_status, spec_stats, vision_stats
+from mlxserve.engine.warmup import warm_up
+from mlxserve.memory.budget import reserve_state
+from mlxserve.memory.capacity import KVCapacity
 from mlxserve.memory.pressure import MemoryGovernor
 from mlxserve.memory.profile import budget_config, startup_budget
 from mlxserve.platform.backend import is_cuda
@@ -88,19 +92,18 @@ class EngineCore:
         if self.budget is not None and probe.bytes_per_seq:
             self.budget = reserve_state(self.budget, probe.bytes_per_seq * config.max_num_seqs)
         per_token = probe.budget_bytes_per_token
-        self._block_bytes = per_token * config.block_size
+        self.block_bytes = per_token * config.block_size
         self.spec = make_speculative(model, config, probe.logits_width)
-        if self.spec is not None and self.spec.draft_model is not None:
-            # The draft model's weights are fixed; its KV grows with every running token beside the target's.
-            self.budget, per_token = reserve_draft(self.budget, self.spec.draft_model, per_token)
-        self.kv_capacity_tokens = config.kv_budget_tokens  # at start-up; the scheduler holds the live one
-        if self.kv_capacity_tokens is None and self.budget is not None:
-            self.kv_capacity_tokens = kv_tokens(self.budget, per_token)
+        if self.spec is not None and self.spec.proposer.model is not None:
+            # A draft model's weights are fixed; its KV grows with every running token beside the target's.
+            self.budget, per_token = reserve_draft(self.budget, self.spec.proposer.model, per_token)
+        # The one holder of KV capacity (memory/capacity.py): the scheduler admits by it, the governor moves it.
+        self.kv_capacity = KVCapacity.at_startup(self.budget, per_token, config.kv_budget_tokens)
         prefix_bytes = self.budget.prefix_cache if self.budget is not None and prefix_on else None
         self.prefix, store = make_prefix_cache(model, config, model_key, probe, prefix_bytes, self.kv_quant,
                                                self.store_cls)
         # Recurrent state can be snapshotted only where a forward stops: chunks inside a prompt end on blocks.
-        self.scheduler = Scheduler(config, max_model_len, self.prefix, self.kv_capacity_tokens,
+        self.scheduler = Scheduler(config, max_model_len, self.prefix, self.kv_capacity,
                                    align_chunks=store is not None and store.wants_snapshots)
         # Vision features by image hash (VLMs only): the budget's vision share, or the flag without one.
         self.vision_cache = None
@@ -119,8 +122,8 @@ class EngineCore:
         self.governor = None
         if self.budget is not None:
             self.governor = MemoryGovernor(self.budget, per_token, self.prefix, self.scheduler,
-                                           block_bytes=self._block_bytes,
-                                           kv_tokens_override=config.kv_budget_tokens,
+                                           block_bytes=self.block_bytes,
+                                           kv_tokens_override=config.kv_budget_tokens, capacity=self.kv_capacity,
                                            refresh_s=_memory_refresh_s(config, self.budget.mode))
             self.governor.vision_cache = self.vision_cache
             if store is not None and store.wants_snapshots:
@@ -138,6 +141,10 @@ class EngineCore:
     def _startup_budget(self, model: Any, chunk_tokens: int, rules: Any, make_cache: Any = None):
         # A distributed core overrides this: every rank must run the same profiling forwards.
         return startup_budget(model, chunk_tokens, rules, make_cache)
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        return self.kv_capacity.tokens
 
     @property
     def has_work(self) -> bool:
@@ -175,19 +182,30 @@ class EngineCore:
         new: dict[str, list[int]] = {}  # a speculative step gives a request several tokens
         for rid, token in zip(step.request_ids, step.token_ids):
             new.setdefault(rid, []).append(token)
-        before = {rid: r.num_output_tokens for rid in new if (r := self._requests.get(rid)) is not None}
-        finished = {r.request_id for r in self.scheduler.update(new)}
-        for rid in new:
-            request = self._requests.get(rid)
-            if request is None:
+        # What each request keeps of them: EOS, max_tokens or a stop string (found in the text) inside a
+        # speculative run cut the rest. The scheduler then appends them and finishes whom they end.
+        kept: dict[str, list[int]] = {}
+        texts: dict[str, str] = {}
+        stopped: set[str] = set()
+        for rid, tokens in new.items():
+            request = self.scheduler.running.get(rid)
+            if request is None:  # finished or aborted while its tokens were in flight
                 continue
-            # What the scheduler kept: EOS or max_tokens inside a speculative run cut the rest.
-            tokens = request.output_token_ids[before[rid]:]
-            if not tokens:
-                continue
+            tokens = tokens[: self.scheduler.num_kept(request, tokens)]
             try:
-                out = self._make_output(request, tokens, rid in finished, before[rid])
-            except Exception as exc:  # e.g. a detokenizer or parser error: this request only
+                n, texts[rid], hit = self._text_of(rid, tokens)
+            except Exception as exc:  # e.g. a detokenizer error: this request only
+                log.exception("output of request %s failed", rid)
+                outputs.append(self._fail(rid, f"output failed: {exc}"))
+                continue
+            kept[rid] = tokens[:n]
+            if hit:
+                stopped.add(rid)
+        finished = {r.request_id for r in self.scheduler.update(kept, stopped)}
+        for rid, tokens in kept.items():
+            try:
+                out = self._make_output(self._requests[rid], tokens, texts[rid], rid in finished, rid in stopped)
+            except Exception as exc:
                 log.exception("output of request %s failed", rid)
                 outputs.append(self._fail(rid, f"output failed: {exc}"))
                 continue
@@ -205,106 +223,27 @@ class EngineCore:
         return RequestOutput(request_id, [], "", request.num_prompt_tokens, request.num_output_tokens, error=message)
 
     def warmup(self, max_batch: int, prompt_len: int = 16) -> None:
-        """Runs the decode batch through each size it can take (its buckets, else every size from 1
-        to `max_batch`) and back, so the kernels a backend compiles per shape at first use (MLX's CUDA
-        backend: seconds each) are compiled now and not while clients wait. Requests join so that
-        the batch steps through the sizes; each stays until the largest size has run. Afterwards
-        the buffers warm-up left in MLX's cache go back: they fit shapes traffic may never use."""
-        import mlx.core as mx
-
-        start = time.perf_counter()
-        buckets = self.runner.buckets or list(range(1, max_batch + 1))
-        sizes = [b for b in buckets if b <= max_batch]
-        params = SamplingParams(max_tokens=len(sizes) + 2, temperature=0.0, ignore_eos=True)
-        prompt = [i % 7 + 1 for i in range(prompt_len)]
-        joined = 0
-        for size in sizes:
-            while joined < size:
-                self.add_request(Request(f"warmup-{joined}", prompt, params))
-                joined += 1
-            self._warm_step()
-        while self.has_work:
-            self._warm_step()
-        sized = time.perf_counter()
-        self._warm_traffic(prompt_len)
-        mx.synchronize()
-        mx.clear_cache()
-        log.info("warm-up over decode batch sizes %s took %.1f s (sizes %.1f s, then prompt shapes); MLX memory "
-                 "after: %.2f GiB active, peak %.2f GiB", sizes if len(sizes) < 16 else f"1..{max_batch}",
-                 time.perf_counter() - start, sized - start, mx.get_active_memory() / 2**30,
-                 mx.get_peak_memory() / 2**30)
-        mx.reset_peak_memory()
-
-    def _warm_traffic(self, prompt_len: int) -> None:
-        """The paths real traffic takes beyond batch sizes: several prompts of unequal lengths joining
-        a decoding batch in one step, a prompt split over steps, prompt blocks stored from a lone row
-        and from a padded batch, a prefix hit resuming mid-prompt: on MLX-CUDA the
-        first burst of such joins after the size warm-up stalled for seconds (docs/BENCHMARKS.md)."""
-        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        block = self.config.block_size
-        step_size = self.config.prefill_step_size
-        longest = max(self.scheduler.max_model_len - 8, prompt_len)  # a small model's positions run out
-        lengths = [min(n, longest) for n in
-                   (block + 5, prompt_len, 2 * block + 17, step_size + 40, block // 2 + 3, 3 * block // 2)]
-        self.add_request(Request("warmup-lone", [i % 5 + 1 for i in range(min(block + 9, longest))], params))
-        self._warm_step()
-        for i, n in enumerate(lengths):
-            self.add_request(Request(f"warmup-burst-{i}", [(i + j) % 7 + 1 for j in range(n)], params))
-        while self.has_work:
-            self._warm_step()
-        # The same prompts again: prefix hits resume mid-prompt (a chunk after restored blocks).
-        for i, n in enumerate(lengths[:3]):
-            self.add_request(Request(f"warmup-hit-{i}", [(i + j) % 7 + 1 for j in range(n)] + [9, 9], params))
-        while self.has_work:
-            self._warm_step()
-        # Chat turns of similar length arriving together: as many as one forward prefills (rows of unequal
-        # lengths above are not all taken together): on MLX-CUDA the first such forward after
-        # warm-up took over a second (docs/BENCHMARKS.md).
-        rows = min(self.config.max_num_prefill_rows, self.config.max_num_seqs)
-        if rows > 1:
-            n = min(block + 40, longest)
-            for i in range(rows):
-                # Ids 10-22, unlike the prompts above: no prefix hit makes one row longer than the rest.
-                self.add_request(Request(f"warmup-wide-{i}", [(11 * i + j) % 13 + 10 for j in range(n - i)], params))
-            while self.has_work:
-                self._warm_step()
-        if self.prefix is not None:
-            # Warm-up's blocks are no one's prefix (an SSD tier may keep the few it wrote: no real
-            # prompt is made of token ids 1-22 repeated).
-            self.prefix.clear()
-            self.prefix.reset_stats()
-
-    def _warm_step(self) -> None:
-        """One warm-up step; a slow one is logged with its work, so a long warm-up shows where it went
-        (with an empty kernel cache an MLX-CUDA warm-up takes minutes: docs/BENCHMARKS.md)."""
-        started = time.perf_counter()
-        self.step()
-        took = time.perf_counter() - started
-        if took > 1.0:
-            log.info("warm-up step took %.1f s: %s", took, self.describe_last_step())
+        warm_up(self, max_batch, prompt_len)  # warmup.py
 
     def describe_last_step(self) -> str:
-        sched = self.last_sched
-        if sched is None:
-            return "nothing"
-        return (f"prefill chunks {[c.num_tokens for c in sched.prefill_chunks]}, "
-                f"{len(sched.decode_request_ids)} decoding in a batch of {self.runner.num_rows}, "
-                f"{sum(len(ops) for ops in sched.store_ops.values())} blocks stored; the runner took "
-                f"{self.last_execute_s:.2f} s, prefill {self.runner.last_prefill_s:.2f} s of it")
+        return describe_last_step(self)
 
-    def _make_output(self, request: Request, tokens: list[int], finished: bool, num_before: int) -> RequestOutput:
-        state = self._text[request.request_id]
-        text, hit = "", False
+    def _text_of(self, rid: str, tokens: list[int]) -> tuple[int, str, bool]:
+        """Feeds `tokens` to the request's detokenizer: (how many it keeps, their text, whether the last
+        kept one completed a stop string, which ends the output there, even inside a speculative run)."""
+        state = self._text[rid]
+        text, hit, n = "", False, 0
         for n, token in enumerate(tokens, 1):
             piece, hit = state.stop.feed(state.detok.add(token))
             text += piece
             if hit:
                 break
-        if hit and (not finished or n < len(tokens)):
-            # A stop string ends the output at the token that completed it, even inside a speculative run.
-            self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED, num_before + n)
-            tokens, finished = tokens[:n], True
-        elif finished and not hit:
+        return n, text, hit
+
+    def _make_output(self, request: Request, tokens: list[int], text: str, finished: bool, hit: bool,
+                     ) -> RequestOutput:
+        state = self._text[request.request_id]
+        if finished and not hit:
             tail, hit = state.stop.feed(state.detok.flush())
             text += tail if hit else tail + state.stop.flush()
         if text:
@@ -337,75 +276,25 @@ class EngineCore:
                 RequestOutput(rid, [], "", request.num_prompt_tokens, request.num_output_tokens, error=message)
             )
             self._forget(rid)
-        # Rebuild the runner's state from scratch: its caches may be half-updated, and so may the
+        # Start the runner's state from scratch: its caches may be half-updated, and so may the
         # prefix cache's planned blocks, so that starts empty too.
-        old = self.runner
-        if self.spec is not None:
-            self.spec.drop(list(self.spec.row_ids))
-        self.runner = self.runner_cls(old.model, old.buckets, old.store, old.block_size, self.vision_cache,
-                                      kv_prealloc_tokens=self.config.kv_prealloc_tokens, grammar=self.grammar,
-                                      make_cache=old.make_cache, spec=self.spec,
-                                      batch_prefill=self.config.max_num_prefill_rows > 1,
-                                      logits_width=old.logits_width, lora=old.lora)
+        self.runner.reset()
         self.scheduler.reset_after_failure()
         reseed_after_failure()
         return outputs
 
+    # What the status and cache endpoints read (status.py).
     def cache_stats(self) -> dict:
-        vision = {"vision": self.vision_stats()} if self.vision_cache is not None else {}
-        if self.prefix is None:
-            return {"enabled": False, **vision}
-        store = self.runner.store
-        tiers = store.stats()  # blocks and snapshots per tier; snapshots count against the budget
-        budget_bytes = self.prefix.max_cached_blocks * self._block_bytes + store.snapshots.max_bytes
-        return {"enabled": True, **self.prefix.stats(), "memory_bytes": store.nbytes, "budget_bytes": budget_bytes,
-                **tiers, **vision}
+        return cache_stats(self)
 
     def status(self) -> dict:
-        """The budget in force (desktop mode: after pressure) next to the start-up one and live
-        readings, for `GET /v1/status`."""
-
-        from mlxserve.memory.device import read_memory
-
-        def as_dict(budget):
-            if budget is None:
-                return None
-            d = dataclasses.asdict(budget)
-            d.pop("config", None)
-            return d
-
-        governor = self.governor
-        return {
-            "memory_mode": self.config.memory_mode,
-            "budget": as_dict(governor.live if governor is not None else self.budget),
-            "startup_budget": as_dict(self.budget),
-            "pressure": governor.status() if governor is not None else None,
-            "memory": dataclasses.asdict(read_memory()),
-            "kv_capacity_tokens": self.scheduler.kv_capacity_tokens,
-            "kv_bytes_per_token": self.probe.bytes_per_token,
-            "kv_dtype": str(self.probe.dtype).rsplit(".", 1)[-1],
-            "kv_quantization": self.kv_quant.status() if self.kv_quant is not None else None,
-            "kv_prealloc_tokens": self.config.kv_prealloc_tokens,
-            "num_running": self.scheduler.num_running,
-            "structured_output": self.grammar.stats(),
-            "num_waiting": self.scheduler.num_waiting,
-            "prefix_cache": self.cache_stats(),
-            "speculative": self.spec_stats(),
-            "cudnn_attention": self.cudnn_attention,
-        }
+        return engine_status(self)
 
     def spec_stats(self) -> dict:
-        """Speculative decoding's counters (mode "off" when it is not running)."""
-        if self.spec is None:
-            return {"mode": "off"}
-        return {"mode": self.spec.mode, "num_draft_tokens": self.spec.max_k, "spec_max_batch": self.spec.max_batch,
-                **self.spec.stats.as_dict()}
+        return spec_stats(self)
 
     def vision_stats(self) -> dict | None:
-        if self.vision_cache is None:
-            return None
-        mm = self.runner.mm
-        return {**self.vision_cache.stats(), "num_encoded": mm.num_encoded, "num_reused": mm.num_cache_hits}
+        return vision_stats(self)
 
     def clear_cache(self) -> int:
         """Both tiers (and the vision cache); blocks held by running requests stay until those finish."""

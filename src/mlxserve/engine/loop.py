@@ -56,7 +56,7 @@ class AsyncEngine:
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self.stats = EngineStats()
-        self.kv_capacity_tokens: int | None = None  # set once the core exists
+        self._core = None  # the engine thread's core, once built: read here only for its KV capacity
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -72,6 +72,12 @@ class AsyncEngine:
             self._inbox.put(("stop", None))
             self._thread.join(timeout=30)
             self._thread = None
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        """The live KV capacity (memory/capacity.py; desktop mode lowers it under memory pressure): the
+        API's "can never fit" check. One int read across threads, never a copy."""
+        return self._core.kv_capacity_tokens if self._core is not None else None
 
     @property
     def num_active(self) -> int:
@@ -160,7 +166,7 @@ class AsyncEngine:
             core.scheduler.num_running,
             core.scheduler.num_waiting,
             *((prefix.num_queried_tokens, prefix.num_hit_tokens, prefix.pool.num_cached) if prefix else (0, 0, 0)),
-            kv_capacity_tokens=self.kv_capacity_tokens or 0,
+            kv_capacity_tokens=core.kv_capacity_tokens or 0,
             kv_bytes_per_token=getattr(getattr(core, "probe", None), "bytes_per_token", 0),
             spec_drafted_tokens=spec.stats.num_drafted if spec is not None else 0,
             spec_accepted_tokens=spec.stats.num_accepted if spec is not None else 0,
@@ -182,7 +188,7 @@ class AsyncEngine:
                 self._startup_error = exc
                 self._ready.set()
                 return
-            self.kv_capacity_tokens = core.kv_capacity_tokens
+            self._core = core
             self.stats = self._read_stats(core)
             self._ready.set()
             # Idle, the loop still wakes now and then: desktop mode re-reads free memory in on_idle().
@@ -218,8 +224,6 @@ class AsyncEngine:
                     log.warning("slow engine step: %.2f s with %d running, %d waiting (%s)", elapsed,
                                 core.scheduler.num_running, core.scheduler.num_waiting, core.describe_last_step())
                 trace.write(core, waited, started, elapsed, len(outputs))
-                # Live: desktop mode lowers it under memory pressure (the API's "can never fit" check).
-                self.kv_capacity_tokens = core.scheduler.kv_capacity_tokens
                 self.stats = self._read_stats(core)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)

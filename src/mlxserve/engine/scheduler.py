@@ -16,6 +16,7 @@ from mlxserve.kv.inflight import InflightBlocks
 from mlxserve.kv.prefix_cache import PrefixCacheManager, StoreOp
 from mlxserve.server.config import EngineConfig
 from mlxserve.engine.request import Request, RequestStatus
+from mlxserve.memory.capacity import KVCapacity
 
 
 class QueueFullError(Exception):
@@ -76,13 +77,14 @@ class Scheduler:
         config: EngineConfig,
         max_model_len: int,
         prefix: PrefixCacheManager | None = None,
-        kv_capacity_tokens: int | None = None,
+        kv_capacity: KVCapacity | None = None,
         align_chunks: bool = False,
     ) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.prefix = prefix
-        self.kv_capacity_tokens = kv_capacity_tokens
+        # The KV tokens admission may hand out: memory/ owns the number (the governor moves it).
+        self.kv_capacity = kv_capacity if kv_capacity is not None else KVCapacity()
         # Prompt blocks being prefilled, by hash: a request whose next block is one of them waits for it
         # instead of computing it again beside its owner. Off: every request computes its own misses.
         self.inflight = InflightBlocks()
@@ -131,6 +133,10 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        return self.kv_capacity.tokens
 
     @property
     def num_committed_kv_tokens(self) -> int:
@@ -231,10 +237,20 @@ class Scheduler:
             return True
         return self._kv_bound([*self.running.values(), request]) <= self.kv_capacity_tokens
 
-    def update(self, new_tokens: dict[str, int | list[int]]) -> list[Request]:
+    def num_kept(self, request: Request, tokens: list[int]) -> int:
+        """How many of `tokens` (new for a running request) it keeps: up to the first that ends it (EOS, a
+        stop token, max_tokens, the model's length). Changes nothing; `update` appends them."""
+        for n, token in enumerate(tokens, 1):
+            if self._check_stop(request, token, request.num_output_tokens + n) is not None:
+                return n
+        return len(tokens)
+
+    def update(self, new_tokens: dict[str, int | list[int]], stopped: frozenset[str] | set[str] = frozenset(),
+               ) -> list[Request]:
         """Appends each request's new tokens (one, or several from a speculative step); returns the
         requests they finished. Tokens after the one that finished a request (EOS, max_tokens) are
-        dropped."""
+        dropped. `stopped`: requests whose last new token completed a stop string (found in their text,
+        outside the scheduler), which ends them there. The one place requests finish."""
         finished = []
         for request_id, tokens in new_tokens.items():
             request = self.running.get(request_id)
@@ -243,9 +259,11 @@ class Scheduler:
             status, start = None, request.num_tokens
             for token in [tokens] if isinstance(tokens, int) else tokens:
                 request.output_token_ids.append(token)
-                status = self._check_stop(request, token)
+                status = self._check_stop(request, token, request.num_output_tokens)
                 if status is not None:
                     break
+            if status is None and request_id in stopped:
+                status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self._finish(request, status)
                 finished.append(request)
@@ -275,29 +293,16 @@ class Scheduler:
             self.inflight.release(request_id)  # none of it will be stored: waiters compute it themselves
             self._next_store_block.pop(request_id, None)
 
-    def finish(self, request_id: str, status: RequestStatus, num_output_tokens: int | None = None) -> None:
-        """Ends a running request for a reason found outside the scheduler (a stop string). A stop
-        string inside a speculative run ends the output early: `num_output_tokens` keeps that many
-        (the KV of the rest is never cached: blocks are planned from the tokens kept)."""
-        request = self.running.get(request_id)
-        if request is None:
-            request = next((r for r in self._finished if r.request_id == request_id), None)
-        if request is None:
-            return
-        if num_output_tokens is not None:
-            del request.output_token_ids[num_output_tokens:]
-        if request.status is RequestStatus.RUNNING:
-            self._finish(request, status)
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+    def _check_stop(self, request: Request, token: int, num_output_tokens: int) -> RequestStatus | None:
+        """Whether `token`, as the request's `num_output_tokens`-th output token, ends it."""
         sp = request.sampling
         if not sp.ignore_eos and token in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token in sp.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= sp.max_tokens:
+        if num_output_tokens >= sp.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_prompt_tokens + request.num_output_tokens >= self.max_model_len:
+        if request.num_prompt_tokens + num_output_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

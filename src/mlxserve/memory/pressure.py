@@ -3,8 +3,9 @@ order — budget nobody holds yet (idle KV headroom, the prefix cache's empty ro
 cache's blocks (LRU first), then the KV that admission may hand to new requests — and takes it back
 when the pressure passes. Running requests are never touched: they finish with what they hold.
 
-No MLX here. The governor acts on the prefix cache and the scheduler only through their public
-handles (`set_max_cached_blocks`, `kv_capacity_tokens`), so tests drive it with fake readings.
+No MLX here. The governor acts on the prefix cache through its public handle (`set_max_cached_blocks`)
+and moves the KV capacity it shares with the scheduler (capacity.py), so tests drive it with fake
+readings.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from mlxserve.memory.budget import MemoryBudget, MemoryBudgetError, kv_tokens, shrink_for_pressure
+from mlxserve.memory.capacity import KVCapacity
 from mlxserve.memory.device import MemoryReadings, read_memory
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,7 @@ class MemoryGovernor:
         *,
         block_bytes: int | None = None,
         kv_tokens_override: int | None = None,
+        capacity: KVCapacity | None = None,
         refresh_s: float = 2.0,
         read: Callable[[], MemoryReadings] = read_memory,
         clock: Callable[[], float] = time.monotonic,
@@ -68,7 +71,8 @@ class MemoryGovernor:
         self.startup = budget
         self.live = budget
         self.prefix = prefix
-        self.scheduler = scheduler
+        self.scheduler = scheduler  # read only: the KV its running requests hold
+        self.capacity = capacity  # the KV tokens admission may hand out: set here under pressure
         self.vision_cache = None  # a VLM's VisionCache, set by its owner: shrinks with the budget
         self.snapshots = None  # recurrent-state snapshots (attach_snapshots): shrink with the prefix share
         self._snapshot_share = 0.0
@@ -161,8 +165,8 @@ class MemoryGovernor:
             evicted = self.prefix.set_max_cached_blocks(limits.prefix_blocks)
         if self.snapshots is not None and limits.snapshot_bytes is not None:
             evicted += self.snapshots.set_max_bytes(limits.snapshot_bytes)
-        if self.scheduler is not None:
-            self.scheduler.kv_capacity_tokens = limits.kv_tokens
+        if self.capacity is not None:
+            self.capacity.tokens = limits.kv_tokens
         self.limits = limits
         return evicted
 
@@ -183,7 +187,7 @@ class MemoryGovernor:
             "num_refreshes": self.num_refreshes,
             "num_changes": self.num_changes,
             "prefix_cache_max_blocks": self.limits.prefix_blocks,
-            "kv_capacity_tokens": self.limits.kv_tokens,
+            "kv_capacity_tokens": self.capacity.tokens if self.capacity is not None else self.limits.kv_tokens,
         }
 
 

@@ -81,8 +81,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.draft_model and self.speculative == "off":
             object.__setattr__(self, "speculative", "draft")
-        if self.speculative not in ("off", "ngram", "draft"):
-            raise ValueError("speculative must be off, ngram or draft")
+        from mlxserve.engine.spec.registry import proposer_names  # plain Python: the proposers' names
+
+        if self.speculative != "off" and self.speculative not in proposer_names():
+            raise ValueError(f"speculative must be off or one of {', '.join(proposer_names())}")
         if self.speculative == "draft" and not self.draft_model:
             raise ValueError("speculative decoding with a draft model needs draft_model")
         if not 1 <= self.num_draft_tokens <= 64:
@@ -163,7 +165,7 @@ class MediaConfig:
 
 @dataclass(frozen=True)
 class SecurityConfig:
-    """What a server shared with others checks before a request reaches a model (api/security.py)."""
+    """What a server shared with others checks before a request reaches a model (frontends/common/security.py)."""
 
     # Any one of these, as `Authorization: Bearer KEY` or `x-api-key: KEY`; empty: no key needed.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -243,7 +245,7 @@ class ServerConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)  # keys, CORS, body and max_tokens limits
     # On SIGTERM/SIGINT running streams may finish for this long; then they end with an error event.
     shutdown_timeout_s: float = 30.0
-    web_ui: bool = True  # the chat page and dashboard at / (api/web.py)
+    web_ui: bool = True  # the chat page and dashboard at / (frontends/admin/web.py)
     loras: tuple[LoraSpec, ...] = ()  # --lora adapters, put on their base model's spec by server.model_specs
 
     def __post_init__(self) -> None:

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from mlxserve.engine.spec.registry import proposer_names
 from mlxserve.platform.backend import default_prefill_step_size
 from mlxserve.server.config import EngineConfig, MediaConfig, SecurityConfig, ServerConfig, parse_memory
 from mlxserve.server.settings import fraction, size
@@ -106,7 +107,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
     p.add_argument("--decode-buckets", choices=["auto", "on", "off"], default=d.decode_buckets,
                    help="pad the decode batch to a few fixed sizes (auto: on for CUDA, which compiles per shape)")
-    p.add_argument("--speculative", choices=["off", "ngram", "draft"], default=d.speculative,
+    p.add_argument("--speculative", choices=["off", *proposer_names()], default=d.speculative,
                    help="speculative decoding in the decode batch: ngram (prompt lookup, no extra model) or draft"
                         " (--draft-model); greedy output is unchanged, sampled output keeps its distribution")
     p.add_argument("--draft-model", default=None, metavar="PATH",

@@ -10,6 +10,7 @@ take longer than a prefill chunk; splitting a tower across steps is not done).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -19,38 +20,37 @@ from mlxserve.models.vlm import VisionFeatures, VisionLanguageModel
 from mlxserve.multimodal.vision_cache import VisionCacheEntry
 
 
+@dataclass
+class MediaPlan:
+    """One prompt's multimodal prefill, kept on its row state while it prefills: positions [3, 1, L] of
+    the whole prompt, and the features it uses, held so an eviction from the vision cache between two
+    chunks cannot cost a re-encode."""
+
+    positions: mx.array
+    features: dict[str, VisionFeatures] = field(default_factory=dict)
+
+
 class MultimodalPrefill:
     def __init__(self, model: VisionLanguageModel, vision_cache: Any) -> None:
         self.model = model
         self.vision_cache = vision_cache  # VisionCache or None (off); engine thread only
-        # Per request in prefill: positions [3, 1, L] of the whole prompt, and the features it uses,
-        # held here so an eviction from the vision cache between two chunks cannot cost a re-encode.
-        self._positions: dict[str, mx.array] = {}
-        self._features: dict[str, dict[str, VisionFeatures]] = {}
         self.num_encoded = 0
         self.num_cache_hits = 0
 
-    def start(self, request: Request) -> int:
-        """Plans a request's prefill; returns its decode position delta."""
+    def start(self, request: Request) -> tuple[MediaPlan, int]:
+        """Plans a request's prefill; returns the plan and its decode position delta."""
         positions, delta = self.model.rope_index(request.prompt_token_ids, request.media)
-        self._positions[request.request_id] = positions
-        self._features[request.request_id] = {}
-        return delta
+        return MediaPlan(positions), delta
 
-    def finish(self, request_id: str) -> None:
-        self._positions.pop(request_id, None)
-        self._features.pop(request_id, None)
-
-    def forward(self, request: Request, start: int, end: int, cache: list[Any]) -> mx.array:
+    def forward(self, request: Request, plan: MediaPlan, start: int, end: int, cache: list[Any]) -> mx.array:
         """Runs prompt positions [start, end) through the language model; returns the logits."""
-        rid = request.request_id
         ids = mx.array(request.prompt_token_ids[start:end])[None]
-        embeds, visual_mask, deepstack = self._embed(request, start, end, ids)
-        positions = self._positions[rid][:, :, start:end]
+        embeds, visual_mask, deepstack = self._embed(request, plan, start, end, ids)
+        positions = plan.positions[:, :, start:end]
         return self.model.forward(ids, cache, positions, embeds, visual_mask, deepstack)
 
     # -- embeddings --------------------------------------------------------------------------------
-    def _embed(self, request: Request, start: int, end: int, ids: mx.array):
+    def _embed(self, request: Request, plan: MediaPlan, start: int, end: int, ids: mx.array):
         text = self.model.embed_tokens(ids)[0]  # [L, H]
         pieces, deep_pieces, cursor = [], [], start
         mask = None
@@ -59,7 +59,7 @@ class MultimodalPrefill:
             for span_start, span_len in item.spans:
                 lo, hi = max(span_start, start), min(span_start + span_len, end)
                 if lo < hi:
-                    feats = self._get(request.request_id, item)
+                    feats = self._get(plan, item)
                     if lo > cursor:
                         pieces.append(text[cursor - start : lo - start])
                     rows = slice(offset + lo - span_start, offset + hi - span_start)
@@ -83,8 +83,8 @@ class MultimodalPrefill:
         deepstack = [mx.concatenate(layer, axis=0) for layer in zip(*deep_pieces)]
         return embeds, mx.array(mask)[None], deepstack
 
-    def _get(self, request_id: str, item: MediaItem) -> VisionFeatures:
-        held = self._features[request_id]
+    def _get(self, plan: MediaPlan, item: MediaItem) -> VisionFeatures:
+        held = plan.features
         feats = held.get(item.content_hash)
         if feats is not None:
             return feats

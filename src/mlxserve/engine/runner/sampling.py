@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,3 +162,9 @@ def pending_arrays(pending: tuple) -> list[mx.array]:
     """The arrays of a pending (chosen, top) to evaluate (a speculative step leaves Python values)."""
     chosen, top = pending
     return [a for a in (chosen, *(top or ())) if isinstance(a, mx.array)]
+
+
+def reseed_after_failure() -> None:
+    """mlx-lm's samplers are mx.compile'd over mx.random.state; one that raised mid-trace leaves a
+    placeholder array there and every later unseeded sample would fail. Start a fresh key."""
+    mx.random.seed(time.time_ns() % 2**32)

@@ -2,38 +2,38 @@
 
 Row i is fed `[last, d1 .. dK]` (K: the longest draft this step; shorter drafts are padded and their
 padding is never accepted), keeps its accepted prefix and one more token from the target, and its KV
-is rewound past what it rejected (`speculative.rewind`). Emitted this step: `last` and the accepted
+is rewound past what it rejected (`verify.rewind`). Emitted this step: `last` and the accepted
 drafts, all of which the row's KV now holds (the invariant the prefix cache relies on); the extra
 token is fed, and emitted, next step, as in plain decoding.
 
 Constrained rows draft too: their grammar, advanced by `last`, cuts each draft at the first token it
 rejects and masks the logits at every position, so verification compares against the constrained
 target (`GrammarSource.mask_drafts`); after verification it advances by the accepted drafts. Rows
-with processors (penalties, logit bias) still ride in the same forward with no draft. With prompt
-lookup, a step where no row is inside a span its history already holds (judged before waiting for
-`last`) returns False and the runner decodes as usual, pipelined. Drafts are point masses (copied
-tokens, the draft model's argmax, unconstrained: the grammar cuts them), also for sampled rows:
-`speculative.verify_group` keeps their distribution exact.
+with processors (penalties, logit bias) still ride in the same forward with no draft. The drafts come
+from the proposer the registry names (registry.py); one that finds nothing to draft (prompt lookup
+with no row inside a span its history already holds, judged before waiting for `last`) makes the
+step return False and the runner decodes as usual, pipelined. Drafts are point masses (copied
+tokens, a draft model's argmax, unconstrained: the grammar cuts them), also for sampled rows:
+`verify.verify_group` keeps their distribution exact.
 
 A speculative step waits for its verification (the rewind needs the accepted counts), so it gives up
 the overlap of scheduling with the device that plain steps have; it reads everything it needs (the
 accepted counts, the tokens, the logprobs of emitted tokens) in one evaluation. Batches over
-`--spec-max-batch` requests and rows whose drafts keep failing do not speculate (spec_policy.py).
+`--spec-max-batch` requests and rows whose drafts keep failing do not speculate (policy.py).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from mlxserve.engine.spec.ngram import NgramIndex
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.engine.runner.sampling import gather_logprobs, pending_arrays, sample_batch, to_logprob
-from mlxserve.engine.spec.draft import DraftModel, last_emitted
 from mlxserve.engine.spec.policy import DraftLength, can_speculate
+from mlxserve.engine.spec.proposer import DraftStep, Proposer
 from mlxserve.engine.spec.verify import can_rewind, rewind, verify_group
 
 log = logging.getLogger(__name__)
@@ -58,49 +58,25 @@ class SpecStats:
         return {**self.__dict__, "acceptance_rate": rate}
 
 
-@dataclass
-class _Row:
-    length: DraftLength  # this row's draft length, adapted to its recent acceptance
-    index: NgramIndex = field(default_factory=NgramIndex)
-
-
 class SpeculativeDecoder:
-    """Per-row draft state and the speculative step. `draft_model` None: prompt lookup (n-grams)."""
+    """The speculative step over the runner's batch, with drafts from `proposer`. Its per-row state (a
+    row's draft length, the proposer's own) lives on the runner's row states."""
 
-    def __init__(self, num_draft_tokens: int, draft_model: Any = None, vocab_width: int = 0,
-                 max_batch: int = 4) -> None:
+    def __init__(self, num_draft_tokens: int, proposer: Proposer, max_batch: int = 4) -> None:
         self.max_k = num_draft_tokens
         self.max_batch = max_batch  # --spec-max-batch
-        self.draft = DraftModel(draft_model, vocab_width) if draft_model is not None else None
+        self.proposer = proposer
         self.stats = SpecStats()
-        self._rows: dict[str, _Row] = {}
         self._clock = 0  # decode steps seen, plain ones included: what rows' pauses count in
 
     @property
-    def draft_model(self) -> Any:
-        return self.draft.model if self.draft is not None else None
-
-    @property
-    def row_ids(self) -> list[str]:
-        """Every request it keeps state for: rows that speculated, and rows whose draft cache it tracks."""
-        held = self.draft.request_ids if self.draft is not None else []
-        return list(dict.fromkeys([*self._rows, *held]))
-
-    @property
     def mode(self) -> str:
-        return "draft" if self.draft is not None else "ngram"
-
-    def drop(self, request_ids) -> None:
-        request_ids = list(request_ids)
-        for rid in request_ids:
-            self._rows.pop(rid, None)
-        if self.draft is not None:
-            self.draft.drop(request_ids)
+        return self.proposer.name
 
     # -- the step ------------------------------------------------------------------------------
     def step(self, runner: Any, requests: dict[str, Request], out: Any) -> bool:
         """One speculative decode step of the runner's batch; False: this step decodes plainly."""
-        batch = runner._batch
+        batch = runner.batch
         self._clock += 1
         if not can_rewind(batch.cache):
             return False
@@ -109,49 +85,33 @@ class SpeculativeDecoder:
             self.stats.num_big_batch_steps += 1
             return False
         rids = list(batch.row_ids)
-        samplers = [runner._samplers[rid] if rid is not None else None for rid in rids]
+        states = [runner.rows[rid] if rid is not None else None for rid in rids]
+        samplers = [row.sampler if row is not None else None for row in states]
         # Processors see the tokens before the position they score: verifying K drafts would take K runs
         # of them over K histories, so these rows ride along without a draft.
         special = [i for i, s in enumerate(samplers) if s is not None and s.has_processors]
         plain = [i for i, s in enumerate(samplers) if s is not None and i not in special]
-        rows = {i: self._row(rids[i], requests[rids[i]]) for i in plain}
         # Each row's draft budget: its adapted length (0 while paused); emitted this step are `last`
         # and the accepted drafts, and max_tokens bounds how many can count.
         budget = {}
-        for i, row in rows.items():
-            request = requests[rids[i]]
-            k = min(row.length.length(self._clock), request.sampling.max_tokens - request.num_output_tokens - 1)
+        for i in plain:
+            row, request = states[i], requests[rids[i]]
+            if row.draft_length is None:
+                row.draft_length = DraftLength(self.max_k)
+            self.proposer.prepare(row, request)
+            k = min(row.draft_length.length(self._clock), request.sampling.max_tokens - request.num_output_tokens - 1)
             if k > 0:
                 budget[i] = k
-        lookup = self.draft is None
-        if not budget or (lookup and not any(rows[i].index.propose(1) for i in budget)):
+        draft_step = DraftStep(batch, rids, states, requests, budget)
+        proposal = self.proposer.propose(draft_step) if budget and self.proposer.can_draft(draft_step) else None
+        if proposal is None:
             # No row drafts (with prompt lookup: none is inside a span its history already holds, judged
             # without `last`, which is still being computed): decode plainly, pipelined.
             self.stats.num_plain_steps += 1
             return False
-        last = batch.tokens
-        lengths = [0] * len(rids)
-        last_ids = None
-        if lookup:
-            last_ids = last.tolist()  # the drafts continue from `last`
-            drafts_of: dict[int, list[int]] = {}
-            for i, k in budget.items():
-                rows[i].index.extend([last_ids[i]])
-                drafts_of[i] = rows[i].index.propose(k)
-                lengths[i] = len(drafts_of[i])
-            num_k = max(lengths)
-            if num_k == 0:
-                self.stats.num_plain_steps += 1
-                return False
-            fed = mx.array([[t, *drafts_of.get(i, ()), *[0] * (num_k - len(drafts_of.get(i, ())))]
-                            for i, t in enumerate(last_ids)], dtype=last.dtype)
-        else:
-            for i, k in budget.items():
-                lengths[i] = k
-            num_k = max(lengths)
-            self.draft.catch_up(rids, requests, batch.draft_cache)
-            prev = [last_emitted(requests[rid]) if rid is not None else 0 for rid in rids]
-            fed = self.draft.propose(mx.array(prev, dtype=last.dtype), last, num_k, batch.draft_cache)
+        fed, lengths = proposal
+        num_k = fed.shape[1] - 1
+        last, last_ids = batch.tokens, None
         drafts = fed[:, 1:]
         if batch.positions is not None:  # vision-language models: each row's positions carry its rope delta
             logits = runner.model(fed, cache=batch.cache, positions=batch.positions[:, None] + mx.arange(num_k + 1))
@@ -212,17 +172,17 @@ class SpeculativeDecoder:
         final = mx.concatenate([f.astype(last.dtype) for f in final_parts])[inv]
         # Logprobs: the fed tokens' (pending from the step before), then the next tokens' of rows
         # without a draft (sampled their own way), and lazily those of the other rows' emitted tokens.
-        pending = runner._pending_lp
-        fed_lps = {rid: pending.pop(rid) for rid in rids if rid in pending}
+        fed_lps = runner.take_fed_logprobs(rids)
+        kept = []
         if special and lp_special is not None:
-            runner._keep_logprobs([rids[i] for i in special], [samplers[i] for i in special],
-                                  final[mx.array(special)], lp_special)
+            kept = runner.keep_logprobs([rids[i] for i in special], [samplers[i] for i in special],
+                                        final[mx.array(special)], lp_special)
         wanted = [i for i in plain if samplers[i].params.logprobs]
         gathered = self._gather_logprobs(samplers, wanted, logprobs, drafts, accepted, final)
 
         # The one wait of the step: accepted counts, fed tokens and drafts, and every logprob to emit.
         head = mx.concatenate([accepted[:, None].astype(fed.dtype), fed], axis=1)
-        mx.eval(head, final, *gathered, *(a for v in (*fed_lps.values(), *pending.values()) for a in pending_arrays(v)))
+        mx.eval(head, final, *gathered, *kept, *(a for v in fed_lps.values() for a in pending_arrays(v)))
         host = head.tolist()
         accepted_ids = [h[0] for h in host]
         last_ids, draft_ids = [h[1] for h in host], [h[2:] for h in host]
@@ -235,18 +195,14 @@ class SpeculativeDecoder:
             if rids[i] not in out.failed:  # the final token is fed, and checked, next step
                 for token in draft_ids[i][: accepted_ids[i]]:
                     runner.grammar.feed(samplers[i].matcher, token)
-        if batch.draft_cache is not None:
-            rewind(batch.draft_cache, num_drop)
-            for i, rid in enumerate(rids):
-                if rid is not None:
-                    self.draft.advance(requests[rid], accepted_ids[i])
+        self.proposer.accept(draft_step, accepted_ids, num_drop)
         batch.tokens = final
         if batch.positions is not None:
             batch.positions = batch.positions + 1 + accepted
 
         self._emit(rids, last_ids, draft_ids, accepted_ids, out)
-        self._emit_logprobs(runner, fed_lps, wanted, rids, last_ids, draft_ids, accepted_ids, num_k, gathered, out)
-        self._adapt(rids, plain, proposed, lengths, accepted_ids)
+        self._emit_logprobs(states, fed_lps, wanted, rids, last_ids, draft_ids, accepted_ids, num_k, gathered, out)
+        self._adapt(states, plain, proposed, lengths, accepted_ids)
         return True
 
     @staticmethod
@@ -266,20 +222,6 @@ class SpeculativeDecoder:
         for (i, _, _), n in zip(walks, kept):
             lengths[i] = n
         return logits
-
-    def _row(self, rid: str, request: Request) -> _Row:
-        """The row's state; with prompt lookup its index brought up to the request's known tokens."""
-        row = self._rows.get(rid)
-        if row is None:
-            row = self._rows[rid] = _Row(DraftLength(self.max_k))
-        if self.draft is None:
-            known = len(row.index.tokens) - request.num_prompt_tokens
-            if known < 0 or known > request.num_output_tokens:
-                row.index = NgramIndex()
-                row.index.extend(request.prompt_token_ids)
-                known = 0
-            row.index.extend(request.output_token_ids[known:])
-        return row
 
     @staticmethod
     def _gather_logprobs(samplers, wanted, logprobs, drafts, accepted, final) -> tuple:
@@ -309,14 +251,14 @@ class SpeculativeDecoder:
             stats.num_emitted += len(tokens)
 
     @staticmethod
-    def _emit_logprobs(runner, fed_lps, wanted, rids, last_ids, draft_ids, accepted_ids, num_k, gathered,
+    def _emit_logprobs(states, fed_lps, wanted, rids, last_ids, draft_ids, accepted_ids, num_k, gathered,
                        out) -> None:
         """Logprobs of the fed tokens and of the accepted drafts; a drafting row's next token's stay
         pending until it is fed (rows without a draft: `_keep_logprobs` set theirs)."""
         for i, rid in enumerate(rids):
             fed_lp = fed_lps.get(rid)
             if fed_lp is not None and rid not in out.failed:
-                out.logprobs[rid] = [to_logprob(last_ids[i], fed_lp, runner._samplers[rid].params.top_logprobs)]
+                out.logprobs[rid] = [to_logprob(last_ids[i], fed_lp, states[i].sampler.params.top_logprobs)]
         if not wanted:
             return
         chosen = gathered[0].tolist()
@@ -326,13 +268,13 @@ class SpeculativeDecoder:
             rid, a = rids[i], accepted_ids[i]
             if rid in out.failed:
                 continue
-            k = runner._samplers[rid].params.top_logprobs
+            k = states[i].sampler.params.top_logprobs
             entries = [(chosen[p], (top_ids[p], top_vals[p]) if top_ids is not None else None)
                        for p in range(n * t, n * t + a + 1)]
             out.logprobs.setdefault(rid, []).extend(to_logprob(draft_ids[i][j], entries[j], k) for j in range(a))
-            runner._pending_lp[rid] = entries[a]
+            states[i].pending_logprob = entries[a]
 
-    def _adapt(self, rids, plain, proposed, lengths, accepted_ids) -> None:
+    def _adapt(self, states, plain, proposed, lengths, accepted_ids) -> None:
         """Stats count the drafts the target verified; a row's draft length adapts to what it proposed
         (a draft its grammar cut is a draft that failed there)."""
         stats = self.stats
@@ -340,6 +282,6 @@ class SpeculativeDecoder:
             n, a = lengths[i], accepted_ids[i]
             stats.num_drafted += n
             stats.num_accepted += a
-            if proposed[i] and self._rows[rids[i]].length.update(self._clock, proposed[i], a):
+            if proposed[i] and states[i].draft_length.update(self._clock, proposed[i], a):
                 stats.num_row_pauses += 1
 

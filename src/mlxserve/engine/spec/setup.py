@@ -1,4 +1,4 @@
-"""Whether speculative decoding can run for a model, and the decoder (and draft model) if so."""
+"""Whether speculative decoding can run for a model, and the decoder (with its registered proposer) if so."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxserve.server.config import EngineConfig
 from mlxserve.engine.spec.decoder import SpeculativeDecoder
+from mlxserve.engine.spec.registry import make_proposer
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +49,7 @@ def make_speculative(model: Any, config: EngineConfig, vocab_width: int) -> Spec
         log.warning("speculative decoding is off: this model's caches (%s) cannot be rewound past a rejected "
                     "draft (sliding-window and recurrent layers)", ", ".join(kinds))
         return None
-    draft = None
-    if config.speculative == "draft":
-        from mlxserve.models.loader import load_model
-
-        loaded = load_model(config.draft_model)
-        draft = loaded.model
-        if getattr(draft, "is_vlm", False) or not rewindable(draft):
-            raise ValueError(f"draft model {config.draft_model}: needs a text model with plain KV caches")
+    proposer = make_proposer(config.speculative, config, vocab_width)
     log.info("speculative decoding: %s, up to %d draft tokens per row and step, while at most %d requests decode",
-             "draft model " + str(config.draft_model) if draft is not None else "n-gram prompt lookup",
-             config.num_draft_tokens, config.spec_max_batch)
-    return SpeculativeDecoder(config.num_draft_tokens, draft, vocab_width, config.spec_max_batch)
+             proposer.describe(), config.num_draft_tokens, config.spec_max_batch)
+    return SpeculativeDecoder(config.num_draft_tokens, proposer, config.spec_max_batch)
