@@ -4,15 +4,20 @@ An adapter is served as a model name of its own (`NAME`, or `BASE:NAME`); a requ
 model's engine, its `Request.adapter` set. The engine holds the weights (manager.py); this registry only
 knows which engine has an adapter loaded: a base model unloaded takes its adapters with it, and the next
 request for one loads it again, as models load on first use. The `ModelManager` owns one registry.
+
+A request holds its adapter (`use`) from the moment it is routed until it is queued on the engine, the
+time its prompt is prepared: the engine cannot see it yet, so an unload meanwhile is refused here (409), as
+the engine refuses one while a queued or running request uses the adapter.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 from mlxserve.server.config import LoraSpec, ModelSpec
 from mlxserve.lora.adapters import AdapterBusy, AdapterError, AdapterFiles, adapter_id, read_adapter
@@ -28,6 +33,7 @@ class ServedAdapter:
     # (the base's ServedModel, the one requests for this adapter get: the base's under its name and adapter)
     served: tuple[Any, Any] | None = None
     loaded_at: int = 0
+    holders: int = 0  # requests routed to it and not yet queued on the engine (`AdapterRegistry.use`)
 
     @property
     def id(self) -> str:
@@ -90,6 +96,16 @@ class AdapterRegistry:
     def loaded_bytes(self, base: str, engine: Any) -> int:
         return sum(a.files.nbytes for a in self.adapters_of(base) if self.is_loaded(a, engine))
 
+    @contextlib.asynccontextmanager
+    async def use(self, adapter: ServedAdapter, served: Any, engine: Any) -> AsyncIterator[Any]:
+        """`attach`, held by a request until it is queued on the engine (leave it right after
+        `engine.generate`): meanwhile `unload` raises AdapterBusy."""
+        adapter.holders += 1
+        try:
+            yield await self.attach(adapter, served, engine)
+        finally:
+            adapter.holders -= 1
+
     async def attach(self, adapter: ServedAdapter, served: Any, engine: Any) -> Any:
         """The ServedModel for a request under `adapter` on its base (`served`, `engine`), loading the adapter
         into the engine first if it is not there."""
@@ -107,6 +123,10 @@ class AdapterRegistry:
 
     async def unload(self, adapter: ServedAdapter, engine: Any) -> None:
         """Unloads an adapter from its base's engine; AdapterBusy while requests use it."""
+        if adapter.holders:
+            # Their prompts are being prepared (or the adapter loaded for them): the engine has not seen them.
+            raise AdapterBusy(f"LoRA adapter {adapter.spec.name!r} is serving {adapter.holders} request(s); "
+                              "unload it when they end")
         if not self.is_loaded(adapter, engine):
             adapter.engine = None
             return

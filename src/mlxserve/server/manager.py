@@ -139,8 +139,11 @@ class ModelManager:
             slot.last_used = self._clock()
             if adapter is not None:
                 self._check_adapter_room(adapter, slot)
-            served = slot.served if adapter is None else await self.adapters.attach(adapter, slot.served, slot.engine)
-            yield served, slot.engine
+            if adapter is None:
+                yield slot.served, slot.engine
+            else:  # held until the request is queued: an adapter unload meanwhile is a 409 (lora/registry.py)
+                async with self.adapters.use(adapter, slot.served, slot.engine) as served:
+                    yield served, slot.engine
         finally:
             slot.num_leases -= 1
             slot.last_used = self._clock()
