@@ -60,7 +60,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_dist_server(model_dir, tmp_path: Path, *flags: str) -> DistServer:
+def spawn_dist_server(model_dir, tmp_path: Path, *flags: str) -> DistServer:
+    """The server process, started and not waited for."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     log_path = tmp_path / f"server-{port}.log"
@@ -69,7 +70,12 @@ def start_dist_server(model_dir, tmp_path: Path, *flags: str) -> DistServer:
            "--served-model-name", SERVED_NAME, "--memory-mode", "dedicated", "--no-web-ui", *flags]
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    server = DistServer(proc, f"http://127.0.0.1:{port}", log_path)
+    return DistServer(proc, f"http://127.0.0.1:{port}", log_path)
+
+
+def start_dist_server(model_dir, tmp_path: Path, *flags: str) -> DistServer:
+    server = spawn_dist_server(model_dir, tmp_path, *flags)
+    proc = server.proc
     deadline = time.monotonic() + _START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -1,5 +1,6 @@
-"""A rank that dies or stops answering: clients get an error (503), the server exits, nothing hangs.
-Every wait is bounded; the exit code says the supervisor, not a crash, ended the server."""
+"""A rank that dies or stops answering: clients get an error (503), the server exits, nothing hangs; a
+rank that dies during start-up ends the start-up at once, naming it. Every wait is bounded; the exit
+code says the supervisor, not a crash, ended the server."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import os
 import signal
 import subprocess
 import threading
+import time
 
 import httpx
 import openai
 import pytest
 
-from mlxserve.distributed.supervisor import FATAL_EXIT_CODE
-from tests.distributed.conftest import SERVED_NAME, start_dist_server
+from mlxserve.distributed.supervisor import FATAL_EXIT_CODE, STARTUP_EXIT_CODE
+from tests.distributed.conftest import SERVED_NAME, spawn_dist_server, start_dist_server
 
 _EXIT_BOUND_S = 60  # the server must be gone within this (it takes ~1-2 s; the bound only stops a hang)
 
@@ -67,4 +69,28 @@ def test_lost_rank_ends_streams_and_the_server(qwen3_model_dir, tmp_path, fault)
                 os.kill(rank1, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        server.stop()
+
+
+def test_a_rank_dying_during_warm_up_fails_the_start_up_at_once(qwen3_model_dir, tmp_path):
+    # Warm-up steps run on every rank (rank 0 sends them as plans): rank 1 killed in the middle of it.
+    server = spawn_dist_server(qwen3_model_dir, tmp_path, "--tensor-parallel", "2", "--warmup", "on",
+                               "--max-num-seqs", "32", "--distributed-timeout", "600")
+    try:
+        deadline = time.monotonic() + 150  # start-up bound on a shared CPU, not a timing check
+        while "warm-up over 2 ranks starts" not in server.log():
+            assert server.proc.poll() is None and time.monotonic() < deadline, server.log()
+            time.sleep(0.02)
+        (rank1,) = server.rank_pids()
+        os.kill(rank1, signal.SIGKILL)
+        killed = time.monotonic()
+        try:
+            code = server.proc.wait(_EXIT_BOUND_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the start-up did not end:\n" + server.log())
+        # Far inside the 600-s step timeout: the dead rank itself was seen (it takes ~1 s).
+        assert time.monotonic() - killed < _EXIT_BOUND_S
+        assert code == STARTUP_EXIT_CODE, server.log()
+        assert "start-up failed: rank 1" in server.log(), server.log()
+    finally:
         server.stop()

@@ -1,12 +1,17 @@
-"""The pieces of distributed serving that need no second rank: the config, the start-up comparison,
-the channel over a one-rank group, the prefix cache's call recording, and the divergence check."""
+"""The pieces of distributed serving that need no second process: the config, the start-up comparison,
+the control channel (both ends in this process), the forward log, the prefix cache's call recording,
+and the divergence check."""
 
 from __future__ import annotations
+
+import socket
+import threading
+import time
 
 import mlx.core as mx
 import pytest
 
-from mlxserve.distributed.channel import HEAD_BYTES, Channel
+from mlxserve.distributed.channel import Channel, ControlServer, LostRank, connect
 from mlxserve.distributed.config import DistributedConfig
 from mlxserve.distributed.engine import DistributedRunner, DivergenceError, RankContext, RecordingStore, StepPlan
 from mlxserve.distributed.serve import Identity, differences
@@ -36,13 +41,106 @@ def test_differences_name_the_rank_and_what_differs():
     assert "rank 1" not in text
 
 
-def test_channel_on_one_rank_round_trips():
-    channel = Channel(mx.distributed.init())  # a single-process group: the sums are the identity
-    big = bytes(range(256)) * (3 * HEAD_BYTES // 256)  # past the first collective's buffer
-    assert channel.broadcast_bytes(big) == big
-    assert channel.broadcast({"a": [1, 2]}) == {"a": [1, 2]}
-    assert channel.broadcast(b"") == b""
-    assert channel.gather(("x", 1)) == [("x", 1)]
+def _pair(size: int = 2):
+    """A lead channel and its followers over loopback; `lost` collects what each side was told it lost."""
+    server = ControlServer()
+    lost = {"lead": [], **{r: [] for r in range(1, size)}}
+    followers = {}
+    threads = [threading.Thread(target=lambda r=r: followers.__setitem__(
+        r, connect(server.address, r, size, lost[r].append, timeout_s=10))) for r in range(1, size)]
+    for t in threads:
+        t.start()
+    lead = server.accept(size, timeout_s=10)
+    for t in threads:
+        t.join(10)
+    lead.on_lost = lost["lead"].append
+    return lead, followers, lost
+
+
+def _wait_for(cond, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_channel_broadcasts_gathers_and_reports_steps():
+    lead, followers, lost = _pair(3)
+    try:
+        big = bytes(range(256)) * 1000
+        assert lead.broadcast({"plan": big}) == {"plan": big}
+        assert all(f.broadcast() == {"plan": big} for f in followers.values())
+        for r, f in followers.items():
+            assert f.gather(("rank", r)) is None
+        assert lead.gather(("rank", 0)) == [("rank", 0), ("rank", 1), ("rank", 2)]
+        followers[1].set_phase("running step 7")
+        followers[2].report_step(7, 0.001, 0.02, [(8, 172), (16, 1)])
+        _wait_for(lambda: lead.signatures[2].get(7) == [(8, 172), (16, 1)] and lead.peers[1].phase == "running step 7")
+        assert "rank 1: running step 7 for" in lead.describe_peers()
+        assert lead.peers[2].last_step == 7
+        assert lost == {"lead": [], 1: [], 2: []}
+    finally:
+        lead.close()
+        for f in followers.values():
+            f.close()
+
+
+def test_a_follower_error_or_exit_reaches_rank_0_at_once():
+    lead, followers, lost = _pair(3)
+    try:
+        followers[1].report_error("ValueError: out of memory loading the shard")
+        _wait_for(lambda: lost["lead"])
+        assert lost["lead"] == ["rank 1 failed: ValueError: out of memory loading the shard"]
+        with pytest.raises(LostRank, match="rank 1 failed"):
+            lead.gather(None, timeout_s=5)
+        followers[2]._sock.shutdown(socket.SHUT_RDWR)  # a rank that died: its connection closes
+        _wait_for(lambda: len(lost["lead"]) == 2)
+        assert lost["lead"][1].startswith("rank 2 closed its connection")
+        lead.close()  # and rank 0 gone: the follower is told (it exits; here it only records it)
+        _wait_for(lambda: lost[1])
+        assert lost[1][0].startswith("rank 0 closed its connection")
+    finally:
+        lead.close()
+
+
+def test_the_control_port_refuses_a_connection_without_the_token():
+    server = ControlServer()
+    host, port = server.address.split("/")[0].rsplit(":", 1)
+    intruder = socket.create_connection((host, int(port)))
+    intruder.sendall(b"\x01\x00\x00\x00" + b"0" * 32)  # rank 1, a wrong token
+    good = {}
+    t = threading.Thread(target=lambda: good.setdefault("f", connect(server.address, 1, 2, lambda r: None)))
+    t.start()
+    lead = server.accept(2, timeout_s=10)
+    t.join(10)
+    try:
+        assert set(lead.peers) == {1}
+        assert intruder.recv(1) == b""  # closed without a reply
+    finally:
+        intruder.close()
+        lead.close()
+        good["f"].close()
+
+
+def test_a_rank_that_never_connects_fails_the_start_quickly():
+    server = ControlServer()
+    started = time.monotonic()
+    with pytest.raises(LostRank, match="exited with code 1 before it connected"):
+        server.accept(2, timeout_s=60, dead=lambda: "rank 1 (pid 123) exited with code 1")
+    assert time.monotonic() - started < 30  # a bound, not a timing check: the dead rank is seen at once
+
+
+def test_forward_log_records_shapes_and_wraps_once():
+    from mlxserve.distributed.forward import RankForward, wrap
+
+    calls = []
+    model = lambda x, cache=None: calls.append(x.shape) or x  # noqa: E731
+    wrapped = wrap(model, staged=False)
+    assert wrap(wrapped, staged=False) is wrapped and isinstance(wrapped, RankForward)
+    wrapped(mx.zeros((8, 172)))
+    wrapped(mx.zeros((16, 1)), cache=None)
+    assert wrapped.take_calls() == [(8, 172), (16, 1)]
+    assert wrapped.take_calls() == []
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +174,7 @@ def test_recording_store_replays_the_schedulers_calls(tiny):
         other.replay([("load_from_ssd", (b"\x03", (1, 2), 3), True)])  # rank 0 had it, this rank not
 
 
-class _FakeChannel:
+class _FakeChannel(Channel):
     def __init__(self, plans):
         self.rank, self.size, self._plans = 1, 2, list(plans)
 

@@ -1,69 +1,335 @@
-"""Bytes between ranks over mx.distributed itself: rank 0 broadcasts, every rank gathers.
+"""Control messages between ranks over plain TCP: rank 0 broadcasts (set-up, step plans), the others
+answer gathers and report each step, their phase and their errors.
 
-A broadcast is an `all_sum` of a uint8 array to which only rank 0 contributes (the others add zeros,
-so the sum is rank 0's bytes exactly). The first `HEAD_BYTES` carry the length and the start of the
-payload, so a step's plan (a few hundred bytes) costs one collective; a longer one a second.
+No MLX arrays travel here. On MLX-CUDA the plans used to go over a second mx.distributed group (a CPU
+ring beside NCCL): every plan then made `mx.array`s on the engine thread and ran a collective on a
+CPU stream whose completion MLX signals with a kernel launch, next to the model's NCCL kernels; steps
+stalled for tens of seconds and `mx.array(buf)` failed now and then with `cudaMemcpy ... invalid argument`
+(docs/BENCHMARKS.md). Sockets keep every rank's MLX work to the model's own collectives on one thread.
+
+A frame is an 8-byte little-endian length, a kind byte and a pickle (the ranks are one trusted
+installation, as with the plans before). Each rank > 0 has one connection to rank 0, read by a thread
+of its own, so a peer that dies is noticed at once (its connection closes) even while the main thread
+waits inside an MLX collective that will never finish.
 """
 
 from __future__ import annotations
 
+import hmac
+import logging
 import pickle
-from typing import Any
+import queue
+import secrets
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
-import mlx.core as mx
-import numpy as np
+log = logging.getLogger(__name__)
 
-HEAD_BYTES = 4096
-_LEN = 8  # little-endian uint64 length in front of the payload
+_HEAD = struct.Struct("<QB")
+_HELLO = struct.Struct("<I32s")  # rank, token: checked before anything on the connection is unpickled
+BROADCAST, GATHER, STEP, PHASE, ERROR, BYE = b"BGSPEX"
+HEARTBEAT_S = 1.0  # a follower reports its phase this often, so rank 0 can say what it waits on
+
+
+class LostRank(RuntimeError):
+    """A peer's connection closed or it reported an error."""
+
+
+def _send(sock: socket.socket, lock: threading.Lock, kind: int, obj: Any) -> None:
+    data = pickle.dumps(obj)
+    with lock:
+        sock.sendall(_HEAD.pack(len(data), kind) + data)
+
+
+def _hang_up(sock: socket.socket) -> None:
+    """Closes a connection whose reader thread may be blocked in recv (a plain close would not wake it)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    try:
+        sock.close()
+    except OSError:
+        pass
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("connection closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv(sock: socket.socket) -> tuple[int, Any]:
+    n, kind = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
+    return kind, pickle.loads(_recv_exact(sock, n))
+
+
+@dataclass
+class PeerStatus:
+    """What rank 0 last heard from a follower (for the step timeline and the timeout message)."""
+
+    phase: str = "connected"
+    phase_since: float = 0.0  # monotonic, rank 0's clock
+    heard: float = 0.0
+    last_step: int = -1
+    last_wait_s: float = 0.0
+    last_run_s: float = 0.0
+
+    def describe(self, now: float) -> str:
+        return (f"{self.phase} for {now - self.phase_since:.1f} s (last step done: {self.last_step}, "
+                f"last heard {now - self.heard:.1f} s ago)")
 
 
 class Channel:
-    def __init__(self, group: Any, device: Any = None) -> None:
-        self.group = group
-        self.rank = group.rank()
-        self.size = group.size()
-        # Collectives of the ring / MPI / JACCL backends run on the CPU; NCCL's on the GPU.
-        self.device = device if device is not None else mx.cpu
+    """The API both sides share: `broadcast`, `gather`, `barrier`."""
 
-    def _sum(self, buf: np.ndarray) -> np.ndarray:
-        out = mx.distributed.all_sum(mx.array(buf), group=self.group, stream=self.device)
-        mx.eval(out)
-        return np.array(out)  # a copy: the MLX buffer goes with `out`
-
-    def broadcast_bytes(self, payload: bytes | None = None) -> bytes:
-        """Rank 0 passes `payload`, the others None; every rank returns rank 0's bytes."""
-        head = np.zeros(HEAD_BYTES, dtype=np.uint8)
-        if self.rank == 0:
-            n = len(payload)
-            head[:_LEN] = np.frombuffer(n.to_bytes(_LEN, "little"), dtype=np.uint8)
-            first = np.frombuffer(payload[: HEAD_BYTES - _LEN], dtype=np.uint8)
-            head[_LEN : _LEN + len(first)] = first
-        head = self._sum(head)
-        n = int.from_bytes(head[:_LEN].tobytes(), "little")
-        data = head[_LEN : _LEN + min(n, HEAD_BYTES - _LEN)].tobytes()
-        rest = n - len(data)
-        if rest > 0:
-            tail = np.zeros(rest, dtype=np.uint8)
-            if self.rank == 0:
-                tail[:] = np.frombuffer(payload[HEAD_BYTES - _LEN :], dtype=np.uint8)
-            data += self._sum(tail).tobytes()
-        return data
+    rank: int
+    size: int
 
     def broadcast(self, obj: Any = None) -> Any:
-        """Rank 0's object on every rank (pickled: the ranks are one trusted installation)."""
-        return pickle.loads(self.broadcast_bytes(pickle.dumps(obj) if self.rank == 0 else None))
+        raise NotImplementedError
 
-    def gather(self, obj: Any) -> list[Any]:
-        """Every rank's object, in rank order, on every rank (start-up checks; not per step)."""
-        payload = pickle.dumps(obj)
-        sizes = np.zeros(self.size, dtype=np.int64)
-        sizes[self.rank] = len(payload)
-        sizes = self._sum(sizes)
-        offsets = np.concatenate([[0], np.cumsum(sizes)])
-        buf = np.zeros(int(offsets[-1]), dtype=np.uint8)
-        buf[offsets[self.rank] : offsets[self.rank + 1]] = np.frombuffer(payload, dtype=np.uint8)
-        buf = self._sum(buf)
-        return [pickle.loads(buf[offsets[i] : offsets[i + 1]].tobytes()) for i in range(self.size)]
+    def gather(self, obj: Any) -> list[Any] | None:
+        raise NotImplementedError
 
     def barrier(self) -> None:
-        self._sum(np.zeros(1, dtype=np.int64))
+        self.gather(None)
+        self.broadcast(None)
+
+    # Steps and phases: followers report them, rank 0 keeps them; both ends accept every call.
+    def set_phase(self, phase: str) -> None:
+        pass
+
+    def report_step(self, step: int, wait_s: float, run_s: float, signature: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class LeadChannel(Channel):
+    """Rank 0's end: one connection per follower, each read by its own thread."""
+
+    def __init__(self, conns: dict[int, socket.socket], size: int) -> None:
+        self.rank, self.size = 0, size
+        self._conns = conns
+        self._locks = {r: threading.Lock() for r in conns}
+        self._gathered: dict[int, queue.Queue] = {r: queue.Queue() for r in conns}
+        self.peers = {r: PeerStatus(phase_since=time.monotonic(), heard=time.monotonic()) for r in conns}
+        self.signatures: dict[int, dict[int, int]] = {r: {} for r in conns}  # rank -> step -> signature
+        self.on_lost: Callable[[str], None] = lambda reason: None  # the supervisor's fatal
+        self.closing = False
+        for rank, conn in conns.items():
+            threading.Thread(target=self._read, args=(rank, conn), name=f"mlxserve-rank{rank}-reader",
+                             daemon=True).start()
+
+    def _read(self, rank: int, conn: socket.socket) -> None:
+        peer = self.peers[rank]
+        while True:
+            try:
+                kind, obj = _recv(conn)
+            except (OSError, ConnectionError, EOFError, pickle.UnpicklingError) as exc:
+                self._lost(rank, f"rank {rank} closed its connection ({exc})")
+                return
+            now = time.monotonic()
+            peer.heard = now
+            if kind == GATHER:
+                self._gathered[rank].put(obj)
+            elif kind == PHASE:
+                if obj != peer.phase:
+                    peer.phase, peer.phase_since = obj, now
+            elif kind == STEP:
+                step, wait_s, run_s, signature = obj
+                peer.last_step, peer.last_wait_s, peer.last_run_s = step, wait_s, run_s
+                self.signatures[rank][step] = signature
+                log.debug("rank %d step %d: waited %.1f ms for the plan, ran %.1f ms", rank, step, wait_s * 1e3,
+                          run_s * 1e3)
+            elif kind == ERROR:
+                self._lost(rank, f"rank {rank} failed: {obj}")
+                return
+            elif kind == BYE:
+                return
+
+    def _lost(self, rank: int, reason: str) -> None:
+        self._gathered[rank].put(LostRank(reason))
+        if not self.closing:
+            self.on_lost(reason)
+
+    def broadcast(self, obj: Any = None) -> Any:
+        for rank, conn in self._conns.items():
+            try:
+                _send(conn, self._locks[rank], BROADCAST, obj)
+            except OSError as exc:
+                raise LostRank(f"sending to rank {rank} failed: {exc}") from exc
+        return obj
+
+    def gather(self, obj: Any, timeout_s: float | None = None) -> list[Any]:
+        everyone = [obj]
+        for rank in sorted(self._conns):
+            try:
+                got = self._gathered[rank].get(timeout=timeout_s)
+            except queue.Empty:
+                raise LostRank(f"rank {rank} did not answer within {timeout_s:.0f} s") from None
+            if isinstance(got, LostRank):
+                raise got
+            everyone.append(got)
+        return everyone
+
+    def describe_peers(self) -> str:
+        now = time.monotonic()
+        return "; ".join(f"rank {r}: {p.describe(now)}" for r, p in sorted(self.peers.items()))
+
+    def close(self) -> None:
+        self.closing = True
+        for conn in self._conns.values():
+            _hang_up(conn)
+
+
+class FollowerChannel(Channel):
+    """A follower's end: a reader thread queues rank 0's broadcasts; a heartbeat thread reports the
+    phase. Rank 0 gone (connection closed) calls `on_lost`, by default ending this process: its main
+    thread may be inside a collective that rank 0 will never join."""
+
+    def __init__(self, sock: socket.socket, rank: int, size: int, on_lost: Callable[[str], None]) -> None:
+        self.rank, self.size = rank, size
+        self._sock = sock
+        self._lock = threading.Lock()
+        self._inbox: queue.Queue = queue.Queue()
+        self._phase = "connected"
+        self._stop = threading.Event()
+        self.on_lost = on_lost
+        threading.Thread(target=self._read, name="mlxserve-rank0-reader", daemon=True).start()
+        threading.Thread(target=self._beat, name="mlxserve-heartbeat", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                kind, obj = _recv(self._sock)
+            except (OSError, ConnectionError, EOFError, pickle.UnpicklingError) as exc:
+                self._inbox.put(LostRank(f"rank 0 closed its connection ({exc})"))
+                if not self._stop.is_set():
+                    self.on_lost(f"rank 0 closed its connection ({exc})")
+                return
+            if kind == BROADCAST:
+                self._inbox.put(obj)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                _send(self._sock, self._lock, PHASE, self._phase)
+            except OSError:
+                return
+
+    def broadcast(self, obj: Any = None) -> Any:
+        got = self._inbox.get()
+        if isinstance(got, LostRank):
+            raise got
+        return got
+
+    def gather(self, obj: Any) -> None:
+        _send(self._sock, self._lock, GATHER, obj)
+        return None
+
+    def set_phase(self, phase: str) -> None:
+        if phase != self._phase:
+            self._phase = phase
+            try:
+                _send(self._sock, self._lock, PHASE, phase)
+            except OSError:
+                pass
+
+    def report_step(self, step: int, wait_s: float, run_s: float, signature: int) -> None:
+        _send(self._sock, self._lock, STEP, (step, wait_s, run_s, signature))
+
+    def report_error(self, reason: str) -> None:
+        try:
+            _send(self._sock, self._lock, ERROR, reason)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            _send(self._sock, self._lock, BYE, None)
+        except OSError:
+            pass
+        _hang_up(self._sock)
+
+
+class ControlServer:
+    """Rank 0's listening socket, open before the other ranks start (they connect to it first). A
+    connection must open with this start's random token: the frames after it are pickles."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None) -> None:
+        self.sock = socket.create_server((host, port), backlog=64)
+        self.host = advertise or host
+        self.port = self.sock.getsockname()[1]
+        self.token = secrets.token_hex(16)
+
+    @property
+    def address(self) -> str:
+        """`host:port/token`: what a rank needs to connect."""
+        return f"{self.host}:{self.port}/{self.token}"
+
+    def accept(self, size: int, timeout_s: float, dead: Callable[[], str | None] = lambda: None) -> LeadChannel:
+        """Waits for ranks 1..size-1; `dead()` names a rank process that exited (checked between tries)."""
+        conns: dict[int, socket.socket] = {}
+        deadline = time.monotonic() + timeout_s
+        self.sock.settimeout(0.2)
+        try:
+            while len(conns) < size - 1:
+                gone = dead()
+                if gone is not None:
+                    raise LostRank(f"{gone} before it connected")
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(1, size)) - set(conns))
+                    raise LostRank(f"rank(s) {missing} did not connect within {timeout_s:.0f} s")
+                try:
+                    conn, _ = self.sock.accept()
+                except socket.timeout:
+                    continue
+                conn.settimeout(10)
+                try:
+                    rank, token = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+                except (OSError, ConnectionError, struct.error):
+                    conn.close()
+                    continue
+                if not hmac.compare_digest(token, self.token.encode()) or not 0 < rank < size or rank in conns:
+                    log.warning("refused a connection to the control port (rank %d, wrong token or rank)", rank)
+                    conn.close()
+                    continue
+                conn.settimeout(None)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conns[rank] = conn
+        finally:
+            self.sock.close()
+        return LeadChannel(conns, size)
+
+
+def connect(address: str, rank: int, size: int, on_lost: Callable[[str], None],
+            timeout_s: float = 120.0) -> FollowerChannel:
+    """A follower's connection to rank 0's control port, `host:port/token` (retried while rank 0 is
+    not listening yet)."""
+    where, token = address.rsplit("/", 1)
+    host, port = where.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=5)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.sendall(_HELLO.pack(rank, token.encode()))
+    return FollowerChannel(sock, rank, size, on_lost)

@@ -27,6 +27,12 @@ class DistributedConfig:
                              "one group one way)")
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}")
+        if self.pipeline_parallel > 1 and self.backend == "nccl":
+            # mlx-lm's pipeline passes activations with mx.distributed.send / recv, which MLX's NCCL
+            # backend raises on ("Send not supported in NCCL backend", mlx 0.32.4).
+            raise ValueError("--pipeline-parallel needs send/recv between stages, which MLX's NCCL backend does not "
+                             "have: use --backend ring (activations between stages go through the hosts' memory "
+                             "and TCP), or --tensor-parallel over nccl")
         if self.step_timeout_s <= 0:
             raise ValueError("--distributed-timeout must be > 0")
 

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -25,6 +26,7 @@ import mlx.core as mx
 from mlxserve.kv.store.kv_store import KVBlockStore
 from mlxserve.distributed.channel import Channel
 from mlxserve.distributed.config import DistributedConfig
+from mlxserve.distributed.forward import wrap
 from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request
 from mlxserve.engine.runner.model_runner import ModelRunner, StepTokens
@@ -116,28 +118,6 @@ class RecordingStore(KVBlockStore):
                                       "(this rank's SSD tier or snapshots differ)")
 
 
-class StagedForward:
-    """A pipelined model whose every forward is evaluated before the next is built.
-
-    A pipeline stage's forward holds a recv (from the stage before) or a send, then an all-gather. Two
-    forwards left lazy together (a prompt's last two chunks, two prompts finishing in one step, a
-    prefill next to the decode) have no data dependency between their transfers, so each rank may run
-    them in another order and the ranks deadlock. Evaluating each forward's output whole (the LM head
-    of a prefill chunk too: a few percent of the chunk's work) keeps every rank's transfers in call
-    order. The price is the decode's CPU/device overlap (the forward is awaited, not pipelined)."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-
-    def __call__(self, *args, cache=None, **kwargs):
-        out = self.model(*args, cache=cache, **kwargs)
-        mx.eval(out, [c.state for c in cache] if cache is not None else [])
-        return out
-
-    def __getattr__(self, name: str) -> Any:  # make_prompt_cache, layers, is_vlm, ...
-        return getattr(self.model, name)
-
-
 class DistributedRunner(ModelRunner):
     """The runner of every rank. Rank 0 calls `execute` (it sends the plan first); the others call
     `follow` in a loop, which receives the plan and runs the same step."""
@@ -150,8 +130,9 @@ class DistributedRunner(ModelRunner):
         self._digest = 0
         self._sent: set[str] = set()  # rank 0: requests the other ranks know
         self._requests: dict[str, Request] = {}  # the other ranks: the requests in flight
-        if ctx.dist.pipeline_parallel > 1:
-            self.model = StagedForward(self.model)
+        self._forwards: dict[int, list[tuple]] = {}  # rank 0: step -> the forwards it ran (recent steps)
+        self._calls: list[tuple] = []  # the forwards of the last step
+        self.model = wrap(self.model, staged=ctx.dist.pipeline_parallel > 1)
 
     @property
     def num_steps(self) -> int:
@@ -164,11 +145,14 @@ class DistributedRunner(ModelRunner):
         self._sent.update(r.request_id for r in new)
         calls = self.store.take_calls() if isinstance(self.store, RecordingStore) else []
         plan = StepPlan(self._step, sched, new, calls, self._digest)
-        ctx.supervisor.step_started()
+        what = describe(sched, self._step)
+        started = time.perf_counter()
+        ctx.supervisor.step_started(what)
         try:
             ctx.channel.broadcast(plan)
-        except RuntimeError as exc:  # the ring backend raises when a peer's connection closes
+        except RuntimeError as exc:  # a peer's connection closed
             ctx.supervisor.fatal(f"sending step {self._step} failed: {exc}")
+        sent = time.perf_counter()
         out = self._run(sched, requests)
         if out.failed:
             # A rank that died mid-forward fails the step's rows here; say so as the loss it is.
@@ -176,8 +160,25 @@ class DistributedRunner(ModelRunner):
             if dead is not None:
                 ctx.supervisor.fatal(dead)
         ctx.supervisor.step_done()
+        log.debug("%s: plan sent in %.2f ms, ran %.1f ms", what, (sent - started) * 1e3,
+                  (time.perf_counter() - sent) * 1e3)
+        self._check_forwards()
         self._sent.difference_update(sched.finished_request_ids, out.failed)
         return out
+
+    def _check_forwards(self) -> None:
+        """The forwards the other ranks reported against rank 0's own: a difference means their
+        collectives no longer pair up, which would stall or corrupt the next ones."""
+        mine = self._forwards
+        reports = getattr(self.ctx.channel, "signatures", {})
+        for rank, theirs in reports.items():
+            for step in [s for s in theirs if s in mine]:
+                calls = theirs.pop(step)
+                if calls != mine[step]:
+                    self.ctx.supervisor.fatal(f"rank {rank} ran forwards {calls} in step {step}, rank 0 {mine[step]}: "
+                                              "the ranks' collectives no longer pair up")
+        for step in [s for s in mine if s < self._step - 64]:
+            del mine[step]
 
     def shutdown(self) -> None:
         # Calls made since the last step (e.g. DELETE /v1/cache's SSD clear) still reach every rank.
@@ -195,6 +196,10 @@ class DistributedRunner(ModelRunner):
             if recording:
                 self.store.recording = True
         self._digest = step_digest(out)
+        calls = self.model.take_calls() if hasattr(self.model, "take_calls") else []
+        if self.ctx.rank == 0:
+            self._forwards[self._step] = calls
+        self._calls = calls
         if out.failed:
             # A failed prefill or decode re-seeded mlx's generator from the clock: re-seed all ranks alike.
             mx.random.seed((self.ctx.seed + self._step) % 2**32)
@@ -203,8 +208,12 @@ class DistributedRunner(ModelRunner):
 
     # -- ranks > 0 -----------------------------------------------------------------------------
     def follow(self) -> bool:
-        """Receives and runs one step; False when rank 0 shuts down."""
-        plan: StepPlan = self.ctx.channel.broadcast()
+        """Receives and runs one step; False when rank 0 shuts down. Reports the step to rank 0 (how long
+        the plan was waited for, how long the step ran, its forwards) and its phase while it runs."""
+        channel = self.ctx.channel
+        channel.set_phase(f"waiting for step {self._step}'s plan")
+        waiting = time.perf_counter()
+        plan: StepPlan = channel.broadcast()
         if plan.sched is not None and (plan.step != self._step or plan.digest != self._digest):
             raise DivergenceError(f"step {self._step}: rank 0 sampled other tokens in the previous step (or is at "
                                   f"step {plan.step}); the ranks diverged")
@@ -216,10 +225,24 @@ class DistributedRunner(ModelRunner):
             return False
         for request in plan.new_requests:
             self._requests[request.request_id] = request
+        what = describe(plan.sched, self._step)
+        channel.set_phase(f"running {what}")
+        running = time.perf_counter()
         out = self._run(plan.sched, self._requests)
+        done = time.perf_counter()
+        channel.report_step(self._step - 1, running - waiting, done - running, self._calls)
+        log.debug("%s: waited %.1f ms for the plan, ran %.1f ms", what, (running - waiting) * 1e3,
+                  (done - running) * 1e3)
         for rid in (*plan.sched.finished_request_ids, *out.failed):
             self._requests.pop(rid, None)
         return True
+
+
+def describe(sched: SchedulerOutput, step: int) -> str:
+    """A step's work in a few words, for the timeline and the stall messages."""
+    chunks = [c.num_tokens for c in sched.prefill_chunks]
+    return (f"step {step} (prefill {chunks if len(chunks) < 9 else f'{len(chunks)} chunks, {sum(chunks)} tokens'}, "
+            f"{len(sched.decode_request_ids)} decoding)")
 
 
 class DistributedEngineCore(EngineCore):
@@ -233,6 +256,10 @@ class DistributedEngineCore(EngineCore):
             config = dataclasses.replace(config, ssd_cache_dir=os.path.join(
                 config.ssd_cache_dir, f"{ctx.dist.layout}-rank{ctx.rank}"))
         mx.random.seed(ctx.seed)  # one random stream on every rank: sampling stays identical
+        # Rank 0's decode buckets on every rank: it picks them on its own backend and flags, and a batch padded
+        # on one rank and not on another runs collectives of other sizes (on MLX-CUDA rank 0 padded to
+        # buckets and the others did not: NCCL's all-reduces stopped pairing up and the steps stalled).
+        buckets = ctx.channel.broadcast(buckets)
         # The rank layout is part of the key: blocks of another layout (other shards) never match.
         super().__init__(model, tokenizer, config, max_model_len, buckets, f"{model_key}:{ctx.dist.layout}")
         self.runner.attach(ctx)
@@ -253,7 +280,7 @@ class DistributedEngineCore(EngineCore):
             return
         kv = [k for k, _ in everyone if k is not None]
         if kv and (self.kv_capacity_tokens is None or min(kv) < self.kv_capacity_tokens):
-            self.kv_capacity.tokens = min(kv)  # memory/capacity.py: the one holder
+            self.kv_capacity.tokens = min(kv)  # the one holder: the scheduler and the governor read it
             log.info("KV capacity: %d tokens, the smallest rank's", self.kv_capacity_tokens)
         blocks = [b for _, b in everyone if b is not None]
         if self.prefix is not None and blocks and min(blocks) < self.prefix.max_cached_blocks:
@@ -261,6 +288,12 @@ class DistributedEngineCore(EngineCore):
             log.info("prefix cache: %d blocks, the smallest rank's", min(blocks))
         if len(blocks) not in (0, len(everyone)):
             raise ValueError("some ranks have a prefix cache and others none: start them with the same flags")
+
+    def warmup(self, max_batch: int, prompt_len: int = 16) -> None:
+        # Rank 0 drives it: every warm-up step is a plan the other ranks run too (same shapes, same kernels
+        # compiled on every rank at the same time).
+        log.info("warm-up over %d ranks starts", self.ctx.dist.world_size)
+        super().warmup(max_batch, prompt_len)
 
     def status(self) -> dict:
         dist = self.ctx.dist

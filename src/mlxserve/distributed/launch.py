@@ -24,6 +24,8 @@ BACKEND_ENV = "MLXSRV_BACKEND"
 WORLD_ENV = "MLXSRV_WORLD_SIZE"
 LOG_LEVEL_ENV = "MLXSRV_LOG_LEVEL"
 WORKER_MODULE = "mlxserve.distributed.worker"
+CONTROL_ENV = "MLXSRV_CONTROL"  # rank 0's control address (host:port), for the ranks mlxserve starts
+CONTROL_HOST_ENV = "MLXSRV_CONTROL_HOST"  # under a launcher: the address rank 0 listens on for the others
 
 
 @dataclass
@@ -50,37 +52,52 @@ def under_launcher() -> bool:
     return "MLX_RANK" in os.environ
 
 
-def spawn_local_ranks(dist: DistributedConfig, log_level: str = "info") -> LocalRanks:
-    """Starts ranks 1..N-1 on this host and sets this process up as rank 0. The ring backend gets a
-    hosts file of loopback ports (the format mlx.launch writes); NCCL its rendezvous address and one
-    GPU per rank."""
+def spawn_local_ranks(dist: DistributedConfig, control: str, log_level: str = "info") -> LocalRanks:
+    """Starts ranks 1..N-1 on this host and sets this process up as rank 0. Each rank connects to
+    `control` (rank 0's control port) first. The ring backend gets a hosts file of loopback ports (the
+    format mlx.launch writes); NCCL its rendezvous address. On a CUDA host each rank gets one GPU."""
     n = dist.world_size
-    env = {PARENT_ENV: str(os.getpid()), BACKEND_ENV: dist.backend, WORLD_ENV: str(n), LOG_LEVEL_ENV: log_level.upper()}
+    env = {PARENT_ENV: str(os.getpid()), BACKEND_ENV: dist.backend, WORLD_ENV: str(n), LOG_LEVEL_ENV: log_level.upper(),
+           CONTROL_ENV: control}
     ranks = LocalRanks()
-    if dist.backend in ("ring", "nccl"):
-        # NCCL ranks get a ring hosts file too: their step plans travel over it (see plan_channel).
+    if dist.backend == "ring":
         hosts = [[f"127.0.0.1:{port}"] for port in _free_ports(n)]
         fd, ranks.hostfile = tempfile.mkstemp(prefix="mlxserve-hosts-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump(hosts, f)
         env["MLX_HOSTFILE"] = ranks.hostfile
-    if dist.backend == "nccl":
+    elif dist.backend == "nccl":
         env.update(NCCL_HOST_IP="127.0.0.1", NCCL_PORT=str(_free_ports(1)[0]), MLX_WORLD_SIZE=str(n))
-    elif dist.backend != "ring":
+    else:
         raise ValueError(f"the {dist.backend} backend needs its ranks started by mlx.launch (a hosts file); "
                          "on one host mlxserve starts ranks itself with --backend ring or nccl")
+    gpus = _gpus_per_rank(n, dist.backend)
     for rank in range(1, n):
         child_env = {**os.environ, **env, "MLX_RANK": str(rank)}
-        if dist.backend == "nccl":
-            child_env["CUDA_VISIBLE_DEVICES"] = str(rank)
+        if gpus is not None:
+            child_env["CUDA_VISIBLE_DEVICES"] = gpus[rank]
         ranks.children.append(subprocess.Popen([sys.executable, "-m", WORKER_MODULE], env=child_env))
     # This process is rank 0: the variables mx.distributed.init reads (before any GPU is touched).
     os.environ.update({k: v for k, v in env.items() if not k.startswith("MLXSRV_")}, MLX_RANK="0")
-    if dist.backend == "nccl":
-        os.environ["CUDA_VISIBLE_DEVICES"] = "0"
+    if gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus[0]
     log.info("started %d local rank(s) over %s: pids %s", n - 1, dist.backend,
              ", ".join(str(c.pid) for c in ranks.children))
     return ranks
+
+
+def _gpus_per_rank(n: int, backend: str) -> list[str] | None:
+    """One GPU per rank on a CUDA host (of CUDA_VISIBLE_DEVICES when set), for any backend: ring ranks
+    on one GPU would share it. None elsewhere."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = [d for d in visible.split(",") if d.strip()] if visible else None
+    if backend != "nccl" and not _cuda_build():
+        return None
+    if devices is None:
+        return [str(r) for r in range(n)]
+    if len(devices) < n:
+        raise ValueError(f"{n} ranks need {n} GPUs; CUDA_VISIBLE_DEVICES names {len(devices)}")
+    return devices[:n]
 
 
 def init_group(backend: str, world_size: int) -> Any:
@@ -93,23 +110,49 @@ def init_group(backend: str, world_size: int) -> Any:
     return group
 
 
-def plan_channel(group: Any, backend: str) -> Any:
-    """The channel of the step plans. NCCL runs collectives on the GPU stream, queued behind the step's
-    forward, so a plan sent there waits for it and the GPU idles while the next step is built. Where
-    a ring hosts file is given too (the local ranks mlxserve starts), plans go over a second group,
-    a CPU-side ring, while the GPU computes; the model's own collectives stay on NCCL."""
-    import mlx.core as mx
+def _cuda_build() -> bool:
+    """Whether MLX's CUDA build is installed, asked without starting CUDA here: rank 0's own
+    CUDA_VISIBLE_DEVICES is set only after this, and CUDA reads it once, at its start."""
+    from importlib.metadata import PackageNotFoundError, distributions
 
-    from mlxserve.distributed.channel import Channel
+    try:
+        return any((d.metadata["Name"] or "").lower().replace("_", "-").startswith("mlx-cuda") for d in distributions())
+    except PackageNotFoundError:
+        return False
 
-    if backend == "nccl" and os.environ.get("MLX_HOSTFILE"):
+
+def control_host() -> str:
+    """The address the other ranks reach rank 0 at, under a launcher: MLXSRV_CONTROL_HOST, else the one
+    NCCL's rendezvous or the ring hosts file names for rank 0, else this host's name."""
+    if os.environ.get(CONTROL_HOST_ENV):
+        return os.environ[CONTROL_HOST_ENV]
+    if os.environ.get("NCCL_HOST_IP"):
+        return os.environ["NCCL_HOST_IP"]
+    hostfile = os.environ.get("MLX_HOSTFILE")
+    if hostfile and os.path.exists(hostfile):
         try:
-            ring = mx.distributed.init(strict=True, backend="ring")  # NCCL stays the default group
-            if ring.size() == group.size() and ring.rank() == group.rank():
-                return Channel(ring, mx.cpu)
-        except RuntimeError as exc:
-            log.warning("step plans go over NCCL (the ring side channel failed: %s)", exc)
-    return Channel(group, mx.gpu if backend == "nccl" else mx.cpu)
+            with open(hostfile) as f:
+                first = json.load(f)[0]
+            entry = first[0] if isinstance(first, list) else first.get("ips", [None])[0]
+            if entry:
+                return entry.rsplit(":", 1)[0] if entry.count(":") == 1 else entry
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+            pass
+    return socket.gethostname()
+
+
+def share_control_address(group: Any, backend: str, address: str | None) -> str:
+    """Under a launcher: rank 0's control address to every rank, in the one collective of start-up
+    that is not the model's (the ranks know nothing else of each other)."""
+    import mlx.core as mx
+    import numpy as np
+
+    buf = np.zeros(256, dtype=np.uint8)
+    if group.rank() == 0:
+        raw = address.encode()
+        buf[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    out = mx.distributed.all_sum(mx.array(buf), group=group, stream=mx.gpu if backend == "nccl" else mx.cpu)
+    return bytes(np.array(out)).rstrip(b"\0").decode()
 
 
 def _free_ports(n: int) -> list[int]:

@@ -1,9 +1,13 @@
 """`mlxserve serve MODEL --tensor-parallel N`: the start-up of every rank.
 
-1. The ranks exist (mlx.launch started them, or rank 0 starts its local ones) and join one group.
+1. The ranks exist (mlx.launch started them, or rank 0 starts its local ones) and connect to rank 0's
+   control port (channel.py: plain TCP). From then on rank 0 watches them: a rank that fails or dies
+   ends the whole start-up within a second, with its reason.
 2. Rank 0 sends the setup (model, engine settings, seed); every rank reports its versions and model
    fingerprint; rank 0 names any rank that differs and all stop.
-3. Each rank loads its shard; rank 0 serves HTTP, the others follow its steps until it shuts down.
+3. The ranks join the mx.distributed group, load their shards and build their engines. On rank 0 all
+   of this runs on the engine thread, the one thread that does MLX work there; the others do it on
+   their main thread. Rank 0 serves HTTP, the others follow its steps until it shuts down.
 """
 
 from __future__ import annotations
@@ -17,10 +21,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxserve.server.config import EngineConfig, ServerConfig
-from mlxserve.distributed.channel import Channel
+from mlxserve.distributed.channel import Channel, ControlServer, LostRank, connect
 from mlxserve.distributed.config import DistributedConfig
-from mlxserve.distributed.launch import LocalRanks, init_group, plan_channel, spawn_local_ranks, under_launcher
+from mlxserve.distributed.launch import (control_host, init_group, share_control_address, spawn_local_ranks,
+                                         under_launcher)
 from mlxserve.distributed.supervisor import Supervisor
+
+# The ranks mlxserve starts connect within this (they import MLX first); a launcher's may take longer.
+_CONNECT_S = 120.0
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +93,7 @@ def _check_ranks(channel: Channel, source: str) -> None:
 
 def serve_distributed(config: ServerConfig, dist: DistributedConfig) -> int:
     """Runs this process's rank: rank 0 serves until shut down, the others follow it."""
+    from mlxserve.distributed.launch import LocalRanks
     from mlxserve.server import process
 
     if config.models:
@@ -93,26 +102,40 @@ def serve_distributed(config: ServerConfig, dist: DistributedConfig) -> int:
     if config.engine.memory_mode == "desktop":
         log.warning("--memory-mode desktop follows rank 0's free memory only; with several machines use "
                     "--memory-mode dedicated (the KV budget then is the smallest rank's)")
-    ranks = LocalRanks() if under_launcher() else spawn_local_ranks(dist, config.log_level)
-    sock = supervisor = None
-    try:
+    group = control = None
+    if under_launcher():  # started by mlx.launch with the same command line: the group tells who is who
         group = init_group(dist.backend, dist.world_size)
-        if group.rank() != 0:  # started by mlx.launch with the same command line
-            run_follower(group, dist.backend, config.model)
-            return 0
-        sock = process.bind(config.host, config.port)  # a port in use is reported before the model loads
+        if group.rank() != 0:
+            address = share_control_address(group, dist.backend, None)
+            return follower_main(address, group.rank(), group.size(), group, config.model)
+        control = ControlServer("0.0.0.0", advertise=control_host())
+    sock = process.bind(config.host, config.port)  # a port in use is reported before any rank starts
+    supervisor = channel = None
+    ranks = LocalRanks()
+    try:
+        if group is None:
+            control = ControlServer()
+            ranks = spawn_local_ranks(dist, control.address, config.log_level)
+        else:
+            share_control_address(group, dist.backend, control.address)
         supervisor = Supervisor(ranks, dist.step_timeout_s)
         try:
-            app = _build_lead(config, dist, group, supervisor, sock.getsockname()[1])
-        except RuntimeError as exc:  # e.g. the ring backend: a rank that failed during start-up closed its link
-            raise ValueError(f"start-up failed: {exc} (the other ranks' logs say why)") from exc
+            channel = control.accept(dist.world_size, _CONNECT_S, supervisor.dead_rank)
+        except LostRank as exc:
+            raise ValueError(f"start-up failed: {exc} (its log says why)") from exc
+        supervisor.start(channel)  # from here a rank lost ends the start-up, or the server, at once
+        try:
+            app = _build_lead(config, dist, channel, supervisor, sock.getsockname()[1], group)
+        except LostRank as exc:
+            raise ValueError(f"start-up failed: {exc}") from exc
         process.run(app, sock, config.log_level, config.shutdown_timeout_s, process.switch_interval_s())
         return 0
     finally:
         if supervisor is not None:
             supervisor.closing()  # ranks exiting from here on are expected
-        if sock is not None:
-            sock.close()
+        if channel is not None:
+            channel.close()
+        sock.close()
         ranks.stop()
 
 
@@ -126,22 +149,21 @@ def _check_local_model(source: str | None, dist: DistributedConfig) -> None:
         check_shardable(json.loads((Path(source) / "config.json").read_text()), dist)
 
 
-def _build_lead(config: ServerConfig, dist: DistributedConfig, group: Any, supervisor: Any, port: int):
-    from mlxserve.server.banner import make_ready_hook
-    from mlxserve.distributed.engine import DistributedEngineCore, RankContext
-    from mlxserve.distributed.shard import load_sharded
+def _build_lead(config: ServerConfig, dist: DistributedConfig, channel: Any, supervisor: Any, port: int,
+                group: Any = None):
+    """Rank 0's app: the model is loaded on the engine thread (`_lead_core`), tokenizer and config here."""
+    from mlxserve.distributed.engine import RankContext
+    from mlxserve.distributed.shard import load_text_side
     from mlxserve.server.app import build_app, model_specs
+    from mlxserve.server.banner import make_ready_hook
 
     source = model_specs(config)[0].source  # the demo model when none is named
-    channel = plan_channel(group, dist.backend)
     setup = Setup(source, config.engine, dist, random.getrandbits(32))
     channel.broadcast(setup)
     _check_ranks(channel, source)
-    loaded = load_sharded(source, group, dist)
-    channel.barrier()  # every rank loaded: nobody waits on a collective during another's load
-    supervisor.start()
+    loaded = load_text_side(source)
     ctx = RankContext(dist, channel, setup.seed, supervisor)
-    loaded.make_engine_core = functools.partial(DistributedEngineCore, ctx=ctx)
+    loaded.make_engine_core = functools.partial(_lead_core, ctx=ctx, group=group, source=source)
     app = build_app(config, loaded)
     ready = make_ready_hook(config, app.state.models, app.state.model_specs, port)
 
@@ -154,27 +176,67 @@ def _build_lead(config: ServerConfig, dist: DistributedConfig, group: Any, super
     return app
 
 
-def run_follower(group: Any, backend: str, own_source: str | None = None) -> None:
+def _lead_core(model: Any, tokenizer: Any, engine: EngineConfig, max_model_len: int, buckets: Any, model_key: str,
+               *, ctx: Any, group: Any, source: str):
+    """Rank 0's engine core, built on its engine thread: the group, the shard and every forward after
+    belong to that one thread (`model` is None: nothing was loaded on the main thread)."""
+    from mlxserve.distributed.engine import DistributedEngineCore
+    from mlxserve.distributed.shard import load_sharded
+
+    ctx.channel.broadcast("join")  # the others join the group now
+    group = group if group is not None else init_group(ctx.dist.backend, ctx.dist.world_size)
+    loaded = load_sharded(source, group, ctx.dist)
+    ctx.channel.barrier()  # every rank loaded: nobody waits on a collective during another's load
+    return DistributedEngineCore(loaded.model, tokenizer, engine, max_model_len, buckets, model_key, ctx=ctx)
+
+
+def follower_main(address: str, rank: int, size: int, group: Any = None, own_source: str | None = None) -> int:
+    """A rank > 0 from connecting to rank 0 to its exit; an error is reported to rank 0 (which ends the
+    start-up, or the server, with it) before this rank exits."""
+    import os
+
+    def lost(reason: str) -> None:  # rank 0 is gone: this rank may be stuck in a collective, so exit now
+        log.error("rank %d stops: %s", rank, reason)
+        logging.shutdown()
+        os._exit(1)
+
+    channel = connect(address, rank, size, lost, timeout_s=_CONNECT_S)
+    try:
+        run_follower(channel, group, own_source)
+    except Exception as exc:
+        log.error("rank %d stops: %s", rank, exc, exc_info=not isinstance(exc, (ValueError, LostRank)))
+        channel.report_error(f"{type(exc).__name__}: {exc}")
+        channel.close()
+        return 1
+    channel.close()
+    return 0
+
+
+def run_follower(channel: Any, group: Any = None, own_source: str | None = None) -> None:
     """A rank > 0: takes rank 0's setup, loads its shard, follows rank 0's steps until shutdown.
     `own_source`: this host's path of the model (mlx.launch runs the same command everywhere); the
-    ranks mlxserve starts itself use rank 0's."""
+    ranks mlxserve starts itself use rank 0's. All of its MLX work runs on this (the main) thread."""
     from mlxserve.distributed.engine import DistributedEngineCore, RankContext, follow_until_shutdown
     from mlxserve.distributed.shard import fingerprint, load_sharded, local_folder
-    from mlxserve.engine.runner.batch import make_buckets
     from mlxserve.server.app import resolve_max_model_len
 
-    channel = plan_channel(group, backend)
+    channel.set_phase("waiting for the setup")
     setup: Setup = channel.broadcast()
     source = own_source or setup.source
     _check_ranks(channel, source)
+    channel.set_phase("waiting for rank 0 to join the group")
+    channel.broadcast()
+    channel.set_phase("joining the group")
+    group = group if group is not None else init_group(setup.dist.backend, setup.dist.world_size)
+    channel.set_phase("loading its shard")
     loaded = load_sharded(source, group, setup.dist)
     channel.barrier()
+    channel.set_phase("building its engine (memory profile)")
     engine = setup.engine
-    buckets = make_buckets(engine.max_num_seqs) if engine.decode_buckets == "on" else None
     ctx = RankContext(setup.dist, channel, setup.seed)
+    # buckets=None: the core takes rank 0's (DistributedEngineCore), as every shape must match rank 0's.
     core = DistributedEngineCore(loaded.model, loaded.tokenizer, engine, resolve_max_model_len(loaded, engine),
-                                 buckets, fingerprint(local_folder(source)), ctx=ctx)
+                                 None, fingerprint(local_folder(source)), ctx=ctx)
     log.info("rank %d/%d ready: following rank 0", channel.rank, channel.size)
     follow_until_shutdown(core)
     log.info("rank %d: rank 0 shut down", channel.rank)
-

@@ -84,3 +84,14 @@ def load_sharded(source: str, group: Any, dist: DistributedConfig) -> LoadedMode
     log.info("rank %d/%d loaded its %s shard of %s in %.2f s", group.rank(), group.size(), dist.layout, source,
              weights_s)
     return LoadedModel(model, tokenizer, config, source, "sharded", {"weights": weights_s})
+
+
+def load_text_side(source: str) -> LoadedModel:
+    """The tokenizer and config.json of a model, no weights (rank 0 loads its shard on its engine
+    thread): what the HTTP side needs to start."""
+    from mlx_lm.utils import load_tokenizer
+
+    folder = local_folder(source)
+    config = json.loads((folder / "config.json").read_text())
+    tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+    return LoadedModel(None, tokenizer, config, source, "sharded")
