@@ -17,7 +17,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxserve.kv.kinds.block_io import kv_slice, read_prefill_window, read_row_kv, read_row_window, read_state
+from mlxserve.kv.kinds.plain import kv_slice, read_row_kv
+from mlxserve.kv.kinds.recurrent import read_state
+from mlxserve.kv.kinds.sliding import read_prefill_window, read_row_window
 from mlxserve.kv.store.kv_store import KVBlock, KVBlockStore
 
 

@@ -1,7 +1,7 @@
 """Which layers hold quantized KV under `--kv-bits`, and how attention reads it, decided once per model
 (this module touches MLX).
 
-Only plain attention caches (mlx-lm's `KVCache`) are quantized, the layers mlx-lm's own
+Only layers whose kind can be quantized (registry.py: the plain kind, mlx-lm's `KVCache`) are, the layers mlx-lm's own
 `maybe_quantize_kv_cache` converts too. The others keep their float caches:
   * sliding-window layers (`RotatingKVCache`): mlx-lm has no quantized rotating cache;
   * recurrent state (`ArraysCache`): a fixed-size state, never quantized;
@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
+from mlxserve.kv.kinds import KINDS
 from mlxserve.kv.kinds.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantizedRowKVCache
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def probe_attention(model: Any, plan: KVQuantPlan) -> None:
         cache = plan.make_cache(model)
         mx.eval(model(mx.arange(1, n + 1)[None], cache=cache))
         rows.append(cache)
-    if all(getattr(type(c), "merge", None) is not None for c in rows[0]):
+    if KINDS.can_batch(rows[0]):
         batch = [type(layer[0]).merge(list(layer)) for layer in zip(*rows)]
         # A VLM's batch decode takes each row's position, as the runner gives it.
         kw = {"positions": mx.array([[n] for n in lengths])} if getattr(model, "is_vlm", False) else {}
@@ -107,7 +108,7 @@ def plan_kv_quant(model: Any, bits: int | None, group_size: int, mode: str = "au
     model(mx.array([[0]]), cache=cache)  # shapes of each layer's keys and values
     candidates, widths, notes = [], set(), []
     for i, c in enumerate(cache):
-        if type(c) is not KVCache:
+        if not KINDS.can_quantize(c):
             continue
         if c.keys.shape[-1] != c.values.shape[-1]:
             notes.append("MLA layers (keys and values of different widths) keep float KV")
@@ -119,7 +120,7 @@ def plan_kv_quant(model: Any, bits: int | None, group_size: int, mode: str = "au
         fits = [g for g in SUPPORTED_GROUP_SIZES if bad[0] % g == 0]
         hint = f"; try --kv-group-size {max(fits)}" if fits else ""
         raise ValueError(f"kv_group_size {group_size} must divide the attention head dim ({bad[0]}){hint}")
-    kinds = {type(c).__name__ for i, c in enumerate(cache) if type(c) is not KVCache}
+    kinds = {type(c).__name__ for c in cache if not KINDS.can_quantize(c)}
     if kinds:
         notes.append(f"{', '.join(sorted(kinds))} layers keep float caches")
     plan = KVQuantPlan(bits, group_size, tuple(candidates), len(cache), "; ".join(dict.fromkeys(notes)),

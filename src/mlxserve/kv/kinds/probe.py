@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
+from mlxserve.kv.kinds import KINDS
 from mlxserve.kv.kinds.layout import KVLayout, read_layout
 
 
@@ -31,24 +32,6 @@ class KVProbe:
         return max(self.bytes_per_token, 1)
 
 
-def _layer_cost(c: Any) -> tuple[int, int]:
-    """(bytes per token, bytes per sequence) of one layer's cache after a one-token forward."""
-    if isinstance(c, CacheList):
-        costs = [_layer_cost(sub) for sub in c.caches]
-        return sum(t for t, _ in costs), sum(s for _, s in costs)
-    if isinstance(c, ArraysCache):
-        return 0, c.nbytes
-    keys, values = getattr(c, "keys", None), getattr(c, "values", None)
-    if keys is None:
-        # A cache kind we do not know: charge its whole size once per sequence rather than guess.
-        return 0, c.nbytes
-    # Quantized caches keep (packed, scales, biases) tuples; their buffers grow in steps, so divide
-    # by the buffer's width, not by the one token written.
-    parts = [*keys, *values] if isinstance(keys, (tuple, list)) else [keys, values]
-    width = parts[0].shape[2]
-    return sum(p.nbytes for p in parts) // width, 0
-
-
 def probe_kv(model: Any, make_cache: Callable[[Any], list[Any]] = make_prompt_cache) -> KVProbe:
     """`make_cache` makes the caches requests really get (quantized layers under --kv-bits)."""
     import mlx.core as mx
@@ -56,7 +39,7 @@ def probe_kv(model: Any, make_cache: Callable[[Any], list[Any]] = make_prompt_ca
     cache = make_cache(model)
     logits = model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
-    costs = [_layer_cost(c) for c in cache]
+    costs = [KINDS.layer_cost(c) for c in cache]
     layout = read_layout(cache)
     kinds = tuple(type(c).__name__ for c in cache)
     why = "" if layout is not None else f"this model's caches are {sorted(set(kinds))}, a layout it cannot store"

@@ -27,6 +27,8 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import BatchKVCache, QuantizedKVCache, dynamic_roll
 
+from mlxserve.kv.kinds.registry import KV, CacheKind, LayerSpec
+
 Quantized = tuple[mx.array, mx.array, mx.array]  # (packed data, scales, biases), as mx.quantize gives
 
 SUPPORTED_BITS = (4, 8)
@@ -240,3 +242,16 @@ class BatchQuantizedKVCache(_QuantizedKV, BatchKVCache):
         if self.keys is None:
             return 0
         return sum(a.nbytes for a in (*self.keys, *self.values))
+
+
+def _spec(c: Any) -> LayerSpec | None:
+    if c.keys is None or c.keys[1].shape[1] != c.values[1].shape[1]:
+        return None
+    widths = quantized_width(c.keys, c.kv_bits), quantized_width(c.values, c.kv_bits)
+    return LayerSpec(KV, (c.keys[1].shape[1], *widths, c.keys[1].dtype), quant=(c.kv_bits, c.group_size))
+
+
+# Blocks keep the plain kind's layout as (data, scales, biases) tuples (plain.py reads and fills them).
+# Not rewound: the batch version has no per-row rewind yet. Not padded for a batched prefill.
+QUANTIZED = CacheKind("quantized", (QuantizedRowKVCache,), (BatchQuantizedKVCache,), can_batch=True,
+                      can_store=True, can_reserve=True, spec=_spec)

@@ -2,7 +2,7 @@
 snapshots, as MLX arrays, with an optional SSD tier behind them (write-behind for new data,
 read-through on a memory miss).
 
-A block is at most two arrays (see `layout.py`): `kv` [full layers, kv_heads, block_size, key_width +
+A block is at most two arrays (see `kinds/layout.py`): `kv` [full layers, kv_heads, block_size, key_width +
 value_width] (under --kv-bits the quantized tuple's three arrays, each laid out so) and, for
 sliding-window models, `swa` with the sliding layers' KV of the same positions when it was still in
 the window at store time. One array per kind, not per layer: storing, attaching
@@ -22,8 +22,10 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from mlxserve.kv.kinds.block_io import KVArrays, Snapshot, fill_cache, kv_arrays
+from mlxserve.kv.kinds.block_io import fill_cache
 from mlxserve.kv.kinds.layout import KVLayout
+from mlxserve.kv.kinds.plain import KVArrays, kv_arrays
+from mlxserve.kv.kinds.recurrent import Snapshot
 from mlxserve.kv.store.snapshots import SnapshotStore
 from mlxserve.kv.store.spill import QUANT_TENSORS, SpillQueue, block_from_data, snapshot_from_data, window_from_data
 
