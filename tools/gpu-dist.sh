@@ -21,14 +21,14 @@ root=/tmp/dist-models
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
 bench=(python3 -m mlxserve.server.cli bench distributed --model-root "$root" --kill-test
-       --server-flag=--distributed-timeout=60 --startup-timeout 180)
+       --startup-timeout 240)
 read -ra tp_args <<< "${TP_ARGS:-}"
-timeout "${TP_S:-330}" "${bench[@]}" --shapes qwen3-8b --layouts 1,tp2 --output-json "$out/tp.json" "${tp_args[@]}" \
+timeout "${TP_S:-380}" "${bench[@]}" --shapes qwen3-8b --layouts 1,tp2 --output-json "$out/tp.json" "${tp_args[@]}" \
   > "$out/tp.log" 2>&1
 echo "tensor parallel part: exit $?"; grep -v "httpx" "$out/tp.log" | tail -25
 if [ "${PP_ARGS:-}" != skip ]; then
   read -ra pp_args <<< "${PP_ARGS:-}"
-  timeout "${PP_S:-240}" "${bench[@]}" --shapes qwen2-8b --layouts 1,pp2 --output-json "$out/pp.json" \
+  timeout "${PP_S:-170}" "${bench[@]}" --shapes qwen2-8b --layouts 1,pp2 --output-json "$out/pp.json" \
     "${pp_args[@]}" > "$out/pp.log" 2>&1
   echo "pipeline parallel part: exit $?"; grep -v "httpx" "$out/pp.log" | tail -25
 fi

@@ -126,13 +126,14 @@ def serving(model: Path, layout: tuple[int, int], args, log_path: Path):
         cmd += ["--tensor-parallel", str(tp), "--backend", args.backend]
     if pp > 1:
         cmd += ["--pipeline-parallel", str(pp), "--backend", args.pp_backend]
-    # An empty kernel cache of its own (MLX-CUDA keeps compiled kernels on disk): each layout's start-up and
-    # warm-up compile everything, as a first start on a machine would.
+    # MLX-CUDA keeps compiled kernels on disk. "fresh": an empty cache of its own, so the layout's start-up and
+    # warm-up compile everything, as a first start on a machine would; "shared": the servers' own cache, which
+    # the layouts run before filled (a restart's case).
     kernels = tempfile.mkdtemp(prefix="mlx-kernels-")
+    env = {**os.environ, "MLX_PTX_CACHE_DIR": kernels} if args.kernel_cache == "fresh" else dict(os.environ)
     started = time.monotonic()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "MLX_PTX_CACHE_DIR": kernels})
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = started + args.startup_timeout
         while True:
@@ -189,7 +190,7 @@ def step_stats(log_text: str) -> dict:
 
 
 async def _stream_until_end(url: str, i: int, state: dict) -> None:
-    body = {"model": "bench", "prompt": f"stream {i}: tell a long story", "max_tokens": 100000, "stream": True,
+    body = {"model": "bench", "prompt": f"stream {i}: tell a long story", "max_tokens": 4000, "stream": True,
             "temperature": 0.0, "ignore_eos": True}
     outcome = "closed without an error event"
     try:
@@ -317,6 +318,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after each multi-rank layout's load: kill rank 1 under streams, time the exit")
     parser.add_argument("--kill-streams", type=int, default=8, help="streams open when rank 1 is killed")
     parser.add_argument("--kill-bound", type=float, default=60.0, help="seconds the streams and the exit may take")
+    parser.add_argument("--kernel-cache", choices=["shared", "fresh"], default="shared",
+                        help="MLX-CUDA's on-disk kernel cache: the servers' own (shared by the layouts, in order) "
+                             "or an empty one per layout")
     parser.add_argument("--server-flag", action="append", default=[], metavar="FLAG",
                         help="extra flag for every server (repeatable; e.g. --server-flag=--warmup=on)")
     parser.add_argument("--startup-timeout", type=float, default=600, help="seconds a server may take to come up")

@@ -227,6 +227,9 @@ def run_follower(channel: Any, group: Any = None, own_source: str | None = None)
     channel.set_phase("waiting for rank 0 to join the group")
     channel.broadcast()
     channel.set_phase("joining the group")
+    from mlxserve.platform.kernel_cache import use_persistent_kernel_cache
+
+    use_persistent_kernel_cache()  # rank 0's folder (build_app points it there), before this rank compiles
     group = group if group is not None else init_group(setup.dist.backend, setup.dist.world_size)
     channel.set_phase("loading its shard")
     loaded = load_sharded(source, group, setup.dist)
