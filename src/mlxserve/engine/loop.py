@@ -196,20 +196,32 @@ class AsyncEngine:
             trace = _StepTrace.open(os.environ.get(STEP_TRACE_ENV))
             if os.environ.get(STEP_SYNC_ENV) == "1":
                 core.runner.sync_phases = True
+            # Warm-up while serving (engine/warmup.py): its steps run while no request is in the engine.
+            warm = getattr(core, "background_warmup", None)
             while True:
+                timeout = idle_timeout
+                if warm is not None:
+                    wait = warm.between_steps(core)
+                    timeout = min(wait, idle_timeout or wait) if wait else idle_timeout
+                    if warm.finished:
+                        warm = None
                 block = not core.has_work
                 if block:
                     core.on_idle()
                 waited = time.perf_counter()
                 try:
                     while True:
-                        cmd, arg = self._inbox.get(block=block, timeout=idle_timeout if block else None)
+                        cmd, arg = self._inbox.get(block=block, timeout=timeout if block else None)
                         block = False
                         if cmd == "stop":
+                            if warm is not None:
+                                warm.close()
                             core.close()
                             trace.close()
                             return
                         if cmd == "add":
+                            if warm is not None:
+                                warm.interrupt(core)  # no real step carries warm-up rows
                             self._add(core, arg)
                         elif cmd == "call":
                             self._call(core, *arg)

@@ -53,6 +53,17 @@ def use_persistent_kernel_cache(environ=os.environ) -> Path | None:
     return path
 
 
+def kernel_dir(environ=os.environ) -> Path:
+    """The folder MLX-CUDA reads and writes compiled modules in: MLX_PTX_CACHE_DIR, else MLX's default."""
+    if environ.get(CACHE_ENV):
+        return Path(environ[CACHE_ENV])
+    import tempfile
+
+    import mlx.core as mx
+
+    return Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
+
+
 def count_modules(path: Path | None) -> int:
     """Compiled modules in a kernel cache folder (one binary file each), for the start-up log."""
     if path is None or not path.is_dir():

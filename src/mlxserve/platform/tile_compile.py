@@ -52,6 +52,19 @@ def tile_checkpoints(buckets: list[int] | None, limit: int) -> list[int]:
     return sorted(rows)
 
 
+def tiled_row_limit(model: Any, default: int = 256) -> int:
+    """Rows from which the model's row-folding layers dequantize anyway (their smallest `dequant_rows`), or
+    `default` where none does: the row counts worth compiling tiled kernels for lie below it."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from mlxserve.platform.quantized_rows import RowsQuantizedEmbedding, RowsQuantizedLinear
+
+    limits = [m.dequant_rows for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
+              if isinstance(m, (RowsQuantizedLinear, RowsQuantizedEmbedding)) and m.dequant_rows > 0]
+    return min(limits, default=default)
+
+
 def quantized_shapes(model: Any) -> list[list]:
     """The distinct matmul problems of the model's row-folding quantized layers (quantized_rows.py), as
     [out features, in features, bits, group size, mode, activation dtype, has biases]."""

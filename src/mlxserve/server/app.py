@@ -64,7 +64,12 @@ def make_engine(loaded: LoadedModel, config: EngineConfig, max_model_len: int, l
             from mlxserve.lora.manager import load_configured
 
             load_configured(core, loras)
-        if per_shape if config.warmup == "auto" else config.warmup == "on":
+        mode = config.warmup if config.warmup != "auto" else "background" if per_shape else "off"
+        if mode == "background" and loaded.make_engine_core is None:  # a distributed core's ranks warm up in step
+            from mlxserve.engine.warmup import make_warmup
+
+            core.background_warmup = make_warmup(core, config.max_num_seqs, compile_tiles=per_shape)
+        elif mode != "off":
             core.warmup(config.max_num_seqs)
         return core
 
@@ -74,6 +79,11 @@ def make_engine(loaded: LoadedModel, config: EngineConfig, max_model_len: int, l
 def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAPI:
     """The app for `config`'s models; pinned ones (a single model always) load here, the others on
     first use. `loaded`: a single model the caller loaded already."""
+    from mlxserve.platform.kernel_cache import count_modules, use_persistent_kernel_cache
+
+    kernels = use_persistent_kernel_cache()  # before any model computes: MLX reads it at its first compile
+    if kernels is not None:
+        log.info("MLX kernel cache: %s (%d compiled modules)", kernels, count_modules(kernels))
     specs = model_specs(config, loaded)
     preloaded = {specs[0].name: loaded} if loaded is not None else {}
     manager = ModelManager(

@@ -91,8 +91,8 @@ class EngineConfig:
             raise ValueError("num_draft_tokens must be in 1..64")
         if self.spec_max_batch < 1:
             raise ValueError("spec_max_batch must be >= 1")
-        if self.warmup not in ("auto", "on", "off"):
-            raise ValueError("warmup must be auto, on or off")
+        if self.warmup not in ("auto", "background", "on", "off"):
+            raise ValueError("warmup must be auto, background, on or off")
         if self.cudnn_attention not in ("auto", "on", "off"):
             raise ValueError("cudnn_attention must be auto, on or off")
         if self.decode_buckets not in ("auto", "on", "off"):

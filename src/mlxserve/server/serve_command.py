@@ -77,8 +77,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "0: at once")
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
                    help="max_tokens when a request names none")
-    p.add_argument("--warmup", choices=["auto", "on", "off"], default=d.warmup,
-                   help="run the decode batch sizes once at start-up (auto: on for CUDA, which compiles per shape)")
+    p.add_argument("--warmup", choices=["auto", "background", "on", "off"], default=d.warmup,
+                   help="run the decode batch sizes and traffic's paths once: background (while serving, between "
+                        "requests), on (before serving); auto: background on CUDA, which compiles per shape, else off")
     p.add_argument("--kv-budget-tokens", type=int, default=None,
                    help="KV tokens running requests may hold at once (default: from the memory budget)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="prefix-cache block size in tokens")

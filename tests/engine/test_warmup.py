@@ -1,0 +1,174 @@
+"""Warm-up while serving (engine/warmup.py) on the tiny fixture model: every piece runs and leaves nothing behind,
+a request that arrives stops the warm-up's step and is served alone, the server is ready before the warm-up ends,
+and the tiled-kernel helper's reports move the layers' dequantize limit. Order and events only, no timing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from mlxserve.engine.core import EngineCore
+from mlxserve.engine.loop import AsyncEngine
+from mlxserve.engine.request import Request, SamplingParams
+from mlxserve.engine.runner.batch import make_buckets
+from mlxserve.engine.warmup import BackgroundWarmup
+from mlxserve.models.loader import load_model
+from mlxserve.platform.quantized_rows import ALL_TILED_ROWS, fold_quantized_rows
+from mlxserve.server.config import EngineConfig
+
+PIECES = ["lone prompt", "decode batch sizes", "unequal prompts joining", "prefix hits", "prompts prefilled together"]
+CONFIG = EngineConfig(max_num_seqs=8, block_size=16, prefill_step_size=48)
+
+
+@pytest.fixture(scope="module")
+def loaded(qwen3_model_dir):
+    return load_model(str(qwen3_model_dir))
+
+
+def _core(loaded) -> EngineCore:
+    return EngineCore(loaded.model, loaded.tokenizer, CONFIG, 4096, make_buckets(8))
+
+
+def _real(rid: str = "real") -> Request:
+    return Request(rid, list(range(3, 60)), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+
+
+def _tokens(core, request) -> list[int]:
+    core.add_request(request)
+    tokens = []
+    while core.has_work:
+        tokens += [t for o in core.step() if o.request_id == request.request_id for t in o.new_token_ids]
+    return tokens
+
+
+class _Helper:
+    """Stands in for the tiled-kernel helper process: reports what the test queues."""
+
+    def __init__(self) -> None:
+        self.queued: list[tuple[str, int, float]] = []
+        self.started = self.closed = False
+
+    def start(self) -> None:
+        self.started = True
+
+    def poll(self):
+        out, self.queued = self.queued, []
+        return out
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_every_piece_runs_and_leaves_nothing_behind(loaded):
+    core = _core(loaded)
+    warm = BackgroundWarmup(8, core.runner.buckets)
+    warm.run_to_end(core)
+    assert warm.finished and warm.report.pieces_done == PIECES and warm.report.num_interrupted == 0
+    assert warm.report.num_steps > len(PIECES)
+    assert not core.has_work and core.runner.num_rows == 0
+    stats = core.cache_stats()
+    assert stats["num_cached_blocks"] == 0 and stats["queried_tokens"] == 0 and stats["hit_tokens"] == 0
+    assert stats["evictions"] > 0  # it did store blocks (cleared afterwards)
+    assert _tokens(core, _real()) == _tokens(_core(loaded), _real())  # as on a core that never warmed up
+
+
+def test_a_request_stops_the_warmup_and_runs_alone_then_the_piece_starts_over(loaded):
+    core = _core(loaded)
+    warm = BackgroundWarmup(8, core.runner.buckets)
+    while warm.report.pieces_done != PIECES[:1] or core.scheduler.num_running < 2:  # inside "decode batch sizes"
+        assert warm.between_steps(core) == 0.0
+        core.step()
+    warm.interrupt(core)  # as the engine loop does before it adds a request
+    core.add_request(_real())
+    tokens, running = [], []
+    while core.has_work:
+        assert warm.between_steps(core) is None  # real work: the warm-up adds nothing
+        running.append(set(core.scheduler.running))
+        tokens += [t for o in core.step() if o.request_id == "real" for t in o.new_token_ids]
+    assert all(ids <= {"real"} for ids in running) and {"real"} in running  # never beside warm-up rows
+    assert tokens == _tokens(_core(loaded), _real())
+    warm.run_to_end(core)
+    assert warm.report.pieces_done == PIECES and warm.report.num_interrupted == 1
+    assert core.cache_stats()["enabled"] and not core.has_work
+
+
+def test_the_engine_is_ready_before_the_warmup_ends_and_serves_during_it(loaded):
+    helper = _Helper()
+    made = {}
+
+    steps: list[set[str]] = []
+
+    def make_core():
+        core = _core(loaded)
+        core.background_warmup = made["warm"] = BackgroundWarmup(8, core.runner.buckets, compiler=helper,
+                                                                 model=core.runner.model)
+        step = core.step
+        core.step = lambda: steps.append(set(core.scheduler.running)) or step()  # what each step runs
+        return core
+
+    engine = AsyncEngine(make_core, max_num_waiting=10)
+
+    async def main():
+        engine.start(asyncio.get_running_loop())  # returns once the engine is ready to take requests
+        warm = made["warm"]
+        assert helper.started and not warm.finished  # the helper still compiles: the warm-up has not ended
+        outs = [o async for o in engine.generate(_real())]
+        assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 12
+        assert not warm.finished  # served during the warm-up
+        helper.queued.append(("done", 0, 1.0))
+        deadline = time.monotonic() + 300  # a bound for a stuck engine, not a timing assertion
+        while not warm.finished:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        engine.stop()
+        return warm
+
+    warm = asyncio.run(main())
+    assert warm.report.pieces_done == PIECES and warm.report.helper == "done"
+    assert any("real" in ids for ids in steps)
+    assert not any("real" in ids and any(rid.startswith("warmup-") for rid in ids) for ids in steps)
+    assert helper.closed  # the warm-up ends the helper process (the engine's stop does too)
+
+
+def test_the_helpers_reports_move_the_layers_dequantize_limit(qwen3_4bit_model_dir):
+    loaded = load_model(str(qwen3_4bit_model_dir))
+    fold_quantized_rows(loaded.model)
+    core = EngineCore(loaded.model, loaded.tokenizer, CONFIG, 4096, make_buckets(8))
+    layer = loaded.model.model.layers[0].self_attn.q_proj
+    helper = _Helper()
+    warm = BackgroundWarmup(8, core.runner.buckets, compiler=helper, model=loaded.model)
+    assert layer.tiled_rows == 7  # nothing compiled yet: 8 rows and more dequantize
+    helper.queued.append(("ready", 16, 40.0))
+    warm.between_steps(core)
+    assert layer.tiled_rows == 16 and warm.report.tiled_rows == 16
+    helper.queued.append(("failed", 0, 0.0))
+    warm.between_steps(core)
+    assert layer.tiled_rows == 16 and warm.report.helper == "failed"  # what was compiled stays usable
+    warm.run_to_end(core)
+    assert warm.finished
+    helper2 = _Helper()
+    helper2.queued += [("ready", 8, 1.0), ("done", 0, 2.0)]
+    warm2 = BackgroundWarmup(8, core.runner.buckets, compiler=helper2, model=loaded.model)
+    assert layer.tiled_rows == 7
+    warm2.between_steps(core)
+    assert layer.tiled_rows == ALL_TILED_ROWS and warm2.report.helper == "done"  # everything compiled: no limit
+
+
+def test_stopping_the_engine_stops_the_helper(loaded):
+    helper = _Helper()
+
+    def make_core():
+        core = _core(loaded)
+        core.background_warmup = BackgroundWarmup(8, core.runner.buckets, compiler=helper, model=core.runner.model)
+        return core
+
+    engine = AsyncEngine(make_core, max_num_waiting=10)
+
+    async def main():
+        engine.start(asyncio.get_running_loop())
+        engine.stop()
+
+    asyncio.run(main())
+    assert helper.started and helper.closed
