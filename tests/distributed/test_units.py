@@ -197,3 +197,29 @@ def test_shutdown_plan_ends_the_follower(tiny):
     runner = DistributedRunner(loaded.model)
     runner.attach(RankContext(DistributedConfig(tensor_parallel=2), _FakeChannel([StepPlan(0, None)]), seed=0))
     assert runner.follow() is False
+
+
+class _ScriptedFollower(Channel):
+    """A follower's channel whose first broadcast is rank 0's decode buckets; later ones echo (agree)."""
+
+    def __init__(self, buckets):
+        self.rank, self.size, self._first = 1, 2, [buckets]
+
+    def broadcast(self, obj=None):
+        return self._first.pop() if self._first else obj
+
+    def gather(self, obj):
+        return None
+
+
+def test_every_rank_takes_rank_0s_decode_buckets(tiny):
+    # Rank 0 picks buckets for its backend (on MLX-CUDA by default); a follower that padded its batch
+    # otherwise would run decode forwards, and so collectives, of other sizes.
+    from mlxserve.distributed.engine import DistributedEngineCore
+    from mlxserve.server.config import EngineConfig
+
+    loaded, _ = tiny
+    ctx = RankContext(DistributedConfig(tensor_parallel=2), _ScriptedFollower([1, 2, 4]), seed=0)
+    core = DistributedEngineCore(loaded.model, loaded.tokenizer, EngineConfig(max_num_seqs=4, memory_mode="dedicated"),
+                                 256, None, "key", ctx=ctx)
+    assert core.runner.buckets == [1, 2, 4]
