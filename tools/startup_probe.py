@@ -90,8 +90,10 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--wait-warmup-s", type=float, default=240)
     p.add_argument("--out", default=None)
-    p.add_argument("server_args", nargs="*")
-    args = p.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = p.parse_args(argv[:cut])
+    args.server_args = argv[cut + 1:]
     port = 8100 + random.randrange(800)
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, PYTHONUNBUFFERED="1")

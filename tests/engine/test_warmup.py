@@ -172,3 +172,20 @@ def test_stopping_the_engine_stops_the_helper(loaded):
 
     asyncio.run(main())
     assert helper.started and helper.closed
+
+
+def test_with_tile_compiles_the_real_helper_runs_beside_the_warmup_to_its_end(qwen3_4bit_model_dir, tmp_path,
+                                                                               monkeypatch):
+    from mlxserve.engine.warmup import make_warmup
+
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    loaded = load_model(str(qwen3_4bit_model_dir))
+    fold_quantized_rows(loaded.model)  # as the loader does on MLX-CUDA
+    core = EngineCore(loaded.model, loaded.tokenizer, CONFIG, 4096, make_buckets(8))
+    layer = loaded.model.model.layers[0].mlp.down_proj
+    warm = make_warmup(core, 8, compile_tiles=True)
+    assert warm.report.helper == "compiling" and layer.tiled_rows == 7
+    warm.run_to_end(core)
+    assert warm.report.helper == "done" and warm.report.tiled_rows == 127 and layer.tiled_rows == ALL_TILED_ROWS
+    assert warm.report.pieces_done == PIECES
+    assert not any(p.name.startswith(".staging-") for p in tmp_path.iterdir())
