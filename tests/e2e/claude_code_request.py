@@ -3,7 +3,7 @@
 tool_result blocks), for replaying against /v1/messages.
 
 `CURRENT_FIELDS` are what Claude Code 2.1.197 adds to every turn (captured from the real CLI; the whole
-captures are in tests/api/fixtures): a system message after the first user turn, adaptive thinking,
+captures are in tests/frontends/fixtures): a system message after the first user turn, adaptive thinking,
 context management and an output effort. The anthropic SDK has no parameters for some of them: send
 them as `extra_body`."""
 

@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 
-from mlxserve.api.audio.media import decode_audio
+from mlxserve.frontends.audio.media import decode_audio
 from mlxserve.server.config import EngineConfig, ModelSpec, ServerConfig
 from mlxserve.server.app import build_app
 from mlxserve.testing.audio_fixtures import build_tiny_kokoro, build_tiny_whisper, build_tiny_whisper_ct2

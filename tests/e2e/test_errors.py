@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from mlxserve.api.schemas import MAX_STOP_STRINGS
+from mlxserve.frontends.common.schemas import MAX_STOP_STRINGS
 
 MAX_MODEL_LEN = 64
 M = [{"role": "user", "content": "hi"}]

@@ -165,8 +165,8 @@ def test_embedding_method_is_the_cosine_of_the_embeddings(http, live, model):
 def test_yes_no_matches_the_decoders_own_logits(http, qwen3_model_dir):
     from mlx_lm import load
 
-    from mlxserve.api.rerank.methods import _JUDGE
-    from mlxserve.api.rerank.protocol import DEFAULT_INSTRUCTION
+    from mlxserve.frontends.rerank.methods import _JUDGE
+    from mlxserve.frontends.rerank.protocol import DEFAULT_INSTRUCTION
 
     out = rerank(http, model="tiny-reranker")  # "rerank" in the name: yes/no by default
     assert out["meta"]["method"] == "yes_no"

@@ -283,7 +283,7 @@ def engine_held(live):
 
 @pytest.fixture
 def fast_heartbeat(monkeypatch):
-    monkeypatch.setattr("mlxserve.api.door.HEARTBEAT_S", 0.05)
+    monkeypatch.setattr("mlxserve.frontends.common.gateway.HEARTBEAT_S", 0.05)
 
 
 def read_heartbeats(lines, is_heartbeat, num: int) -> list[str]:

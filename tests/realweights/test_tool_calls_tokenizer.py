@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from mlxserve.api.chat_output import OutputSpec, collect
+from mlxserve.frontends.common.chat_output import OutputSpec, collect
 from mlxserve.engine.detokenizer import make_detokenizer_factory
 from mlxserve.structured.grammar import HERMES, tag_token_ids, tool_call_constraint
 from mlxserve.structured.matcher import GrammarCompiler, allocate_bitmask

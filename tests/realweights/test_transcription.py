@@ -85,7 +85,7 @@ def test_audio_longer_than_one_window(client, tmp_path):
     """Three sentences 14 s apart (about 35 s in all): two windows, each sentence heard."""
     import av
 
-    from mlxserve.api.audio.media import decode_audio
+    from mlxserve.frontends.audio.media import decode_audio
 
     rate = 16000
     parts = []

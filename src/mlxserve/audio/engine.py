@@ -48,8 +48,8 @@ class AudioCore(EncoderCore):
 
 def audio_served(spec, config, loaded: LoadedModel):
     """(ServedModel, AsyncEngine not started) for an audio model (server.load_served's hook)."""
-    from mlxserve.api.audio.model import AudioInfo
-    from mlxserve.api.serving import ServedModel
+    from mlxserve.frontends.audio.model import AudioInfo
+    from mlxserve.frontends.common.serving import ServedModel
     from mlxserve.engine.loop import AsyncEngine
 
     model = loaded.model

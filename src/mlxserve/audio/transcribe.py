@@ -27,7 +27,7 @@ _TIME_PRECISION = 0.02  # seconds per timestamp token
 
 @dataclass
 class TranscribeOptions:
-    """What a request asks for, as plain data (api/audio/transcriptions.py builds it)."""
+    """What a request asks for, as plain data (frontends/audio/transcriptions.py builds it)."""
 
     task: str = "transcribe"  # or "translate" (to English)
     language: str | None = None  # None: detected from the first window (multilingual models)

@@ -9,11 +9,11 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from mlxserve.api.app import create_app
-from mlxserve.api.prompt_bound import max_token_chars
-from mlxserve.api.security import install_security
-from mlxserve.api.serving import ServedModel
-from mlxserve.api.web import add_web_routes
+from mlxserve.frontends.app import create_app
+from mlxserve.frontends.common.prompt_bound import max_token_chars
+from mlxserve.frontends.common.security import install_security
+from mlxserve.frontends.common.serving import ServedModel
+from mlxserve.frontends.admin.web import add_web_routes
 from mlxserve.server.config import EngineConfig, ModelSpec, ServerConfig
 from mlxserve.engine.loop import AsyncEngine
 from mlxserve.platform.backend import is_cuda
