@@ -181,11 +181,12 @@ _KEEP_NAMES = ("D", "dt_bias", "sinks", "e_score_correction_bias")
 
 def cache_kind(prompt_cache) -> str:
     """Classify a prompt cache from make_prompt_cache; MLA needs it filled by one forward first."""
-    from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+    from mlxserve.kv.kinds import KINDS
 
-    if any(isinstance(c, ArraysCache) for c in prompt_cache):
+    kinds = {KINDS.kind_of(c).name for c in prompt_cache}
+    if "recurrent" in kinds:
         return "hybrid"
-    if any(isinstance(c, RotatingKVCache) for c in prompt_cache):
+    if "sliding" in kinds:
         return "sliding"
     filled = [c for c in prompt_cache if getattr(c, "keys", None) is not None]
     if any(c.keys.shape[-1] != c.values.shape[-1] for c in filled):

@@ -27,6 +27,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxserve.engine.runner.kv_prealloc import reserve
+from mlxserve.kv.kinds import KINDS
 
 
 def make_buckets(max_num_seqs: int) -> list[int]:
@@ -40,10 +41,10 @@ def make_buckets(max_num_seqs: int) -> list[int]:
 
 
 def can_batch(cache: list[Any]) -> bool:
-    """Whether every layer's cache kind has a batch version (mlx-lm's `merge`). Those that do not
+    """Whether every layer's cache kind has a batch version (kv/kinds; mlx-lm's `merge`). Those that do not
     (e.g. chunked KV, or mlx-lm's own QuantizedKVCache) are served one sequence at a time; `--kv-bits`
     uses kv/kinds/quantized.py's batchable subclass instead."""
-    return all(getattr(type(c), "merge", None) is not None for c in cache)
+    return KINDS.can_batch(cache)
 
 
 def _merge(caches: list[list[Any]]) -> list[Any]:

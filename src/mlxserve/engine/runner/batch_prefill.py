@@ -19,6 +19,8 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from mlxserve.kv.kinds import KINDS
+
 # Token fed in padded positions; its keys and values are finite and no real token attends to them.
 _PAD_TOKEN = 0
 
@@ -28,9 +30,9 @@ def why_not_batched(model: Any, make_cache: Callable[[Any], list[Any]] = make_pr
     otherwise the reason, for the log."""
     if getattr(model, "is_vlm", False):
         return "a vision-language model (positions depend on the images)"
-    kinds = sorted({type(c).__name__ for c in make_cache(model)})
-    if kinds != ["KVCache"]:
-        return f"its caches ({', '.join(kinds)}) cannot take padding"
+    cache = make_cache(model)
+    if not KINDS.can_pad(cache):
+        return f"its caches ({', '.join(sorted({type(c).__name__ for c in cache}))}) cannot take padding"
     return None
 
 

@@ -20,6 +20,8 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import BatchKVCache
 
+from mlxserve.kv.kinds import KINDS
+
 
 def reserve(batch_cache: list[Any], tokens: int) -> int:
     """Pads each `BatchKVCache` layer's keys and values with empty positions up to `tokens` wide.
@@ -28,7 +30,7 @@ def reserve(batch_cache: list[Any], tokens: int) -> int:
     they are. Returns the bytes added (0 when every buffer was wide enough)."""
     added = 0
     for c in batch_cache:
-        if not isinstance(c, BatchKVCache) or c.keys is None:
+        if not KINDS.can_reserve(c):
             continue
         width = _width(c)
         if width >= tokens:
@@ -50,6 +52,6 @@ def _width(c: BatchKVCache) -> int:
 def room(batch_cache: list[Any]) -> int | None:
     """Positions the batch can still write in place (None without a plain batch cache)."""
     for c in batch_cache:
-        if isinstance(c, BatchKVCache) and c.keys is not None:
+        if KINDS.can_reserve(c):
             return _width(c) - c.size()
     return None

@@ -5,11 +5,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from mlxserve.server.config import EngineConfig
 from mlxserve.engine.spec.decoder import SpeculativeDecoder
 from mlxserve.engine.spec.registry import make_proposer
+from mlxserve.kv.kinds import KINDS
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +18,7 @@ log = logging.getLogger(__name__)
 def rewindable(model: Any) -> bool:
     """Plain KV in every layer (MLA's wider keys included): a rejected draft can be cut off the end.
     Rotating windows have overwritten what the draft displaced, recurrent state keeps no history."""
-    return all(type(c) is KVCache for c in make_prompt_cache(model))
+    return KINDS.can_rewind(make_prompt_cache(model))
 
 
 def reserve_draft(budget: Any, draft: Any, per_token: int) -> tuple[Any, int]:

@@ -16,10 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxserve.engine.request import SamplingParams
 from mlxserve.engine.runner.sampling import apply_filters
+from mlxserve.kv.kinds import KINDS
 
 
 def target_logprobs(logprobs: mx.array, sp: SamplingParams) -> mx.array:
@@ -76,7 +76,7 @@ def rewind(cache: list[Any], num_drop: list[int]) -> None:
 
 
 def can_rewind(cache: list[Any]) -> bool:
-    """Whether every layer is a plain KV cache: a batch one, or mlx-lm's `KVCache` of a lone row's lean
-    path (its `trim` drops that row's tail). Sliding windows and recurrent state cannot be rewound: a
+    """Whether every layer's kind can be rewound (kv/kinds): plain KV, a batch one or mlx-lm's `KVCache` of a
+    lone row's lean path (its `trim` drops that row's tail). Sliding windows and recurrent state cannot: a
     rotating buffer overwrote what a rejected draft displaced, a state has no history."""
-    return bool(cache) and all(isinstance(c, BatchKVCache) or type(c) is KVCache for c in cache)
+    return KINDS.can_rewind(cache)
