@@ -140,6 +140,11 @@ class EmbeddingJob:
         self.parts = []
         return True
 
+    def advance_on(self, core: Any) -> bool:
+        """`advance` on an engine core's model, one prefill chunk long: what the HTTP side hands to
+        `AsyncEngine.call`, as it hands an encoder's or cross-encoder's job (it never touches the model)."""
+        return self.advance(core.runner.model, core.config.prefill_step_size)
+
 
 def embed(model: Any, token_lists: list[list[int]], dimensions: int | None = None, step: int = 512,
           max_batch_tokens: int = 4096) -> mx.array:

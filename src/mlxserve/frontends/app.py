@@ -81,10 +81,10 @@ def create_app(models: ModelManager) -> FastAPI:
 
     app.add_middleware(CountRequests, metrics=metrics)
     app.add_middleware(_HeadAsGet)
-    add_embeddings_route(app, models)
-    add_audio_routes(app, models)  # speech to text, text to speech (frontends/audio/)
     # Every dialect translates into the same requests and goes through the same gateway.
     gateway = Gateway(models, metrics, prep)
+    add_embeddings_route(app, gateway)
+    add_audio_routes(app, models)  # speech to text, text to speech (frontends/audio/)
     add_anthropic_routes(app, gateway)
     add_responses_routes(app, gateway)
     add_ollama_routes(app, gateway)

@@ -1,6 +1,5 @@
-"""Embedding vectors for any front door: texts tokenized for a served model, pooled on its engine thread.
-
-The same engine work as `/v1/embeddings` (engine/embeddings.py for decoders, engine/encoder.py for
+"""Embedding vectors for any front door (`Gateway.embed`): texts tokenized for a served model, pooled on
+its engine thread by the engine's own jobs (engine/embeddings.py for decoders, engine/encoder.py for
 BERT-style encoders), one short chunk per `engine.call`, so running streams keep their decode steps in
 between. Imports no MLX: the engine side is imported when a job runs, and only its numpy result is
 touched here.
@@ -37,9 +36,10 @@ def tokenize_texts(model: Any, texts: list[str], param: str, truncate: bool = Fa
 
 
 async def embed_token_lists(model: Any, engine: Any, token_lists: list[list[int]], dimensions: Optional[int] = None,
-                            is_gone=None):
+                            is_gone=None, max_batch_tokens: Optional[int] = None):
     """[N, D] unit-norm float32 vectors (numpy) of `token_lists` from a leased model; None when
-    `is_gone()` (an async check between chunks) says the client left."""
+    `is_gone()` (an async check between chunks) says the client left. `max_batch_tokens`: padded tokens
+    per batch (default: MAX_BATCH_TOKENS for an encoder, one prefill chunk for a decoder)."""
     from mlxserve.engine.embeddings import DimensionsTooLargeError, EmbeddingJob, EmbeddingsUnsupportedError
 
     if model.multimodal is not None:
@@ -47,17 +47,16 @@ async def embed_token_lists(model: Any, engine: Any, token_lists: list[list[int]
     if model.embedding_only:
         from mlxserve.engine.encoder import EncoderJob
 
-        job = EncoderJob(token_lists, dimensions, max_batch_tokens=MAX_BATCH_TOKENS)
-        advance = job.advance
+        job = EncoderJob(token_lists, dimensions, max_batch_tokens=max_batch_tokens or MAX_BATCH_TOKENS)
     else:
-        # A decoder's engine thread also runs its streams: each call computes at most one prefill chunk's
-        # worth of tokens (rows x positions), so no call stalls them longer than a prefill step would.
-        step = await engine.call(lambda core: core.config.prefill_step_size)
-        job = EmbeddingJob(token_lists, dimensions, max_batch_tokens=step)
-
-        def advance(core) -> bool:
-            return job.advance(core.runner.model, step)
-
+        if max_batch_tokens is None:
+            # A decoder's engine thread also runs its streams: each call computes at most one prefill
+            # chunk's worth of tokens (rows x positions), so no call stalls them longer than a prefill step.
+            max_batch_tokens = await engine.call(lambda core: core.config.prefill_step_size)
+        job = EmbeddingJob(token_lists, dimensions, max_batch_tokens=max_batch_tokens)
+    # One chunk per call, each job advancing on the engine's own model: decode steps of running streams
+    # go on in between.
+    advance = job.advance if model.embedding_only else job.advance_on
     try:
         while not await engine.call(advance):
             if is_gone is not None and await is_gone():

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from mlxserve.engine.request import RequestOutput
 from mlxserve.engine.scheduler import QueueFullError
+from mlxserve.frontends.common.embedding import embed_token_lists
 from mlxserve.frontends.common.errors import APIError
 from mlxserve.frontends.common.metrics import Metrics, RequestTimer
 from mlxserve.frontends.common.prompt_bound import PrepPool
@@ -153,6 +154,12 @@ class Gateway:
         whole = task.result()
         timer.done(whole.last)
         return whole
+
+    async def embed(self, model: ServedModel, engine: Any, token_lists: list[list[int]], dimensions: int | None = None,
+                    is_gone: Callable | None = None, max_batch_tokens: int | None = None):
+        """Unit-norm vectors (numpy, [N, D]) of `token_lists` on a model leased from `models`; None when
+        `is_gone()` says the client left between chunks."""
+        return await embed_token_lists(model, engine, token_lists, dimensions, is_gone, max_batch_tokens)
 
     async def reply(self, outputs: AsyncIterator[RequestOutput], raw: Request, stream: bool,
                     frames: Callable[[AsyncIterator[RequestOutput], RequestTimer], AsyncIterator[str]],

@@ -18,7 +18,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from mlxserve.engine.request import RequestOutput
-from mlxserve.frontends.common.embedding import embed_token_lists, tokenize_texts
+from mlxserve.frontends.common.embedding import tokenize_texts
 from mlxserve.frontends.common.errors import APIError
 from mlxserve.frontends.common.gateway import Gateway
 from mlxserve.frontends.common.sse import client_gone
@@ -176,7 +176,7 @@ def add_ollama_routes(app: FastAPI, gateway: Gateway, pull_fn: Callable[[str], A
         name = _served_name(models, requested)
         async with models.lease(name) as (served, engine):
             token_lists = await gateway.prep.run(tokenize_texts, served, texts, "input", truncate)
-            vectors = await embed_token_lists(served, engine, token_lists, dimensions, raw.is_disconnected)
+            vectors = await gateway.embed(served, engine, token_lists, dimensions, raw.is_disconnected)
             if keep is not None:
                 _keep(models, name, keep)
         return vectors, sum(len(t) for t in token_lists)

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from mlxserve.frontends.common.embedding import MAX_BATCH_TOKENS, embed_token_lists, tokenize_texts
+from mlxserve.frontends.common.embedding import MAX_BATCH_TOKENS, tokenize_texts
 from mlxserve.frontends.common.errors import APIError
 from mlxserve.frontends.common.gateway import Gateway, chat_request
 from mlxserve.frontends.common.schemas import CompletionRequest
@@ -126,7 +126,7 @@ async def _embedding(gateway: Gateway, served: Any, engine: Any, pairs, raw, par
     firsts = list(dict.fromkeys(a for a, _ in pairs))  # a query shared by every pair: embedded once
     first_ids = await gateway.prep.run(tokenize_texts, served, firsts, params[0])
     second_ids = await gateway.prep.run(tokenize_texts, served, [b for _, b in pairs], params[1])
-    vectors = await embed_token_lists(served, engine, first_ids + second_ids, None, raw.is_disconnected)
+    vectors = await gateway.embed(served, engine, first_ids + second_ids, None, raw.is_disconnected)
     if vectors is None:
         return None
     row = {t: i for i, t in enumerate(firsts)}
