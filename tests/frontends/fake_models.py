@@ -1,6 +1,6 @@
 """The real app (`create_app`) over a fake model manager: one byte-level "model" whose chat template
 records what it was given (messages, tools, template arguments) and whose engine answers at once. Every
-HTTP layer runs as served (schemas, translation, door, preparation, grammars, renderers); no MLX."""
+HTTP layer runs as served (schemas, translation, gateway, preparation, grammars, renderers); no MLX."""
 
 from __future__ import annotations
 
