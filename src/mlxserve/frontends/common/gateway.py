@@ -73,6 +73,9 @@ def _internal(kind: type, fields: dict):
 
 
 class Gateway:
+    """The dialects' one client of the served models' engines (vLLM's EngineClient in spirit): requests
+    opened, outputs collected or streamed, embeddings computed; the models leased through `models`."""
+
     def __init__(self, models: Any, metrics: Metrics, prep: PrepPool | None = None,
                  heartbeat_s: float | None = None) -> None:
         self.models, self.metrics = models, metrics
