@@ -191,7 +191,8 @@ class EngineCore:
             request = self.scheduler.running.get(rid)
             if request is None:  # finished or aborted while its tokens were in flight
                 continue
-            tokens = tokens[: self.scheduler.num_kept(request, tokens)]
+            if len(tokens) > 1:  # a lone token is always kept (it may end the request)
+                tokens = tokens[: self.scheduler.num_kept(request, tokens)]
             try:
                 n, texts[rid], hit = self._text_of(rid, tokens)
             except Exception as exc:  # e.g. a detokenizer error: this request only
