@@ -254,7 +254,7 @@ class SpeculativeDecoder:
     def _emit_logprobs(states, fed_lps, wanted, rids, last_ids, draft_ids, accepted_ids, num_k, gathered,
                        out) -> None:
         """Logprobs of the fed tokens and of the accepted drafts; a drafting row's next token's stay
-        pending until it is fed (rows without a draft: `_keep_logprobs` set theirs)."""
+        pending until it is fed (rows without a draft: the runner's `keep_logprobs` set theirs)."""
         for i, rid in enumerate(rids):
             fed_lp = fed_lps.get(rid)
             if fed_lp is not None and rid not in out.failed:
