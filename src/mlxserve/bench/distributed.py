@@ -80,8 +80,12 @@ def _build_qwen2(folder: Path, dims: dict, bits: int | None) -> Path:
 
     from mlxserve.testing.demo import EOS_TOKEN, PAD_TOKEN, build_tokenizer
 
+    from mlxserve.testing.demo import _pad_vocab, _vocab_size
+
     folder.mkdir(parents=True, exist_ok=True)
     build_tokenizer(folder)
+    tokenizer_json = json.loads((folder / "tokenizer.json").read_text())
+    _pad_vocab(folder, tokenizer_json, _vocab_size(tokenizer_json), dims["vocab_size"])  # every id has a text
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], **dims, "rms_norm_eps": 1e-6,
               "rope_theta": 1_000_000.0, "hidden_act": "silu", "tie_word_embeddings": False,

@@ -164,3 +164,12 @@ def _free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` prints every thread's Python stack to the rank's log: where a stuck rank waits."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)

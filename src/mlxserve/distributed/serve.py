@@ -23,7 +23,7 @@ from typing import Any
 from mlxserve.server.config import EngineConfig, ServerConfig
 from mlxserve.distributed.channel import Channel, ControlServer, LostRank, connect
 from mlxserve.distributed.config import DistributedConfig
-from mlxserve.distributed.launch import (control_host, init_group, share_control_address, spawn_local_ranks,
+from mlxserve.distributed.launch import (control_host, dump_stacks_on_sigusr1, init_group, share_control_address, spawn_local_ranks,
                                          under_launcher)
 from mlxserve.distributed.supervisor import Supervisor
 
@@ -99,6 +99,7 @@ def serve_distributed(config: ServerConfig, dist: DistributedConfig) -> int:
     if config.models:
         raise ValueError("--tensor-parallel / --pipeline-parallel serve one model: name it as MODEL")
     _check_local_model(config.model, dist)  # before any rank is started
+    dump_stacks_on_sigusr1()
     if config.engine.memory_mode == "desktop":
         log.warning("--memory-mode desktop follows rank 0's free memory only; with several machines use "
                     "--memory-mode dedicated (the KV budget then is the smallest rank's)")

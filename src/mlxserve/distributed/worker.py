@@ -31,7 +31,10 @@ def main() -> int:
     parent = int(os.environ.get(PARENT_ENV, "0"))
     if parent:
         threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    from mlxserve.distributed.launch import dump_stacks_on_sigusr1
     from mlxserve.distributed.serve import follower_main
+
+    dump_stacks_on_sigusr1()
 
     try:
         return follower_main(os.environ[CONTROL_ENV], int(rank), int(os.environ[WORLD_ENV]))
