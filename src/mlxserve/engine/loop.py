@@ -36,7 +36,6 @@ class EngineStats:
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     prefix_cached_blocks: int = 0
-    kv_capacity_tokens: int = 0  # KV tokens running requests may hold (the live limit)
     kv_bytes_per_token: int = 0  # what one token's KV costs (smaller under --kv-bits)
     spec_drafted_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -166,7 +165,6 @@ class AsyncEngine:
             core.scheduler.num_running,
             core.scheduler.num_waiting,
             *((prefix.num_queried_tokens, prefix.num_hit_tokens, prefix.pool.num_cached) if prefix else (0, 0, 0)),
-            kv_capacity_tokens=core.kv_capacity_tokens or 0,
             kv_bytes_per_token=getattr(getattr(core, "probe", None), "bytes_per_token", 0),
             spec_drafted_tokens=spec.stats.num_drafted if spec is not None else 0,
             spec_accepted_tokens=spec.stats.num_accepted if spec is not None else 0,

@@ -18,7 +18,7 @@ from mlxserve.frontends.anthropic.routes import add_anthropic_routes
 from mlxserve.frontends.audio import add_audio_routes
 from mlxserve.frontends.common.errors import install_error_handlers
 from mlxserve.frontends.common.gateway import Gateway
-from mlxserve.frontends.common.metrics import CountRequests, Metrics, sum_stats
+from mlxserve.frontends.common.metrics import CountRequests, Metrics
 from mlxserve.frontends.common.prompt_bound import PrepPool
 from mlxserve.frontends.embeddings.routes import add_embeddings_route
 from mlxserve.frontends.ollama import add_ollama_routes
@@ -49,7 +49,7 @@ class _HeadAsGet:
 
 def create_app(models: ModelManager) -> FastAPI:
     """The routes over `models`: requests go to the model their `model` field names."""
-    metrics = Metrics(lambda: sum_stats(models.loaded_engines()))
+    metrics = Metrics(models.loaded_engines)
     prep = PrepPool()
 
     @contextlib.asynccontextmanager

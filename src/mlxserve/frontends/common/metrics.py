@@ -18,13 +18,14 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 
 
 
 class _EngineGauges:
-    """Reads the engine's counters at scrape time instead of pushing them on every step."""
+    """Reads the engines' counters at scrape time instead of pushing them on every step."""
 
-    def __init__(self, read: Callable[[], Any]) -> None:
-        self._read = read
+    def __init__(self, engines: Callable[[], Any]) -> None:
+        self._engines = engines
 
     def collect(self):
-        stats = self._read()
+        engines = list(self._engines() or ())
+        stats = sum_stats(engines)
         running, waiting = stats.num_running, stats.num_waiting
         c = CounterMetricFamily("mlxserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache")
         c.add_metric([], stats.prefix_queried_tokens)
@@ -59,7 +60,8 @@ class _EngineGauges:
         g.add_metric([], waiting)
         yield g
         g = GaugeMetricFamily("mlxserve_kv_capacity_tokens", "KV tokens running requests may hold at once")
-        g.add_metric([], stats.kv_capacity_tokens)
+        # Read from each engine's one KV capacity owner, live: a copy in the step counters would lag.
+        g.add_metric([], sum(e.kv_capacity_tokens or 0 for e in engines))
         yield g
         g = GaugeMetricFamily("mlxserve_kv_bytes_per_token",
                               "KV cache bytes per token (smaller with --kv-bits; the largest of the loaded models)")
@@ -68,7 +70,7 @@ class _EngineGauges:
 
 
 class Metrics:
-    def __init__(self, read_engine_counts: Callable[[], Any]) -> None:
+    def __init__(self, engines: Callable[[], Any]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("mlxserve_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
@@ -77,7 +79,7 @@ class Metrics:
         self.ttft = Histogram("mlxserve_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("mlxserve_inter_token_latency_seconds", "Time between output tokens", buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("mlxserve_request_latency_seconds", "End-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r)
-        r.register(_EngineGauges(read_engine_counts))
+        r.register(_EngineGauges(engines))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
