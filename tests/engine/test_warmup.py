@@ -174,7 +174,7 @@ def test_stopping_the_engine_stops_the_helper(loaded):
     assert helper.started and helper.closed
 
 
-def test_with_tile_compiles_the_real_helper_runs_beside_the_warmup_to_its_end(qwen3_4bit_model_dir, tmp_path,
+def test_with_tile_compiles_the_real_helpers_run_beside_the_warmup_to_its_end(qwen3_4bit_model_dir, tmp_path,
                                                                                monkeypatch):
     from mlxserve.engine.warmup import make_warmup
 
@@ -183,9 +183,26 @@ def test_with_tile_compiles_the_real_helper_runs_beside_the_warmup_to_its_end(qw
     fold_quantized_rows(loaded.model)  # as the loader does on MLX-CUDA
     core = EngineCore(loaded.model, loaded.tokenizer, CONFIG, 4096, make_buckets(8))
     layer = loaded.model.model.layers[0].mlp.down_proj
-    warm = make_warmup(core, 8, compile_tiles=True)
+    warm = make_warmup(core, 8, compile_tiles=True, source=str(qwen3_4bit_model_dir))
     assert warm.report.helper == "compiling" and layer.tiled_rows == 7
     warm.run_to_end(core)
     assert warm.report.helper == "done" and warm.report.tiled_rows == 127 and layer.tiled_rows == ALL_TILED_ROWS
-    assert warm.report.pieces_done == PIECES
+    assert warm.report.pieces_done == PIECES and warm.report.piece_helper == "done"
+    events = warm.report.events
+    for name in PIECES:  # each piece ran in the helper process before it ran here
+        assert events.index(f"helper: {name}") < events.index(f"start: {name}") < events.index(f"done: {name}")
     assert not any(p.name.startswith(".staging-") for p in tmp_path.iterdir())
+
+
+def test_a_piece_waits_for_the_piece_helper_and_all_run_once_the_helper_fails(loaded):
+    core = _core(loaded)
+    helper = _Helper()
+    warm = BackgroundWarmup(8, core.runner.buckets, piece_helper=helper)
+    assert helper.started and warm.between_steps(core) > 0 and not core.has_work  # nothing reported: it idles
+    helper.queued.append(("piece", "lone prompt", 1.0))
+    while (wait := warm.between_steps(core)) == 0.0:
+        core.step()
+    assert wait > 0 and warm.report.pieces_done == ["lone prompt"]  # the next piece waits for the helper again
+    helper.queued.append(("failed", 0, 0.0))
+    warm.run_to_end(core)
+    assert warm.report.pieces_done == PIECES and warm.report.piece_helper == "failed" and helper.closed

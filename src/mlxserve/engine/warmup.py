@@ -35,8 +35,10 @@ class WarmupReport:
     num_steps: int = 0
     longest_step_s: float = 0.0  # the longest a request could have waited behind the warm-up
     engine_s: float = 0.0  # engine-thread time the warm-up's steps took
-    helper: str = "off"  # off, compiling, done, failed
+    helper: str = "off"  # the tile helper: off, compiling, done, failed
     tiled_rows: int = 0  # compiled row counts reported by the helper so far
+    piece_helper: str = "off"  # the piece helper (engine/warmup_helper.py): off, compiling, done, failed
+    events: list[str] = field(default_factory=list)  # "helper: PIECE", "start: PIECE", "done: PIECE" in order
     finished_s: float | None = None  # seconds from the warm-up's start to its end
 
 
@@ -51,7 +53,7 @@ class BackgroundWarmup:
     `interrupt` before it adds a request; `run_to_end` runs it all at once (tests, benchmarks)."""
 
     def __init__(self, max_batch: int, buckets: list[int] | None, prompt_len: int = 16,
-                 compiler: Any = None, model: Any = None) -> None:
+                 compiler: Any = None, model: Any = None, piece_helper: Any = None) -> None:
         self.sizes = [b for b in buckets or range(1, max_batch + 1) if b <= max_batch]
         self.prompt_len = prompt_len
         self.report = WarmupReport()
@@ -73,6 +75,12 @@ class BackgroundWarmup:
             set_tiled_rows(model, MIN_TILED_ROWS - 1)  # dequantize from 8 rows on until the helper says otherwise
             compiler.start()
             self.report.helper = "compiling"
+        # Pieces the helper process ran first (their kernels are on disk); without one, every piece may run.
+        self._piece_helper = piece_helper
+        self._helped: set[str] = set()
+        if piece_helper is not None:
+            piece_helper.start()
+            self.report.piece_helper = "compiling"
 
     @property
     def finished(self) -> bool:
@@ -99,13 +107,18 @@ class BackgroundWarmup:
             return None
         while self._pieces:
             if self._current is None:
+                name = self._pieces[0].name
+                if self.report.piece_helper == "compiling" and name not in self._helped:
+                    return HELPER_POLL_S  # its kernels are still being compiled in the helper process
                 self._current = self._pieces[0].make(core)
+                self.report.events.append(f"start: {name}")
             try:
                 next(self._current)
             except StopIteration:
                 self._current = None
                 self._rids.clear()
                 self.report.pieces_done.append(self._pieces.pop(0).name)
+                self.report.events.append(f"done: {self.report.pieces_done[-1]}")
                 continue
             self._owns_work = True
             self._step_started = time.perf_counter()
@@ -114,7 +127,7 @@ class BackgroundWarmup:
             self._pieces_over = True
             self._owns_work = False
             self._after_pieces(core)
-        if self.report.helper == "compiling":
+        if "compiling" in (self.report.helper, self.report.piece_helper):
             return HELPER_POLL_S
         self._finish()
         return None
@@ -142,8 +155,9 @@ class BackgroundWarmup:
                 core.step()
 
     def close(self) -> None:
-        if self._compiler is not None:
-            self._compiler.close()
+        for helper in (self._compiler, self._piece_helper):
+            if helper is not None:
+                helper.close()
 
     # -- the pieces -------------------------------------------------------------------------------------
     def _add(self, core: Any, rid: str, prompt: list[int], max_tokens: int) -> None:
@@ -208,6 +222,16 @@ class BackgroundWarmup:
 
     # -- bookkeeping ------------------------------------------------------------------------------------
     def _apply_reports(self) -> None:
+        if self._piece_helper is not None:
+            for kind, name, seconds in self._piece_helper.poll():
+                if kind == "piece":
+                    self._helped.add(name)
+                    self.report.events.append(f"helper: {name}")
+                    log.info("warm-up: the helper process ran '%s' (%.1f s after it started)", name, seconds)
+                elif kind in ("done", "failed"):
+                    self.report.piece_helper = kind
+                    if kind == "failed":
+                        log.warning("warm-up: the piece helper process stopped; the pieces left compile here")
         if self._compiler is None:
             return
         from mlxserve.platform.quantized_rows import ALL_TILED_ROWS, set_tiled_rows
@@ -248,15 +272,25 @@ class BackgroundWarmup:
     def _finish(self) -> None:
         self.close()
         self.report.finished_s = time.perf_counter() - self._started
-        log.info("warm-up finished %.1f s after it started (tiled kernels: %s)", self.report.finished_s,
-                 self.report.helper)
+        log.info("warm-up finished %.1f s after it started (tiled-kernel helper: %s, piece helper: %s)",
+                 self.report.finished_s, self.report.helper, self.report.piece_helper)
 
 
-def make_warmup(core: Any, max_batch: int, compile_tiles: bool) -> BackgroundWarmup:
+def make_warmup(core: Any, max_batch: int, compile_tiles: bool, source: str | None = None) -> BackgroundWarmup:
     """The warm-up a server runs while it serves. `compile_tiles` (MLX-CUDA): the model's tiled quantized kernels
-    compile in a helper process meanwhile, into the kernel cache MLX uses (platform/kernel_cache.py)."""
+    compile in a helper process meanwhile, into the kernel cache MLX uses (platform/kernel_cache.py); with the
+    model's `source` too, another helper process runs each piece first (engine/warmup_helper.py)."""
+    import dataclasses
+
     model = core.runner.model
-    compiler = None
+    compiler = piece_helper = None
+    if compile_tiles and source is not None:
+        from mlxserve.platform.kernel_cache import kernel_dir
+        from mlxserve.platform.tile_compile import TileCompiler
+
+        spec = {"cache_dir": str(kernel_dir()), "source": source, "config": dataclasses.asdict(core.config),
+                "max_model_len": core.scheduler.max_model_len, "buckets": core.runner.buckets, "max_batch": max_batch}
+        piece_helper = TileCompiler([], [], kernel_dir(), module="mlxserve.engine.warmup_helper", spec=spec)
     if compile_tiles:
         from mlxserve.platform.kernel_cache import count_modules, kernel_dir
         from mlxserve.platform.tile_compile import TileCompiler, quantized_shapes, tile_checkpoints, tiled_row_limit
@@ -269,7 +303,7 @@ def make_warmup(core: Any, max_batch: int, compile_tiles: bool) -> BackgroundWar
             log.info("warm-up: tiled quantized kernels for %d matmul shapes at rows %s compile in a helper process "
                      "(kernel cache %s, %d modules); until each is ready those rows dequantize", len(shapes), rows,
                      cache, count_modules(cache))
-    warm = BackgroundWarmup(max_batch, core.runner.buckets, compiler=compiler, model=model)
+    warm = BackgroundWarmup(max_batch, core.runner.buckets, compiler=compiler, model=model, piece_helper=piece_helper)
     log.info("warm-up runs while serving: %d pieces between requests on the engine thread", warm.num_pieces)
     return warm
 

@@ -87,10 +87,14 @@ def quantized_shapes(model: Any) -> list[list]:
 
 class TileCompiler:
     """The helper process seen from the server: `poll()` returns what it reported since the last call,
-    without waiting. Reports: ("ready", rows, seconds), ("done", 0, total seconds) or ("failed", 0, 0.0)."""
+    without waiting. Reports: ("ready", rows, seconds), ("piece", name, seconds), ("done", 0, total seconds) or
+    ("failed", 0, 0.0). `module` runs instead of this one with the same protocol (engine/warmup_helper.py)."""
 
-    def __init__(self, shapes: list[list], rows: list[int], cache_dir: Path, python: str = sys.executable) -> None:
-        self.spec = {"cache_dir": str(cache_dir), "rows": rows, "shapes": shapes}
+    def __init__(self, shapes: list[list], rows: list[int], cache_dir: Path, python: str = sys.executable,
+                 module: str = "mlxserve.platform.tile_compile", spec: dict | None = None) -> None:
+        self.spec = spec if spec is not None else {"cache_dir": str(cache_dir), "rows": rows, "shapes": shapes}
+        self.rows = rows
+        self.module = module
         self._python = python
         self._proc: subprocess.Popen | None = None
         self._reports: queue.SimpleQueue = queue.SimpleQueue()
@@ -98,7 +102,7 @@ class TileCompiler:
 
     def start(self) -> None:
         self._started = time.perf_counter()
-        self._proc = subprocess.Popen([self._python, "-m", "mlxserve.platform.tile_compile", json.dumps(self.spec)],
+        self._proc = subprocess.Popen([self._python, "-m", self.module, json.dumps(self.spec)],
                                       stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
         threading.Thread(target=self._read, name="mlxserve-tile-compile", daemon=True).start()
 
@@ -108,6 +112,8 @@ class TileCompiler:
             parts = line.split()
             if len(parts) == 3 and parts[0] == "ready":
                 self._reports.put(("ready", int(parts[1]), float(parts[2])))
+            elif len(parts) > 2 and parts[0] == "piece":
+                self._reports.put(("piece", " ".join(parts[1:-1]), float(parts[-1])))
             elif parts[:1] == ["done"]:
                 done = True
                 self._reports.put(("done", 0, time.perf_counter() - self._started))

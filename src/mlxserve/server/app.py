@@ -68,7 +68,8 @@ def make_engine(loaded: LoadedModel, config: EngineConfig, max_model_len: int, l
         if mode == "background" and loaded.make_engine_core is None:  # a distributed core's ranks warm up in step
             from mlxserve.engine.warmup import make_warmup
 
-            core.background_warmup = make_warmup(core, config.max_num_seqs, compile_tiles=per_shape)
+            core.background_warmup = make_warmup(core, config.max_num_seqs, compile_tiles=per_shape,
+                                                 source=loaded.source)
         elif mode != "off":
             core.warmup(config.max_num_seqs)
         return core

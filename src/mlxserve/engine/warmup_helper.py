@@ -1,0 +1,72 @@
+"""The warm-up's pieces, run first in a helper process, so the server's own warm-up steps compile nothing.
+
+On MLX-CUDA a warm-up step on a machine with an empty kernel cache compiles kernels for seconds, and a request
+that arrives meanwhile waits for that step (docs/BENCHMARKS.md, "Start-up on MLX-CUDA"). This process loads
+the same model, builds an engine core with the server's settings (a small KV budget, no SSD tier, no
+speculation) and runs the warm-up's pieces in the same order; each compile reaches the kernel cache through a
+staging folder (platform/tile_compile.py), and after each piece a line `piece NAME SECONDS` lets the server run
+that piece itself, which then only loads compiled kernels. Its quantized layers dequantize from 8 rows on, as
+the server's do while their tiled kernels compile (the tile helper compiles those), so both need the same
+kernels. Started by engine/warmup.py's make_warmup, on MLX-CUDA only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+# Enough KV for every piece (the longest prompt is one prefill step plus a little, a few rows at a time).
+_KV_TOKENS = 32768
+_PREFIX_BYTES = 256 << 20
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mlxserve.platform.tile_compile import make_staging, publish
+
+    spec = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    cache = Path(spec["cache_dir"])
+    staging, linked = make_staging(cache)
+    os.environ["MLX_PTX_CACHE_DIR"] = str(staging)  # before MLX's first compile, which reads it
+    try:
+        from mlxserve.engine.core import EngineCore
+        from mlxserve.engine.warmup import BackgroundWarmup
+        from mlxserve.models.loader import load_model
+        from mlxserve.platform.quantized_rows import set_tiled_rows
+        from mlxserve.platform.tile_compile import MIN_TILED_ROWS
+        from mlxserve.server.config import EngineConfig
+
+        started = time.perf_counter()
+        loaded = load_model(spec["source"])
+        config = dataclasses.replace(EngineConfig(**spec["config"]), kv_budget_tokens=_KV_TOKENS,
+                                     cache_memory_bytes=_PREFIX_BYTES, ssd_cache_dir=None, speculative="off",
+                                     draft_model=None, memory_refresh_s=0.0)
+        core = EngineCore(loaded.model, loaded.tokenizer, config, spec["max_model_len"], spec["buckets"])
+        set_tiled_rows(loaded.model, MIN_TILED_ROWS - 1)
+        warm = BackgroundWarmup(spec["max_batch"], spec["buckets"])
+        reported = 0
+        while not warm.finished:
+            wait = warm.between_steps(core)
+            done = warm.report.pieces_done
+            if len(done) > reported:  # a piece ended: its kernels go to the cache before the server hears of it
+                publish(staging, cache, linked)
+                for name in done[reported:]:
+                    print(f"piece {name} {time.perf_counter() - started:.3f}", flush=True)
+                reported = len(done)
+            if wait:
+                time.sleep(wait)
+            elif core.has_work:
+                core.step()
+        publish(staging, cache, linked)
+        print("done", flush=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
