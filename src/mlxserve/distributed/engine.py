@@ -172,7 +172,7 @@ class DistributedRunner(ModelRunner):
         mine = self._forwards
         reports = getattr(self.ctx.channel, "signatures", {})
         for rank, theirs in reports.items():
-            for step in [s for s in theirs if s in mine]:
+            for step in [s for s in list(theirs) if s in mine]:  # list(): the reader thread adds to it
                 calls = theirs.pop(step)
                 if calls != mine[step]:
                     self.ctx.supervisor.fatal(f"rank {rank} ran forwards {calls} in step {step}, rank 0 {mine[step]}: "
