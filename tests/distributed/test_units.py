@@ -23,6 +23,8 @@ def test_config_checks_and_layout():
         DistributedConfig(tensor_parallel=2, pipeline_parallel=2)
     with pytest.raises(ValueError, match="backend"):
         DistributedConfig(tensor_parallel=2, backend="tcp")
+    with pytest.raises(ValueError, match="send/recv"):  # MLX's NCCL backend has none: pipelines cannot run on it
+        DistributedConfig(pipeline_parallel=2, backend="nccl")
     assert DistributedConfig(tensor_parallel=4).layout == "tp4"
     assert DistributedConfig(pipeline_parallel=2).layout == "pp2"
     assert not DistributedConfig().is_distributed
