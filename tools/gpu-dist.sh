@@ -14,8 +14,9 @@ else
   export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
-nccl=$(python3 -c "import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) + '/lib')" 2> /dev/null) &&
+nccl=$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0] + '/lib')" 2> /dev/null) &&
   export LD_LIBRARY_PATH=$nccl${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+echo "NCCL libraries: ${nccl:-not found}"; ls "${nccl:-/nonexistent}" 2> /dev/null | head -3
 out=${OUT:-/tmp/gpu-dist}; mkdir -p "$out"
 root=/tmp/dist-models
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
