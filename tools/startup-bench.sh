@@ -7,6 +7,7 @@
 # usage: bash tools/startup-bench.sh [SHAPE ...] (default: qwen3-0.6b)
 # Env: LOAD_S (seconds of c=CONC load sent right after the first request, default 45), CONC (default 16),
 # WAIT_S (how long the cold start may take to end its warm-up before the probe stops it, default 200),
+# WARM_WAIT_S (the same for the warm restart, default 30),
 # SHARE=1 (the later shapes' cold starts reuse the first shape's kernel cache: only their own kernels are new).
 set -uo pipefail
 if [ -n "${MLX_SITE_BUNDLE:-}" ]; then
@@ -28,10 +29,12 @@ for shape in "${@:-qwen3-0.6b}"; do
   rm -rf "$kernels"; mkdir -p "$kernels"
   [ "${SHARE:-0}" = 1 ] && [ -n "$first" ] && cp -r "$first"/. "$kernels"/
   sync; echo 3 > /proc/sys/vm/drop_caches 2> /dev/null  # weights read from disk, as after a reboot (root only)
-  python3 tools/startup_probe.py "$m" --label "cold-$shape" --kernel-dir "$kernels" --load-s "${LOAD_S:-45}" \
-    --concurrency "${CONC:-16}" --wait-warmup-s "${WAIT_S:-200}" --out "$out/cold-$shape.json"
+  limit=$((${LOAD_S:-45} + ${WAIT_S:-200} + 120))
+  timeout "$limit" python3 tools/startup_probe.py "$m" --label "cold-$shape" --kernel-dir "$kernels" \
+    --load-s "${LOAD_S:-45}" --concurrency "${CONC:-16}" --wait-warmup-s "${WAIT_S:-200}" \
+    --out "$out/cold-$shape.json" || { echo "cold start of $shape failed"; exit 1; }
   echo "kernel cache after the cold start: $(find "$kernels" -name '*.ptx' | wc -l) modules"
-  python3 tools/startup_probe.py "$m" --label "warm-$shape" --kernel-dir "$kernels" --load-s 10 \
-    --concurrency "${CONC:-16}" --wait-warmup-s 60 --out "$out/warm-$shape.json"
+  timeout 150 python3 tools/startup_probe.py "$m" --label "warm-$shape" --kernel-dir "$kernels" --load-s 10 \
+    --concurrency "${CONC:-16}" --wait-warmup-s "${WARM_WAIT_S:-30}" --out "$out/warm-$shape.json"
   [ -z "$first" ] && first=$kernels
 done

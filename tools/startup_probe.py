@@ -90,6 +90,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--wait-warmup-s", type=float, default=240)
     p.add_argument("--out", default=None)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a time limit's TERM still stops the server (finally)
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     args = p.parse_args(argv[:cut])
