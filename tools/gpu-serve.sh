@@ -3,7 +3,8 @@
 # cuts the run (`bench compare` keeps logs in temporary files). Run from tools/gpu-bench.sh, or alone where
 # the servers import (PYTHONPATH as gpu-bench.sh sets it).
 # usage: bash tools/gpu-serve.sh TAG SECONDS mlxserve|vllm_mlx|mlx_lm MODEL_DIR [SERVER FLAGS...]
-# SECONDS bounds start-up, warm-up and load together. Env: CONC (default 1,16,32,64); KERNELS=shared keeps
+# SECONDS bounds start-up, warm-up and load together. Env: CONC (default 1,16,32,64); WAIT_WARMUP=0 (mlxserve: load
+# at once instead of after its background warm-up's log line "warm-up finished"); KERNELS=shared keeps
 # MLX's default on-disk kernel cache (/tmp/mlx/...), shared with the servers before and after, as on a
 # user's machine after a first start; by default each server gets an empty one of its own. LOAD=c1: instead of
 # `bench serve`, `bench decode --url`: C1_ROUNDS rounds (default 24) of raw generate_step in the bench's process
@@ -47,8 +48,15 @@ until curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null; do
   fi
   sleep 1
 done
+echo "$tag: up after $(($(date +%s) - start)) s"
+# mlxserve answers while its warm-up still runs (engine/warmup.py); the load measures the warmed server, as
+# before, unless WAIT_WARMUP=0.
+if [ "$server" = mlxserve ] && [ "${WAIT_WARMUP:-1}" = 1 ]; then
+  until grep -q "warm-up finished" "$out/server-$tag.log" || (($(date +%s) - start >= limit)); do sleep 1; done
+  echo "$tag: warm-up finished after $(($(date +%s) - start)) s"
+fi
 left=$((limit - $(date +%s) + start))
-echo "$tag: up after $(($(date +%s) - start)) s, $left s left for the load"
+echo "$tag: $left s left for the load"
 if ((left > 0)) && [ "${LOAD:-serve}" = c1 ]; then
   timeout "$left" python3 -m mlxserve.server.cli bench decode --model "$model" --paths raw --max-tokens 128 \
     --url "http://127.0.0.1:$port" --served-model "$name" --repeat "${C1_ROUNDS:-24}" \
