@@ -218,7 +218,7 @@ def test_every_rank_takes_rank_0s_decode_buckets(tiny):
     # Rank 0 picks buckets for its backend (on MLX-CUDA by default); a follower that padded its batch
     # otherwise would run decode forwards, and so collectives, of other sizes.
     from mlxserve.distributed.engine import DistributedEngineCore
-    from mlxserve.server.config import EngineConfig
+    from mlxserve.config import EngineConfig
 
     loaded, _ = tiny
     ctx = RankContext(DistributedConfig(tensor_parallel=2), _ScriptedFollower([1, 2, 4]), seed=0)

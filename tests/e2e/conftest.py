@@ -16,7 +16,7 @@ import openai
 import pytest
 import uvicorn
 
-from mlxserve.server.config import EngineConfig, MediaConfig, ServerConfig
+from mlxserve.config import EngineConfig, MediaConfig, ServerConfig
 from mlxserve.server.app import build_app
 
 SERVED_NAME = "tiny"

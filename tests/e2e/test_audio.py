@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from mlxserve.frontends.audio.media import decode_audio
-from mlxserve.server.config import EngineConfig, ModelSpec, ServerConfig
+from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
 from mlxserve.server.app import build_app
 from mlxserve.testing.audio_fixtures import build_tiny_kokoro, build_tiny_whisper, build_tiny_whisper_ct2
 

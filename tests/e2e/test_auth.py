@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from mlxserve.server.config import EngineConfig, SecurityConfig, ServerConfig
+from mlxserve.config import EngineConfig, SecurityConfig, ServerConfig
 from mlxserve.server.app import build_app
 from tests.e2e.conftest import response_head_to_headers_only
 

@@ -12,7 +12,7 @@ import pytest
 
 from mlxserve.server import cli
 from mlxserve.server.banner import TRY_MAX_TOKENS, BannerModel, format_banner, is_demo_source, try_lines
-from mlxserve.server.config import EngineConfig, SecurityConfig, ServerConfig
+from mlxserve.config import EngineConfig, SecurityConfig, ServerConfig
 from mlxserve.server.app import build_app
 from tests.e2e.conftest import SERVED_NAME, start_app
 

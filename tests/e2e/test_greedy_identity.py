@@ -17,7 +17,7 @@ import openai
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.runner.batch import make_buckets
 from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams

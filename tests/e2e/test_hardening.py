@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from mlxserve.server.config import EngineConfig, SecurityConfig, ServerConfig
+from mlxserve.config import EngineConfig, SecurityConfig, ServerConfig
 from mlxserve.server.app import build_app
 from tests.e2e.conftest import SERVED_NAME, response_head_to_headers_only, start_app
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from mlxserve.server.banner import make_ready_hook
-from mlxserve.server.config import EngineConfig, ServerConfig
+from mlxserve.config import EngineConfig, ServerConfig
 from mlxserve.models.catalog import model_dir_specs
 from mlxserve.server.app import build_app
 

@@ -14,7 +14,7 @@ import mlx.core as mx
 import openai
 import pytest
 
-from mlxserve.server.config import EngineConfig, ModelSpec, ServerConfig
+from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
 from mlxserve.testing.demo import DemoModelConfig, build_model_folder
 from mlxserve.server.app import build_app
 

@@ -191,7 +191,7 @@ def test_keep_alive_unloads_and_expires(qwen3_model_dir, llama_model_dir, serve_
     import time
     from datetime import datetime, timezone
 
-    from mlxserve.server.config import EngineConfig, ModelSpec, ServerConfig
+    from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
     from mlxserve.server.app import build_app
 
     specs = (ModelSpec("chat", str(qwen3_model_dir), pinned=True), ModelSpec("other", str(llama_model_dir)))
@@ -214,7 +214,7 @@ def test_keep_alive_unloads_and_expires(qwen3_model_dir, llama_model_dir, serve_
 
 def test_lora_adapters_are_ollama_models(qwen3_model_dir, tmp_path_factory, serve_module_app):
     """A LoRA adapter served as a model is listed by tags and ps and answers chat under its name."""
-    from mlxserve.server.config import LoraSpec, ServerConfig
+    from mlxserve.config import LoraSpec, ServerConfig
     from mlxserve.server.app import build_app
     from mlxserve.testing.lora_fixtures import train_adapter
 

@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 
-from mlxserve.server.config import EngineConfig, ModelSpec, ServerConfig
+from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
 from mlxserve.testing.cross_encoder_demo import CrossEncoderDemoConfig, build_cross_encoder_folder
 from mlxserve.testing.encoder_demo import EncoderDemoConfig, build_encoder_folder
 from mlxserve.server.app import build_app

@@ -21,7 +21,7 @@ from schemathesis.specs.openapi.checks import (
     unsupported_method,
 )
 
-from mlxserve.server.config import EngineConfig, SecurityConfig, ServerConfig
+from mlxserve.config import EngineConfig, SecurityConfig, ServerConfig
 from mlxserve.server.app import build_app
 from tests.e2e.conftest import SERVED_NAME, start_app
 

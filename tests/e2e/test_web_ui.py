@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from mlxserve.server.config import EngineConfig, SecurityConfig, ServerConfig
+from mlxserve.config import EngineConfig, SecurityConfig, ServerConfig
 from mlxserve.server.app import build_app
 
 SERVED_NAME = "tiny"  # the name tests/e2e/conftest.py serves under

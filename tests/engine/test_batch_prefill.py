@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
 import mlxserve.engine.runner.prefill as runner_module
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.runner.batch_prefill import why_not_batched
 from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams

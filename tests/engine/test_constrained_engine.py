@@ -12,7 +12,7 @@ import random
 import jsonschema
 import pytest
 
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.core import EngineCore
 from mlxserve.engine.grammar import GrammarSource
 from mlxserve.engine.request import Request, SamplingParams

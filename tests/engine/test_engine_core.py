@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.models.loader import load_model

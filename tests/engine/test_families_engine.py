@@ -15,7 +15,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.testing.families import FAMILIES, build_family_folder

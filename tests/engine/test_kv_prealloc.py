@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.core import EngineCore
 from mlxserve.engine.runner.kv_prealloc import reserve, room
 from mlxserve.engine.request import Request, SamplingParams

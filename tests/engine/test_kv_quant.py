@@ -24,7 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxserve.kv.kinds.kv_quant import DEQUANTIZED, QUANTIZED_ATTENTION, plan_kv_quant, probe_attention
 from mlxserve.kv.kinds.quantized import BatchQuantizedKVCache
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.testing.demo import DemoModelConfig, build_model_folder

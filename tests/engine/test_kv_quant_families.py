@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.testing.families import build_family_folder

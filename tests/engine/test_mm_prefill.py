@@ -12,7 +12,7 @@ import pytest
 from mlx_vlm.prompt_utils import apply_chat_template
 from PIL import Image
 
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import MediaItem, Request, SamplingParams
 from mlxserve.models.loader import load_model

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxserve.server.config import EngineConfig, MediaConfig
+from mlxserve.config import EngineConfig, MediaConfig
 from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.models.loader import load_model

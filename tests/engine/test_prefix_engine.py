@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.models.loader import load_model

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.request import Request, RequestStatus, SamplingParams
 from mlxserve.memory.capacity import KVCapacity
 from mlxserve.engine.scheduler import PrefillChunk, QueueFullError, Scheduler, split_prefill_budget

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mlxserve.kv.prefix_cache import PrefixCacheManager
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.request import Request, RequestStatus, SamplingParams
 from mlxserve.engine.scheduler import Scheduler
 

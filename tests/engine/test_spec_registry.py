@@ -11,7 +11,7 @@ from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.engine.spec.proposer import Proposer
 from mlxserve.engine.spec.registry import PROPOSERS, proposer_names
 from mlxserve.models.loader import load_model
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 
 
 class RepeatLast(Proposer):

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.core import EngineCore
 from mlxserve.engine.grammar import GrammarSource
 from mlxserve.engine.request import Request, SamplingParams

@@ -16,7 +16,7 @@ from mlxserve.engine.runner.batch import make_buckets
 from mlxserve.engine.warmup import BackgroundWarmup
 from mlxserve.models.loader import load_model
 from mlxserve.platform.quantized_rows import ALL_TILED_ROWS, fold_quantized_rows
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 
 PIECES = ["lone prompt", "decode batch sizes", "unequal prompts joining", "prefix hits", "prompts prefilled together"]
 CONFIG = EngineConfig(max_num_seqs=8, block_size=16, prefill_step_size=48)

@@ -16,7 +16,7 @@ from mlxserve.frontends.anthropic.errors import install_anthropic_errors
 from mlxserve.frontends.common.errors import APIError, ErrorShape, error_shapes, install_error_handlers, register_error_shape
 from mlxserve.frontends.common.security import BodyLimitMiddleware, install_security
 from mlxserve.server.cli import make_parser
-from mlxserve.server.config import SecurityConfig
+from mlxserve.config import SecurityConfig
 from mlxserve.server.serve_command import _security_config
 
 KEYS = ("sk-first", "sk-second")

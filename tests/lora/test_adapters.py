@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from mlxserve.kv.hashing import block_hashes
-from mlxserve.server.config import EngineConfig, LoraSpec, ModelSpec
+from mlxserve.config import EngineConfig, LoraSpec, ModelSpec
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.lora.adapters import AdapterError, read_adapter
 from mlxserve.lora.registry import with_flag_loras

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from mlxserve.server.config import LoraSpec, ServerConfig
+from mlxserve.config import LoraSpec, ServerConfig
 from mlxserve.lora.adapters import AdapterError
 from mlxserve.models.loader import load_model
 from mlxserve.server.app import build_app

@@ -10,7 +10,7 @@ import random
 import mlx.nn as nn
 import pytest
 
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.lora.adapters import AdapterError, adapter_id, read_adapter

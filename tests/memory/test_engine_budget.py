@@ -10,7 +10,7 @@ import pytest
 
 from mlxserve.server.cli import make_parser
 from mlxserve.server.serve_command import _engine_config
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.core import EngineCore
 from mlxserve.memory.budget import compute_ceiling
 from mlxserve.memory.device import read_memory

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from mlxserve.kv.prefix_cache import PrefixCacheManager
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.engine.scheduler import Scheduler
 from mlxserve.memory.capacity import KVCapacity

@@ -4,7 +4,7 @@ import struct
 import pytest
 
 from mlxserve.server.cli import main
-from mlxserve.server.config import ServerConfig
+from mlxserve.config import ServerConfig
 from mlxserve.models.loader import (
     LOAD_STRATEGIES,
     ModelLoadError,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mlxserve.server.config import MediaConfig
+from mlxserve.config import MediaConfig
 from mlxserve.multimodal import fetch
 from mlxserve.multimodal.hashing import image_hash
 from mlxserve.multimodal.media import MediaError, load_image

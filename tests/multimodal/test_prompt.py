@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mlxserve.server.config import MediaConfig
+from mlxserve.config import MediaConfig
 from mlxserve.models.loader import load_model
 from mlxserve.multimodal.hashing import image_hash
 from mlxserve.multimodal.media import MediaError
@@ -145,7 +145,7 @@ def test_qwen3_video_has_one_run_per_frame_group_with_timestamps(qwen3, video_ur
 
 
 def test_too_many_media_parts_are_refused_before_any_fetch(qwen25vl_dir):
-    from mlxserve.server.config import MediaConfig
+    from mlxserve.config import MediaConfig
     from mlxserve.models.loader import load_model
     from mlxserve.multimodal.media import MediaError
     from mlxserve.multimodal.prompt import MediaPart, MultimodalPromptBuilder
@@ -164,7 +164,7 @@ def test_a_processor_refusal_is_a_media_error(qwen25vl_dir):
 
     from PIL import Image
 
-    from mlxserve.server.config import MediaConfig
+    from mlxserve.config import MediaConfig
     from mlxserve.models.loader import load_model
     from mlxserve.multimodal.media import MediaError
     from mlxserve.multimodal.prompt import MediaPart, MultimodalPromptBuilder

@@ -9,7 +9,7 @@ import av
 import numpy as np
 import pytest
 
-from mlxserve.server.config import MediaConfig
+from mlxserve.config import MediaConfig
 from mlxserve.multimodal.hashing import video_hash
 from mlxserve.multimodal.media import MediaError, load_video
 from tests.multimodal.conftest import png_bytes, sample_image

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.platform.cudnn_attention import ENV, apply_cudnn_attention, wants_cudnn
 
 

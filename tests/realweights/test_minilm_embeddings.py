@@ -13,7 +13,7 @@ import pytest
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
-from mlxserve.server.config import EngineConfig, ModelSpec, ServerConfig
+from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
 from mlxserve.server.app import build_app
 
 TEXTS = ["A man is eating food.", "A man is eating a piece of bread.", "The stock market fell sharply today.",

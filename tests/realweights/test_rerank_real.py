@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from mlxserve.server.config import EngineConfig, ServerConfig
+from mlxserve.config import EngineConfig, ServerConfig
 from mlxserve.server.app import build_app
 from tests.e2e.conftest import start_app
 

@@ -15,7 +15,7 @@ import numpy as np
 import openai
 import pytest
 
-from mlxserve.server.config import EngineConfig, ModelSpec, ServerConfig
+from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
 from mlxserve.server.app import build_app
 from mlxserve.testing.real_models import require
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from mlxserve.server.config import EngineConfig, ModelSpec, ServerConfig
+from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
 from mlxserve.server.manager import ModelManager, ModelState, ModelUnavailableError, UnknownModelError
 from mlxserve.models.specs import load_models_file, parse_model_flag, parse_ttl, with_source_aliases
 
@@ -396,7 +396,7 @@ def test_cli_flags_and_file(tmp_path):
 
 
 def test_models_of_a_multi_model_server_share_the_memory_budget():
-    from mlxserve.server.config import EngineConfig, ModelSpec, ServerConfig
+    from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
     from mlxserve.server.app import shared_engine_config
 
     engine = EngineConfig()

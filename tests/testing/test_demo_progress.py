@@ -1,7 +1,7 @@
 """Building the demo model says what it is doing on stderr: `demo-model`, and a first `serve` with no model."""
 
 from mlxserve.server import cli
-from mlxserve.server.config import ServerConfig
+from mlxserve.config import ServerConfig
 from mlxserve.server.app import model_specs
 
 

@@ -27,7 +27,7 @@ import uuid
 from mlxserve.bench.report import format_table, write_json
 from mlxserve.bench.serve import default_json_path
 from mlxserve.bench.serve_request import make_prompt
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.request import Request, SamplingParams
 
 PATHS = ("raw", "core", "thread", "async")

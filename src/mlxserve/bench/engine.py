@@ -13,7 +13,7 @@ import uuid
 from mlxserve.bench.report import format_table, write_json
 from mlxserve.bench.serve import TABLE_COLUMNS, ServeBenchConfig, add_load_arguments, default_json_path, summarize_level
 from mlxserve.bench.serve_request import RequestResult, make_prompt
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.request import Request, SamplingParams
 
 

@@ -29,7 +29,7 @@ import time
 
 from mlxserve.bench.report import format_table, write_json
 from mlxserve.bench.serve import default_json_path
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.request import Request, SamplingParams
 
 _MIB = 1 << 20

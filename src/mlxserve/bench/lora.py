@@ -19,7 +19,7 @@ from mlxserve.bench.engine import run_one
 from mlxserve.bench.report import format_table, write_json
 from mlxserve.bench.serve import ServeBenchConfig, add_load_arguments, default_json_path, summarize_level
 from mlxserve.bench.serve_request import RequestResult, make_prompt
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 
 TABLE_COLUMNS = [
     ("mode", "mode", ""), ("concurrency", "conc", "d"), ("num_adapters", "adapters", "d"),
@@ -47,7 +47,7 @@ async def _level(engine, loaded, cfg: ServeBenchConfig, c: int, tag: str, adapte
 
 async def run_lora_bench(cfg: ServeBenchConfig, model_path: str | None, engine_config: EngineConfig,
                          num_adapters: int, rank: int, keys: tuple[str, ...] | None, repeats: int = 3) -> dict:
-    from mlxserve.server.config import LoraSpec
+    from mlxserve.config import LoraSpec
     from mlxserve.lora.adapters import adapter_id, read_adapter
     from mlxserve.testing.demo import ensure_demo_model
     from mlxserve.models.loader import load_model

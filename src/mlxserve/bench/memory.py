@@ -20,7 +20,7 @@ from typing import Any
 
 from mlxserve.bench import plot
 from mlxserve.bench.report import format_table, write_json
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.request import Request, SamplingParams
 
 _MIB = 1 << 20

@@ -107,7 +107,7 @@ def _conversation(client, url, model, part: dict, max_tokens: int) -> tuple[list
 def _start_server(model: str, prefix: bool, vision: bool, args):
     import uvicorn
 
-    from mlxserve.server.config import EngineConfig, ServerConfig
+    from mlxserve.config import EngineConfig, ServerConfig
     from mlxserve.server.app import build_app
 
     engine = EngineConfig(enable_prefix_cache=prefix, vision_cache_bytes=(512 << 20) if vision else 0,

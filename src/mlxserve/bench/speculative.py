@@ -21,7 +21,7 @@ from pathlib import Path
 
 from mlxserve.bench.report import format_table, write_json
 from mlxserve.bench.serve import default_json_path, int_list
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.request import Request, SamplingParams
 
 _COLUMNS = [

@@ -17,7 +17,7 @@ from mlxserve.bench.engine import run_one
 from mlxserve.bench.report import format_table, write_json
 from mlxserve.bench.serve import ServeBenchConfig, add_load_arguments, default_json_path, summarize_level
 from mlxserve.bench.serve_request import make_prompt
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.request import SamplingParams
 
 

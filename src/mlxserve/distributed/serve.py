@@ -20,7 +20,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from mlxserve.server.config import EngineConfig, ServerConfig
+from mlxserve.config import EngineConfig, ServerConfig
 from mlxserve.distributed.channel import Channel, ControlServer, LostRank, connect
 from mlxserve.distributed.config import DistributedConfig
 from mlxserve.distributed.launch import (control_host, dump_stacks_on_sigusr1, init_group, share_control_address, spawn_local_ranks,

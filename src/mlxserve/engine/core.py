@@ -13,7 +13,7 @@ from typing import Any
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.runner.batch import can_batch
 from mlxserve.engine.runner.batch_prefill import why_not_batched
 from mlxserve.engine.grammar import GrammarSource

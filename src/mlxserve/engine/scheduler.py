@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from mlxserve.kv.inflight import InflightBlocks
 from mlxserve.kv.prefix_cache import PrefixCacheManager, StoreOp
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.request import Request, RequestStatus
 from mlxserve.memory.capacity import KVCapacity
 

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         from mlxserve.models.loader import load_model
         from mlxserve.platform.quantized_rows import set_tiled_rows
         from mlxserve.platform.tile_compile import MIN_TILED_ROWS
-        from mlxserve.server.config import EngineConfig
+        from mlxserve.config import EngineConfig
 
         started = time.perf_counter()
         loaded = load_model(spec["source"])

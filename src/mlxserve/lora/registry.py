@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
-from mlxserve.server.config import LoraSpec, ModelSpec
+from mlxserve.config import LoraSpec, ModelSpec
 from mlxserve.lora.adapters import AdapterBusy, AdapterError, AdapterFiles, adapter_id, read_adapter
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxserve.server.config import ModelSpec
+from mlxserve.config import ModelSpec
 from mlxserve.models.convert import format_size
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxserve.server.config import EngineConfig, LoraSpec, ModelSpec, parse_memory
+from mlxserve.config import EngineConfig, LoraSpec, ModelSpec, parse_memory
 
 _ENTRY_KEYS = {"name", "path", "pinned", "ttl", "aliases", "engine", "loras"}
 _TTL_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}

@@ -21,7 +21,7 @@ from urllib.parse import unquote, urljoin, urlsplit
 
 import httpx
 
-from mlxserve.server.config import MediaConfig
+from mlxserve.config import MediaConfig
 
 _USER_AGENT = "mlxserve-media-fetch/0.1"
 _REDIRECTS = (301, 302, 303, 307, 308)

@@ -12,7 +12,7 @@ import io
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from mlxserve.server.config import MediaConfig
+from mlxserve.config import MediaConfig
 from mlxserve.multimodal.fetch import MediaError, read_media_bytes
 from mlxserve.multimodal.video import VideoFrames, load_video
 

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from mlxserve.server.config import MediaConfig
+from mlxserve.config import MediaConfig
 from mlxserve.engine.request import MediaItem
 from mlxserve.multimodal.hashing import image_hash, video_hash
 from mlxserve.multimodal.fetch import read_media_bytes

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from mlxserve.server.config import MediaConfig
+from mlxserve.config import MediaConfig
 from mlxserve.multimodal.fetch import MediaError, read_media_bytes
 
 # Demuxers ffmpeg may pick while probing client bytes. Without this list it would also try playlist

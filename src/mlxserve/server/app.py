@@ -14,7 +14,7 @@ from mlxserve.frontends.common.prompt_bound import max_token_chars
 from mlxserve.frontends.common.security import install_security
 from mlxserve.frontends.common.serving import ServedModel
 from mlxserve.frontends.admin.web import add_web_routes
-from mlxserve.server.config import EngineConfig, ModelSpec, ServerConfig
+from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
 from mlxserve.engine.loop import AsyncEngine
 from mlxserve.platform.backend import is_cuda
 from mlxserve.models.loader import LoadedModel, load_model

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 from mlxserve.lora.registry import AdapterRegistry
 from mlxserve.memory.release import freeze_heap
 from mlxserve.models.specs import weights_on_disk
-from mlxserve.server.config import LoraSpec, ModelSpec
+from mlxserve.config import LoraSpec, ModelSpec
 from mlxserve.server.model_slot import (Loader, ModelSlot, ModelState, ModelUnavailableError, UnknownModelError,
                                         mb)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, Sequence
 
-from mlxserve.server.config import ModelSpec
+from mlxserve.config import ModelSpec
 
 
 class ModelState(str, Enum):

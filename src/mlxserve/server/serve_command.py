@@ -8,7 +8,7 @@ import sys
 
 from mlxserve.engine.spec.registry import proposer_names
 from mlxserve.platform.backend import default_prefill_step_size
-from mlxserve.server.config import EngineConfig, MediaConfig, SecurityConfig, ServerConfig, parse_memory
+from mlxserve.config import EngineConfig, MediaConfig, SecurityConfig, ServerConfig, parse_memory
 from mlxserve.server.settings import fraction, size
 
 

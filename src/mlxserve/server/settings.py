@@ -47,7 +47,7 @@ class ArgumentParser(argparse.ArgumentParser):
 def size(text: str) -> str:
     """type= of the size flags: the text as given (a percentage needs the machine's RAM, read later), once it
     reads as a size."""
-    from mlxserve.server.config import parse_memory
+    from mlxserve.config import parse_memory
 
     try:
         ok = parse_memory(text, 1 << 40) >= 0

@@ -112,7 +112,7 @@ class MultimodalPrefill:
 def _preprocess(model: VisionLanguageModel, item: MediaItem):
     """Pixels of an image the HTTP side did not preprocess (it relied on the vision cache, which has
     dropped the features since): decoded again from the bytes it sent. Videos always carry pixels."""
-    from mlxserve.server.config import MediaConfig
+    from mlxserve.config import MediaConfig
     from mlxserve.multimodal.media import decode_image
 
     if item.image is not None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 from mlxserve.engine.spec.decoder import SpeculativeDecoder
 from mlxserve.engine.spec.registry import make_proposer
 from mlxserve.kv.kinds import KINDS

@@ -14,7 +14,7 @@ import json
 import logging
 
 from mlxserve.frontends.common.errors import ErrorShapes, error_shapes
-from mlxserve.server.config import SecurityConfig
+from mlxserve.config import SecurityConfig
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from mlxserve.kv.prefix_cache import PrefixCacheManager
 from mlxserve.kv.store.kv_store import KVBlockStore
 from mlxserve.kv.store.ssd_format import BlockMeta
 from mlxserve.kv.store.ssd_tier import SSDTier
-from mlxserve.server.config import EngineConfig
+from mlxserve.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
