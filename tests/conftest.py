@@ -1,6 +1,10 @@
 """Session-wide fixture models: tiny random-weight folders built offline once per test run, and the test
 lanes: every test is marked by where it lives (README: Running the tests)."""
 
+import functools
+import itertools
+import re
+import weakref
 from pathlib import Path
 
 import pytest
@@ -8,9 +12,9 @@ import pytest
 from mlxserve.testing.demo import DemoModelConfig, build_model_folder
 
 _TESTS = Path(__file__).resolve().parent
-# (path prefix under tests/, marker). A test gets every marker whose prefix matches, so the web page test is
-# both `e2e` and `browser`; the fast lane is `-m "not (e2e or browser or distributed or export or external
-# or real_weights)"`, and a plain `python -m pytest -q` still runs every lane.
+# (where under tests/, marker): a folder, a file, or a file::test name prefix. A test gets every marker whose
+# prefix matches (the web page test is both `e2e` and `browser`), and `fast` when it matches none: the fast
+# lane is `-m fast`, a plain `python -m pytest -q` still runs every lane.
 LANES = (
     ("e2e/", "e2e"),  # a live server in this process
     ("e2e/test_web_ui.py", "browser"),  # headless Chromium through selenium and chromedriver
@@ -19,18 +23,91 @@ LANES = (
     ("distributed/", "distributed"),  # servers whose ranks are subprocesses
     ("export/", "export"),  # Core ML conversion through torch and coremltools
     ("realweights/", "real_weights"),  # small real models from a local cache
+    # The model-family matrix: the same scenarios once per family fixture (mlxserve.testing.families, VLMs).
+    # The fast lane keeps one plain-KV, sliding-window, recurrent and MLA fixture (test_prefix_engine.py).
+    ("engine/test_families_engine.py", "families"),
+    ("engine/test_prefix_layouts.py", "families"),
+    ("engine/test_kv_quant_families.py", "families"),
+    ("engine/test_batch_prefill.py", "families"),
+    ("engine/test_embeddings.py", "families"),
+    ("engine/test_mm_prefill.py", "families"),
+    ("engine/test_mm_prefill_gemma3.py", "families"),
+    ("engine/test_mm_prefix_sliding.py", "families"),
+    ("testing/test_families.py", "families"),
+    # Long scenarios: thousands of tokens, sampled distributions, fuzzing, benchmark runs, child processes.
+    ("structured/test_random_schemas.py", "slow"),
+    ("engine/test_kv_prealloc.py::test_prealloc_keeps_memory_flat_over_2k_tokens", "slow"),
+    ("engine/test_speculative_sampling.py::test_engine_sampling_distribution", "slow"),
+    ("engine/test_speculative_constrained.py::test_sampled_constrained_distribution", "slow"),
+    ("engine/test_speculative.py::test_greedy_identity_16_concurrent", "slow"),
+    ("engine/test_kv_quant.py", "slow"),  # every bit width and attention mode
+    ("engine/test_kv_quant_vlm.py", "slow"),
+    ("engine/test_warmup.py", "slow"),  # every warm-up piece, its helper processes
+    ("audio/test_whisper_layouts.py::test_ct2_folder_transcribes", "slow"),
+    ("bench/test_load_bench.py", "slow"),
+    ("bench/test_memory_bench.py", "slow"),
+    ("bench/test_prefix_bench.py", "slow"),
+    ("bench/test_speculative_bench.py", "slow"),
+    ("bench/test_kvquant_bench.py", "slow"),
+    ("models/test_pull.py", "slow"),
+    ("models/test_source.py", "slow"),
+    ("testing/test_real_models.py", "slow"),
 )
+FAST = "fast"
+LANE_NAMES = frozenset(marker for _, marker in LANES) | {FAST}
 
 
+def _lanes(where: str) -> set[str]:
+    return {marker for prefix, marker in LANES if where.startswith(prefix)}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the markers
 def pytest_collection_modifyitems(config, items):
     for item in items:
         try:
             where = item.path.resolve().relative_to(_TESTS).as_posix()
         except ValueError:
             continue
-        for prefix, marker in LANES:
-            if where.startswith(prefix):
-                item.add_marker(marker)
+        lanes = _lanes(f"{where}::{item.name}")
+        for marker in sorted(lanes or {FAST}):
+            item.add_marker(marker)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """A folder or file none of whose tests a lane expression (`-m fast`, `-m "not e2e"`) selects is not
+    imported at all: importing the browser, export and agent-client lanes' modules costs seconds."""
+    expr = config.getoption("markexpr", "")
+    try:
+        where = collection_path.resolve().relative_to(_TESTS).as_posix()
+    except ValueError:
+        return None
+    if not expr or where == ".":
+        return None
+    where += "/" if collection_path.is_dir() else ""
+    inside = frozenset(marker for prefix, marker in LANES if prefix.startswith(where))
+    return True if not _can_match(expr, frozenset(_lanes(where)), inside) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _can_match(expr: str, fixed: frozenset[str], inside: frozenset[str]) -> bool:
+    """Whether a test under a path with the markers `fixed` may match, whichever of the markers given
+    further inside it (`inside`) it also gets. An expression naming anything but lanes may always match."""
+    names = set(re.findall(r"[^\s()]+", expr)) - {"and", "or", "not"}
+    if not names <= LANE_NAMES:
+        return True
+    try:
+        from _pytest.mark.expression import Expression
+
+        compiled = Expression.compile(expr)
+    except Exception:  # pytest's own selection reports a bad expression
+        return True
+    others = sorted(inside - fixed)
+    for n in range(len(others) + 1):
+        for extra in itertools.combinations(others, n):
+            markers = fixed | set(extra) or {FAST}
+            if compiled.evaluate(lambda name, **kwargs: not kwargs and name in markers):
+                return True
+    return False
 
 
 @pytest.fixture(scope="session")
@@ -70,3 +147,48 @@ def gemma3_dir(tmp_path_factory):
     from mlxserve.testing.vlm_demo import build_vlm_folder
 
     return build_vlm_folder(tmp_path_factory.mktemp("gemma3"), family="gemma3")
+
+
+# Activation peaks already measured, by (model, its weight bytes and layer types, chunk tokens, cache layout).
+_PROFILED: dict[tuple, int] = {}
+
+
+@pytest.fixture(autouse=True)
+def _one_memory_profile_per_model(request, monkeypatch):
+    """Every EngineCore measures its activation peak with a forward of a whole prefill chunk (512 tokens),
+    about 40% of an engine test's time on a CPU: tests that start many cores over one model reuse the
+    first measurement for that model (same weights, chunk and cache layout). tests/memory/ measures every
+    time."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxserve.memory import profile
+
+    if request.path.resolve().is_relative_to(_TESTS / "memory"):
+        return
+    measure = profile.activation_bytes
+
+    def once(model, chunk_tokens, make_cache=None, agree=None):
+        layout = _layout(make_cache, make_prompt_cache)
+        # Ranks must run the same forwards; an unknown cache layout or a wrapper (the VLMs') is measured.
+        if agree is not None or layout is None or not hasattr(model, "named_modules"):
+            return measure(model, chunk_tokens, make_cache, agree)
+        modules = tuple(type(m).__name__ for _, m in model.named_modules())  # LoRA, folded rows
+        key = (id(model), profile.weights_bytes(model), modules, chunk_tokens, layout)
+        if key not in _PROFILED:
+            _PROFILED[key] = measure(model, chunk_tokens, make_cache, agree)
+            weakref.finalize(model, _PROFILED.pop, key, None)  # an id is reused once its model is gone
+        return _PROFILED[key]
+
+    monkeypatch.setattr(profile, "activation_bytes", once)
+
+
+def _layout(make_cache, plain):
+    """What decides the caches a profile forward fills: mlx-lm's plain ones, or a method of a frozen plan
+    (the --kv-bits one) whose fields say which; None when neither."""
+    if make_cache is None or make_cache is plain:
+        return "plain"
+    plan = getattr(make_cache, "__self__", None)
+    params = getattr(plan, "__dataclass_params__", None)
+    if params is None or not params.frozen:
+        return None
+    return make_cache.__func__, plan
