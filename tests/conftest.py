@@ -69,12 +69,14 @@ def pytest_collection_modifyitems(config, items):
         except ValueError:
             continue
         lanes = _lanes(f"{where}::{item.name}")
-        for marker in sorted(lanes or {FAST}):
+        for marker in sorted(lanes):
             item.add_marker(marker)
+        if not lanes and not any(mark.name in LANE_NAMES for mark in item.iter_markers()):  # a module's own
+            item.add_marker(FAST)
 
 
 def pytest_ignore_collect(collection_path, config):
-    """A folder or file none of whose tests a lane expression (`-m fast`, `-m "not e2e"`) selects is not
+    """A folder or file none of whose tests a lane expression (`-m fast`, `-m "not e2e"`) can select is not
     imported at all: importing the browser, export and agent-client lanes' modules costs seconds."""
     expr = config.getoption("markexpr", "")
     try:
@@ -83,15 +85,14 @@ def pytest_ignore_collect(collection_path, config):
         return None
     if not expr or where == ".":
         return None
-    where += "/" if collection_path.is_dir() else ""
-    inside = frozenset(marker for prefix, marker in LANES if prefix.startswith(where))
-    return True if not _can_match(expr, frozenset(_lanes(where)), inside) else None
+    fixed = _lanes(where + ("/" if collection_path.is_dir() else ""))
+    return True if not _can_match(expr, frozenset(fixed)) else None
 
 
 @functools.lru_cache(maxsize=None)
-def _can_match(expr: str, fixed: frozenset[str], inside: frozenset[str]) -> bool:
-    """Whether a test under a path with the markers `fixed` may match, whichever of the markers given
-    further inside it (`inside`) it also gets. An expression naming anything but lanes may always match."""
+def _can_match(expr: str, fixed: frozenset[str]) -> bool:
+    """Whether a test under a path with the markers `fixed` may match, whatever lane markers it gets besides
+    (from a file::test entry or its module's `pytestmark`). An expression naming anything else may match."""
     names = set(re.findall(r"[^\s()]+", expr)) - {"and", "or", "not"}
     if not names <= LANE_NAMES:
         return True
@@ -101,7 +102,7 @@ def _can_match(expr: str, fixed: frozenset[str], inside: frozenset[str]) -> bool
         compiled = Expression.compile(expr)
     except Exception:  # pytest's own selection reports a bad expression
         return True
-    others = sorted(inside - fixed)
+    others = sorted(LANE_NAMES - fixed - {FAST})
     for n in range(len(others) + 1):
         for extra in itertools.combinations(others, n):
             markers = fixed | set(extra) or {FAST}
