@@ -13,12 +13,9 @@ kernels. Started by engine/warmup.py's make_warmup, on MLX-CUDA only.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import shutil
 import sys
 import time
-from pathlib import Path
 
 # Enough KV for every piece (the longest prompt is one prefill step plus a little, a few rows at a time).
 _KV_TOKENS = 32768
@@ -26,12 +23,9 @@ _PREFIX_BYTES = 256 << 20
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mlxserve.platform.tile_compile import make_staging, publish
+    from mlxserve.platform.tile_compile import publish, start_staged
 
-    spec = json.loads((argv if argv is not None else sys.argv[1:])[0])
-    cache = Path(spec["cache_dir"])
-    staging, linked = make_staging(cache)
-    os.environ["MLX_PTX_CACHE_DIR"] = str(staging)  # before MLX's first compile, which reads it
+    spec, cache, staging, linked = start_staged(argv)
     try:
         from mlxserve.engine.core import EngineCore
         from mlxserve.engine.warmup import BackgroundWarmup

@@ -185,11 +185,19 @@ def publish(staging: Path, cache: Path, linked: set[Path]) -> int:
     return sum(rel.suffix == ".ptx" for rel in new)
 
 
-def main(argv: list[str] | None = None) -> int:
+def start_staged(argv: list[str] | None) -> tuple[dict, Path, Path, set[Path]]:
+    """A compiling helper process's start: its JSON spec and a staging folder MLX compiles into (the variable is
+    set before MLX's first compile, which reads it). Returns the spec, the cache, the staging folder and the
+    files it linked."""
     spec = json.loads((argv if argv is not None else sys.argv[1:])[0])
     cache = Path(spec["cache_dir"])
     staging, linked = make_staging(cache)
-    os.environ["MLX_PTX_CACHE_DIR"] = str(staging)  # before MLX's first compile, which reads it
+    os.environ["MLX_PTX_CACHE_DIR"] = str(staging)
+    return spec, cache, staging, linked
+
+
+def main(argv: list[str] | None = None) -> int:
+    spec, cache, staging, linked = start_staged(argv)
     import mlx.core as mx
 
     try:
