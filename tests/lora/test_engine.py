@@ -14,6 +14,8 @@ from mlxserve.config import EngineConfig
 from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.lora.adapters import AdapterError, adapter_id, read_adapter
+from mlxserve.lora.fused import fused_ops
+from mlxserve.lora.manager import AdapterSet
 from mlxserve.models.loader import load_model
 
 MAX_NEW = 10  # as conftest.py's references
@@ -43,10 +45,13 @@ def make_core(loaded):
             core.runner.lora.unload(aid)
 
 
-def _make_core(loaded, adapters: dict[str, str], **kw) -> tuple[EngineCore, dict[str, str]]:
-    """A core with `adapters` (name -> folder) loaded; returns it and each name's adapter id."""
+def _make_core(loaded, adapters: dict[str, str], fused=None, **kw) -> tuple[EngineCore, dict[str, str]]:
+    """A core with `adapters` (name -> folder) loaded; returns it and each name's adapter id. `fused`: a
+    kernel for the fused layout (its op twin here, where MLX-CUDA's cannot run)."""
     config = EngineConfig(**{"max_num_seqs": 16, "block_size": BS, "cache_memory_bytes": 64 << 20, **kw})
     core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len=4096, model_key="qwen3-fixture")
+    if fused is not None:
+        core.runner.lora = AdapterSet(loaded.model, fused=fused)
     ids = {}
     for name, path in adapters.items():
         files = read_adapter(path)
@@ -93,12 +98,14 @@ def test_one_adapter_alone_matches_mlx_lm(core, reference):
     assert len({tuple(reference(n, prompt)) for n in (None, "alpha", "beta", "gamma")}) == 4
 
 
-@pytest.mark.parametrize("prefill_rows, layout", [(8, "dense"), (1, "dense"), (8, "gather")])
+@pytest.mark.parametrize("prefill_rows, layout", [(8, "dense"), (1, "dense"), (8, "gather"), (8, "fused")])
 def test_a_batch_mixing_three_adapters_and_the_base(make_core, adapters, reference, prefill_rows, layout,
                                                     monkeypatch):
-    monkeypatch.setenv("MLXSERVE_LORA_LAYOUT", layout)  # the dense layout (CPU, Metal) and MLX-CUDA's gathered one
-    core, ids = make_core(adapters, max_num_prefill_rows=prefill_rows, enable_prefix_cache=False)
-    assert core.runner.lora.gather == (layout == "gather")
+    # The dense layout (CPU, Metal), the gathered one, and MLX-CUDA's fused one with its kernel's op twin.
+    monkeypatch.setenv("MLXSERVE_LORA_LAYOUT", layout)
+    core, ids = make_core(adapters, max_num_prefill_rows=prefill_rows, enable_prefix_cache=False,
+                          fused=fused_ops if layout == "fused" else None)
+    assert core.runner.lora.layout == layout
     names = [None, "alpha", "beta", "gamma"] * 4
     prompts = [tokens(10 + i, 5 + 3 * i) for i in range(len(names))]
     jobs = {f"r{i}": (ids[n] if n else "", p) for i, (n, p) in enumerate(zip(names, prompts))}
@@ -197,8 +204,12 @@ def test_an_adapter_for_another_model_is_refused_at_load(make_core, tmp_path, ll
     assert len(core.runner.lora) == 0 and not core.runner.lora.layers
 
 
-def test_ngram_speculation_under_adapters_keeps_the_tokens(make_core, adapters, reference):
-    core, ids = make_core(adapters, speculative="ngram", num_draft_tokens=4)
+@pytest.mark.parametrize("layout", ["dense", "fused"])  # fused: the verify forward's 5 positions a row
+def test_ngram_speculation_under_adapters_keeps_the_tokens(make_core, adapters, reference, layout, monkeypatch):
+    monkeypatch.setenv("MLXSERVE_LORA_LAYOUT", layout)
+    core, ids = make_core(adapters, speculative="ngram", num_draft_tokens=4,
+                          fused=fused_ops if layout == "fused" else None)
+    assert core.runner.lora.layout == layout
     assert core.spec is not None
     # Repeated phrases, so prompt lookup has drafts to verify; every row's output must stay its own.
     prompts = {f"s{i}": tokens(60 + i, 6) * 4 for i in range(4)}

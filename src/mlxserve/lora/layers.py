@@ -20,6 +20,11 @@ decode step with adapters several times slower than the base model's (docs/BENCH
 Gathered, each row takes its adapter's A and B (`take`, slot 0 all zeros for rows without one) and one
 position per row is a batched matrix-vector product, which MLX-CUDA runs with its own gemv kernel (ranks
 padded to a multiple of 32 for it). Both layouts give the same rows; the CPU keeps the dense one.
+
+Still ~7 ops per adapted layer, which on MLX-CUDA cost more than the model's own (docs/lora.md). So MLX-CUDA
+takes a third layout, fused: the gathered stacks, but for decode-shaped inputs (a few positions per row)
+one kernel launch per group of layers that read the same input (`FusedGroup`, fused.py) computes every
+member's base output plus delta; prefill-shaped inputs keep the gathered ops.
 """
 
 from __future__ import annotations
@@ -82,6 +87,31 @@ class InputGroup:
         self._key = self._h = None
 
 
+# Positions per row up to which the fused layout launches its kernel: decode steps and speculative
+# verification; longer inputs (prefill chunks) would make each block redo its row's products too often.
+MAX_FUSED_POSITIONS = 8
+
+
+class FusedGroup:
+    """Wrapped layers in the fused layout that read the same input: the first member called with an input
+    computes every member's output in one launch (their base outputs, then the kernel), and the others take
+    theirs from it when called with the same array in the same forward. A member called with another input
+    runs the group again for it: still right, only not shared."""
+
+    def __init__(self, layers: list["MultiLoRALinear"], kernel) -> None:
+        self.layers, self.kernel = layers, kernel
+        self._key: tuple | None = None  # (forward, input) the outputs below belong to
+        self._outs: list[mx.array] | None = None
+
+    def output(self, layer: "MultiLoRALinear", x: mx.array, rows: RowAdapters) -> mx.array:
+        if self._key is None or self._key[0] != rows.forward or self._key[1] is not x:
+            ys = [m.linear(x) for m in self.layers]
+            stacks = [m._stacks[:2] for m in self.layers]
+            self._outs = self.kernel(x, ys, stacks, rows.index, rows.row_scales, self.layers[0]._stacks[2])
+            self._key = (rows.forward, x)
+        return self._outs[layer._slot]
+
+
 class MultiLoRALinear(nn.Module):
     """Wraps a `nn.Linear` / `nn.QuantizedLinear` in place of it (the base weights stay its child `linear`).
     The adapters' matrices are kept out of `parameters()`: they are serving state, not the model's weights."""
@@ -96,9 +126,10 @@ class MultiLoRALinear(nn.Module):
         self._b: mx.array | None = None  # [K*R, out]
         # The gathered layout instead: A^T [1+K, R', in] and B^T [1+K, out, R'] (slot 0 zeros, R' >= R), and R.
         self._stacks: tuple[mx.array, mx.array, int] | None = None
+        self._fused: FusedGroup | None = None  # the fused layout's group (it uses the stacks above)
 
     def attach(self, group: InputGroup | None, slot: int, b: mx.array | None) -> None:
-        self._group, self._slot, self._b, self._stacks = group, slot, b, None
+        self._group, self._slot, self._b, self._stacks, self._fused = group, slot, b, None, None
 
     def attach_stacks(self, a: mx.array, b: mx.array, rank: int) -> None:
         """The gathered layout from A [in, K*R] and B [K*R, out]."""
@@ -107,6 +138,7 @@ class MultiLoRALinear(nn.Module):
         at = mx.pad(a.reshape(self.in_dims, num, rank).transpose(1, 2, 0), [(1, 0), (0, wide - rank), (0, 0)])
         bt = mx.pad(b.reshape(num, rank, self.out_dims).transpose(0, 2, 1), [(1, 0), (0, 0), (0, wide - rank)])
         self._group, self._b, self._stacks = None, None, (mx.contiguous(at), mx.contiguous(bt), rank)
+        self._fused, self._slot = None, 0
 
     @property
     def arrays(self) -> tuple[mx.array, ...]:
@@ -128,9 +160,12 @@ class MultiLoRALinear(nn.Module):
         return self._group.a[:, self._slot * width: (self._slot + 1) * width], self._b
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = self.linear(x)
         if self._stacks is not None and self._rows.index is not None:
+            if self._fused is not None and (x.ndim == 2 or x.shape[-2] <= MAX_FUSED_POSITIONS):
+                return self._fused.output(self, x, self._rows)
+            y = self.linear(x)
             return y + self._gathered(x).astype(y.dtype)
+        y = self.linear(x)
         if self._rows.scales is None or self._group is None:
             return y
         h = self._group.product(x, self._rows)
@@ -159,17 +194,23 @@ _SHARED_OF = {name: i for i, names in enumerate(_SHARED_INPUT) for name in names
 
 
 def group_layers(layers: dict[str, MultiLoRALinear], weights: dict[str, tuple[mx.array, mx.array]],
-                 gather_rank: int = 0) -> None:
+                 gather_rank: int = 0, fused=None) -> None:
     """Gives each wrapped layer its matrices (`weights`: path -> A [in, K*R], B [K*R, out]), grouping the
-    siblings that share their input (InputGroup); with `gather_rank` (R), in the gathered layout instead."""
-    if gather_rank:
-        for path, (a, b) in weights.items():
-            layers[path].attach_stacks(a, b, gather_rank)
-        return
+    siblings that share their input (InputGroup); with `gather_rank` (R), in the gathered layout instead,
+    and with a `fused` kernel (fused.py) also grouped for it (FusedGroup)."""
     groups: dict[tuple, list[str]] = {}
     for path, layer in layers.items():
         parent, _, name = path.rpartition(".")
         groups.setdefault((parent, layer.in_dims, _SHARED_OF.get(name, name)), []).append(path)
+    if gather_rank:
+        for path, (a, b) in weights.items():
+            layers[path].attach_stacks(a, b, gather_rank)
+        if fused is not None:
+            for paths in groups.values():
+                group = FusedGroup([layers[p] for p in paths], fused)
+                for slot, path in enumerate(paths):
+                    layers[path]._fused, layers[path]._slot = group, slot
+        return
     for paths in groups.values():
         a = mx.concatenate([weights[p][0] for p in paths], axis=1) if len(paths) > 1 else weights[paths[0]][0]
         group = InputGroup(a, len(paths))

@@ -31,11 +31,12 @@ class _Loaded:
 
 
 class AdapterSet:
-    def __init__(self, model: Any, gather: bool | None = None) -> None:
+    def __init__(self, model: Any, layout: str | None = None, fused=None) -> None:
         self.model = model
-        # The layers' layout (layers.py): gathered on MLX-CUDA, dense elsewhere; MLXSERVE_LORA_LAYOUT=dense|gather
-        # picks one (for benchmarks).
-        self.gather = _gather_layout() if gather is None else gather
+        # The layers' layout (layers.py): fused on MLX-CUDA, dense elsewhere; MLXSERVE_LORA_LAYOUT=dense|gather|fused
+        # picks one (for benchmarks). `fused`: the fused layout's kernel (fused.py), else MLX-CUDA's own.
+        self.layout, self.fused = _layout(layout, fused)
+        self.gather = self.layout != "dense"  # the fused layout keeps the gathered stacks
         self.row_state = RowAdapters()
         self.layers: dict[str, MultiLoRALinear] = {}  # module path -> wrapper in the model
         self.slots: list[str] = []  # adapter ids, in the order of their blocks in every layer
@@ -137,7 +138,7 @@ class AdapterSet:
             a = mx.concatenate([a, a_new[:, None, :]], axis=1).reshape(layer.in_dims, (num + 1) * rank)
             b = mx.concatenate([b, b_new[None]], axis=0).reshape((num + 1) * rank, layer.out_dims)
             new[path] = (a, b)
-        group_layers(self.layers, new, rank if self.gather else 0)
+        group_layers(self.layers, new, rank if self.gather else 0, self.fused)
         self.slots.append(adapter_id)
         self.rank, self.dtype, self._last = rank, dtype, None
         self._loaded[adapter_id] = _Loaded(files, {m.path: m.rank for m in files.modules}, 0)
@@ -171,7 +172,7 @@ class AdapterSet:
             a = mx.take(a, keep, axis=1)[..., : self.rank].reshape(layer.in_dims, -1)
             b = mx.take(b, keep, axis=0)[:, : self.rank].reshape(-1, layer.out_dims)
             new[path] = (a, b)
-        group_layers(self.layers, new, self.rank if self.gather else 0)
+        group_layers(self.layers, new, self.rank if self.gather else 0, self.fused)
         if not self._loaded:
             self.dtype = None
         self._settle()
@@ -204,13 +205,26 @@ class AdapterSet:
         return found
 
 
-def _gather_layout() -> bool:
+LAYOUTS = ("dense", "gather", "fused")
+
+
+def _layout(choice: str | None, fused) -> tuple[str, Any]:
+    """(layout, fused kernel or None). The fused layout needs a kernel: MLX-CUDA's (fused.py), only where MLX
+    computes on CUDA, or the one passed in (tests); without one it falls back to the gathered ops."""
     import os
 
     from mlxserve.platform.backend import is_cuda
 
-    choice = os.environ.get("MLXSERVE_LORA_LAYOUT", "")
-    return choice == "gather" or (choice != "dense" and is_cuda())
+    choice = choice or os.environ.get("MLXSERVE_LORA_LAYOUT", "")
+    if choice not in LAYOUTS:
+        choice = "fused" if is_cuda() else "dense"
+    if choice != "fused":
+        return choice, None
+    if fused is None and is_cuda():
+        from mlxserve.lora.fused import CudaFused
+
+        fused = CudaFused()
+    return ("fused", fused) if fused is not None else ("gather", None)
 
 
 def _blocks(layer: MultiLoRALinear, num: int, rank: int, new_rank: int, dtype):

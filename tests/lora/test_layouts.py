@@ -1,0 +1,128 @@
+"""Which LoRA layout runs where, and the fused layout's grouping: MLX-CUDA's kernel cannot run here, so the
+fused layout runs with `fused_ops` (the kernel's outputs with MLX ops) in its place, which exercises every
+path around the kernel (groups, shared launches, decode vs prefill inputs, rows without an adapter)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlxserve.lora import manager
+from mlxserve.lora.adapters import adapter_id, read_adapter
+from mlxserve.lora.fused import CudaFused, fused_ops, kernel_source
+from mlxserve.lora.layers import MAX_FUSED_POSITIONS
+from mlxserve.lora.manager import AdapterSet
+from mlxserve.models.loader import load_model
+
+
+class Counting:
+    """fused_ops, counting launches and the members of each."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def __call__(self, x, ys, stacks, index, scales, rank):
+        self.sizes.append(len(ys))
+        return fused_ops(x, ys, stacks, index, scales, rank)
+
+
+@pytest.fixture(scope="module")
+def loaded(qwen3_model_dir):
+    return load_model(str(qwen3_model_dir))
+
+
+@pytest.fixture
+def adapter_set(loaded, adapters):
+    """make(layout, fused=None) -> (AdapterSet with the three adapters, their ids); unloaded after the test,
+    which gives the shared model back unwrapped."""
+    made = []
+
+    def make(layout, fused=None):
+        lora = AdapterSet(loaded.model, layout=layout, fused=fused)
+        ids = []
+        for name in ("alpha", "beta", "gamma"):
+            files = read_adapter(adapters[name])
+            ids.append(adapter_id(name, files))
+            lora.load(ids[-1], files)
+        made.append((lora, ids))
+        return lora, ids
+
+    yield make
+    for lora, ids in made:
+        for aid in ids:
+            lora.unload(aid)
+
+
+def test_layout_follows_the_backend_and_the_variable(monkeypatch):
+    monkeypatch.delenv("MLXSERVE_LORA_LAYOUT", raising=False)
+    monkeypatch.setattr("mlxserve.platform.backend.is_cuda", lambda: False)
+    assert manager._layout(None, None) == ("dense", None)
+    # No CUDA: the fused layout has no kernel and falls back to the gathered ops, never calling CUDA.
+    assert manager._layout("fused", None) == ("gather", None)
+    monkeypatch.setenv("MLXSERVE_LORA_LAYOUT", "gather")
+    assert manager._layout(None, None) == ("gather", None)
+    kernel = Counting()
+    assert manager._layout("fused", kernel) == ("fused", kernel)
+    monkeypatch.setattr("mlxserve.platform.backend.is_cuda", lambda: True)
+    monkeypatch.delenv("MLXSERVE_LORA_LAYOUT")
+    layout, fused = manager._layout(None, None)
+    assert layout == "fused" and isinstance(fused, CudaFused)
+    monkeypatch.setenv("MLXSERVE_LORA_LAYOUT", "dense")
+    assert manager._layout(None, None) == ("dense", None)
+
+
+def test_the_kernel_source_selects_each_member():
+    one, three = kernel_source(1), kernel_source(3)
+    assert "a = a1" not in one and "tile -= T0" not in one
+    for g in (1, 2):
+        assert f"tile -= T{g - 1}; a = a{g}; b = b{g}; y = y{g}; o = o{g}; out_dim = OUT{g};" in three
+    assert three.count("{") == three.count("}")
+
+
+def _forward(model, lora, ids_per_row, tokens):
+    with lora.rows(ids_per_row):
+        return model(tokens)
+
+
+@pytest.mark.parametrize("positions", [1, 3, 12])
+def test_fused_rows_match_the_gathered_layout(loaded, adapter_set, positions):
+    """Rows of three adapters and the base in one forward: the fused layout's logits are the gathered
+    layout's, one launch per input group when decode-shaped, none for a prefill-shaped input."""
+    model = loaded.model
+    tokens = mx.array([[(7 * r + 3 * i) % 500 + 3 for i in range(positions)] for r in range(8)])
+    gathered, ids = adapter_set("gather")
+    rows = [ids[r % 3] if r % 4 else "" for r in range(8)]
+    want = _forward(model, gathered, rows, tokens)
+    for aid in ids:
+        gathered.unload(aid)
+    kernel = Counting()
+    fused, ids = adapter_set("fused", kernel)
+    assert fused.layout == "fused"
+    got = _forward(model, fused, rows, tokens)
+    assert mx.abs(got - want).max().item() < 1e-4
+    blocks = len(model.layers)
+    if positions <= MAX_FUSED_POSITIONS:
+        # q/k/v, o, gate/up, down: four launches a block, each for all its members.
+        assert sorted(kernel.sizes) == sorted([3, 1, 2, 1] * blocks)
+    else:
+        assert kernel.sizes == []
+    # A row without an adapter gets exactly the base model's logits.
+    base = model(tokens[:1])
+    assert mx.array_equal(got[0], base[0])
+
+
+def test_a_member_called_with_another_input_computes_its_own(loaded, adapter_set):
+    kernel = Counting()
+    lora, ids = adapter_set("fused", kernel)
+    attn = loaded.model.layers[0].self_attn
+    x = mx.random.normal((2, 1, attn.q_proj.in_dims))
+    other = x + 1
+    with lora.rows([ids[0], ""]):
+        got = [attn.q_proj(x), attn.k_proj(other), attn.v_proj(x)]
+    assert kernel.sizes == [3, 3, 3]  # each call on an input the group has not seen runs the group again
+    for name in ("q_proj", "k_proj", "v_proj"):
+        lora.layers[f"model.layers.0.self_attn.{name}"]._fused = None  # the gathered ops from here on
+    with lora.rows([ids[0], ""]):
+        want = [attn.q_proj(x), attn.k_proj(other), attn.v_proj(x)]
+    for g, w in zip(got, want):
+        assert mx.abs(g - w).max().item() < 1e-5
