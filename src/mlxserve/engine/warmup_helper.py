@@ -23,8 +23,10 @@ _PREFIX_BYTES = 256 << 20
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mlxserve.models.torch_free import follow_parent
     from mlxserve.platform.tile_compile import publish, start_staged
 
+    follow_parent()  # the server kept torch out for this model: so does this process (it loads the same one)
     spec, cache, staging, linked = start_staged(argv)
     try:
         from mlxserve.engine.core import EngineCore

@@ -230,6 +230,16 @@ def _models_fields(args) -> dict:
     return {"models": tuple(specs), "max_loaded_models": max_models, "max_loaded_bytes": max_bytes, "loras": loras}
 
 
+def _text_models_only(args) -> bool:
+    """Whether every model this serve loads is a text model mlx-lm loads (the demo model, or one local folder
+    and its draft model): then the process needs no PyTorch."""
+    from mlxserve.models.torch_free import is_text_model
+
+    if args.extra_models or args.model_dir or args.models_config:
+        return False
+    return is_text_model(args.model) and (args.draft_model is None or is_text_model(args.draft_model))
+
+
 def _serve(args) -> int:
     from mlxserve.server import process
     from mlxserve.models.loader import ModelLoadError
@@ -259,6 +269,10 @@ def _serve(args) -> int:
             from mlxserve.distributed.serve import serve_distributed
 
             return serve_distributed(config, dist)
+        if _text_models_only(args):  # before anything imports mlx-lm (models/torch_free.py)
+            from mlxserve.models.torch_free import keep_torch_out
+
+            keep_torch_out()
         switch_interval = process.switch_interval_s()  # a bad value is reported now, like a port in use
         # The port first: one in use is reported now, not after the model has loaded.
         sock = process.bind(config.host, config.port)
