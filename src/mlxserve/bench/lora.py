@@ -1,7 +1,8 @@
 """`mlxserve bench lora`: aggregate tok/s of N streams spread over K LoRA adapters against N streams on the
 base model, one engine in-process (as `bench engine`), same prompts' shape, same engine.
 
-The adapters are random (rank `--rank` on every linear layer of every block, or `--keys`): throughput
+The adapters are random (rank `--rank` on every linear layer of every block, or `--keys`, or the last
+`--num-layers` blocks as mlx_lm.lora adapts by default): throughput
 depends on their shapes, not their values. Each level runs the base, then the adapters (request i under
 adapter i mod K), `--repeats` times in turn, each run with prompts of its own so no prefix-cache hit favours
 either; the table shows each mode's median run, so a busy machine's swings hit both modes alike.
@@ -46,7 +47,8 @@ async def _level(engine, loaded, cfg: ServeBenchConfig, c: int, tag: str, adapte
 
 
 async def run_lora_bench(cfg: ServeBenchConfig, model_path: str | None, engine_config: EngineConfig,
-                         num_adapters: int, rank: int, keys: tuple[str, ...] | None, repeats: int = 3) -> dict:
+                         num_adapters: int, rank: int, keys: tuple[str, ...] | None, repeats: int = 3,
+                         num_layers: int | None = None) -> dict:
     from mlxserve.config import LoraSpec
     from mlxserve.lora.adapters import adapter_id, read_adapter
     from mlxserve.testing.demo import ensure_demo_model
@@ -58,11 +60,13 @@ async def run_lora_bench(cfg: ServeBenchConfig, model_path: str | None, engine_c
     levels = []
     with tempfile.TemporaryDirectory(prefix="mlxserve-bench-lora-") as tmp:
         specs = [LoraSpec(f"bench{i}", str(random_adapter(loaded.model, Path(tmp) / f"a{i}", seed=i, rank=rank,
-                                                           keys=keys))) for i in range(num_adapters)]
+                                                           keys=keys, num_layers=num_layers)))
+                 for i in range(num_adapters)]
         ids = [adapter_id(s.name, read_adapter(s.path)) for s in specs]
         engine = make_engine(loaded, engine_config, resolve_max_model_len(loaded, engine_config), specs)
         engine.start(asyncio.get_running_loop())
-        adapter_bytes = await engine.call(lambda core: core.runner.lora.nbytes)
+        adapter_bytes, layout = await engine.call(lambda core: (core.runner.lora.nbytes, core.runner.lora.layout))
+        print(f"LoRA layout: {layout}, {adapter_bytes / 1e6:.1f} MB of adapters", flush=True)
         try:
             for adapter in ["", *ids]:  # a cold engine's first forwards are not measured
                 await run_one(engine, loaded.tokenizer, cfg, make_prompt(cfg.seed, "warmup", 0, cfg.prompt_tokens),
@@ -83,7 +87,7 @@ async def run_lora_bench(cfg: ServeBenchConfig, model_path: str | None, engine_c
         finally:
             engine.stop()
     return {"config": {"model": model_path, "num_adapters": num_adapters, "rank": rank, "keys": keys,
-                       "repeats": repeats,
+                       "num_layers": num_layers, "repeats": repeats, "layout": layout,
                        "adapter_bytes": adapter_bytes, **cfg.__dict__}, "levels": levels}
 
 
@@ -95,6 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keys", default=None, metavar="NAME,...",
                         help="layers adapted, by the end of their name (e.g. self_attn.q_proj,self_attn.v_proj); "
                              "default: every linear layer of every block")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="adapt only the last N blocks (mlx_lm.lora's default is 16); default: all")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each mode per level, taken in turn")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="the engine's --max-num-seqs (batch limit)")
     parser.add_argument("--label", default="lora", help="name of the default JSON file")
@@ -111,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, prefill_step_size=default_prefill_step_size())
     keys = tuple(k.strip() for k in args.keys.split(",") if k.strip()) if args.keys else None
     result = asyncio.run(run_lora_bench(cfg, args.model, engine_config, args.num_adapters, args.rank, keys,
-                                        args.repeats))
+                                        args.repeats, args.num_layers))
     print(format_table(result["levels"], TABLE_COLUMNS))
     path = write_json(args.output_json or default_json_path(args.label), result)
     print(f"wrote {path}")

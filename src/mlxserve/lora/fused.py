@@ -97,6 +97,7 @@ class CudaFused:
 
     def __init__(self) -> None:
         self._kernels: dict[int, object] = {}
+        self._launches: dict[tuple, dict] = {}  # shapes -> the launch's arguments: built once, reused each step
 
     def _kernel(self, size: int):
         if size not in self._kernels:
@@ -108,6 +109,14 @@ class CudaFused:
         return self._kernels[size]
 
     def __call__(self, x, ys, stacks, index, scales, rank):
+        key = (x.shape, index.shape[0], rank, stacks[0][0].shape[1], *(y.shape for y in ys), ys[0].dtype)
+        launch = self._launches.get(key)
+        if launch is None:
+            launch = self._launches[key] = self._launch(x, ys, stacks, index, rank)
+        return launch["kernel"](inputs=[x, index, scales, *(a for a, _ in stacks), *(b for _, b in stacks), *ys],
+                                **launch["args"])
+
+    def _launch(self, x, ys, stacks, index, rank) -> dict:
         in_dims = x.shape[-1]
         positions = x.size // in_dims
         tiles = [-(-y.shape[-1] // THREADS) for y in ys]
@@ -115,10 +124,9 @@ class CudaFused:
                     ("L", positions // index.shape[0])]
         template += [(f"OUT{g}", y.shape[-1]) for g, y in enumerate(ys)]
         template += [(f"T{g}", t) for g, t in enumerate(tiles)]
-        return self._kernel(len(ys))(
-            inputs=[x, index, scales, *(a for a, _ in stacks), *(b for _, b in stacks), *ys],
-            template=template, grid=(sum(tiles) * THREADS, positions, 1), threadgroup=(THREADS, 1, 1),
-            output_shapes=[y.shape for y in ys], output_dtypes=[y.dtype for y in ys])
+        return {"kernel": self._kernel(len(ys)), "args": {
+            "template": template, "grid": (sum(tiles) * THREADS, positions, 1), "threadgroup": (THREADS, 1, 1),
+            "output_shapes": [y.shape for y in ys], "output_dtypes": [y.dtype for y in ys]}}
 
 
 def fused_ops(x, ys, stacks, index, scales, rank):

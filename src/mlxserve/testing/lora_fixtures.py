@@ -66,10 +66,11 @@ def train_adapter(model_dir: str | Path, out: str | Path, seed: int = 0, rank: i
 
 
 def random_adapter(model, out: str | Path, seed: int = 0, rank: int = 8, scale: float = 2.0,
-                   keys: tuple[str, ...] | None = None) -> Path:
-    """An untrained adapter on every linear layer of every block (or those whose name ends in one of `keys`),
-    A and B random (mlx-lm starts B at zero, which would change nothing). `model`: a loaded mlx-lm model, or
-    a model folder. Benchmarks need only the shapes."""
+                   keys: tuple[str, ...] | None = None, num_layers: int | None = None) -> Path:
+    """An untrained adapter on every linear layer of every block (or those whose name ends in one of `keys`;
+    or of the last `num_layers` blocks only, as mlx_lm.lora's `--num-layers`), A and B random (mlx-lm starts
+    B at zero, which would change nothing). `model`: a loaded mlx-lm model, or a model folder. Benchmarks
+    need only the shapes."""
     import mlx.core as mx
 
     from mlxserve.lora.layers import linear_dims
@@ -80,9 +81,13 @@ def random_adapter(model, out: str | Path, seed: int = 0, rank: int = 8, scale: 
         model, _ = mlx_lm.load(str(model))
     key = mx.random.key(seed)
     weights = {}
+    num_blocks = len(model.layers)
+    first = num_blocks - min(num_layers, num_blocks) if num_layers else 0
     for path, layer in model.named_modules():
         dims = linear_dims(layer)
         if dims is None or ".layers." not in path or (keys and not any(path.endswith(k) for k in keys)):
+            continue
+        if int(path.split(".layers.", 1)[1].split(".", 1)[0]) < first:
             continue
         key, ka, kb = mx.random.split(key, 3)
         bound = 1 / dims[0] ** 0.5  # mlx-lm's init of A
@@ -93,7 +98,7 @@ def random_adapter(model, out: str | Path, seed: int = 0, rank: int = 8, scale: 
     mx.save_safetensors(str(out / "adapters.safetensors"), weights)
     params = {"rank": rank, "scale": scale, "dropout": 0.0, **({"keys": list(keys)} if keys else {})}
     (out / "adapter_config.json").write_text(json.dumps(
-        {"fine_tune_type": "lora", "num_layers": len(model.layers), "lora_parameters": params}, indent=2))
+        {"fine_tune_type": "lora", "num_layers": num_blocks - first, "lora_parameters": params}, indent=2))
     return out
 
 
