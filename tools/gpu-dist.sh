@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Distributed serving on a 2-GPU MLX-CUDA machine in one run: `mlxserve bench distributed` (1 rank vs tensor
-# parallel over NCCL, then 1 rank vs pipeline parallel over ring), every server's log kept in $OUT.
+# Distributed serving on a 2-GPU MLX-CUDA machine: `mlxserve bench distributed` (1 rank vs tensor parallel vs
+# pipeline parallel, all over NCCL), every server's log and step trace kept in $OUT.
 # Needs MLX's CUDA build and mlxserve's dependencies importable (installed, or a site-packages archive named by
 # MLX_SITE_BUNDLE, unpacked into /tmp/site) and NCCL (the nvidia-nccl-cu13 wheel: its lib folder goes on
 # LD_LIBRARY_PATH). NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
-# usage: bash tools/gpu-dist.sh   Env: TP_ARGS / PP_ARGS (more `bench distributed` flags of each part, e.g.
-# "--shapes qwen3-8b,qwen3-32b"; PP_ARGS=skip skips the pipeline part), TP_S / PP_S (each part's time limit).
+# usage: PART=8b bash tools/gpu-dist.sh    (one part per call of a machine that stays up between calls)
+#   PART=8b:  tools/allsum_probe.py (per-call cost of NCCL's all_sum / all_gather at the 8B and 32B widths),
+#             then the random 4-bit Qwen3-8B shape: layouts 1, tp2, pp2, a rank killed under streams (tp2, pp2).
+#   PART=32b: the random bf16 Qwen3-32B shape (built once, ~65 GB, in /dev/shm when it has room: written and
+#             read back at memory speed, and still there for a later call on the same machine): 1, tp2, pp2.
+# Env: BENCH_ARGS (more `bench distributed` flags), BENCH_S (the bench's time limit), LAYOUTS (default 1,tp2,pp2).
 set -uo pipefail
 if [ -n "${MLX_SITE_BUNDLE:-}" ]; then
-  mkdir -p /tmp/site && tar -xJf "$MLX_SITE_BUNDLE" -C /tmp/site
+  [ -d /tmp/site/mlx ] || { mkdir -p /tmp/site && tar -xJf "$MLX_SITE_BUNDLE" -C /tmp/site; }
   export PYTHONPATH=/tmp/site:$PWD/src
 else
   export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
@@ -16,24 +20,39 @@ fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
 nccl=$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0] + '/lib')" 2> /dev/null) &&
   export LD_LIBRARY_PATH=$nccl${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-echo "NCCL libraries: ${nccl:-not found}"; ls "${nccl:-/nonexistent}" 2> /dev/null | head -3
+echo "NCCL libraries: ${nccl:-not found}"
 out=${OUT:-/tmp/gpu-dist}; mkdir -p "$out"
-root=/tmp/dist-models
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+part=${PART:-8b}
+# Model folders: /dev/shm when it can hold the 32B shape, else /tmp (kept across calls while the machine is up).
+shm_free=$(df -B1G --output=avail /dev/shm 2> /dev/null | tail -1 | tr -d ' ')
+if [ "${shm_free:-0}" -gt 90 ]; then root=/dev/shm/dist-models; else root=/tmp/dist-models; fi
+echo "part $part, models in $root (/dev/shm free: ${shm_free:-?} GB)"; mkdir -p "$root"
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
-bench=(python3 -m mlxserve.server.cli bench distributed --model-root "$root" --kill-test
-       --startup-timeout 240)
-read -ra tp_args <<< "${TP_ARGS:-}"
-timeout "${TP_S:-380}" "${bench[@]}" --shapes qwen3-8b --layouts 1,tp2 --output-json "$out/tp.json" "${tp_args[@]}" \
-  > "$out/tp.log" 2>&1
-echo "tensor parallel part: exit $?"; grep -v "httpx" "$out/tp.log" | tail -25
-if [ "${PP_ARGS:-}" != skip ]; then
-  read -ra pp_args <<< "${PP_ARGS:-}"
-  timeout "${PP_S:-170}" "${bench[@]}" --shapes qwen2-8b --layouts 1,pp2 --output-json "$out/pp.json" \
-    "${pp_args[@]}" > "$out/pp.log" 2>&1
-  echo "pipeline parallel part: exit $?"; grep -v "httpx" "$out/pp.log" | tail -25
-fi
-# The servers' logs, cut to what explains a stall (each file comes back whole only under 16 MB).
-for f in "$root"/server-*.log; do
+bench=(python3 -m mlxserve.server.cli bench distributed --model-root "$root" --startup-timeout 300
+       --layouts "${LAYOUTS:-1,tp2,pp2}" --server-flag=--distributed-timeout=60)
+read -ra extra <<< "${BENCH_ARGS:-}"
+case $part in
+  8b)
+    for h in 4096 5120; do
+      timeout 90 python3 tools/allsum_probe.py --backend nccl --hidden $h --calls 128 2>&1 | grep '^{' |
+        tee -a "$out/allsum.jsonl"
+    done
+    timeout "${BENCH_S:-420}" "${bench[@]}" --shapes qwen3-8b --bits 4 --waves 2 --kill-test \
+      --output-json "$out/dist-8b.json" "${extra[@]}" > "$out/dist-8b.log" 2>&1
+    echo "8B part: exit $?"; grep -v "httpx" "$out/dist-8b.log" | tail -40 ;;
+  32b)
+    start=$(date +%s)
+    timeout 240 python3 -c "
+import sys; from pathlib import Path; from mlxserve.bench.distributed import ensure_shape
+print(ensure_shape(Path(sys.argv[1]), 'qwen3-32b', None))" "$root" 2>&1 | tail -3
+    echo "32B folder ready after $(( $(date +%s) - start )) s: $(du -sh "$root/qwen3-32b-floatbit" | cut -f1)"
+    timeout "${BENCH_S:-480}" "${bench[@]}" --shapes qwen3-32b --bits 0 --waves 1 \
+      --output-json "$out/dist-32b.json" "${extra[@]}" > "$out/dist-32b.log" 2>&1
+    echo "32B part: exit $?"; grep -v "httpx" "$out/dist-32b.log" | tail -40 ;;
+  *) echo "PART must be 8b or 32b"; exit 2 ;;
+esac
+# The servers' logs and step traces, cut to what explains a stall (each file comes back whole only under 16 MB).
+for f in "$root"/server-*.log "$root"/server-*.steps.tsv; do
   [ -f "$f" ] && grep -v "httpx\|GET /health" "$f" | tail -c 4000000 > "$out/$(basename "$f")"
 done

@@ -34,15 +34,21 @@ def _references(model_dir) -> tuple[list[list[int]], list[list[str]]]:
     return prompts, refs
 
 
-@pytest.fixture(scope="module", params=["tensor", "pipeline"])
+# (model fixture, flags): TP over the tiny Qwen3; PP over the tiny Qwen2 with send/recv between stages (the
+# ring's default); PP over the tiny Qwen3 with one all-gather per stage, the hand-off NCCL runs (it has no
+# send/recv), forced on the ring so it is tested without GPUs.
+LAYOUTS = {"tensor": ("qwen3_model_dir", ("--tensor-parallel", "2")),
+           "pipeline": ("qwen2_model_dir", ("--pipeline-parallel", "2")),
+           "pipeline-gather": ("qwen3_model_dir", ("--pipeline-parallel", "2", "--pipeline-handoff", "gather"))}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
 def dist(request, tmp_path_factory):
-    """(server, prompts, reference per-token strings): TP over the tiny Qwen3, PP over the tiny Qwen2."""
-    if request.param == "tensor":
-        model_dir, flag = request.getfixturevalue("qwen3_model_dir"), "--tensor-parallel"
-    else:
-        model_dir, flag = request.getfixturevalue("qwen2_model_dir"), "--pipeline-parallel"
+    """(server, prompts, reference per-token strings) of each layout."""
+    fixture, flags = LAYOUTS[request.param]
+    model_dir = request.getfixturevalue(fixture)
     prompts, refs = _references(model_dir)
-    server = start_dist_server(model_dir, tmp_path_factory.mktemp("dist"), flag, "2", *FLAGS)
+    server = start_dist_server(model_dir, tmp_path_factory.mktemp("dist"), *flags, *FLAGS)
     yield server, prompts, refs
     server.stop()
 

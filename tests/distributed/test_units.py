@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 from mlxserve.distributed.channel import Channel, ControlServer, LostRank, connect
-from mlxserve.distributed.config import DistributedConfig
+from mlxserve.distributed.config import DistributedConfig, choose_handoff
 from mlxserve.distributed.engine import DistributedRunner, DivergenceError, RankContext, RecordingStore, StepPlan
 from mlxserve.distributed.serve import Identity, differences
 from mlxserve.engine.scheduler import SchedulerOutput
@@ -23,11 +23,37 @@ def test_config_checks_and_layout():
         DistributedConfig(tensor_parallel=2, pipeline_parallel=2)
     with pytest.raises(ValueError, match="backend"):
         DistributedConfig(tensor_parallel=2, backend="tcp")
-    with pytest.raises(ValueError, match="send/recv"):  # MLX's NCCL backend has none: pipelines cannot run on it
-        DistributedConfig(pipeline_parallel=2, backend="nccl")
+    with pytest.raises(ValueError, match="send/recv"):  # MLX's NCCL backend has none
+        DistributedConfig(pipeline_parallel=2, backend="nccl", pipeline_handoff="sendrecv")
+    assert choose_handoff(DistributedConfig(pipeline_parallel=2, backend="nccl").pipeline_handoff, "nccl") == "gather"
+    assert choose_handoff("auto", "ring") == "sendrecv" and choose_handoff("gather", "ring") == "gather"
     assert DistributedConfig(tensor_parallel=4).layout == "tp4"
     assert DistributedConfig(pipeline_parallel=2).layout == "pp2"
     assert not DistributedConfig().is_distributed
+
+
+def test_stage_split_is_mlx_lms():
+    """The last rank runs the first layers, the low ranks one more (mlx-lm's PipelineMixin split)."""
+    from mlxserve.distributed.pipeline import split_layers
+
+    assert split_layers(4, 2) == [(2, 4), (0, 2)]
+    assert split_layers(5, 2) == [(2, 5), (0, 2)]
+    assert split_layers(7, 3) == [(4, 7), (2, 4), (0, 2)]
+    with pytest.raises(ValueError, match="cannot be split"):
+        split_layers(1, 2)
+
+
+def test_pipeline_refusals_before_loading():
+    """Families outside our stage need mlx-lm's send/recv pipeline: refused over NCCL, named."""
+    from mlxserve.distributed.shard import check_shardable
+
+    check_shardable({"model_type": "qwen3", "num_attention_heads": 4}, DistributedConfig(pipeline_parallel=2,
+                                                                                         backend="nccl"))
+    with pytest.raises(ValueError, match="send/recv"):
+        check_shardable({"model_type": "deepseek_v3"}, DistributedConfig(pipeline_parallel=2, backend="nccl"))
+    with pytest.raises(ValueError, match="gather serves"):
+        check_shardable({"model_type": "deepseek_v3"}, DistributedConfig(pipeline_parallel=2,
+                                                                         pipeline_handoff="gather"))
 
 
 def test_differences_name_the_rank_and_what_differs():

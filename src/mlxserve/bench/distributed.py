@@ -44,7 +44,8 @@ def shapes() -> dict:
     return {"tiny": SHAPES["tiny"], "qwen3-8b": SHAPES["qwen3-8b"], "qwen3-32b": qwen3_32b}
 
 
-# Qwen2-family shapes (mlx-lm pipelines Qwen2, not dense Qwen3): the 8B shape's sizes, for pipeline parallel.
+# Qwen2-family shapes: the 8B shape's sizes in a family mlx-lm pipelines itself (its pipeline runs over
+# send/recv backends only; Qwen3 and Qwen2 pipeline through distributed/pipeline.py on any backend).
 QWEN2_SHAPES = {"qwen2-8b": {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
                              "num_key_value_heads": 8, "intermediate_size": 12288, "vocab_size": 151936}}
 
@@ -113,6 +114,8 @@ class Server:
     log_path: Path
     ready_s: float
     log_offset: int  # where the log stood at ready: what follows is traffic
+    trace_path: Path | None = None
+    trace_offset: int = 0  # step-trace lines written before ready (start-up and warm-up steps)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -135,6 +138,9 @@ def serving(model: Path, layout: tuple[int, int], args, log_path: Path):
     # the layouts run before filled (a restart's case).
     kernels = tempfile.mkdtemp(prefix="mlx-kernels-")
     env = {**os.environ, "MLX_PTX_CACHE_DIR": kernels} if args.kernel_cache == "fresh" else dict(os.environ)
+    trace_path = log_path.with_suffix(".steps.tsv")  # rank 0's engine steps (engine/loop.py's step trace)
+    trace_path.unlink(missing_ok=True)
+    env["MLXSERVE_STEP_TRACE"] = str(trace_path)
     started = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -149,7 +155,8 @@ def serving(model: Path, layout: tuple[int, int], args, log_path: Path):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not come up within {args.startup_timeout:.0f} s; see {log_path}")
             time.sleep(0.25)
-        yield Server(url, proc, log_path, time.monotonic() - started, log_path.stat().st_size)
+        yield Server(url, proc, log_path, time.monotonic() - started, log_path.stat().st_size, trace_path,
+                     _count_lines(trace_path))
     finally:
         if proc.poll() is None:
             proc.terminate()  # SIGTERM: a graceful stop, which also stops the other ranks
@@ -177,12 +184,40 @@ async def measure(url: str, args) -> dict:
     cfg = ServeBenchConfig(url=url, model="bench", concurrency=args.concurrency, prompt_tokens=args.prompt_tokens,
                            max_tokens=args.max_tokens, num_requests=args.num_requests, warmup=args.warmup,
                            endpoint="chat")
-    result = {"levels": (await run_serve_bench(cfg))["levels"]}
+    if args.waves:  # fewer requests per level than bench serve's four waves: a shorter run
+        levels = []
+        if args.warmup:
+            await run_level(dataclasses.replace(cfg, num_requests=args.warmup), 1, tag="warmup")
+        for pos, c in enumerate(args.concurrency):
+            levels.append(await run_level(dataclasses.replace(cfg, num_requests=max(args.waves * c, 2)), c,
+                                          tag=f"L{pos}c{c}"))
+        result = {"levels": levels}
+    else:
+        result = {"levels": (await run_serve_bench(cfg))["levels"]}
     if args.long_prompt_tokens:  # TTFT of a long prompt, alone: the prefill's speed-up (or cost) from splitting
         long_cfg = dataclasses.replace(cfg, concurrency=[1], prompt_tokens=args.long_prompt_tokens, max_tokens=4,
                                        num_requests=args.long_requests)
         result["long"] = await run_level(long_cfg, 1, tag="long")
     return result
+
+
+def _count_lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def trace_stats(server: Server) -> dict:
+    """From rank 0's step trace after ready: the longest step, and the median step of a lone decoding
+    stream (the c=1 level's step time; 1 rank against N shows what the collectives add per step)."""
+    if server.trace_path is None or not server.trace_path.exists():
+        return {}
+    lines = server.trace_path.read_text().splitlines()
+    head = lines[0].split("\t") if lines else []
+    rows = [dict(zip(head, line.split("\t"))) for line in lines[max(server.trace_offset, 1):]]
+    steps = [float(r["step_ms"]) for r in rows if r.get("step_ms")]
+    lone = sorted(float(r["step_ms"]) for r in rows
+                  if r.get("decoding") == "1" and r.get("chunks") == "0" and r.get("step_ms"))
+    return {"num_steps": len(steps), "max_step_ms": round(max(steps), 1) if steps else None,
+            "lone_decode_step_ms": round(lone[len(lone) // 2], 2) if lone else None}
 
 
 def step_stats(log_text: str) -> dict:
@@ -252,6 +287,7 @@ def row(shape: str, layout: str, result: dict, reference: list[str] | None) -> d
 def table_columns(concurrency: list[int]) -> list[tuple]:
     return [("shape", "shape", ""), ("layout", "layout", ""), ("ready_s", "ready s", ".0f"),
             ("warmup_s", "warm-up s", ".1f"), *[(f"c{c}_tok_s", f"c={c} tok/s", ".1f") for c in concurrency],
+            ("lone_decode_step_ms", "c=1 step ms", ".1f"), ("max_step_ms", "max step ms", ".0f"),
             ("num_slow_steps", "steps >1 s", "d"), ("greedy_same", "greedy = 1 rank", ""),
             ("num_errors", "errors", "d")]
 
@@ -273,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
                     if name == "1":
                         reference = result["greedy"]
                     result.update(asyncio.run(measure(server.url, args)))
-                    result["steps"] = step_stats(server.log()[server.log_offset:])
+                    result["steps"] = {**step_stats(server.log()[server.log_offset:]), **trace_stats(server)}
                     result["steps"]["warmup_s"] = step_stats(server.log())["warmup_s"]
                     if args.kill_test and name != "1":
                         result["kill"] = asyncio.run(kill_test(server, args.kill_streams, args.kill_bound))
@@ -306,13 +342,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list of 1, tpN, ppN; 1 first: the others' greedy output is compared with it")
     parser.add_argument("--backend", default="nccl", choices=["ring", "nccl", "jaccl", "mpi"],
                         help="mx.distributed backend of tensor-parallel layouts")
-    parser.add_argument("--pp-backend", default="ring", choices=["ring", "jaccl", "mpi"],
-                        help="backend of pipeline-parallel layouts (MLX's NCCL backend has no send/recv)")
+    parser.add_argument("--pp-backend", default="nccl", choices=["ring", "nccl", "jaccl", "mpi"],
+                        help="backend of pipeline-parallel layouts (over NCCL stages hand off by all-gather)")
     parser.add_argument("--model-root", default="bench-models", help="where the shape folders are built and kept")
     parser.add_argument("--concurrency", type=int_list, default=[1, 16, 32], help="comma list of concurrency levels")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="approximate prompt length")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
     parser.add_argument("--num-requests", type=int, default=None, help="per level (default: 4 waves)")
+    parser.add_argument("--waves", type=int, default=0,
+                        help="requests per level = waves x concurrency (at least 2; 0: bench serve's four waves)")
     parser.add_argument("--warmup", type=int, default=2, help="requests sent before measuring")
     parser.add_argument("--greedy-tokens", type=int, default=32, help="tokens of each greedy comparison")
     parser.add_argument("--long-prompt-tokens", type=int, default=0, help="TTFT of a prompt this long (0: skip)")

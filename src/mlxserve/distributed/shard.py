@@ -1,5 +1,5 @@
-"""Loading this rank's part of a model through mlx-lm's own sharding: `Model.shard(group)` (tensor
-parallel) or `Model.model.pipeline(group)` (pipeline parallel).
+"""Loading this rank's part of a model: mlx-lm's `Model.shard(group)` (tensor parallel); for pipeline
+parallel our stage (pipeline.py: Qwen2, Qwen3, any backend) or else mlx-lm's `Model.model.pipeline(group)`.
 
 The model is built lazily first, then sharded, then evaluated: a tensor-parallel rank materializes
 only its slices, a pipeline rank only its layers (the others are dropped before anything is read).
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxserve.distributed.config import DistributedConfig
+from mlxserve.distributed.config import SENDRECV_BACKENDS, STAGE_FAMILIES, can_stage, choose_handoff
 from mlxserve.models.loader import LoadedModel, check_safetensors, materialize, weight_files
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,12 @@ def check_shardable(config: dict, dist: DistributedConfig) -> None:
         raise ValueError("tensor / pipeline parallel serve text generation models only (mlx-lm families)")
     tp = dist.tensor_parallel
     cfg = config.get("text_config", config)
+    if dist.pipeline_parallel > 1 and not can_stage(cfg.get("model_type")):
+        if dist.backend not in SENDRECV_BACKENDS:
+            raise ValueError(f"--pipeline-parallel over {dist.backend} serves {', '.join(STAGE_FAMILIES)} models; "
+                             f"mlx-lm's own pipeline of {cfg.get('model_type')} needs send/recv (--backend ring)")
+        if dist.pipeline_handoff == "gather":
+            raise ValueError(f"--pipeline-handoff gather serves {', '.join(STAGE_FAMILIES)} models only")
     for key in ("num_attention_heads", "num_key_value_heads"):
         heads = cfg.get(key)
         if tp > 1 and heads and heads % tp:
@@ -57,6 +64,7 @@ def check_shardable(config: dict, dist: DistributedConfig) -> None:
 def load_sharded(source: str, group: Any, dist: DistributedConfig) -> LoadedModel:
     from mlx_lm.utils import load_model, load_tokenizer
 
+    from mlxserve.distributed.pipeline import make_stage
     from mlxserve.platform.quantized_rows import fold_on_cuda
 
     folder = local_folder(source)
@@ -72,7 +80,9 @@ def load_sharded(source: str, group: Any, dist: DistributedConfig) -> LoadedMode
             raise ValueError(f"mlx-lm's {model_type} model cannot be tensor-parallel (it has no shard()); "
                              "try --pipeline-parallel if it pipelines")
         model.shard(group)
-    else:
+    elif can_stage(model_type):  # our stage forward: its hand-off works on every backend
+        make_stage(model, group, choose_handoff(dist.pipeline_handoff, dist.backend))
+    else:  # mlx-lm's own pipeline: send / recv between stages (check_shardable refused it where there are none)
         if not hasattr(getattr(model, "model", None), "pipeline"):
             raise ValueError(f"mlx-lm's {model_type} model cannot be pipelined (it has no pipeline()); "
                              "try --tensor-parallel")

@@ -1,0 +1,125 @@
+"""Per-call cost of MLX's collectives between local ranks: what tensor parallel pays per layer.
+
+Starts N ranks of itself on this host (NCCL: one GPU each; ring: loopback, for a dry run on a CPU), then
+each rank times, inside one mx.eval each:
+  - K chained all_sum of a [1, hidden] array (a decode step's all-reduces, nothing else);
+  - K chained [1, hidden] x [hidden, hidden] matmuls with an all_sum after each (the decode pattern), and
+    the same matmuls alone: the difference is what the all-reduces add to a step;
+  - K chained all_gather of [1, hidden] (a pipeline hand-off's collective).
+usage: python tools/allsum_probe.py [--backend nccl|ring] [--ranks 2] [--hidden 5120] [--calls 128]
+Prints one JSON line per rank (ms per call, medians of --repeat runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args) -> int:
+    env = {**os.environ, "MLX_WORLD_SIZE": str(args.ranks)}
+    if args.backend == "nccl":
+        env.update(NCCL_HOST_IP="127.0.0.1", NCCL_PORT=str(_free_port()))
+    else:
+        fd, hostfile = tempfile.mkstemp(suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump([[f"127.0.0.1:{_free_port()}"] for _ in range(args.ranks)], f)
+        env["MLX_HOSTFILE"] = hostfile
+    procs = []
+    for rank in range(args.ranks):
+        child = {**env, "MLX_RANK": str(rank)}
+        if args.backend == "nccl":
+            child["CUDA_VISIBLE_DEVICES"] = str(rank)
+        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-worker", *sys.argv[1:]], env=child))
+    return max(p.wait() for p in procs)
+
+
+def _time(fn, repeat: int) -> float:
+    import mlx.core as mx
+
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def worker(args) -> None:
+    import mlx.core as mx
+
+    group = mx.distributed.init(strict=True, backend=args.backend)
+    k, dtype = args.calls, mx.bfloat16 if args.backend == "nccl" else mx.float32
+    x = mx.random.normal((1, args.hidden)).astype(dtype)
+    w = (mx.random.normal((args.hidden, args.hidden)) * 0.01).astype(dtype)
+    mx.eval(x, w)
+    start = time.perf_counter()
+    mx.eval(mx.distributed.all_sum(x, group=group))
+    first_ms = (time.perf_counter() - start) * 1e3
+
+    def sums():
+        y = x
+        for _ in range(k):
+            y = mx.distributed.all_sum(y, group=group) * 0.5
+        return y
+
+    def gathers():
+        y = x
+        for _ in range(k):
+            y = mx.distributed.all_gather(y, group=group)[:1]
+        return y
+
+    def matmuls(reduce: bool):
+        def run():
+            y = x
+            for _ in range(k):
+                y = y @ w
+                if reduce:
+                    y = mx.distributed.all_sum(y, group=group)
+            return y
+        return run
+
+    for fn in (sums, gathers, matmuls(True), matmuls(False)):  # compile each shape once first
+        mx.eval(fn())
+    result = {"rank": group.rank(), "backend": args.backend, "hidden": args.hidden, "calls": k,
+              "first_all_sum_ms": round(first_ms, 2)}
+    result["all_sum_ms_per_call"] = _time(sums, args.repeat) * 1e3 / k
+    result["all_gather_ms_per_call"] = _time(gathers, args.repeat) * 1e3 / k
+    with_sum = _time(matmuls(True), args.repeat)
+    alone = _time(matmuls(False), args.repeat)
+    result["matmul_ms_per_call"] = alone * 1e3 / k
+    result["matmul_plus_all_sum_ms_per_call"] = with_sum * 1e3 / k
+    result["all_sum_adds_ms_per_call"] = (with_sum - alone) * 1e3 / k
+    print(json.dumps({key: round(v, 4) if isinstance(v, float) else v for key, v in result.items()}), flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", default="nccl", choices=["nccl", "ring"])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=5120, help="Qwen3-32B: 5120; Qwen3-8B: 4096")
+    p.add_argument("--calls", type=int, default=128, help="collectives per eval (32B TP decode: 2 x 64 layers)")
+    p.add_argument("--repeat", type=int, default=9)
+    p.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.rank_worker:
+        worker(args)
+        return 0
+    return launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
