@@ -9,8 +9,11 @@
 #             then the random 4-bit Qwen3-8B shape: layouts 1, tp2, pp2, a rank killed under streams (tp2, pp2).
 #   PART=32b: the random bf16 Qwen3-32B shape (built once, ~65 GB, in /dev/shm when it has room: written and
 #             read back at memory speed, and still there for a later call on the same machine): 1, tp2, pp2.
-# Env: BENCH_ARGS (more `bench distributed` flags), BENCH_S (the bench's time limit), LAYOUTS (default 1,tp2,pp2).
+# Env: BENCH_ARGS (more `bench distributed` flags), BENCH_S (the bench's time limit; default: what is left of
+# CALL_S, 585 s), LAYOUTS (default 1,tp2,pp2).
 set -uo pipefail
+t0=$(date +%s)
+left() { echo $(( ${CALL_S:-585} - ($(date +%s) - t0) )); }  # what is left of the device call's limit
 if [ -n "${MLX_SITE_BUNDLE:-}" ]; then
   [ -d /tmp/site/mlx ] || { mkdir -p /tmp/site && tar -xJf "$MLX_SITE_BUNDLE" -C /tmp/site; }
   export PYTHONPATH=/tmp/site:$PWD/src
@@ -34,11 +37,12 @@ bench=(python3 -m mlxserve.server.cli bench distributed --model-root "$root" --s
 read -ra extra <<< "${BENCH_ARGS:-}"
 case $part in
   8b)
-    for h in 4096 5120; do
-      timeout 90 python3 tools/allsum_probe.py --backend nccl --hidden $h --calls 128 2>&1 | grep '^{' |
-        tee -a "$out/allsum.jsonl"
+    for run in "4096 1" "5120 1" "5120 0"; do  # width, MLX_USE_CUDA_GRAPHS (MLX-CUDA's kernel batching)
+      read -r h graphs <<< "$run"
+      MLX_USE_CUDA_GRAPHS=$graphs timeout 90 python3 tools/allsum_probe.py --backend nccl --hidden "$h" \
+        --calls 128 2>&1 | grep '^{' | sed "s/^{/{\"cuda_graphs\": $graphs, /" | tee -a "$out/allsum.jsonl"
     done
-    timeout "${BENCH_S:-420}" "${bench[@]}" --shapes qwen3-8b --bits 4 --waves 2 --kill-test \
+    timeout -s INT -k 15 "${BENCH_S:-$(left)}" "${bench[@]}" --shapes qwen3-8b --bits 4 --waves 2 --kill-test \
       --output-json "$out/dist-8b.json" "${extra[@]}" > "$out/dist-8b.log" 2>&1
     echo "8B part: exit $?"; grep -v "httpx" "$out/dist-8b.log" | tail -40 ;;
   32b)
@@ -47,7 +51,7 @@ case $part in
 import sys; from pathlib import Path; from mlxserve.bench.distributed import ensure_shape
 print(ensure_shape(Path(sys.argv[1]), 'qwen3-32b', None))" "$root" 2>&1 | tail -3
     echo "32B folder ready after $(( $(date +%s) - start )) s: $(du -sh "$root/qwen3-32b-floatbit" | cut -f1)"
-    timeout "${BENCH_S:-480}" "${bench[@]}" --shapes qwen3-32b --bits 0 --waves 1 \
+    timeout -s INT -k 15 "${BENCH_S:-$(left)}" "${bench[@]}" --shapes qwen3-32b --bits 0 --waves 1 \
       --output-json "$out/dist-32b.json" "${extra[@]}" > "$out/dist-32b.log" 2>&1
     echo "32B part: exit $?"; grep -v "httpx" "$out/dist-32b.log" | tail -40 ;;
   *) echo "PART must be 8b or 32b"; exit 2 ;;
