@@ -6,6 +6,7 @@ MLX-CUDA spends about as long encoding a small op as a 0.6B model's decode step 
 
     out_g[p] = y_g[p] + scale[row] * (x[p] @ A_g[slot[row]]^T) @ B_g[slot[row]]^T     p = a position, row = p // L
 
+(the products in float32, the delta rounded to y's type before the add, as mlx-lm's `LoRALinear` adds it)
 with y_g the member's base output, A_g [1+K, R', in] and B_g [1+K, out, R'] the gathered layout's stacks
 (slot 0 zeros: a row without an adapter gets y back unchanged). Each block takes one position and a tile of
 256 outputs of one member: its warps first compute the position's R products (float32, in shared memory),
@@ -13,7 +14,7 @@ then each thread one output. Every block of a position recomputes the R products
 kilobytes read from L2, cheaper than a second launch. Prefill-shaped inputs keep the gathered ops (a block
 per position and tile would redo the products thousands of times).
 
-`fused_ops` computes the same outputs with MLX ops (float32 throughout): the tests run the fused layout's
+`fused_ops` computes the same outputs with MLX ops (the same float32 products): the tests run the fused layout's
 grouping with it on any backend, and the device check compares the kernel with it.
 """
 
@@ -37,6 +38,10 @@ __device__ inline float lora_float(__half v) { return __half2float(v); }
 __device__ inline void lora_store(float* p, float v) { *p = v; }
 __device__ inline void lora_store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
 __device__ inline void lora_store(__half* p, float v) { *p = __float2half(v); }
+// The delta rounded to the output's type before the add, as mlx-lm's LoRALinear adds it.
+__device__ inline float lora_round(float v, const float*) { return v; }
+__device__ inline float lora_round(float v, const __nv_bfloat16*) { return __bfloat162float(__float2bfloat16(v)); }
+__device__ inline float lora_round(float v, const __half*) { return __half2float(__float2half(v)); }
 """
 
 # R, RP (stack width), IN, L (positions per row) and each member's OUT<g> / T<g> (its tiles) are template
@@ -72,7 +77,7 @@ $SELECT
         float d = 0.0f;
 #pragma unroll
         for (int r = 0; r < R; ++r) d += h[r] * lora_float(bp[r]);
-        lora_store(o + at, lora_float(y[at]) + d);
+        lora_store(o + at, lora_float(y[at]) + lora_round(d, y));
     }
 """
 
@@ -130,7 +135,7 @@ class CudaFused:
 
 
 def fused_ops(x, ys, stacks, index, scales, rank):
-    """The kernel's outputs with MLX ops, in float32 as the kernel computes them."""
+    """The kernel's outputs with MLX ops: the delta in float32, rounded to the output's type and added."""
     rows = index.shape[0]
     x3 = x.reshape(rows, -1, x.shape[-1]).astype(mx.float32)
     scales = scales.reshape(rows, 1, 1).astype(mx.float32)
@@ -139,5 +144,5 @@ def fused_ops(x, ys, stacks, index, scales, rank):
         a = mx.take(at, index, axis=0)[:, :rank].astype(mx.float32)  # [B, R, in]
         b = mx.take(bt, index, axis=0)[..., :rank].astype(mx.float32)  # [B, out, R]
         delta = ((x3 @ a.swapaxes(-1, -2)) * scales) @ b.swapaxes(-1, -2)
-        outs.append((y.astype(mx.float32) + delta.reshape(y.shape)).astype(y.dtype))
+        outs.append(y + delta.reshape(y.shape).astype(y.dtype))
     return outs
