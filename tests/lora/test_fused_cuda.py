@@ -19,7 +19,7 @@ QWEN3_06B_GROUPS = [(1024, [2048, 1024, 1024]), (2048, [1024]), (1024, [3072, 30
 
 
 def kernel_errors(rows: int = 16, positions: int = 1, rank: int = 8, num_adapters: int = 4,
-                  adapter_dtype=mx.float32, dtype=mx.bfloat16, seed: int = 0) -> dict:
+                  adapter_dtype=mx.float32, dtype=mx.bfloat16, seed: int = 0, pad: bool = False) -> dict:
     """Largest |kernel - fused_ops| and |kernel - gathered ops| over the groups, the largest |output|, and
     whether rows without an adapter got their base output bit for bit."""
     mx.random.seed(seed)
@@ -36,7 +36,7 @@ def kernel_errors(rows: int = 16, positions: int = 1, rank: int = 8, num_adapter
             layer = MultiLoRALinear(nn.Linear(in_dims, out_dims, bias=False), state, in_dims, out_dims)
             a = (mx.random.uniform(-1, 1, (in_dims, num_adapters * rank)) / in_dims ** 0.5).astype(adapter_dtype)
             b = (mx.random.normal((num_adapters * rank, out_dims)) * 0.02).astype(adapter_dtype)
-            layer.attach_stacks(a, b, rank)
+            layer.attach_stacks(a, b, rank, pad=pad)  # unpadded, as the fused layout keeps them
             layers.append(layer)
             ys.append(mx.random.normal((rows, positions, out_dims)).astype(dtype))
         stacks = [layer._stacks[:2] for layer in layers]
@@ -54,9 +54,10 @@ def kernel_errors(rows: int = 16, positions: int = 1, rank: int = 8, num_adapter
     return found
 
 
-@pytest.mark.parametrize("positions, adapter_dtype", [(1, mx.float32), (5, mx.float32), (1, mx.bfloat16)])
-def test_the_kernel_computes_its_op_twin(positions, adapter_dtype):
-    found = kernel_errors(positions=positions, adapter_dtype=adapter_dtype)
+@pytest.mark.parametrize("positions, adapter_dtype, pad", [(1, mx.float32, False), (5, mx.float32, False),
+                                                         (1, mx.bfloat16, False), (1, mx.float32, True)])
+def test_the_kernel_computes_its_op_twin(positions, adapter_dtype, pad):
+    found = kernel_errors(positions=positions, adapter_dtype=adapter_dtype, pad=pad)
     assert found["base_rows_exact"]
     # Both round the same float32 sum to bfloat16: at most a unit in the last place apart.
     assert found["vs_ops"] <= 2 ** -7 * max(found["max_abs_out"], 1.0)

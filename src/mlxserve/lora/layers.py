@@ -131,10 +131,11 @@ class MultiLoRALinear(nn.Module):
     def attach(self, group: InputGroup | None, slot: int, b: mx.array | None) -> None:
         self._group, self._slot, self._b, self._stacks, self._fused = group, slot, b, None, None
 
-    def attach_stacks(self, a: mx.array, b: mx.array, rank: int) -> None:
-        """The gathered layout from A [in, K*R] and B [K*R, out]."""
+    def attach_stacks(self, a: mx.array, b: mx.array, rank: int, pad: bool = True) -> None:
+        """The gathered layout from A [in, K*R] and B [K*R, out]; `pad` False for the fused layout, whose
+        decode steps run no gemv (and whose stacks are then a quarter of the size at rank 8)."""
         num = a.shape[1] // rank
-        wide = -(-rank // 32) * 32  # MLX-CUDA's gemv wants the reduced size a multiple of 32
+        wide = -(-rank // 32) * 32 if pad else rank  # MLX-CUDA's gemv wants the reduced size a multiple of 32
         at = mx.pad(a.reshape(self.in_dims, num, rank).transpose(1, 2, 0), [(1, 0), (0, wide - rank), (0, 0)])
         bt = mx.pad(b.reshape(num, rank, self.out_dims).transpose(0, 2, 1), [(1, 0), (0, 0), (0, wide - rank)])
         self._group, self._b, self._stacks = None, None, (mx.contiguous(at), mx.contiguous(bt), rank)
@@ -204,7 +205,7 @@ def group_layers(layers: dict[str, MultiLoRALinear], weights: dict[str, tuple[mx
         groups.setdefault((parent, layer.in_dims, _SHARED_OF.get(name, name)), []).append(path)
     if gather_rank:
         for path, (a, b) in weights.items():
-            layers[path].attach_stacks(a, b, gather_rank)
+            layers[path].attach_stacks(a, b, gather_rank, pad=fused is None)
         if fused is not None:
             for paths in groups.values():
                 group = FusedGroup([layers[p] for p in paths], fused)
