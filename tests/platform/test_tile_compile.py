@@ -13,7 +13,8 @@ import mlx.nn as nn
 import mlxserve.platform.backend as backend
 from mlxserve.platform import kernel_cache, tile_compile
 from mlxserve.platform.quantized_rows import ALL_TILED_ROWS, fold_quantized_rows, set_tiled_rows
-from mlxserve.platform.tile_compile import TileCompiler, make_staging, publish, quantized_shapes, tile_checkpoints
+from mlxserve.platform.tile_compile import (TileCompiler, make_staging, publish, quantized_shapes, tile_checkpoints,
+                                           tile_groups)
 
 
 def test_checkpoints_cover_every_tile_below_the_dequantize_threshold():
@@ -130,3 +131,24 @@ def test_the_kernel_cache_goes_to_the_user_cache_on_cuda_only(tmp_path, monkeypa
     (path / ".staging-1" / "b.ptx").write_bytes(b"")
     assert kernel_cache.count_modules(path) == 1
 
+
+
+def test_tile_groups_split_checkpoints_by_their_tile():
+    assert tile_groups([8, 12, 16, 24, 32, 48, 64, 127]) == [[8, 12, 16], [24, 32], [48, 64, 127]]
+    assert tile_groups([8, 127]) == [[8], [127]] and tile_groups([]) == []
+
+
+def test_reports_of_the_tile_processes_merge_into_ready_prefixes(tmp_path):
+    """Each tile group compiles in its own process; a later group that finishes first waits for the ones below."""
+    compiler = TileCompiler([], [8, 16, 24, 32, 64], tmp_path)
+    compiler._procs = [None, None, None]  # three groups: (8, 16), (24, 32), (64)
+    for report in [("ready", 64, 1.0), ("ready", 24, 2.0), ("ready", 8, 3.0), ("done", 0, 3.0)]:
+        compiler._reports.put(report)
+    assert compiler.poll() == [("ready", 8, 3.0)]
+    for report in [("ready", 32, 4.0), ("done", 0, 4.0), ("ready", 16, 5.0), ("done", 0, 5.0)]:
+        compiler._reports.put(report)
+    assert compiler.poll() == [("ready", 16, 5.0), ("ready", 24, 5.0), ("ready", 32, 5.0), ("ready", 64, 5.0),
+                               ("done", 0, 5.0)]
+    compiler._reports.put(("failed", 0, 0.0))
+    compiler._reports.put(("failed", 0, 0.0))
+    assert compiler.poll() == [("failed", 0, 0.0)]  # once

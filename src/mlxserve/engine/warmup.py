@@ -293,16 +293,17 @@ def make_warmup(core: Any, max_batch: int, compile_tiles: bool, source: str | No
         piece_helper = TileCompiler([], [], kernel_dir(), module="mlxserve.engine.warmup_helper", spec=spec)
     if compile_tiles:
         from mlxserve.platform.kernel_cache import count_modules, kernel_dir
-        from mlxserve.platform.tile_compile import TileCompiler, quantized_shapes, tile_checkpoints, tiled_row_limit
+        from mlxserve.platform.tile_compile import (TileCompiler, quantized_shapes, tile_checkpoints, tile_groups,
+                                                   tiled_row_limit)
 
         shapes = quantized_shapes(model)
         rows = tile_checkpoints(core.runner.buckets, tiled_row_limit(model))
         if shapes and rows:
             cache = kernel_dir()
             compiler = TileCompiler(shapes, rows, cache)
-            log.info("warm-up: tiled quantized kernels for %d matmul shapes at rows %s compile in a helper process "
-                     "(kernel cache %s, %d modules); until each is ready those rows dequantize", len(shapes), rows,
-                     cache, count_modules(cache))
+            log.info("warm-up: tiled quantized kernels for %d matmul shapes at rows %s compile in %d helper "
+                     "processes, one per tile (kernel cache %s, %d modules); until each is ready those rows dequantize",
+                     len(shapes), rows, len(tile_groups(rows)), cache, count_modules(cache))
     warm = BackgroundWarmup(max_batch, core.runner.buckets, compiler=compiler, model=model, piece_helper=piece_helper)
     log.info("warm-up runs while serving: %d pieces between requests on the engine thread", warm.num_pieces)
     return warm

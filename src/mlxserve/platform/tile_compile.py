@@ -9,7 +9,9 @@ compile.
 
 This process runs the model's quantized matmul shapes on its own at growing row counts; each compile lands in
 the kernel cache on disk (platform/kernel_cache.py), and a line `ready ROWS SECONDS` tells the server that
-every row count up to ROWS is compiled. Until then the server's quantized layers take dequantize + matmul for
+every row count up to ROWS is compiled. NVRTC compiles on one CPU core, so each tile's row counts get a
+process of their own and the three modules compile side by side; the server hears "ready" for the row
+counts up to which every tile is done. Until then the server's quantized layers take dequantize + matmul for
 those rows, which needs no run-time kernel (platform/quantized_rows.py); afterwards MLX loads the binary from
 disk in milliseconds. MLX writes a cache file in place, so a process stopped mid-write would leave a truncated
 binary that every later start fails to load: this process compiles into a staging folder that links to the
@@ -85,10 +87,20 @@ def quantized_shapes(model: Any) -> list[list]:
     return [list(s) for s in sorted(shapes)]
 
 
+def tile_groups(rows: list[int]) -> list[list[int]]:
+    """`rows` (ascending checkpoints) split by the tile that compiles for them: up to 16, up to 32, more."""
+    groups: dict[int, list[int]] = {}
+    for r in rows:
+        groups.setdefault(16 if r <= 16 else 32 if r <= 32 else 64, []).append(r)
+    return [groups[tile] for tile in sorted(groups)]
+
+
 class TileCompiler:
-    """The helper process seen from the server: `poll()` returns what it reported since the last call,
-    without waiting. Reports: ("ready", rows, seconds), ("piece", name, seconds), ("done", 0, total seconds) or
-    ("failed", 0, 0.0). `module` runs instead of this one with the same protocol (engine/warmup_helper.py)."""
+    """The helper processes seen from the server: `poll()` returns what they reported since the last call,
+    without waiting. Reports: ("ready", rows, seconds) once every checkpoint up to `rows` is compiled,
+    ("piece", name, seconds), ("done", 0, total seconds) once all are done, or ("failed", 0, 0.0) once one
+    stopped early. The tile groups (tile_groups) compile in processes of their own; `module` runs instead of
+    this one, in one process, with the same protocol (engine/warmup_helper.py)."""
 
     def __init__(self, shapes: list[list], rows: list[int], cache_dir: Path, python: str = sys.executable,
                  module: str = "mlxserve.platform.tile_compile", spec: dict | None = None) -> None:
@@ -96,19 +108,27 @@ class TileCompiler:
         self.rows = rows
         self.module = module
         self._python = python
-        self._proc: subprocess.Popen | None = None
+        self._procs: list[subprocess.Popen] = []
         self._reports: queue.SimpleQueue = queue.SimpleQueue()
         self._started = 0.0
+        self._ready: set[int] = set()
+        self._num_reported = 0  # checkpoints (self.rows[:n]) reported ready
+        self._num_done = 0
+        self._failed = False
 
     def start(self) -> None:
         self._started = time.perf_counter()
-        self._proc = subprocess.Popen([self._python, "-m", self.module, json.dumps(self.spec)],
-                                      stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-        threading.Thread(target=self._read, name="mlxserve-tile-compile", daemon=True).start()
+        specs = ([dict(self.spec, rows=group) for group in tile_groups(self.rows)] if "rows" in self.spec
+                 else [self.spec])
+        for spec in specs or [self.spec]:
+            proc = subprocess.Popen([self._python, "-m", self.module, json.dumps(spec)],
+                                    stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+            self._procs.append(proc)
+            threading.Thread(target=self._read, args=(proc,), name="mlxserve-tile-compile", daemon=True).start()
 
-    def _read(self) -> None:
+    def _read(self, proc: subprocess.Popen) -> None:
         done = False
-        for line in self._proc.stdout:
+        for line in proc.stdout:
             parts = line.split()
             if len(parts) == 3 and parts[0] == "ready":
                 self._reports.put(("ready", int(parts[1]), float(parts[2])))
@@ -121,21 +141,39 @@ class TileCompiler:
             self._reports.put(("failed", 0, 0.0))
 
     def poll(self) -> list[tuple[str, int, float]]:
+        """The processes' reports merged: "ready" for each checkpoint once it and every one below it are
+        compiled, "done" after the last process's, "failed" after the first early stop."""
         out = []
         while True:
             try:
-                out.append(self._reports.get_nowait())
+                kind, value, seconds = self._reports.get_nowait()
             except queue.Empty:
                 return out
+            if kind == "ready":
+                self._ready.add(value)
+                while self._num_reported < len(self.rows) and self.rows[self._num_reported] in self._ready:
+                    out.append(("ready", self.rows[self._num_reported], seconds))
+                    self._num_reported += 1
+            elif kind == "done":
+                self._num_done += 1
+                if self._num_done == len(self._procs):
+                    out.append((kind, value, seconds))
+            elif kind == "failed":
+                if not self._failed:
+                    out.append((kind, value, seconds))
+                self._failed = True
+            else:
+                out.append((kind, value, seconds))
 
     def close(self) -> None:
-        """Stops the process if it still runs (its staging folder stays behind; the next run removes it)."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
+        """Stops the processes still running (their staging folders stay behind; the next run removes them)."""
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
 
 
 # -- the helper process ------------------------------------------------------------------------------------
