@@ -3,10 +3,15 @@
 # cuts the run (`bench compare` keeps logs in temporary files). Run from tools/gpu-bench.sh, or alone where
 # the servers import (PYTHONPATH as gpu-bench.sh sets it).
 # usage: bash tools/gpu-serve.sh TAG SECONDS mlxserve|vllm_mlx|mlx_lm MODEL_DIR [SERVER FLAGS...]
-# SECONDS bounds start-up, warm-up and load together. Env: CONC (default 1,16,32,64); WAIT_WARMUP=0 (mlxserve: load
+# SECONDS bounds start-up, warm-up and load together. Env: CONC (default 1,16,32,64); WAVES=N (each level alone
+# with N x its concurrency requests, after 4 warm-up requests before the first level only; default: bench serve's
+# four waves, all levels in one run); WAIT_WARMUP=0 (mlxserve: load
 # at once instead of after its background warm-up's log line "warm-up finished"); KERNELS=shared keeps
 # MLX's default on-disk kernel cache (/tmp/mlx/...), shared with the servers before and after, as on a
-# user's machine after a first start; by default each server gets an empty one of its own. LOAD=c1: instead of
+# user's machine after a first start; KERNELS=/abs/dir: that folder as every server's MLX_PTX_CACHE_DIR (one
+# cache for all servers of a run, mlxserve's included); by default each server gets an empty one of its own.
+# PROBE=1 (mlxserve): its start timed by tools/startup_probe.py --attach (ready, first token, 16-stream waves
+# while the warm-up runs, until it finished), written to $OUT/start-TAG.json, before the load. LOAD=c1: instead of
 # `bench serve`, `bench decode --url`: C1_ROUNDS rounds (default 24) of raw generate_step in the bench's process
 # and one stream from the server (after a short one that wakes it), back to back and in turns first, 128 tokens
 # each (the c=1 criterion: the host's CPU flips between a fast and a slow mode every 1-5 s).
@@ -27,6 +32,7 @@ name=bench; [ "$server" = mlx_lm ] && name=$model
 kernels=$(mktemp -d)  # each server compiles its own kernels (see bench compare)
 server_env=(MLX_PTX_CACHE_DIR="$kernels")
 [ "${KERNELS:-}" = shared ] && server_env=()
+[[ ${KERNELS:-} == /* ]] && mkdir -p "$KERNELS" && server_env=(MLX_PTX_CACHE_DIR="$KERNELS")
 # With MLXSERVE_STEP_TRACE set, each server's step trace goes to its own file in $OUT.
 [ -n "${MLXSERVE_STEP_TRACE:-}" ] && server_env+=(MLXSERVE_STEP_TRACE="$out/steps-$tag.tsv")
 stop() {
@@ -34,9 +40,13 @@ stop() {
   timeout 30 tail --pid="$pid" -f /dev/null || kill -9 "$pid" 2> /dev/null
   rm -rf "$kernels"
 }
-start=$(date +%s)
+start=$(date +%s) launched=$(date +%s.%N)
 env "${server_env[@]}" "${cmd[@]}" --port "$port" "$@" > "$out/server-$tag.log" 2>&1 &
 pid=$!
+if [ "$server" = mlxserve ] && [ "${PROBE:-0}" = 1 ]; then
+  timeout "$limit" python3 tools/startup_probe.py --attach "http://127.0.0.1:$port" --server-log "$out/server-$tag.log" \
+    --launched-at "$launched" --label "$tag" --wait-warmup-s "$limit" --out "$out/start-$tag.json" | head -4
+fi
 until curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null; do
   if ! kill -0 "$pid" 2> /dev/null; then
     echo "$tag: server exited"; tail -20 "$out/server-$tag.log"; rm -rf "$kernels"; exit 1
@@ -62,6 +72,21 @@ if ((left > 0)) && [ "${LOAD:-serve}" = c1 ]; then
     --url "http://127.0.0.1:$port" --served-model "$name" --repeat "${C1_ROUNDS:-24}" \
     --output-json "$out/c1-$tag.json" > "$out/bench-$tag.log" 2>&1
   echo "$tag: bench exit $?"
+elif ((left > 0)) && [ -n "${WAVES:-}" ]; then
+  # One bench run per level, N waves each, merged into one serve JSON (the levels in order) for pool_serve.py.
+  warm=4 parts=()
+  for c in ${CONC//,/ }; do
+    left=$((limit - $(date +%s) + start)); ((left > 0)) || break
+    timeout "$left" python3 -m mlxserve.server.cli bench serve --url "http://127.0.0.1:$port" --model "$name" \
+      --concurrency "$c" --num-requests $((WAVES * c)) --endpoint chat --warmup $warm --label "$tag" \
+      --output-json "$out/serve-$tag.c$c.part" >> "$out/bench-$tag.log" 2>&1 || break
+    parts+=("$out/serve-$tag.c$c.part") warm=0
+  done
+  ((${#parts[@]})) && python3 -c 'import json, sys
+runs = [json.load(open(p)) for p in sys.argv[2:]]
+json.dump(dict(runs[0], levels=[lv for r in runs for lv in r["levels"]]), open(sys.argv[1], "w"))' \
+    "$out/serve-$tag.json" "${parts[@]}" && rm -f "${parts[@]}"
+  echo "$tag: ${#parts[@]} levels of $WAVES waves"
 elif ((left > 0)); then
   timeout "$left" python3 -m mlxserve.server.cli bench serve --url "http://127.0.0.1:$port" \
     --model "$name" --concurrency "${CONC:-1,16,32,64}" --endpoint chat --warmup 4 --label "$tag" \

@@ -5,7 +5,9 @@ drift within a call hits every server alike; its starts write serve-<server>-<ke
 serve-<server>-<key>-2.json, -3 ... (key: the shape and $TAG). Per server and concurrency level the pooled
 aggregate is the sum of completion tokens over the sum of wall seconds of all starts, not a mean of
 rates: a start whose level ran longer weighs more. Other servers' rows carry mlxserve's pooled aggregate
-over theirs. Standard library only (it runs on the GPU machine beside the bench).
+over theirs. TTFT p50 / p99 are taken over every request of every start (where the JSON lists them), and
+"first wave" over the first `concurrency` requests of each start's level: the burst that opens it.
+Standard library only (it runs on the GPU machine beside the bench).
 usage: python3 tools/pool_serve.py OUT_DIR KEY  (prints a table, writes OUT_DIR/pooled-KEY.json)
 """
 
@@ -38,14 +40,21 @@ def pool(starts: dict[str, list[dict]]) -> list[dict]:
             for level in result["levels"]:
                 row = rows.setdefault((server, level["concurrency"]), {
                     "server": server, "concurrency": level["concurrency"], "num_starts": 0,
-                    "num_completion_tokens": 0, "wall_s": 0.0, "num_errors": 0, "start_agg_tok_s": []})
+                    "num_completion_tokens": 0, "wall_s": 0.0, "num_errors": 0, "start_agg_tok_s": [],
+                    "ttfts": [], "first_wave_ttfts": []})
                 row["num_starts"] += 1
                 row["num_completion_tokens"] += level["num_completion_tokens"]
                 row["wall_s"] += level["wall_s"]
                 row["num_errors"] += level["num_errors"]
                 row["start_agg_tok_s"].append(level["num_completion_tokens"] / level["wall_s"])
+                ttfts = [r.get("ttft_s") for r in level.get("requests") or ()]
+                row["ttfts"] += [t for t in ttfts if t is not None]
+                row["first_wave_ttfts"] += [t for t in ttfts[:level["concurrency"]] if t is not None]
     for row in rows.values():
         row["agg_tok_s"] = row["num_completion_tokens"] / row["wall_s"]
+        ttfts, first = row.pop("ttfts"), row.pop("first_wave_ttfts")
+        row["ttft_p50_ms"], row["ttft_p99_ms"] = percentile(ttfts, 50), percentile(ttfts, 99)
+        row["first_wave_ttft_p50_ms"] = percentile(first, 50)
     for (server, conc), row in rows.items():
         base = rows.get((BASE, conc))
         comparable = base and server != BASE and row["agg_tok_s"]  # a level of only errors has no rate
@@ -53,14 +62,28 @@ def pool(starts: dict[str, list[dict]]) -> list[dict]:
     return sorted(rows.values(), key=lambda r: (r["concurrency"], r["server"] != BASE, r["server"]))
 
 
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile in ms, interpolated between the nearest ranks as numpy's default (bench serve's)."""
+    if not values:
+        return None
+    values = sorted(values)
+    at = (len(values) - 1) * q / 100
+    low = int(at)
+    high = min(low + 1, len(values) - 1)
+    return (values[low] + (values[high] - values[low]) * (at - low)) * 1000
+
+
 def format_rows(rows: list[dict]) -> str:
-    lines = ["| server | conc | starts | tokens | wall s | pooled agg tok/s | per start | errors | mlxserve / this |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| server | conc | starts | tokens | wall s | pooled agg tok/s | per start | errors | mlxserve / this "
+             "| TTFT p50 ms | TTFT p99 ms | first wave TTFT p50 ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ms = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
     for r in rows:
         ratio = "" if r["mlxserve_ratio"] is None else f"{r['mlxserve_ratio']:.3f}x"
         per_start = ", ".join(f"{x:.1f}" for x in r["start_agg_tok_s"])
         lines.append(f"| {r['server']} | {r['concurrency']} | {r['num_starts']} | {r['num_completion_tokens']} | "
-                     f"{r['wall_s']:.2f} | {r['agg_tok_s']:.1f} | {per_start} | {r['num_errors']} | {ratio} |")
+                     f"{r['wall_s']:.2f} | {r['agg_tok_s']:.1f} | {per_start} | {r['num_errors']} | {ratio} | "
+                     f"{ms(r['ttft_p50_ms'])} | {ms(r['ttft_p99_ms'])} | {ms(r['first_wave_ttft_p50_ms'])} |")
     return "\n".join(lines)
 
 

@@ -48,7 +48,22 @@ def test_starts_pool_per_server_and_level(pool_serve, tmp_path, capsys):
     assert rows["mlxserve", 16]["agg_tok_s"] == pytest.approx(819.2) and rows["mlxserve", 16]["num_errors"] == 1
 
     table = capsys.readouterr().out
-    assert "| vllm_mlx | 1 | 1 | 300 | 3.00 | 100.0 | 100.0 | 0 | 1.707x |" in table
+    assert "| vllm_mlx | 1 | 1 | 300 | 3.00 | 100.0 | 100.0 | 0 | 1.707x | - | - | - |" in table
+
+
+def test_ttft_percentiles_pool_every_request_and_the_first_wave(pool_serve, tmp_path, capsys):
+    def level(ttfts):  # c=2: the first two requests are the opening wave; a failed request has no TTFT
+        return {"concurrency": 2, "num_completion_tokens": 10, "wall_s": 1.0, "num_errors": 0,
+                "requests": [{"ttft_s": t} for t in ttfts]}
+
+    (tmp_path / "serve-mlxserve-k.json").write_text(json.dumps({"levels": [level([1.0, 3.0, 0.1, 0.1])]}))
+    (tmp_path / "serve-mlxserve-k-2.json").write_text(json.dumps({"levels": [level([2.0, None, 0.1, 0.2])]}))
+    assert pool_serve.main([str(tmp_path), "k"]) == 0
+    (row,) = json.loads((tmp_path / "pooled-k.json").read_text())["levels"]
+    assert row["first_wave_ttft_p50_ms"] == pytest.approx(2000.0)  # of 1.0, 3.0 and 2.0 s
+    assert row["ttft_p50_ms"] == pytest.approx(200.0)  # of all seven: 0.1 0.1 0.1 0.2 1 2 3
+    assert row["ttft_p99_ms"] == pytest.approx(2940.0)  # numpy's interpolation between 2 and 3 s
+    assert "| mlxserve | 2 | 2 | 20 | 2.00 | 10.0 | 10.0, 10.0 | 0 |  | 200 | 2940 | 2000 |" in capsys.readouterr().out
 
 
 def test_no_results_is_not_an_error(pool_serve, tmp_path, capsys):
