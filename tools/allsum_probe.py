@@ -5,7 +5,8 @@ each rank times, inside one mx.eval each:
   - K chained all_sum of a [1, hidden] array (a decode step's all-reduces, nothing else);
   - K chained [1, hidden] x [hidden, hidden] matmuls with an all_sum after each (the decode pattern), and
     the same matmuls alone: the difference is what the all-reduces add to a step;
-  - K chained all_gather of [1, hidden] (a pipeline hand-off's collective).
+  - K chained all_gather of [1, hidden] (a pipeline hand-off's collective);
+  - K layer-like segments (a matmul and --ops small kernels) with and without an all_sum after each.
 usage: python tools/allsum_probe.py [--backend nccl|ring] [--ranks 2] [--hidden 5120] [--calls 128]
 Prints one JSON line per rank (ms per call, medians of --repeat runs).
 """
@@ -92,7 +93,22 @@ def worker(args) -> None:
             return y
         return run
 
-    for fn in (sums, gathers, matmuls(True), matmuls(False)):  # compile each shape once first
+    def layers(reduce: bool):
+        # A layer-like segment between all-reduces: one matmul and --ops small kernels (norms, rope,
+        # residuals): if an all-reduce made the host wait for the device, the device would idle while the
+        # host encodes the next segment, and the difference to no all-reduce would grow with --ops.
+        def run():
+            y = x
+            for _ in range(k):
+                y = y @ w
+                for _ in range(args.ops):
+                    y = mx.sin(y) * 0.5 + y
+                if reduce:
+                    y = mx.distributed.all_sum(y, group=group)
+            return y
+        return run
+
+    for fn in (sums, gathers, matmuls(True), matmuls(False), layers(True), layers(False)):  # compile first
         mx.eval(fn())
     result = {"rank": group.rank(), "backend": args.backend, "hidden": args.hidden, "calls": k,
               "first_all_sum_ms": round(first_ms, 2)}
@@ -103,6 +119,9 @@ def worker(args) -> None:
     result["matmul_ms_per_call"] = alone * 1e3 / k
     result["matmul_plus_all_sum_ms_per_call"] = with_sum * 1e3 / k
     result["all_sum_adds_ms_per_call"] = (with_sum - alone) * 1e3 / k
+    with_sum, alone = _time(layers(True), args.repeat), _time(layers(False), args.repeat)
+    result["layer_ms_per_call"] = alone * 1e3 / k
+    result["layer_all_sum_adds_ms_per_call"] = (with_sum - alone) * 1e3 / k
     print(json.dumps({key: round(v, 4) if isinstance(v, float) else v for key, v in result.items()}), flush=True)
 
 
@@ -112,6 +131,7 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--hidden", type=int, default=5120, help="Qwen3-32B: 5120; Qwen3-8B: 4096")
     p.add_argument("--calls", type=int, default=128, help="collectives per eval (32B TP decode: 2 x 64 layers)")
+    p.add_argument("--ops", type=int, default=24, help="small kernels per layer-like segment")
     p.add_argument("--repeat", type=int, default=9)
     p.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()

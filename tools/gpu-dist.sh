@@ -46,17 +46,30 @@ case $part in
       --output-json "$out/dist-8b.json" "${extra[@]}" > "$out/dist-8b.log" 2>&1
     echo "8B part: exit $?"; grep -v "httpx" "$out/dist-8b.log" | tail -40 ;;
   32b)
+    for graphs in 1 0; do  # the layer-like test: does an all-reduce make the host wait for the device?
+      MLX_USE_CUDA_GRAPHS=$graphs timeout 90 python3 tools/allsum_probe.py --backend nccl --hidden 5120 \
+        --calls 128 --repeat 5 2>&1 | grep '^{' | sed "s/^{/{\"cuda_graphs\": $graphs, /" | tee -a "$out/allsum.jsonl"
+    done
     start=$(date +%s)
     timeout 240 python3 -c "
 import sys; from pathlib import Path; from mlxserve.bench.distributed import ensure_shape
 print(ensure_shape(Path(sys.argv[1]), 'qwen3-32b', None))" "$root" 2>&1 | tail -3
     echo "32B folder ready after $(( $(date +%s) - start )) s: $(du -sh "$root/qwen3-32b-floatbit" | cut -f1)"
-    timeout -s INT -k 15 "${BENCH_S:-$(left)}" "${bench[@]}" --shapes qwen3-32b --bits 0 --waves 1 \
-      --output-json "$out/dist-32b.json" "${extra[@]}" > "$out/dist-32b.log" 2>&1
-    echo "32B part: exit $?"; grep -v "httpx" "$out/dist-32b.log" | tail -40 ;;
+    # Debug logs: every rank's step timeline (rank 1: how long it waited for each plan, how long it ran).
+    timeout -s INT -k 15 "${BENCH_S:-$(left)}" "${bench[@]}" --shapes qwen3-32b --bits 0 --waves 1 --warmup 1 \
+      --server-flag=--log-level=debug --output-json "$out/dist-32b.json" "${extra[@]}" > "$out/dist-32b.log" 2>&1
+    echo "32B part: exit $?"; grep -v "httpx" "$out/dist-32b.log" | tail -16
+    if [ "$(left)" -gt 100 ]; then  # tensor parallel again without MLX-CUDA's graphs (the probe's other setting)
+      MLX_USE_CUDA_GRAPHS=0 timeout -s INT -k 15 "$(left)" "${bench[@]/1,tp2,pp2/tp2}" --shapes qwen3-32b \
+        --bits 0 --waves 1 --warmup 1 --concurrency 1,16 --output-json "$out/dist-32b-nographs.json" \
+        "${extra[@]}" > "$out/dist-32b-nographs.log" 2>&1
+      echo "32B tp2 without CUDA graphs: exit $?"; grep -v "httpx" "$out/dist-32b-nographs.log" | tail -6
+    fi ;;
   *) echo "PART must be 8b or 32b"; exit 2 ;;
 esac
-# The servers' logs and step traces, cut to what explains a stall (each file comes back whole only under 16 MB).
+# The servers' logs and step traces, cut to what explains a stall, in one archive (few files come back).
+mkdir -p /tmp/dist-logs && rm -f /tmp/dist-logs/*
 for f in "$root"/server-*.log "$root"/server-*.steps.tsv; do
-  [ -f "$f" ] && grep -v "httpx\|GET /health" "$f" | tail -c 4000000 > "$out/$(basename "$f")"
+  [ -f "$f" ] && grep -v "httpx\|GET /health" "$f" | tail -c 4000000 > "/tmp/dist-logs/$(basename "$f")"
 done
+tar -czf "$out/server-logs-$part.tar.gz" -C /tmp/dist-logs .
