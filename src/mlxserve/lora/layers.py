@@ -99,17 +99,20 @@ class FusedGroup:
     runs the group again for it: still right, only not shared."""
 
     def __init__(self, layers: list["MultiLoRALinear"], kernel) -> None:
-        self.layers, self.kernel = layers, kernel
+        self.kernel = kernel
+        # Looked up once: this runs for every group of every block at each decode step.
+        self._linears = [m.linear for m in layers]
+        self._stacks = [m._stacks[:2] for m in layers]
+        self._rank = layers[0]._stacks[2]
         self._key: tuple | None = None  # (forward, input) the outputs below belong to
         self._outs: list[mx.array] | None = None
 
-    def output(self, layer: "MultiLoRALinear", x: mx.array, rows: RowAdapters) -> mx.array:
+    def output(self, slot: int, x: mx.array, rows: RowAdapters) -> mx.array:
         if self._key is None or self._key[0] != rows.forward or self._key[1] is not x:
-            ys = [m.linear(x) for m in self.layers]
-            stacks = [m._stacks[:2] for m in self.layers]
-            self._outs = self.kernel(x, ys, stacks, rows.index, rows.row_scales, self.layers[0]._stacks[2])
+            ys = [linear(x) for linear in self._linears]
+            self._outs = self.kernel(x, ys, self._stacks, rows.index, rows.row_scales, self._rank)
             self._key = (rows.forward, x)
-        return self._outs[layer._slot]
+        return self._outs[slot]
 
 
 class MultiLoRALinear(nn.Module):
@@ -163,7 +166,7 @@ class MultiLoRALinear(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         if self._stacks is not None and self._rows.index is not None:
             if self._fused is not None and (x.ndim == 2 or x.shape[-2] <= MAX_FUSED_POSITIONS):
-                return self._fused.output(self, x, self._rows)
+                return self._fused.output(self._slot, x, self._rows)
             y = self.linear(x)
             return y + self._gathered(x).astype(y.dtype)
         y = self.linear(x)
