@@ -21,11 +21,16 @@
 # (SERVERS=mlxserve,vllm_mlx,mlxserve,vllm_mlx: starts in turns, so the host's drift hits each server alike):
 # its second start writes serve-<name>-<shape>$TAG-2.json, the third -3 ... After the compare step
 # tools/pool_serve.py prints each server's aggregate per level pooled over its starts (tokens / wall
-# seconds), mlxserve's over each other server's, and the errors, into $OUT/pooled-<shape>$TAG.json.
+# seconds), mlxserve's over each other server's, TTFT p50/p99 over all their requests and the first wave's
+# p50, and the errors, into $OUT/pooled-<shape>$TAG.json. gpu-serve.sh's WAVES, PROBE and KERNELS=/dir pass
+# through (e.g. WAVES=8 PROBE=1 KERNELS=/tmp/kernels: 8 waves per level, every server on one kernel folder that
+# the first mlxserve start fills from empty, each mlxserve start timed from launch).
 set -uo pipefail
 if [ -n "${MLX_SITE_BUNDLE:-}" ]; then
   mkdir -p /tmp/site && tar -xJf "$MLX_SITE_BUNDLE" -C /tmp/site
   export PYTHONPATH=/tmp/site:$PWD/src
+  # Byte-compiled as pip's install would leave them: a first import does not compile them inside a start-up.
+  python3 -m compileall -q -j0 /tmp/site "$PWD/src" > /dev/null
 else
   export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 fi

@@ -13,6 +13,8 @@ set -uo pipefail
 if [ -n "${MLX_SITE_BUNDLE:-}" ]; then
   mkdir -p /tmp/site && tar -xJf "$MLX_SITE_BUNDLE" -C /tmp/site
   export PYTHONPATH=/tmp/site:$PWD/src
+  # Byte-compiled as pip's install would leave them: a first import does not compile them inside a start-up.
+  python3 -m compileall -q -j0 /tmp/site "$PWD/src" > /dev/null
 else
   export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 fi
