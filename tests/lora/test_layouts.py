@@ -97,6 +97,7 @@ def test_fused_rows_match_the_gathered_layout(loaded, adapter_set, positions):
         gathered.unload(aid)
     kernel = Counting()
     fused, ids = adapter_set("fused", kernel)
+    kernel.sizes.clear()  # the launches at load that compile the kernel
     assert fused.layout == "fused"
     got = _forward(model, fused, rows, tokens)
     assert mx.abs(got - want).max().item() < 1e-4
@@ -114,6 +115,7 @@ def test_fused_rows_match_the_gathered_layout(loaded, adapter_set, positions):
 def test_a_member_called_with_another_input_computes_its_own(loaded, adapter_set):
     kernel = Counting()
     lora, ids = adapter_set("fused", kernel)
+    kernel.sizes.clear()  # the launches at load that compile the kernel
     attn = loaded.model.layers[0].self_attn
     x = mx.random.normal((2, 1, attn.q_proj.in_dims))
     other = x + 1
@@ -126,3 +128,18 @@ def test_a_member_called_with_another_input_computes_its_own(loaded, adapter_set
         want = [attn.q_proj(x), attn.k_proj(other), attn.v_proj(x)]
     for g, w in zip(got, want):
         assert mx.abs(g - w).max().item() < 1e-5
+
+
+def test_loading_compiles_each_fused_group_shape_once(loaded, adapter_set, adapters):
+    """The kernel runs at load on one row per group shape not compiled yet (so it compiles before the first
+    decode step under an adapter), and not again for a shape already compiled."""
+    kernel = Counting()
+    lora, ids = adapter_set("fused", fused=kernel)
+    shapes = {layer._fused.signature() for layer in lora.layers.values()}
+    assert len(kernel.sizes) == len(lora._warmed) >= len(shapes) > 0
+    assert shapes <= {shape for shape, _ in lora._warmed}
+    # Unloading an adapter and loading it again brings back shapes compiled before: no launch.
+    before = len(kernel.sizes)
+    lora.unload(ids[2])
+    lora.load(ids[2], read_adapter(adapters["gamma"]))
+    assert len(kernel.sizes) == before

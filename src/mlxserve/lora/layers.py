@@ -107,6 +107,19 @@ class FusedGroup:
         self._key: tuple | None = None  # (forward, input) the outputs below belong to
         self._outs: list[mx.array] | None = None
 
+    def signature(self) -> tuple:
+        """What the kernel is compiled for, besides the activations' dtype and the positions per row: the
+        ranks, input and output sizes and the stacks' dtype (not the number of adapters)."""
+        return (self._rank, *((a.shape[1:], b.shape[1], a.dtype) for a, b in self._stacks))
+
+    def warm(self, dtype) -> None:
+        """Runs the kernel once on one decode-shaped row (no adapter), so it compiles now rather than in the
+        first decode step under an adapter: MLX keeps no custom kernel on disk and each compile takes seconds."""
+        x = mx.zeros((1, 1, self._stacks[0][0].shape[-1]), dtype)
+        ys = [linear(x) for linear in self._linears]
+        mx.eval(self.kernel(x, ys, self._stacks, mx.zeros((1,), mx.int32), mx.zeros((1, 1, 1), mx.float32),
+                            self._rank))
+
     def output(self, slot: int, x: mx.array, rows: RowAdapters) -> mx.array:
         if self._key is None or self._key[0] != rows.forward or self._key[1] is not x:
             ys = [linear(x) for linear in self._linears]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
-from mlx.utils import tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxserve.lora.adapters import AdapterBusy, AdapterError, AdapterFiles, AdapterNoRoom
 from mlxserve.lora.layers import MultiLoRALinear, RowAdapters, group_layers, layer_bytes, linear_dims
@@ -45,6 +45,7 @@ class AdapterSet:
         self._loaded: dict[str, _Loaded] = {}
         self._last: tuple | None = None  # (adapter ids, *_row_arrays) of the last forward's rows
         self.charged_bytes = 0  # what the memory budget counts for the adapters (load_adapter)
+        self._warmed: set[tuple] = set()  # fused kernel shapes compiled so far (_settle)
 
     # -- what is loaded -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -179,8 +180,18 @@ class AdapterSet:
         return before - self.nbytes
 
     def _settle(self) -> None:
-        """Evaluates the new matrices now, so the old ones are freed and no forward builds them."""
+        """Evaluates the new matrices now, so the old ones are freed and no forward builds them; in the fused
+        layout also compiles the kernel for each group shape not seen yet."""
         mx.eval([a for layer in self.layers.values() for a in layer.arrays])
+        if self.fused is None:
+            return
+        dtype = _activation_dtype(self.model)
+        for layer in self.layers.values():
+            group = layer._fused
+            key = (group.signature(), dtype) if group is not None else None
+            if key is not None and key not in self._warmed:
+                group.warm(dtype)
+                self._warmed.add(key)
 
     def _targets(self, files: AdapterFiles) -> dict[str, Any]:
         """The model's layers the adapter names, checked: each must exist, be a linear layer and have the
@@ -238,6 +249,14 @@ def _blocks(layer: MultiLoRALinear, num: int, rank: int, new_rank: int, dtype):
         a = mx.pad(a, [(0, 0), (0, 0), (0, new_rank - rank)])
         b = mx.pad(b, [(0, 0), (0, new_rank - rank), (0, 0)])
     return a, b
+
+
+def _activation_dtype(model: Any):
+    """The dtype a model computes in: that of its first floating parameter (a quantized layer's scales)."""
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            return value.dtype
+    return mx.float32
 
 
 def _dtype(current, new: list):
