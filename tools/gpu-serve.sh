@@ -11,7 +11,8 @@
 # user's machine after a first start; KERNELS=/abs/dir: that folder as every server's MLX_PTX_CACHE_DIR (one
 # cache for all servers of a run, mlxserve's included); by default each server gets an empty one of its own.
 # PROBE=1 (mlxserve): its start timed by tools/startup_probe.py --attach (ready, first token, 16-stream waves
-# while the warm-up runs, until it finished), written to $OUT/start-TAG.json, before the load. LOAD=c1: instead of
+# while the warm-up runs for PROBE_LOAD_S seconds at most, default 45, then its end awaited without load: its
+# pieces run only while the engine is idle), written to $OUT/start-TAG.json, before the load. LOAD=c1: instead of
 # `bench serve`, `bench decode --url`: C1_ROUNDS rounds (default 24) of raw generate_step in the bench's process
 # and one stream from the server (after a short one that wakes it), back to back and in turns first, 128 tokens
 # each (the c=1 criterion: the host's CPU flips between a fast and a slow mode every 1-5 s).
@@ -41,11 +42,14 @@ stop() {
   rm -rf "$kernels"
 }
 start=$(date +%s) launched=$(date +%s.%N)
-env "${server_env[@]}" "${cmd[@]}" --port "$port" "$@" > "$out/server-$tag.log" 2>&1 &
+# The launch stamped in the log the way the servers stamp their lines: each line's time since launch reads off it.
+date -d "@$launched" '+%Y-%m-%d %H:%M:%S,%3N gpu-serve: launching' > "$out/server-$tag.log"
+env "${server_env[@]}" "${cmd[@]}" --port "$port" "$@" >> "$out/server-$tag.log" 2>&1 &
 pid=$!
 if [ "$server" = mlxserve ] && [ "${PROBE:-0}" = 1 ]; then
   timeout "$limit" python3 tools/startup_probe.py --attach "http://127.0.0.1:$port" --server-log "$out/server-$tag.log" \
-    --launched-at "$launched" --label "$tag" --wait-warmup-s "$limit" --out "$out/start-$tag.json" | head -4
+    --launched-at "$launched" --label "$tag" --load-s "${PROBE_LOAD_S:-45}" --wait-warmup-s "$limit" \
+    --out "$out/start-$tag.json" | head -4
 fi
 until curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null; do
   if ! kill -0 "$pid" 2> /dev/null; then

@@ -8,8 +8,9 @@ usage: python tools/startup_probe.py MODEL_DIR --label cold-0.6b [--kernel-dir D
        python tools/startup_probe.py --attach URL --server-log FILE --launched-at EPOCH_S --label L [...]
 --kernel-dir: MLX_PTX_CACHE_DIR for the server (an empty folder: a fresh machine; one an earlier start
 filled: a warm restart). --attach: time a server someone else launched (tools/gpu-serve.sh, PROBE=1) from
-EPOCH_S (time.time() at its launch): ready, first token, then waves until its log says the warm-up finished
-(or --wait-warmup-s passed); it is left running for the load that follows. Runs where mlxserve, its MLX
+EPOCH_S (time.time() at its launch): ready, first token, then waves for --load-s or until its log says the
+warm-up finished, then (no load) until it finished or --wait-warmup-s passed since launch; it is left running
+for the load that follows. Runs where mlxserve, its MLX
 build and httpx import (tools/README.md).
 """
 
@@ -129,16 +130,23 @@ def _attach(args) -> int:
     first = asyncio.run(_first(args.attach, t0))
     out["first_request"] = first
     out["first_token_s"] = first.get("sent_s", 0) + first.get("ttft_s", float("nan"))
+    if args.out:  # what is known so far, in case a time limit stops this process
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
 
     def finished() -> bool:  # no background warm-up (CPU, --warmup on/off): one wave is enough
         read_log()
         return (any("warm-up finished" in line for _, line in lines)
                 or not any("warm-up runs while serving" in line for _, line in lines))
 
-    during = asyncio.run(_waves(args.attach, "during", args.concurrency, t0 + args.wait_warmup_s, t0,
+    # Load for --load-s at most: the warm-up's own pieces run only while the engine is idle, so a load that
+    # never pauses would keep it from ending; then the warm-up may finish alone until --wait-warmup-s.
+    during = asyncio.run(_waves(args.attach, "during", args.concurrency, time.monotonic() + args.load_s, t0,
                                 args.max_tokens, min_waves=1, stop=finished))
     out["during"] = _stats(during)
     out["requests_during"] = during
+    while not finished() and time.monotonic() - t0 < args.wait_warmup_s:
+        time.sleep(1)
     done = [t for t, line in lines if "warm-up finished" in line]
     out["warmup_finished_s"] = done[0] if done else None
     out["after"] = {"num": 0, "errors": 0, "ttft_p50_s": None, "ttft_max_s": None, "max_gap_s": None}
