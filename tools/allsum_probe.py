@@ -43,7 +43,8 @@ def launch(args) -> int:
         child = {**env, "MLX_RANK": str(rank)}
         if args.backend == "nccl":
             child["CUDA_VISIBLE_DEVICES"] = str(rank)
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-worker", *sys.argv[1:]], env=child))
+        script = getattr(args, "script", __file__)  # tp_step_probe.py starts its own ranks through this
+        procs.append(subprocess.Popen([sys.executable, script, "--rank-worker", *sys.argv[1:]], env=child))
     return max(p.wait() for p in procs)
 
 

@@ -1,0 +1,109 @@
+"""Where a tensor-parallel decode step's time goes, outside mlxserve: mlx-lm's own model, one rank and then
+the same model sharded over the local ranks (`Model.shard()`), random weights built in memory.
+
+Per decode step (batch 1, the generate_step pattern: build step n+1, launch it, then wait for step n):
+  host_ms: building the step's graph and launching it (mx.async_eval), on the host;
+  step_ms: the whole pipelined step (what a server's single stream gets);
+  synced_ms: build, launch and wait for the same step alone (host and device one after the other).
+usage: python tools/tp_step_probe.py [--backend nccl|ring] [--ranks 2] [--shape qwen3-32b|qwen3-8b|tiny]
+Prints one JSON line per rank and layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from allsum_probe import launch  # noqa: E402
+
+SHAPES = {  # Qwen3 sizes (config.json of the Qwen models), bf16
+    "qwen3-32b": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
+                      intermediate_size=25600),
+    "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=12288),
+    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=512),
+}
+
+
+def _model(shape: str):
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models import qwen3
+
+    args = qwen3.ModelArgs(model_type="qwen3", rms_norm_eps=1e-6, vocab_size=151936, head_dim=128,
+                           max_position_embeddings=40960, tie_word_embeddings=False, rope_theta=1e6,
+                           **SHAPES[shape])
+    if shape == "tiny":
+        args.head_dim = 64
+    mx.random.seed(0)
+    model = qwen3.Model(args)
+    model.update(nn.utils.tree_map(lambda p: (mx.random.normal(p.shape) * 0.02).astype(mx.bfloat16),
+                                   model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def _decode(model, steps: int) -> dict:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    y = mx.argmax(model(mx.arange(16)[None], cache=cache)[:, -1, :], axis=-1)
+    mx.eval(y)
+    host, total = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        nxt = mx.argmax(model(y[None], cache=cache)[:, -1, :], axis=-1)
+        mx.async_eval(nxt)
+        host.append(time.perf_counter() - start)
+        y.item()
+        total.append(time.perf_counter() - start)
+        y = nxt
+    mx.eval(y)
+    synced = []
+    for _ in range(max(steps // 2, 1)):
+        start = time.perf_counter()
+        y = mx.argmax(model(y[None], cache=cache)[:, -1, :], axis=-1)
+        mx.eval(y)
+        synced.append(time.perf_counter() - start)
+    med = lambda xs: round(sorted(xs[2:] or xs)[len(xs[2:] or xs) // 2] * 1e3, 2)  # noqa: E731
+    return {"host_ms": med(host), "step_ms": med(total), "synced_ms": med(synced)}
+
+
+def worker(args) -> None:
+    import mlx.core as mx
+
+    group = mx.distributed.init(strict=True, backend=args.backend)
+    model = _model(args.shape)
+    if group.rank() == 0:  # one rank alone: the others wait at the barrier below
+        print(json.dumps({"layout": "1 rank", "rank": 0, "shape": args.shape, **_decode(model, args.steps)}),
+              flush=True)
+    mx.eval(mx.distributed.all_sum(mx.ones(1), group=group))  # a barrier
+    model.shard(group)
+    mx.eval(model.parameters())
+    print(json.dumps({"layout": f"tp{group.size()}", "rank": group.rank(), "shape": args.shape,
+                      **_decode(model, args.steps)}), flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", default="nccl", choices=["nccl", "ring"])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--shape", default="qwen3-32b", choices=sorted(SHAPES))
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.rank_worker:
+        worker(args)
+        return 0
+    args.script = __file__
+    return launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
