@@ -103,6 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="adapt only the last N blocks (mlx_lm.lora's default is 16); default: all")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each mode per level, taken in turn")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="the engine's --max-num-seqs (batch limit)")
+    parser.add_argument("--warmup", choices=("on", "auto", "off"), default="on",
+                        help="the engine's warm-up (default on: kernels compiled before any run, so the first runs "
+                             "of both modes are not measured while a background warm-up still compiles)")
     parser.add_argument("--label", default="lora", help="name of the default JSON file")
     parser.add_argument("--output-json", default=None,
                         help="result file (default: bench-results/serve-lora-<time>.json)")
@@ -114,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = ServeBenchConfig(url="http://in-process", model=args.model or "demo", concurrency=args.concurrency,
                            prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                            num_requests=args.num_requests, label=args.label, output_json=args.output_json)
-    engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, prefill_step_size=default_prefill_step_size())
+    engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, prefill_step_size=default_prefill_step_size(),
+                                 warmup=args.warmup)
     keys = tuple(k.strip() for k in args.keys.split(",") if k.strip()) if args.keys else None
     result = asyncio.run(run_lora_bench(cfg, args.model, engine_config, args.num_adapters, args.rank, keys,
                                         args.repeats, args.num_layers))
