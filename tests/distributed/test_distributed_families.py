@@ -1,7 +1,8 @@
 """Tensor parallel over 2 ranks for the other cache layouts (house rule: plain KV is in
 test_distributed_serve.py): sliding window (gpt_oss), hybrid with recurrent state (qwen3_5) and MLA
 (deepseek_v3). Greedy tokens match a single process, and a repeated prompt is a prefix-cache hit whose
-resume checks (window blocks, state snapshots) rank 0 made and rank 1 replayed on its own shards."""
+resume checks (window blocks, state snapshots) rank 0 made and rank 1 replayed on its own shards. And a family
+pipelined by mlx-lm's own forward (send/recv between stages), not by distributed/pipeline.py."""
 
 from __future__ import annotations
 
@@ -35,3 +36,22 @@ def test_family_tensor_parallel_matches_and_hits(family, tmp_path):
     assert runs[0].usage.prompt_tokens_details.cached_tokens == 0
     assert runs[1].usage.prompt_tokens_details.cached_tokens == 32
     assert server.proc.returncode == 0, server.log()
+
+
+def test_mlx_lm_pipeline_family_over_send_recv(tmp_path):
+    """A family outside mlxserve's own stage (qwen3_moe) pipelines through mlx-lm's forward, send/recv
+    between the stages: greedy tokens match a single process."""
+    model_dir = build_family_folder(tmp_path / "qwen3_moe", "qwen3_moe")
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    ref = [tokenizer.decode([r.token]) for r in mlx_lm.stream_generate(
+        model, tokenizer, prompt=PROMPT, max_tokens=MAX_NEW, sampler=make_sampler(temp=0.0))]
+    server = start_dist_server(model_dir, tmp_path / "server", "--pipeline-parallel", "2", "--block-size", "16",
+                               "--cache-memory", "64MB")
+    try:
+        with openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=120) as client:
+            run = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=MAX_NEW, temperature=0.0,
+                                            logprobs=1)
+    finally:
+        server.stop()
+    assert run.choices[0].logprobs.tokens == ref
+    assert "pp2" in server.log() and server.proc.returncode == 0, server.log()
