@@ -55,7 +55,8 @@ def kernel_errors(rows: int = 16, positions: int = 1, rank: int = 8, num_adapter
 
 
 @pytest.mark.parametrize("positions, adapter_dtype, pad", [(1, mx.float32, False), (5, mx.float32, False),
-                                                         (1, mx.bfloat16, False), (1, mx.float32, True)])
+                                                         (1, mx.bfloat16, False), (1, mx.float32, True),
+                                                         (165, mx.bfloat16, False)])  # a prefill chunk
 def test_the_kernel_computes_its_op_twin(positions, adapter_dtype, pad):
     found = kernel_errors(positions=positions, adapter_dtype=adapter_dtype, pad=pad)
     assert found["base_rows_exact"]

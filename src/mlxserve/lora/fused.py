@@ -11,8 +11,11 @@ with y_g the member's base output, A_g [1+K, R', in] and B_g [1+K, out, R'] the 
 (slot 0 zeros: a row without an adapter gets y back unchanged). Each block takes one position and a tile of
 256 outputs of one member: its warps first compute the position's R products (float32, in shared memory),
 then each thread one output. Every block of a position recomputes the R products: they are a few
-kilobytes read from L2, cheaper than a second launch. Prefill-shaped inputs keep the gathered ops (a block
-per position and tile would redo the products thousands of times).
+kilobytes read from L2, cheaper than a second launch. Prefill chunks take the kernel too: the recomputed
+products are R/256 of the base matmul's work per position, while the gathered ops' batched float matmuls
+are cuBLASLt calls set up anew each time (those made a prefill under adapters 2.4x slower than the
+base's). The positions per row arrive as a one-element input, not a template constant, so a prefill
+chunk of a new length does not compile the kernel again.
 
 `fused_ops` computes the same outputs with MLX ops (the same float32 products): the tests run the fused layout's
 grouping with it on any backend, and the device check compares the kernel with it.
@@ -25,6 +28,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 THREADS = 256  # outputs per block, and the threads that share a position's rank-R products
+MAX_POSITIONS = 65535  # a launch's positions are its grid's y dimension, which CUDA caps at this
 
 # Signature: fn(x, ys, stacks [(A^T stack, B^T stack)], slot per row [B] int32, scale per row [B] float32, R)
 # -> one output per y, shaped and typed as that y.
@@ -44,11 +48,11 @@ __device__ inline float lora_round(float v, const __nv_bfloat16*) { return __bfl
 __device__ inline float lora_round(float v, const __half*) { return __half2float(__float2half(v)); }
 """
 
-# R, RP (stack width), IN, L (positions per row) and each member's OUT<g> / T<g> (its tiles) are template
+# R, RP (stack width), IN and each member's OUT<g> / T<g> (its tiles) are template
 # constants; the members' pointers are chosen per block below (_select).
 _BODY = """
     const int p = blockIdx.y;
-    const int row = p / L;
+    const int row = p / positions_per_row[0];
     const int slot = slot_of_row[row];
     int tile = blockIdx.x;
 $SELECT
@@ -103,10 +107,11 @@ class CudaFused:
     def __init__(self) -> None:
         self._kernels: dict[int, object] = {}
         self._launches: dict[tuple, dict] = {}  # shapes -> the launch's arguments: built once, reused each step
+        self._per_row: dict[int, mx.array] = {}  # positions per row -> that number as a one-element input
 
     def _kernel(self, size: int):
         if size not in self._kernels:
-            names = ["x", "slot_of_row", "scale_of_row"]
+            names = ["x", "positions_per_row", "slot_of_row", "scale_of_row"]
             names += [f"{kind}{g}" for kind in ("a", "b", "y") for g in range(size)]
             self._kernels[size] = mx.fast.cuda_kernel(
                 name=f"mlxserve_lora_fused{size}", input_names=names, output_names=[f"o{g}" for g in range(size)],
@@ -118,18 +123,20 @@ class CudaFused:
         launch = self._launches.get(key)
         if launch is None:
             launch = self._launches[key] = self._launch(x, ys, stacks, index, rank)
-        return launch["kernel"](inputs=[x, index, scales, *(a for a, _ in stacks), *(b for _, b in stacks), *ys],
-                                **launch["args"])
+        per_row = launch["per_row"]
+        if per_row not in self._per_row:
+            self._per_row[per_row] = mx.array([per_row], dtype=mx.int32)
+        return launch["kernel"](inputs=[x, self._per_row[per_row], index, scales, *(a for a, _ in stacks),
+                                        *(b for _, b in stacks), *ys], **launch["args"])
 
     def _launch(self, x, ys, stacks, index, rank) -> dict:
         in_dims = x.shape[-1]
         positions = x.size // in_dims
         tiles = [-(-y.shape[-1] // THREADS) for y in ys]
-        template = [("R", rank), ("RP", stacks[0][0].shape[1]), ("IN", in_dims),
-                    ("L", positions // index.shape[0])]
+        template = [("R", rank), ("RP", stacks[0][0].shape[1]), ("IN", in_dims)]
         template += [(f"OUT{g}", y.shape[-1]) for g, y in enumerate(ys)]
         template += [(f"T{g}", t) for g, t in enumerate(tiles)]
-        return {"kernel": self._kernel(len(ys)), "args": {
+        return {"kernel": self._kernel(len(ys)), "per_row": positions // index.shape[0], "args": {
             "template": template, "grid": (sum(tiles) * THREADS, positions, 1), "threadgroup": (THREADS, 1, 1),
             "output_shapes": [y.shape for y in ys], "output_dtypes": [y.dtype for y in ys]}}
 

@@ -22,9 +22,9 @@ position per row is a batched matrix-vector product, which MLX-CUDA runs with it
 padded to a multiple of 32 for it). Both layouts give the same rows; the CPU keeps the dense one.
 
 Still ~7 ops per adapted layer, which on MLX-CUDA cost more than the model's own (docs/lora.md). So MLX-CUDA
-takes a third layout, fused: the gathered stacks, but for decode-shaped inputs (a few positions per row)
-one kernel launch per group of layers that read the same input (`FusedGroup`, fused.py) computes every
-member's base output plus delta; prefill-shaped inputs keep the gathered ops.
+takes a third layout, fused: the gathered stacks, but one kernel launch per group of layers that read the
+same input (`FusedGroup`, fused.py) computes every member's base output plus delta, for decode steps and
+prefill chunks alike (the gathered ops only past the kernel's grid limit).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from mlxserve.lora.fused import MAX_POSITIONS as MAX_FUSED_POSITIONS  # positions one launch can take
 
 
 class RowAdapters:
@@ -87,9 +89,6 @@ class InputGroup:
         self._key = self._h = None
 
 
-# Positions per row up to which the fused layout launches its kernel: decode steps and speculative
-# verification; longer inputs (prefill chunks) would make each block redo its row's products too often.
-MAX_FUSED_POSITIONS = 8
 
 
 class FusedGroup:
@@ -108,7 +107,7 @@ class FusedGroup:
         self._outs: list[mx.array] | None = None
 
     def signature(self) -> tuple:
-        """What the kernel is compiled for, besides the activations' dtype and the positions per row: the
+        """What the kernel is compiled for, besides the activations' dtype: the
         ranks, input and output sizes and the stacks' dtype (not the number of adapters)."""
         return (self._rank, *((a.shape[1:], b.shape[1], a.dtype) for a, b in self._stacks))
 
@@ -178,7 +177,7 @@ class MultiLoRALinear(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         if self._stacks is not None and self._rows.index is not None:
-            if self._fused is not None and (x.ndim == 2 or x.shape[-2] <= MAX_FUSED_POSITIONS):
+            if self._fused is not None and x.size // self.in_dims <= MAX_FUSED_POSITIONS:
                 return self._fused.output(self._slot, x, self._rows)
             y = self.linear(x)
             return y + self._gathered(x).astype(y.dtype)
