@@ -10,6 +10,7 @@ import pytest
 from mlxserve.lora import manager
 from mlxserve.lora.adapters import adapter_id, read_adapter
 from mlxserve.lora.fused import CudaFused, fused_ops, kernel_source
+from mlxserve.lora.layers import MAX_FUSED_PER_ROW
 from mlxserve.lora.manager import AdapterSet
 from mlxserve.models.loader import load_model
 
@@ -83,13 +84,17 @@ def _forward(model, lora, ids_per_row, tokens):
         return model(tokens)
 
 
-@pytest.mark.parametrize("positions, limit", [(1, None), (3, None), (12, None), (12, 50)])
-def test_fused_rows_match_the_gathered_layout(loaded, adapter_set, positions, limit, monkeypatch):
+@pytest.mark.parametrize("positions, per_row, limit", [(1, None, None), (3, None, None), (12, None, None),
+                                                     (12, 16, None), (12, 16, 50)])
+def test_fused_rows_match_the_gathered_layout(loaded, adapter_set, positions, per_row, limit, monkeypatch):
     """Rows of three adapters and the base in one forward: the fused layout's logits are the gathered
-    layout's, one launch per input group for decode steps and prefill chunks alike, none for an input of
-    more positions than a launch takes (`limit` lowers that for the test: 8 rows x 12 positions is over 50)."""
+    layout's, one launch per input group for up to MAX_FUSED_PER_ROW positions a row (`per_row` raises it),
+    none for a longer (prefill) input or one of more positions than a launch takes (`limit` lowers that:
+    8 rows x 12 positions is over 50)."""
+    if per_row is not None:
+        monkeypatch.setattr("mlxserve.lora.layers.MAX_FUSED_PER_ROW", per_row)
     if limit is not None:
-        monkeypatch.setattr("mlxserve.lora.layers.MAX_FUSED_POSITIONS", limit)
+        monkeypatch.setattr("mlxserve.lora.layers.MAX_POSITIONS", limit)
     model = loaded.model
     tokens = mx.array([[(7 * r + 3 * i) % 500 + 3 for i in range(positions)] for r in range(8)])
     gathered, ids = adapter_set("gather")
@@ -104,7 +109,7 @@ def test_fused_rows_match_the_gathered_layout(loaded, adapter_set, positions, li
     got = _forward(model, fused, rows, tokens)
     assert mx.abs(got - want).max().item() < 1e-4
     blocks = len(model.layers)
-    if limit is None:
+    if positions <= (per_row or MAX_FUSED_PER_ROW) and limit is None:
         # q/k/v, o, gate/up, down: four launches a block, each for all its members.
         assert sorted(kernel.sizes) == sorted([3, 1, 2, 1] * blocks)
     else:

@@ -11,11 +11,9 @@ with y_g the member's base output, A_g [1+K, R', in] and B_g [1+K, out, R'] the 
 (slot 0 zeros: a row without an adapter gets y back unchanged). Each block takes one position and a tile of
 256 outputs of one member: its warps first compute the position's R products (float32, in shared memory),
 then each thread one output. Every block of a position recomputes the R products: they are a few
-kilobytes read from L2, cheaper than a second launch. Prefill chunks take the kernel too: the recomputed
-products are R/256 of the base matmul's work per position, while the gathered ops' batched float matmuls
-are cuBLASLt calls set up anew each time (those made a prefill under adapters 2.4x slower than the
-base's). The positions per row arrive as a one-element input, not a template constant, so a prefill
-chunk of a new length does not compile the kernel again.
+kilobytes read from L2, cheaper than a second launch. The positions per row arrive as a one-element
+input, not a template constant, so a verification step of another draft length compiles nothing new.
+Prefill chunks keep the gathered ops for now (layers.py MAX_FUSED_PER_ROW).
 
 `fused_ops` computes the same outputs with MLX ops (the same float32 products): the tests run the fused layout's
 grouping with it on any backend, and the device check compares the kernel with it.

@@ -23,8 +23,8 @@ padded to a multiple of 32 for it). Both layouts give the same rows; the CPU kee
 
 Still ~7 ops per adapted layer, which on MLX-CUDA cost more than the model's own (docs/lora.md). So MLX-CUDA
 takes a third layout, fused: the gathered stacks, but one kernel launch per group of layers that read the
-same input (`FusedGroup`, fused.py) computes every member's base output plus delta, for decode steps and
-prefill chunks alike (the gathered ops only past the kernel's grid limit).
+same input (`FusedGroup`, fused.py) computes every member's base output plus delta for decode steps and
+speculative verification; prefill chunks keep the gathered ops (see MAX_FUSED_PER_ROW).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxserve.lora.fused import MAX_POSITIONS as MAX_FUSED_POSITIONS  # positions one launch can take
+from mlxserve.lora.fused import MAX_POSITIONS
 
 
 class RowAdapters:
@@ -89,6 +89,13 @@ class InputGroup:
         self._key = self._h = None
 
 
+
+
+# Positions per row up to which the fused layout launches its kernel: decode steps and speculative
+# verification. The kernel is right for any length (tests/lora/test_fused_cuda.py checks a 165-position
+# chunk), but each block recomputes its position's products, so for prefill chunks it trades cuBLASLt's
+# per-call set-up for L2 reads growing with the chunk; which wins on a GPU is not measured yet.
+MAX_FUSED_PER_ROW = 8
 
 
 class FusedGroup:
@@ -177,7 +184,8 @@ class MultiLoRALinear(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         if self._stacks is not None and self._rows.index is not None:
-            if self._fused is not None and x.size // self.in_dims <= MAX_FUSED_POSITIONS:
+            if self._fused is not None and (x.ndim == 2 or x.shape[-2] <= MAX_FUSED_PER_ROW) \
+                    and x.size // self.in_dims <= MAX_POSITIONS:
                 return self._fused.output(self._slot, x, self._rows)
             y = self.linear(x)
             return y + self._gathered(x).astype(y.dtype)
