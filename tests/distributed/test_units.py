@@ -251,39 +251,3 @@ def test_every_rank_takes_rank_0s_decode_buckets(tiny):
     core = DistributedEngineCore(loaded.model, loaded.tokenizer, EngineConfig(max_num_seqs=4, memory_mode="dedicated"),
                                  256, None, "key", ctx=ctx)
     assert core.runner.buckets == [1, 2, 4]
-
-
-def test_tile_sync_moves_every_ranks_row_limit_at_the_same_step(monkeypatch):
-    """Rank 0 polls its tile helpers and the plan carries the row limit; each rank sets its layers once per
-    change, before the step (the LM head on every rank must take the same kernels)."""
-    from mlxserve.distributed import tiles
-    from mlxserve.platform import quantized_rows
-
-    applied = []
-    monkeypatch.setattr(quantized_rows, "set_tiled_rows", lambda model, rows: applied.append((model, rows)) or 0)
-
-    class FakeCompiler:
-        closed = False
-        reports = [[], [("ready", 8, 1.0)], [("ready", 16, 2.0), ("done", 0, 3.0)]]
-
-        def poll(self):
-            return self.reports.pop(0) if self.reports else []
-
-        def close(self):
-            self.closed = True
-
-    compiler = FakeCompiler()
-    lead, follower = tiles.TileSync("lead", compiler, 7), tiles.TileSync("follower")
-    seen = []
-    for _ in range(4):
-        rows = lead.lead()  # what the plan carries
-        lead.apply(rows)
-        follower.apply(rows)
-        seen.append(rows)
-    every = quantized_rows.ALL_TILED_ROWS
-    assert seen == [7, 8, every, every]
-    assert applied == [("lead", 7), ("follower", 7), ("lead", 8), ("follower", 8), ("lead", every),
-                       ("follower", every)]
-    assert compiler.closed and lead.compiler is None
-    off = tiles.start_tiles("model", [1, 8, 16])  # no MLX-CUDA here: nothing compiles, nothing moves
-    assert off.lead() is None and off.compiler is None

@@ -46,7 +46,6 @@ class RankContext:
     channel: Channel
     seed: int
     supervisor: Any = None  # rank 0 only: supervisor.Supervisor
-    tiles: Any = None  # tiles.TileSync: the tiled quantized kernels' row limit, moved by rank 0's plans
 
     @property
     def rank(self) -> int:
@@ -60,7 +59,6 @@ class StepPlan:
     new_requests: list[Request] = field(default_factory=list)
     store_calls: list[tuple[str, tuple, Any]] = field(default_factory=list)
     digest: int = 0  # of the tokens rank 0 got from the previous step
-    tiled_rows: int | None = None  # the tiled quantized kernels' row limit for this step (tiles.py)
 
 
 def step_digest(out: StepTokens) -> int:
@@ -146,8 +144,7 @@ class DistributedRunner(ModelRunner):
         new = [requests[c.request_id] for c in sched.prefill_chunks if c.request_id not in self._sent]
         self._sent.update(r.request_id for r in new)
         calls = self.store.take_calls() if isinstance(self.store, RecordingStore) else []
-        tiled_rows = ctx.tiles.lead() if ctx.tiles is not None else None
-        plan = StepPlan(self._step, sched, new, calls, self._digest, tiled_rows)
+        plan = StepPlan(self._step, sched, new, calls, self._digest)
         what = describe(sched, self._step)
         started = time.perf_counter()
         ctx.supervisor.step_started(what)
@@ -156,8 +153,6 @@ class DistributedRunner(ModelRunner):
         except RuntimeError as exc:  # a peer's connection closed
             ctx.supervisor.fatal(f"sending step {self._step} failed: {exc}")
         sent = time.perf_counter()
-        if ctx.tiles is not None:
-            ctx.tiles.apply(tiled_rows)
         out = self._run(sched, requests)
         if out.failed:
             # A rank that died mid-forward fails the step's rows here; say so as the loss it is.
@@ -230,8 +225,6 @@ class DistributedRunner(ModelRunner):
             return False
         for request in plan.new_requests:
             self._requests[request.request_id] = request
-        if self.ctx.tiles is not None:
-            self.ctx.tiles.apply(plan.tiled_rows)
         what = describe(plan.sched, self._step)
         channel.set_phase(f"running {what}")
         running = time.perf_counter()
@@ -269,10 +262,6 @@ class DistributedEngineCore(EngineCore):
         buckets = ctx.channel.broadcast(buckets)
         # The rank layout is part of the key: blocks of another layout (other shards) never match.
         super().__init__(model, tokenizer, config, max_model_len, buckets, f"{model_key}:{ctx.dist.layout}")
-        from mlxserve.distributed.tiles import TileSync
-
-        self._model = model
-        ctx.tiles = TileSync(model)
         self.runner.attach(ctx)
         if isinstance(self.runner.store, RecordingStore):
             self.runner.store.recording = ctx.rank == 0
@@ -302,12 +291,8 @@ class DistributedEngineCore(EngineCore):
 
     def warmup(self, max_batch: int, prompt_len: int = 16) -> None:
         # Rank 0 drives it: every warm-up step is a plan the other ranks run too (same shapes, same kernels
-        # compiled on every rank at the same time). On MLX-CUDA rank 0's helpers compile the tiled quantized
-        # kernels meanwhile; until they are ready every rank dequantizes those rows (tiles.py).
-        from mlxserve.distributed.tiles import start_tiles
-
+        # compiled on every rank at the same time).
         log.info("warm-up over %d ranks starts", self.ctx.dist.world_size)
-        self.ctx.tiles = start_tiles(self._model, self.runner.buckets)
         super().warmup(max_batch, prompt_len)
 
     def status(self) -> dict:
@@ -323,8 +308,6 @@ class DistributedEngineCore(EngineCore):
         return outputs
 
     def close(self) -> None:
-        if self.ctx.tiles is not None:
-            self.ctx.tiles.close()
         if self.ctx.rank == 0:
             self.ctx.supervisor.closing()
             try:
