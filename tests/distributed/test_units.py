@@ -251,3 +251,22 @@ def test_every_rank_takes_rank_0s_decode_buckets(tiny):
     core = DistributedEngineCore(loaded.model, loaded.tokenizer, EngineConfig(max_num_seqs=4, memory_mode="dedicated"),
                                  256, None, "key", ctx=ctx)
     assert core.runner.buckets == [1, 2, 4]
+
+
+def test_sharded_input_layers_lose_the_gradient_hook_not_their_matmul():
+    import mlx.nn as nn
+    from mlx.nn.layers.distributed import AllToShardedLinear, ShardedToAllLinear, shard_linear
+
+    from mlxserve.distributed.shard import drop_gradient_hooks
+
+    group = mx.distributed.init()  # one process: a group of 1 shards nothing, the layer types are the same
+    mx.random.seed(3)
+    block = nn.Module()
+    block.q = shard_linear(nn.Linear(8, 6, bias=True), "all-to-sharded", group=group)
+    block.o = shard_linear(nn.Linear(6, 8, bias=False), "sharded-to-all", group=group)
+    x = mx.random.normal((2, 3, 8))
+    before = block.o(block.q(x))
+    assert isinstance(block.q, AllToShardedLinear)
+    assert drop_gradient_hooks(block) == 1
+    assert type(block.q) is nn.Linear and isinstance(block.o, ShardedToAllLinear)
+    assert mx.array_equal(block.o(block.q(x)), before).item()

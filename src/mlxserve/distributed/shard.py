@@ -61,6 +61,36 @@ def check_shardable(config: dict, dist: DistributedConfig) -> None:
             raise ValueError(f"--tensor-parallel {tp} does not divide the model's {key} ({heads})")
 
 
+def drop_gradient_hooks(model: Any) -> int:
+    """mlx's `AllToShardedLinear` (what `shard()` makes of q/k/v, gate and up projections) wraps its input in
+    `sum_gradients(group)` on every call: a custom function built anew each time, identity forward, all-reduce
+    of the gradient backward. Serving has no backward, and a 64-layer model pays 320 of them a step in host
+    time (building and evaluating them). Each becomes an `nn.Linear` holding the same arrays: the same matmul.
+    The quantized shards are left as they are (platform/quantized_rows.py folds those). Returns how many."""
+    import mlx.nn as nn
+    from mlx.nn.layers.distributed import AllToShardedLinear
+    from mlx.utils import tree_map_with_path
+
+    replaced = 0
+
+    def swap(_path, layer):
+        nonlocal replaced
+        if type(layer) is not AllToShardedLinear:
+            return layer
+        new = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(new)  # not Linear's constructor: it would draw a random matrix of the layer's size
+        new.weight = layer.weight
+        if "bias" in layer:
+            new.bias = layer.bias
+        replaced += 1
+        return new
+
+    leaves = tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module)
+    if replaced:
+        model.update_modules(leaves)
+    return replaced
+
+
 def load_sharded(source: str, group: Any, dist: DistributedConfig) -> LoadedModel:
     from mlx_lm.utils import load_model, load_tokenizer
 
@@ -80,6 +110,7 @@ def load_sharded(source: str, group: Any, dist: DistributedConfig) -> LoadedMode
             raise ValueError(f"mlx-lm's {model_type} model cannot be tensor-parallel (it has no shard()); "
                              "try --pipeline-parallel if it pipelines")
         model.shard(group)
+        drop_gradient_hooks(model)
     elif can_stage(model_type):  # our stage forward: its hand-off works on every backend
         make_stage(model, group, choose_handoff(dist.pipeline_handoff, dist.backend))
     else:  # mlx-lm's own pipeline: send / recv between stages (check_shardable refused it where there are none)
