@@ -3,7 +3,9 @@ lanes: every test is marked by where it lives (README: Running the tests)."""
 
 import functools
 import itertools
+import os
 import re
+import sys
 import weakref
 from pathlib import Path
 
@@ -148,6 +150,22 @@ def gemma3_dir(tmp_path_factory):
     from mlxserve.testing.vlm_demo import build_vlm_folder
 
     return build_vlm_folder(tmp_path_factory.mktemp("gemma3"), family="gemma3")
+
+
+@pytest.fixture(autouse=True)
+def _torch_stays_importable():
+    """`mlxserve serve` run in-process for a text model hides PyTorch from the whole process
+    (models/torch_free.py): after the test, it is importable again for the next ones (the export lane)."""
+    from mlxserve.models.torch_free import TORCH_ENV
+
+    hidden, env = "torch" in sys.modules and sys.modules["torch"] is None, os.environ.get(TORCH_ENV)
+    yield
+    if not hidden and "torch" in sys.modules and sys.modules["torch"] is None:
+        del sys.modules["torch"]
+    if env is None:
+        os.environ.pop(TORCH_ENV, None)
+    else:
+        os.environ[TORCH_ENV] = env
 
 
 # Activation peaks already measured, by (model, its weight bytes and layer types, chunk tokens, cache layout).

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -30,7 +31,10 @@ def _free_port() -> int:
 
 
 def launch(args) -> int:
+    """Runs the ranks and returns the worst exit code; stops them all (and removes the ring's hostfile) when
+    one fails, when --timeout passes or when this process is told to stop (SIGTERM from `timeout`)."""
     env = {**os.environ, "MLX_WORLD_SIZE": str(args.ranks)}
+    hostfile = None
     if args.backend == "nccl":
         env.update(NCCL_HOST_IP="127.0.0.1", NCCL_PORT=str(_free_port()))
     else:
@@ -38,14 +42,30 @@ def launch(args) -> int:
         with os.fdopen(fd, "w") as f:
             json.dump([[f"127.0.0.1:{_free_port()}"] for _ in range(args.ranks)], f)
         env["MLX_HOSTFILE"] = hostfile
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the cleanup below runs
     procs = []
-    for rank in range(args.ranks):
-        child = {**env, "MLX_RANK": str(rank)}
-        if args.backend == "nccl":
-            child["CUDA_VISIBLE_DEVICES"] = str(rank)
-        script = getattr(args, "script", __file__)  # tp_step_probe.py starts its own ranks through this
-        procs.append(subprocess.Popen([sys.executable, script, "--rank-worker", *sys.argv[1:]], env=child))
-    return max(p.wait() for p in procs)
+    deadline = time.monotonic() + getattr(args, "timeout", 600)
+    try:
+        for rank in range(args.ranks):
+            child = {**env, "MLX_RANK": str(rank)}
+            if args.backend == "nccl":
+                child["CUDA_VISIBLE_DEVICES"] = str(rank)
+            script = getattr(args, "script", __file__)  # tp_step_probe.py starts its own ranks through this
+            procs.append(subprocess.Popen([sys.executable, script, "--rank-worker", *sys.argv[1:]], env=child))
+        # A rank that dies leaves the others waiting in a collective: the first failure ends the run.
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                print("a rank failed or the time ran out: stopping the ranks", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        return max(p.returncode for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if hostfile:
+            os.unlink(hostfile)
 
 
 def _time(fn, repeat: int) -> float:
@@ -134,6 +154,7 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=128, help="collectives per eval (32B TP decode: 2 x 64 layers)")
     p.add_argument("--ops", type=int, default=24, help="small kernels per layer-like segment")
     p.add_argument("--repeat", type=int, default=9)
+    p.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are stopped")
     p.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rank_worker:

@@ -9,11 +9,11 @@
 #             then the random 4-bit Qwen3-8B shape: layouts 1, tp2, pp2, a rank killed under streams (tp2, pp2).
 #   PART=32b: the random bf16 Qwen3-32B shape (built once, ~65 GB, in /dev/shm when it has room: written and
 #             read back at memory speed, and still there for a later call on the same machine): 1, tp2, pp2.
-# Env: BENCH_ARGS (more `bench distributed` flags), BENCH_S (the bench's time limit; default: what is left of
-# CALL_S, 585 s), LAYOUTS (default 1,tp2,pp2).
+# Env: CALL_S (the time this whole run may take, default 585 s: each step's limit is what is left of it),
+# BENCH_ARGS (more `bench distributed` flags), BENCH_S (the bench's time limit), LAYOUTS (default 1,tp2,pp2).
 set -uo pipefail
 t0=$(date +%s)
-left() { echo $(( ${CALL_S:-585} - ($(date +%s) - t0) )); }  # what is left of the device call's limit
+left() { echo $(( ${CALL_S:-585} - ($(date +%s) - t0) )); }  # what is left of the run's time (CALL_S)
 if [ -n "${MLX_SITE_BUNDLE:-}" ]; then
   [ -d /tmp/site/mlx ] || { mkdir -p /tmp/site && tar -xJf "$MLX_SITE_BUNDLE" -C /tmp/site; }
   export PYTHONPATH=/tmp/site:$PWD/src
@@ -60,7 +60,7 @@ print(ensure_shape(Path(sys.argv[1]), 'qwen3-32b', None))" "$root" 2>&1 | tail -
       --server-flag=--log-level=debug --output-json "$out/dist-32b.json" "${extra[@]}" > "$out/dist-32b.log" 2>&1
     echo "32B part: exit $?"; grep -v "httpx" "$out/dist-32b.log" | tail -16
     if [ "$(left)" -gt 100 ]; then  # tensor parallel again without MLX-CUDA's graphs (the probe's other setting)
-      MLX_USE_CUDA_GRAPHS=0 timeout -s INT -k 15 "$(left)" "${bench[@]/1,tp2,pp2/tp2}" --shapes qwen3-32b \
+      MLX_USE_CUDA_GRAPHS=0 timeout -s INT -k 15 "$(left)" "${bench[@]}" --layouts tp2 --shapes qwen3-32b \
         --bits 0 --waves 1 --warmup 1 --concurrency 1,16 --output-json "$out/dist-32b-nographs.json" \
         "${extra[@]}" > "$out/dist-32b-nographs.log" 2>&1
       echo "32B tp2 without CUDA graphs: exit $?"; grep -v "httpx" "$out/dist-32b-nographs.log" | tail -6

@@ -96,6 +96,7 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--shape", default="qwen3-32b", choices=sorted(SHAPES))
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are stopped")
     p.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rank_worker:

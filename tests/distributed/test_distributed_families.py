@@ -18,12 +18,17 @@ PROMPT = list(range(5, 41))  # 36 tokens: 2 full blocks of 16 before the last to
 MAX_NEW = 8
 
 
+def _greedy_tokens(model_dir) -> list[str]:
+    """mlx-lm's greedy tokens for PROMPT in one process: what every layout must produce."""
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    return [tokenizer.decode([r.token]) for r in mlx_lm.stream_generate(
+        model, tokenizer, prompt=PROMPT, max_tokens=MAX_NEW, sampler=make_sampler(temp=0.0))]
+
+
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_5", "deepseek_v3"])
 def test_family_tensor_parallel_matches_and_hits(family, tmp_path):
     model_dir = build_family_folder(tmp_path / family, family)
-    model, tokenizer = mlx_lm.load(str(model_dir))
-    ref = [tokenizer.decode([r.token]) for r in mlx_lm.stream_generate(
-        model, tokenizer, prompt=PROMPT, max_tokens=MAX_NEW, sampler=make_sampler(temp=0.0))]
+    ref = _greedy_tokens(model_dir)
     server = start_dist_server(model_dir, tmp_path / "server", "--tensor-parallel", "2", "--block-size", "16",
                                "--cache-memory", "64MB")
     try:
@@ -42,9 +47,7 @@ def test_mlx_lm_pipeline_family_over_send_recv(tmp_path):
     """A family outside mlxserve's own stage (qwen3_moe) pipelines through mlx-lm's forward, send/recv
     between the stages: greedy tokens match a single process."""
     model_dir = build_family_folder(tmp_path / "qwen3_moe", "qwen3_moe")
-    model, tokenizer = mlx_lm.load(str(model_dir))
-    ref = [tokenizer.decode([r.token]) for r in mlx_lm.stream_generate(
-        model, tokenizer, prompt=PROMPT, max_tokens=MAX_NEW, sampler=make_sampler(temp=0.0))]
+    ref = _greedy_tokens(model_dir)
     server = start_dist_server(model_dir, tmp_path / "server", "--pipeline-parallel", "2", "--block-size", "16",
                                "--cache-memory", "64MB")
     try:

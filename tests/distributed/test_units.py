@@ -270,3 +270,23 @@ def test_sharded_input_layers_lose_the_gradient_hook_not_their_matmul():
     assert drop_gradient_hooks(block) == 1
     assert type(block.q) is nn.Linear and isinstance(block.o, ShardedToAllLinear)
     assert mx.array_equal(block.o(block.q(x)), before).item()
+
+
+def test_a_pipeline_hand_off_ties_plain_and_quantized_caches_alike():
+    """Evaluating a cache must run the hand-off behind it: plain keys, and quantized KV's tuple, which
+    stays a tuple of the same arrays (the quantized cache reads it as one)."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    from mlxserve.distributed.pipeline import _tie
+
+    h = mx.ones((1, 2))
+    plain = SimpleNamespace(keys=mx.zeros((1, 2)))
+    quantized = SimpleNamespace(keys=(mx.zeros((1, 2), dtype=mx.uint32), mx.ones((1, 1)), mx.ones((1, 1))))
+    _tie(plain, h)
+    _tie(quantized, h)
+    _tie(None, h)  # a stage without a cache for that layer
+    assert isinstance(plain.keys, mx.array) and mx.array_equal(plain.keys, mx.zeros((1, 2)))
+    assert isinstance(quantized.keys, tuple) and len(quantized.keys) == 3
+    assert quantized.keys[0].dtype == mx.uint32 and quantized.keys[2] is not None

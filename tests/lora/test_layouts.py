@@ -150,3 +150,17 @@ def test_loading_compiles_each_fused_group_shape_once(loaded, adapter_set, adapt
     lora.unload(ids[2])
     lora.load(ids[2], read_adapter(adapters["gamma"]))
     assert len(kernel.sizes) == before
+
+
+def test_the_kernel_runs_only_on_the_batch_rows(loaded, adapter_set):
+    """The kernel maps positions to rows by count: an input with other rows than the forward's batch
+    never reaches it (it would give rows the wrong adapter)."""
+    kernel = Counting()
+    lora, ids = adapter_set("fused", kernel)
+    kernel.sizes.clear()  # the launches at load that compile the kernel
+    q_proj = loaded.model.layers[0].self_attn.q_proj
+    with lora.rows([ids[0], ids[1]]):
+        mx.eval(q_proj(mx.random.normal((2, 1, q_proj.in_dims))))
+        assert kernel.sizes == [3]
+        mx.eval(q_proj(mx.random.normal((1, 1, q_proj.in_dims))))
+    assert kernel.sizes == [3]

@@ -132,7 +132,6 @@ def test_the_kernel_cache_goes_to_the_user_cache_on_cuda_only(tmp_path, monkeypa
     assert kernel_cache.count_modules(path) == 1
 
 
-
 def test_tile_groups_split_checkpoints_by_their_tile():
     assert tile_groups([8, 12, 16, 24, 32, 48, 64, 127]) == [[8, 12, 16], [24, 32], [48, 64, 127]]
     assert tile_groups([8, 127]) == [[8], [127]] and tile_groups([]) == []

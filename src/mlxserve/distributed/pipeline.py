@@ -10,7 +10,7 @@ activations with `mx.distributed.send` / `recv_like`, which MLX's NCCL backend d
 - "gather": one all-gather per stage, every rank taking the slice of the stage that just ran. Every
   rank joins every hand-off (the others' slices are read by nobody), so it needs nothing but the
   collective every backend has. It moves `size` times the activation per hand-off: for decode a few
-  KB, for a prefill chunk a few MB.
+  KB, for a 2,048-token prefill chunk of a 32B model (hidden 5,120, bfloat16) 21 MB a rank.
 
 Every rank embeds the tokens and applies the final norm and the LM head, as with mlx-lm's pipeline:
 they all hold the same logits and sample the same tokens (engine.py). Stages are split as mlx-lm
@@ -89,11 +89,7 @@ class PipelineStage(nn.Module):
         # the first stage's caches need none of them, a later stage's only the earlier ones, and a rank that
         # skipped a collective the others ran would pair its next one with theirs.
         for c in cache:
-            keys = getattr(c, "keys", None)
-            if isinstance(keys, mx.array):
-                c.keys = mx.depends(keys, h)
-            elif isinstance(keys, tuple) and keys and isinstance(keys[0], mx.array):  # quantized KV
-                c.keys = (mx.depends(keys[0], h), *keys[1:])
+            _tie(c, h)
         return h
 
     def _sendrecv(self, h: mx.array, mask: Any, cache: list) -> mx.array:
@@ -103,9 +99,18 @@ class PipelineStage(nn.Module):
         h = self._run_layers(h, mask, cache)
         if rank != 0:
             h = mx.distributed.send(h, rank - 1, group=self.group)
-            if cache[-1] is not None:  # the send runs when the cache is evaluated, even if h is not read
-                cache[-1].keys = mx.depends(cache[-1].keys, h)
+            _tie(cache[-1], h)  # the send runs when the cache is evaluated, even if h is not read
         return mx.distributed.all_gather(h, group=self.group)[: h.shape[0]]
+
+
+def _tie(c: Any, h: mx.array) -> None:
+    """Makes a layer cache's keys depend on `h`, so evaluating the cache runs the collective behind `h`:
+    plain keys, or quantized KV's (data, scales, biases) tuple, which stays a tuple."""
+    keys = getattr(c, "keys", None)
+    if isinstance(keys, mx.array):
+        c.keys = mx.depends(keys, h)
+    elif isinstance(keys, tuple) and keys and isinstance(keys[0], mx.array):
+        c.keys = (mx.depends(keys[0], h), *keys[1:])
 
 
 def make_stage(model: nn.Module, group: Any, handoff: str) -> None:

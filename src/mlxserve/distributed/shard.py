@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mlxserve.distributed.config import DistributedConfig
-from mlxserve.distributed.config import SENDRECV_BACKENDS, STAGE_FAMILIES, can_stage, choose_handoff
+from mlxserve.distributed.config import (DistributedConfig, SENDRECV_BACKENDS, STAGE_FAMILIES, can_stage,
+                                        choose_handoff)
 from mlxserve.models.loader import LoadedModel, check_safetensors, materialize, weight_files
 
 log = logging.getLogger(__name__)
@@ -77,8 +77,7 @@ def drop_gradient_hooks(model: Any) -> int:
         nonlocal replaced
         if type(layer) is not AllToShardedLinear:
             return layer
-        new = nn.Linear.__new__(nn.Linear)
-        nn.Module.__init__(new)  # not Linear's constructor: it would draw a random matrix of the layer's size
+        new = nn.Linear(1, 1, bias=False)  # a 1x1 placeholder matrix, replaced by the shard's own below
         new.weight = layer.weight
         if "bias" in layer:
             new.bias = layer.bias

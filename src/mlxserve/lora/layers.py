@@ -184,8 +184,9 @@ class MultiLoRALinear(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         if self._stacks is not None and self._rows.index is not None:
-            if self._fused is not None and (x.ndim == 2 or x.shape[-2] <= MAX_FUSED_PER_ROW) \
-                    and x.size // self.in_dims <= MAX_POSITIONS:
+            # The kernel maps positions to rows by count, so it needs x's rows to be the batch's rows.
+            if self._fused is not None and x.shape[0] == self._rows.index.shape[0] \
+                    and (x.ndim == 2 or x.shape[-2] <= MAX_FUSED_PER_ROW) and x.size // self.in_dims <= MAX_POSITIONS:
                 return self._fused.output(self._slot, x, self._rows)
             y = self.linear(x)
             return y + self._gathered(x).astype(y.dtype)

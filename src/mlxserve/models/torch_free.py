@@ -1,6 +1,6 @@
 """Keeps PyTorch out of a process whose models all load through mlx-lm.
 
-transformers imports torch wherever it is installed (5.17: `AutoTokenizer`'s module pulls in the generation
+transformers imports torch wherever it is installed (5.17-5.24: `AutoTokenizer`'s module pulls in the generation
 config, which imports it), and mlx-lm imports transformers' tokenizer classes as it is imported itself. So on
 a machine that has PyTorch, a CUDA box typically, every `mlxserve serve` and each warm-up helper process it
 starts paid torch's import before loading anything (docs/BENCHMARKS.md, "Start-up on MLX-CUDA"). A text model
