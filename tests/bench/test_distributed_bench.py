@@ -24,7 +24,7 @@ def test_layouts():
 
 
 def test_step_stats_read_warm_up_and_slow_steps():
-    log = ("INFO warm-up over decode batch sizes [1, 2, 4] took 8.4 s (sizes 3.0 s, then prompt shapes)\n"
+    log = ("INFO warm-up finished 8.4 s after it started (tiled-kernel helper: done, piece helper: done)\n"
            "WARNING slow engine step: 1.52 s with 16 running\nWARNING slow engine step: 3.10 s with 2 running\n")
     assert step_stats(log) == {"num_slow_steps": 2, "max_slow_step_s": 3.1, "warmup_s": 8.4}
     assert step_stats("") == {"num_slow_steps": 0, "max_slow_step_s": None, "warmup_s": None}

@@ -114,8 +114,9 @@ def test_fused_rows_match_the_gathered_layout(loaded, adapter_set, positions, pe
         assert sorted(kernel.sizes) == sorted([3, 1, 2, 1] * blocks)
     else:
         assert kernel.sizes == []
-    # A row without an adapter gets exactly the base model's logits.
-    base = model(tokens[:1])
+    # A row without an adapter gets exactly the base model's logits for the same batch (a batch of
+    # another size may take another BLAS blocking and round differently).
+    base = model(tokens)
     assert mx.array_equal(got[0], base[0])
 
 
