@@ -151,3 +151,51 @@ def test_reports_of_the_tile_processes_merge_into_ready_prefixes(tmp_path):
     compiler._reports.put(("failed", 0, 0.0))
     compiler._reports.put(("failed", 0, 0.0))
     assert compiler.poll() == [("failed", 0, 0.0)]  # once
+
+
+# A stand-in for the compiling process: reports each row of its group ready, then done; "fail_at" stops it
+# early (no "done") when its group holds that row.
+_FAKE_HELPER = """
+import json, sys
+spec = json.loads(sys.argv[1])
+for rows in spec["rows"]:
+    if rows == spec.get("fail_at"):
+        sys.exit(1)
+    print("ready", rows, 0.5, flush=True)
+print("done", flush=True)
+"""
+
+
+def _run_helpers(tmp_path, monkeypatch, **extra) -> tuple[TileCompiler, list]:
+    (tmp_path / "fake_tile_helper.py").write_text(_FAKE_HELPER)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    rows = [8, 12, 16, 24, 32, 48, 64, 127]
+    compiler = TileCompiler([], rows, tmp_path, module="fake_tile_helper",
+                            spec={"cache_dir": str(tmp_path), "rows": rows, "shapes": [], **extra})
+    compiler.start()
+    reports, deadline = [], time.monotonic() + 120  # a bound on a hang, not a timing assertion
+    try:
+        while not any(kind in ("done", "failed") for kind, _, _ in reports) and time.monotonic() < deadline:
+            reports += compiler.poll()
+            time.sleep(0.05)
+        for proc in compiler._procs:
+            proc.wait(timeout=60)
+        reports += compiler.poll()
+    finally:
+        compiler.close()
+    return compiler, reports
+
+
+def test_each_tile_group_compiles_in_a_process_of_its_own(tmp_path, monkeypatch):
+    compiler, reports = _run_helpers(tmp_path, monkeypatch)
+    assert len(compiler._procs) == len(tile_groups(compiler.rows)) == 3
+    assert [rows for kind, rows, _ in reports if kind == "ready"] == compiler.rows  # in order, each once
+    assert [kind for kind, _, _ in reports].count("done") == 1 and reports[-1][0] == "done"
+
+
+def test_a_group_that_stops_early_fails_once_and_holds_back_the_rows_above(tmp_path, monkeypatch):
+    compiler, reports = _run_helpers(tmp_path, monkeypatch, fail_at=24)
+    assert [kind for kind, _, _ in reports].count("failed") == 1
+    assert "done" not in [kind for kind, _, _ in reports]
+    # 48-127 compiled in their own process, but a row counts as ready only with every row below it.
+    assert [rows for kind, rows, _ in reports if kind == "ready"] == [8, 12, 16]
