@@ -50,8 +50,7 @@ def launch(args) -> int:
             child = {**env, "MLX_RANK": str(rank)}
             if args.backend == "nccl":
                 child["CUDA_VISIBLE_DEVICES"] = str(rank)
-            script = getattr(args, "script", __file__)  # tp_step_probe.py starts its own ranks through this
-            procs.append(subprocess.Popen([sys.executable, script, "--rank-worker", *sys.argv[1:]], env=child))
+            procs.append(subprocess.Popen([sys.executable, args.script, "--rank-worker", *sys.argv[1:]], env=child))
         # A rank that dies leaves the others waiting in a collective: the first failure ends the run.
         while any(p.poll() is None for p in procs):
             if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
@@ -146,21 +145,32 @@ def worker(args) -> None:
     print(json.dumps({key: round(v, 4) if isinstance(v, float) else v for key, v in result.items()}), flush=True)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def rank_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments every probe that starts its own ranks (`launch`) takes."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="nccl", choices=["nccl", "ring"])
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are stopped")
+    p.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def run(args, worker_fn, script: str) -> int:
+    """A rank runs `worker_fn`; the launching process starts the ranks of `script` and waits for them."""
+    if args.rank_worker:
+        worker_fn(args)
+        return 0
+    args.script = script
+    return launch(args)
+
+
+def main() -> int:
+    p = rank_parser(__doc__)
     p.add_argument("--hidden", type=int, default=5120, help="Qwen3-32B: 5120; Qwen3-8B: 4096")
     p.add_argument("--calls", type=int, default=128, help="collectives per eval (32B TP decode: 2 x 64 layers)")
     p.add_argument("--ops", type=int, default=24, help="small kernels per layer-like segment")
     p.add_argument("--repeat", type=int, default=9)
-    p.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are stopped")
-    p.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.rank_worker:
-        worker(args)
-        return 0
-    return launch(args)
+    return run(p.parse_args(), worker, __file__)
 
 
 if __name__ == "__main__":

@@ -6,28 +6,21 @@ Per decode step (batch 1, the generate_step pattern: build step n+1, launch it, 
   step_ms: the whole pipelined step (what a server's single stream gets);
   synced_ms: build, launch and wait for the same step alone (host and device one after the other).
 usage: python tools/tp_step_probe.py [--backend nccl|ring] [--ranks 2] [--shape qwen3-32b|qwen3-8b|tiny]
+(the shapes of `mlxserve bench distributed`)
 Prints one JSON line per rank and layout.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from allsum_probe import launch  # noqa: E402
+from allsum_probe import rank_parser, run  # noqa: E402
 
-SHAPES = {  # Qwen3 sizes (config.json of the Qwen models), bf16
-    "qwen3-32b": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
-                      intermediate_size=25600),
-    "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                     intermediate_size=12288),
-    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=512),
-}
+from mlxserve.bench.distributed import shapes  # noqa: E402  (the bench's random Qwen3 shapes)
 
 
 def _model(shape: str):
@@ -35,11 +28,13 @@ def _model(shape: str):
     import mlx.nn as nn
     from mlx_lm.models import qwen3
 
-    args = qwen3.ModelArgs(model_type="qwen3", rms_norm_eps=1e-6, vocab_size=151936, head_dim=128,
-                           max_position_embeddings=40960, tie_word_embeddings=False, rope_theta=1e6,
-                           **SHAPES[shape])
-    if shape == "tiny":
-        args.head_dim = 64
+    c = shapes()[shape]
+    args = qwen3.ModelArgs(model_type="qwen3", rms_norm_eps=1e-6, vocab_size=c.vocab_size or 151936,
+                           hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+                           num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                           intermediate_size=c.intermediate_size, head_dim=c.head_dim,
+                           max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=False,
+                           rope_theta=c.rope_theta)
     mx.random.seed(0)
     model = qwen3.Model(args)
     model.update(nn.utils.tree_map(lambda p: (mx.random.normal(p.shape) * 0.02).astype(mx.bfloat16),
@@ -91,19 +86,10 @@ def worker(args) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", default="nccl", choices=["nccl", "ring"])
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--shape", default="qwen3-32b", choices=sorted(SHAPES))
+    p = rank_parser(__doc__)
+    p.add_argument("--shape", default="qwen3-32b", choices=sorted(shapes()))
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are stopped")
-    p.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.rank_worker:
-        worker(args)
-        return 0
-    args.script = __file__
-    return launch(args)
+    return run(p.parse_args(), worker, __file__)
 
 
 if __name__ == "__main__":

@@ -89,12 +89,29 @@ def materialize(model: Any) -> None:
     mx.eval([v for _, v in tree_flatten(model) if isinstance(v, mx.array)])
 
 
+def model_kind(config: dict | None) -> str:
+    """Which library loads a folder with this config.json: "vlm" (vision-language models: mlx-vlm, its own
+    weight layout and processor), "encoder" (BERT-style encoders: mlx-embeddings, as mlx-lm has none),
+    "audio" (Whisper, Kokoro: mlx-audio, audio/) or "text" (mlx-lm)."""
+    from mlxserve.audio.detect import audio_kind
+    from mlxserve.models.encoder import encoder_type
+    from mlxserve.models.vlm import is_vlm_config
+
+    if config is not None and is_vlm_config(config):
+        return "vlm"
+    if config is not None and encoder_type(config) is not None:
+        return "encoder"
+    if audio_kind(config) is not None:
+        return "audio"
+    return "text"
+
+
 def _load(source: str, strategy: str) -> LoadedModel:
     if strategy != "auto" and strategy not in LOAD_STRATEGIES:
         raise ValueError(f"load strategy must be auto or one of {LOAD_STRATEGIES}, got {strategy!r}")
-    from mlxserve.models.encoder import encoder_type, load_encoder
+    from mlxserve.models.encoder import load_encoder
     from mlxserve.models.source import resolve_source
-    from mlxserve.models.vlm import is_vlm_config, load_vlm, read_config
+    from mlxserve.models.vlm import load_vlm, read_config
 
     # A local path as is; a hub id from the Hugging Face cache, else downloaded (models/source.py).
     folder = resolve_source(source)
@@ -104,19 +121,15 @@ def _load(source: str, strategy: str) -> LoadedModel:
     for path in sorted(folder.glob("*.safetensors")):
         check_safetensors(path)
     config = read_config(str(folder))
-    if config is not None and is_vlm_config(config):
-        # Vision-language models load through mlx-vlm (its own weight layout and processor).
+    kind = model_kind(config)
+    if kind == "vlm":
         model, tokenizer = load_vlm(str(folder), config)
         return LoadedModel(model, tokenizer, config, source)
-    if config is not None and encoder_type(config) is not None:
-        # BERT-style encoders load through mlx-embeddings (mlx-lm has no encoder models).
+    if kind == "encoder":
         loaded = load_encoder(str(folder), config)
         loaded.source = source
         return loaded
-    from mlxserve.audio.detect import audio_kind
-
-    if audio_kind(config) is not None:
-        # Whisper (speech to text) and Kokoro (text to speech) load through mlx-audio (audio/).
+    if kind == "audio":
         from mlxserve.audio.engine import load_audio_model
 
         return load_audio_model(str(folder), config, source)

@@ -15,17 +15,9 @@ import os
 import sys
 from pathlib import Path
 
+from mlxserve.models.loader import model_kind  # light: it imports no model library before a load
+
 TORCH_ENV = "MLXSERVE_IMPORT_TORCH"  # "1": torch imports as usual; "0": set by keep_torch_out for helpers
-
-
-def loads_through_mlx_lm(config: dict) -> bool:
-    """Whether the loader (models/loader.py) hands a folder with this config.json to mlx-lm: not a
-    vision-language model, an encoder or an audio model."""
-    from mlxserve.audio.detect import audio_kind
-    from mlxserve.models.encoder import encoder_type
-    from mlxserve.models.vlm import is_vlm_config
-
-    return not is_vlm_config(config) and encoder_type(config) is None and audio_kind(config) is None
 
 
 def is_text_model(source: str | None) -> bool:
@@ -38,7 +30,7 @@ def is_text_model(source: str | None) -> bool:
         config = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and loads_through_mlx_lm(config)
+    return isinstance(config, dict) and model_kind(config) == "text"
 
 
 def keep_torch_out(environ=os.environ) -> bool:
