@@ -1,4 +1,4 @@
-"""The fused layout's one launch per group of adapted layers (MLX-CUDA, decode-shaped inputs).
+"""The fused layout's one launch per group of adapted layers (MLX-CUDA): decode steps, verification, prefill.
 
 MLX-CUDA spends about as long encoding a small op as a 0.6B model's decode step spends on each of its own
 ~700 ops, so the gathered layout's ~7 ops per adapted layer tripled the step time (docs/lora.md). Here one
@@ -12,8 +12,8 @@ with y_g the member's base output, A_g [1+K, R', in] and B_g [1+K, out, R'] the 
 256 outputs of one member: its warps first compute the position's R products (float32, in shared memory),
 then each thread one output. Every block of a position recomputes the R products: they are a few
 kilobytes read from L2, cheaper than a second launch. The positions per row arrive as a one-element
-input, not a template constant, so a verification step of another draft length compiles nothing new.
-Prefill chunks keep the gathered ops for now (layers.py MAX_FUSED_PER_ROW).
+input, not a template constant, so a verification step of another draft length or a prefill chunk of
+another length compiles nothing new.
 
 `fused_ops` computes the same outputs with MLX ops (the same float32 products): the tests run the fused layout's
 grouping with it on any backend, and the device check compares the kernel with it.

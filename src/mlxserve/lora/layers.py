@@ -24,11 +24,12 @@ padded to a multiple of 32 for it). Both layouts give the same rows; the CPU kee
 Still ~7 ops per adapted layer, which on MLX-CUDA cost more than the model's own (docs/lora.md). So MLX-CUDA
 takes a third layout, fused: the gathered stacks, but one kernel launch per group of layers that read the
 same input (`FusedGroup`, fused.py) computes every member's base output plus delta for decode steps and
-speculative verification; prefill chunks keep the gathered ops (see MAX_FUSED_PER_ROW).
+speculative verification and prefill chunks (see MAX_FUSED_PER_ROW).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import mlx.core as mx
@@ -91,11 +92,11 @@ class InputGroup:
 
 
 
-# Positions per row up to which the fused layout launches its kernel: decode steps and speculative
-# verification. The kernel is right for any length (tests/lora/test_fused_cuda.py checks a 165-position
-# chunk), but each block recomputes its position's products, so for prefill chunks it trades cuBLASLt's
-# per-call set-up for L2 reads growing with the chunk; which wins on a GPU is not measured yet.
-MAX_FUSED_PER_ROW = 8
+# Positions per row up to which the fused layout launches its kernel: every step by default. On an H200
+# (docs/lora.md) prefill chunks through the kernel reached their first token in 183 ms at the median against
+# 335 ms through the gathered ops, whose cuBLASLt matmuls pay a set-up per call. MLXSERVE_LORA_FUSED_POSITIONS
+# lowers the limit (e.g. 8: decode steps and verification only, prefill on the gathered ops), for benchmarks.
+MAX_FUSED_PER_ROW = int(os.environ.get("MLXSERVE_LORA_FUSED_POSITIONS", str(MAX_POSITIONS)))
 
 
 class FusedGroup:
