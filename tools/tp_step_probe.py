@@ -6,6 +6,7 @@ Per decode step (batch 1, the generate_step pattern: build step n+1, launch it, 
   step_ms: the whole pipelined step (what a server's single stream gets);
   synced_ms: build, launch and wait for the same step alone (host and device one after the other).
 usage: python tools/tp_step_probe.py [--backend nccl|ring] [--ranks 2] [--shape qwen3-32b|qwen3-8b|tiny]
+       [--bits 4] [--mlp-only]
 (the shapes of `mlxserve bench distributed`)
 Prints one JSON line per rank and layout.
 """
@@ -23,7 +24,7 @@ from allsum_probe import rank_parser, run  # noqa: E402
 from mlxserve.bench.distributed import shapes  # noqa: E402  (the bench's random Qwen3 shapes)
 
 
-def _model(shape: str):
+def _model(shape: str, bits: int = 0):
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.models import qwen3
@@ -37,10 +38,29 @@ def _model(shape: str):
                            rope_theta=c.rope_theta)
     mx.random.seed(0)
     model = qwen3.Model(args)
-    model.update(nn.utils.tree_map(lambda p: (mx.random.normal(p.shape) * 0.02).astype(mx.bfloat16),
-                                   model.parameters()))
-    mx.eval(model.parameters())
+    # Replaced before anything is evaluated (the model's own float32 initial values never are), then one
+    # parameter at a time: the float32 draws of the whole 32B shape at once would not fit on one GPU.
+    new = [(path, (mx.random.normal(p.shape) * 0.02).astype(mx.bfloat16))
+           for path, p in nn.utils.tree_flatten(model.parameters())]
+    model.update(nn.utils.tree_unflatten(new))
+    for _, p in new:
+        mx.eval(p)
+    del new
+    if bits:
+        nn.quantize(model, group_size=64, bits=bits)
+        mx.eval(model.parameters())
     return model
+
+
+def _shard_mlp(model, group) -> None:
+    """Tensor parallel for the MLP only (attention stays whole on every rank): one all-reduce a block
+    instead of two, for more weights read per rank."""
+    from mlx.nn.layers.distributed import shard_linear
+
+    for layer in model.model.layers:
+        layer.mlp.gate_proj = shard_linear(layer.mlp.gate_proj, "all-to-sharded", group=group)
+        layer.mlp.up_proj = shard_linear(layer.mlp.up_proj, "all-to-sharded", group=group)
+        layer.mlp.down_proj = shard_linear(layer.mlp.down_proj, "sharded-to-all", group=group)
 
 
 def _decode(model, steps: int) -> dict:
@@ -74,21 +94,27 @@ def worker(args) -> None:
     import mlx.core as mx
 
     group = mx.distributed.init(strict=True, backend=args.backend)
-    model = _model(args.shape)
+    model = _model(args.shape, args.bits)
+    base = {"shape": args.shape, "bits": args.bits}
     if group.rank() == 0:  # one rank alone: the others wait at the barrier below
-        print(json.dumps({"layout": "1 rank", "rank": 0, "shape": args.shape, **_decode(model, args.steps)}),
-              flush=True)
+        print(json.dumps({"layout": "1 rank", "rank": 0, **base, **_decode(model, args.steps)}), flush=True)
     mx.eval(mx.distributed.all_sum(mx.ones(1), group=group))  # a barrier
-    model.shard(group)
+    if args.mlp_only:
+        _shard_mlp(model, group)
+        layout = f"tp{group.size()} mlp only"
+    else:
+        model.shard(group)
+        layout = f"tp{group.size()}"
     mx.eval(model.parameters())
-    print(json.dumps({"layout": f"tp{group.size()}", "rank": group.rank(), "shape": args.shape,
-                      **_decode(model, args.steps)}), flush=True)
+    print(json.dumps({"layout": layout, "rank": group.rank(), **base, **_decode(model, args.steps)}), flush=True)
 
 
 def main() -> int:
     p = rank_parser(__doc__)
     p.add_argument("--shape", default="qwen3-32b", choices=sorted(shapes()))
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--bits", type=int, default=0, help="quantize the random weights (0: bfloat16)")
+    p.add_argument("--mlp-only", action="store_true", help="shard the MLP only (attention whole on each rank)")
     return run(p.parse_args(), worker, __file__)
 
 
