@@ -216,3 +216,47 @@ def test_a_piece_helper_process_runs_only_its_own_group_of_pieces_and_the_groups
     warm = BackgroundWarmup(8, core.runner.buckets, pieces=PIECE_GROUPS[2])
     warm.run_to_end(core)
     assert warm.report.pieces_done == ["unequal prompts joining", "prefix hits"]
+
+
+def _make_core_on_cuda(loaded, monkeypatch, events, fail=False):
+    """The server's engine factory (server/app.py) as on MLX-CUDA, with stand-ins for the helpers and the core."""
+    import mlxserve.engine.core as core_module
+    import mlxserve.engine.warmup as warmup_module
+    import mlxserve.server.app as app_module
+    from mlxserve.engine.warmup import Helpers
+
+    class _Closing(Helpers):
+        def close(self):
+            events.append("helpers closed")
+
+    def start_helpers(model, config, max_model_len, buckets, max_batch, source):
+        events.append("helpers started")
+        return _Closing()
+
+    class _Core:
+        def __init__(self, *args):
+            events.append("core built")
+            if fail:
+                raise RuntimeError("no memory")
+            self.runner = type("R", (), {"model": loaded.model, "buckets": args[4]})()
+
+    monkeypatch.setattr(app_module, "is_cuda", lambda: True)
+    monkeypatch.setattr(warmup_module, "start_helpers", start_helpers)
+    monkeypatch.setattr(warmup_module, "make_warmup", lambda core, n, helpers=None: events.append(("warm-up", helpers)))
+    monkeypatch.setattr(core_module, "EngineCore", _Core)
+    engine = app_module.make_engine(loaded, CONFIG, 4096)
+    return engine._make_core()
+
+
+def test_on_cuda_the_helpers_start_before_the_engine_core_is_built_and_the_warmup_gets_them(loaded, monkeypatch):
+    events = []
+    _make_core_on_cuda(loaded, monkeypatch, events)
+    assert events[:2] == ["helpers started", "core built"]
+    assert events[2][0] == "warm-up" and events[2][1] is not None
+
+
+def test_a_core_that_fails_to_build_stops_the_helpers_started_for_it(loaded, monkeypatch):
+    events = []
+    with pytest.raises(RuntimeError):
+        _make_core_on_cuda(loaded, monkeypatch, events, fail=True)
+    assert events == ["helpers started", "core built", "helpers closed"]
