@@ -285,63 +285,36 @@ class BackgroundWarmup:
                  self.report.finished_s, self.report.helper, self.report.piece_helper)
 
 
-@dataclass
-class Helpers:
-    """The helper processes of a CUDA warm-up (either may be None): the tiled kernels' and the pieces'."""
-
-    compiler: Any = None
-    piece_helper: Any = None
-
-    def close(self) -> None:
-        for helper in (self.compiler, self.piece_helper):
-            if helper is not None:
-                helper.close()
-
-
-def start_helpers(model: Any, config: Any, max_model_len: int, buckets: list[int] | None, max_batch: int,
-                  source: str | None) -> Helpers:
-    """MLX-CUDA: the model's tiled quantized kernels compile in helper processes, into the kernel cache MLX uses
-    (platform/kernel_cache.py); with the model's `source` too, other helper processes run the pieces first
-    (engine/warmup_helper.py). Started before the engine core is built: with an empty kernel cache, the core's
-    own start-up forwards (memory profile) compiled for ~10 s on an H200, time the helpers now share."""
+def make_warmup(core: Any, max_batch: int, compile_tiles: bool, source: str | None = None) -> BackgroundWarmup:
+    """The warm-up a server runs while it serves. `compile_tiles` (MLX-CUDA): the model's tiled quantized kernels
+    compile in a helper process meanwhile, into the kernel cache MLX uses (platform/kernel_cache.py); with the
+    model's `source` too, another helper process runs each piece first (engine/warmup_helper.py)."""
     import dataclasses
 
-    from mlxserve.platform.kernel_cache import count_modules, kernel_dir
-    from mlxserve.platform.quantized_rows import set_tiled_rows
-    from mlxserve.platform.tile_compile import (MIN_TILED_ROWS, TileCompiler, quantized_shapes, tile_checkpoints,
-                                               tile_groups, tiled_row_limit)
+    model = core.runner.model
+    compiler = piece_helper = None
+    if compile_tiles and source is not None:
+        from mlxserve.platform.kernel_cache import kernel_dir
+        from mlxserve.platform.tile_compile import TileCompiler
 
-    helpers = Helpers()
-    cache = kernel_dir()
-    if source is not None:
-        spec = {"cache_dir": str(cache), "source": source, "config": dataclasses.asdict(config),
-                "max_model_len": max_model_len, "buckets": buckets, "max_batch": max_batch,
+        spec = {"cache_dir": str(kernel_dir()), "source": source, "config": dataclasses.asdict(core.config),
+                "max_model_len": core.scheduler.max_model_len, "buckets": core.runner.buckets, "max_batch": max_batch,
                 "piece_groups": PIECE_GROUPS}
-        helpers.piece_helper = TileCompiler([], [], cache, module="mlxserve.engine.warmup_helper", spec=spec)
-    shapes = quantized_shapes(model)
-    rows = tile_checkpoints(buckets, tiled_row_limit(model))
-    if shapes and rows:
-        helpers.compiler = TileCompiler(shapes, rows, cache)
-        set_tiled_rows(model, MIN_TILED_ROWS - 1)  # the core's start-up forwards dequantize those rows too
-        log.info("warm-up: tiled quantized kernels for %d matmul shapes at rows %s compile in %d helper "
-                 "processes, one per tile (kernel cache %s, %d modules); until each is ready those rows dequantize",
-                 len(shapes), rows, len(tile_groups(rows)), cache, count_modules(cache))
-    for helper in (helpers.compiler, helpers.piece_helper):
-        if helper is not None:
-            helper.start()
-    return helpers
+        piece_helper = TileCompiler([], [], kernel_dir(), module="mlxserve.engine.warmup_helper", spec=spec)
+    if compile_tiles:
+        from mlxserve.platform.kernel_cache import count_modules, kernel_dir
+        from mlxserve.platform.tile_compile import (TileCompiler, quantized_shapes, tile_checkpoints, tile_groups,
+                                                   tiled_row_limit)
 
-
-def make_warmup(core: Any, max_batch: int, compile_tiles: bool = False, source: str | None = None,
-                helpers: Helpers | None = None) -> BackgroundWarmup:
-    """The warm-up a server runs while it serves, with `helpers` started before the core was built, or (MLX-CUDA,
-    `compile_tiles`) started now (start_helpers)."""
-    if helpers is None and compile_tiles:
-        helpers = start_helpers(core.runner.model, core.config, core.scheduler.max_model_len, core.runner.buckets,
-                                max_batch, source)
-    helpers = helpers or Helpers()
-    warm = BackgroundWarmup(max_batch, core.runner.buckets, compiler=helpers.compiler, model=core.runner.model,
-                            piece_helper=helpers.piece_helper)
+        shapes = quantized_shapes(model)
+        rows = tile_checkpoints(core.runner.buckets, tiled_row_limit(model))
+        if shapes and rows:
+            cache = kernel_dir()
+            compiler = TileCompiler(shapes, rows, cache)
+            log.info("warm-up: tiled quantized kernels for %d matmul shapes at rows %s compile in %d helper "
+                     "processes, one per tile (kernel cache %s, %d modules); until each is ready those rows dequantize",
+                     len(shapes), rows, len(tile_groups(rows)), cache, count_modules(cache))
+    warm = BackgroundWarmup(max_batch, core.runner.buckets, compiler=compiler, model=model, piece_helper=piece_helper)
     log.info("warm-up runs while serving: %d pieces between requests on the engine thread", warm.num_pieces)
     return warm
 

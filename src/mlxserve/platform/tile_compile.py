@@ -118,8 +118,6 @@ class TileCompiler:
         self._failed = False
 
     def start(self) -> None:
-        if self._procs:  # started already (engine/warmup.py starts them before the engine core is built)
-            return
         self._started = time.perf_counter()
         if "rows" in self.spec:
             specs = [dict(self.spec, rows=group) for group in tile_groups(self.rows)]

@@ -59,27 +59,17 @@ def make_engine(loaded: LoadedModel, config: EngineConfig, max_model_len: int, l
         use_buckets = per_shape if config.decode_buckets == "auto" else config.decode_buckets == "on"
         buckets = make_buckets(config.max_num_seqs) if use_buckets else None
         make = loaded.make_engine_core or EngineCore
+        core = make(loaded.model, loaded.tokenizer, config, max_model_len, buckets, model_key(loaded))
+        if loras:
+            from mlxserve.lora.manager import load_configured
+
+            load_configured(core, loras)
         mode = config.warmup if config.warmup != "auto" else "background" if per_shape else "off"
-        background = mode == "background" and loaded.make_engine_core is None  # distributed ranks warm up in step
-        helpers = None
-        if background and per_shape:
-            from mlxserve.engine.warmup import start_helpers
-
-            helpers = start_helpers(loaded.model, config, max_model_len, buckets, config.max_num_seqs, loaded.source)
-        try:
-            core = make(loaded.model, loaded.tokenizer, config, max_model_len, buckets, model_key(loaded))
-            if loras:
-                from mlxserve.lora.manager import load_configured
-
-                load_configured(core, loras)
-        except BaseException:
-            if helpers is not None:
-                helpers.close()
-            raise
-        if background:
+        if mode == "background" and loaded.make_engine_core is None:  # a distributed core's ranks warm up in step
             from mlxserve.engine.warmup import make_warmup
 
-            core.background_warmup = make_warmup(core, config.max_num_seqs, helpers=helpers)
+            core.background_warmup = make_warmup(core, config.max_num_seqs, compile_tiles=per_shape,
+                                                 source=loaded.source)
         elif mode != "off":
             core.warmup(config.max_num_seqs)
         return core
