@@ -206,13 +206,3 @@ def test_a_piece_waits_for_the_piece_helper_and_all_run_once_the_helper_fails(lo
     helper.queued.append(("failed", 0, 0.0))
     warm.run_to_end(core)
     assert warm.report.pieces_done == PIECES and warm.report.piece_helper == "failed" and helper.closed
-
-
-def test_a_piece_helper_process_runs_only_its_own_group_of_pieces_and_the_groups_cover_all(loaded):
-    from mlxserve.engine.warmup import PIECE_GROUPS
-
-    assert [name for group in PIECE_GROUPS for name in group] == PIECES  # each once, in the warm-up's order
-    core = _core(loaded)
-    warm = BackgroundWarmup(8, core.runner.buckets, pieces=PIECE_GROUPS[2])
-    warm.run_to_end(core)
-    assert warm.report.pieces_done == ["unequal prompts joining", "prefix hits"]

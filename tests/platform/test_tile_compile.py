@@ -199,32 +199,3 @@ def test_a_group_that_stops_early_fails_once_and_holds_back_the_rows_above(tmp_p
     assert "done" not in [kind for kind, _, _ in reports]
     # 48-127 compiled in their own process, but a row counts as ready only with every row below it.
     assert [rows for kind, rows, _ in reports if kind == "ready"] == [8, 12, 16]
-
-
-_FAKE_PIECE_HELPER = """
-import json, sys
-spec = json.loads(sys.argv[1])
-for name in spec["pieces"]:
-    print("piece", name, 0.5, flush=True)
-print("done", flush=True)
-"""
-
-
-def test_each_group_of_warmup_pieces_runs_in_a_process_of_its_own(tmp_path, monkeypatch):
-    from mlxserve.engine.warmup import PIECE_GROUPS
-
-    (tmp_path / "fake_piece_helper.py").write_text(_FAKE_PIECE_HELPER)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    helper = TileCompiler([], [], tmp_path, module="fake_piece_helper",
-                          spec={"cache_dir": str(tmp_path), "piece_groups": PIECE_GROUPS})
-    helper.start()
-    reports, deadline = [], time.monotonic() + 120  # a bound on a hang, not a timing assertion
-    try:
-        while "done" not in [kind for kind, _, _ in reports] and time.monotonic() < deadline:
-            reports += helper.poll()
-            time.sleep(0.05)
-    finally:
-        helper.close()
-    assert len(helper._procs) == len(PIECE_GROUPS)
-    assert sorted(name for kind, name, _ in reports if kind == "piece") == sorted(n for g in PIECE_GROUPS for n in g)
-    assert [kind for kind, _, _ in reports].count("done") == 1 and reports[-1][0] == "done"

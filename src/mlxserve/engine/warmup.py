@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 from mlxserve.engine.request import Request, SamplingParams
 
@@ -25,12 +25,6 @@ log = logging.getLogger(__name__)
 
 # With only the helper process left to hear from, how long the idle engine waits on its inbox between looks.
 HELPER_POLL_S = 0.5
-# The pieces (below) in the helper processes that run them first, one process per group, side by side: NVRTC
-# compiles on one core, so one process running the pieces in turn had the last ready ~29 s after it started
-# on an H200 while requests already compiled the same kernels themselves (docs/BENCHMARKS.md). "prefix hits"
-# needs the blocks "unequal prompts joining" stored, so those two share a process.
-PIECE_GROUPS = (("lone prompt",), ("decode batch sizes",), ("unequal prompts joining", "prefix hits"),
-                ("prompts prefilled together",))
 
 
 @dataclass
@@ -59,16 +53,13 @@ class BackgroundWarmup:
     `interrupt` before it adds a request; `run_to_end` runs it all at once (tests, benchmarks)."""
 
     def __init__(self, max_batch: int, buckets: list[int] | None, prompt_len: int = 16,
-                 compiler: Any = None, model: Any = None, piece_helper: Any = None,
-                 pieces: Sequence[str] | None = None) -> None:
+                 compiler: Any = None, model: Any = None, piece_helper: Any = None) -> None:
         self.sizes = [b for b in buckets or range(1, max_batch + 1) if b <= max_batch]
         self.prompt_len = prompt_len
         self.report = WarmupReport()
         self._pieces = [_Piece("lone prompt", self._lone), _Piece("decode batch sizes", self._batch_sizes),
                         _Piece("unequal prompts joining", self._joins), _Piece("prefix hits", self._hits),
                         _Piece("prompts prefilled together", self._together)]
-        if pieces is not None:  # a piece helper process runs its own group of them (PIECE_GROUPS)
-            self._pieces = [p for p in self._pieces if p.name in pieces]
         self._current: Iterator[None] | None = None
         self._rids: list[str] = []
         self._owns_work = False
@@ -298,8 +289,7 @@ def make_warmup(core: Any, max_batch: int, compile_tiles: bool, source: str | No
         from mlxserve.platform.tile_compile import TileCompiler
 
         spec = {"cache_dir": str(kernel_dir()), "source": source, "config": dataclasses.asdict(core.config),
-                "max_model_len": core.scheduler.max_model_len, "buckets": core.runner.buckets, "max_batch": max_batch,
-                "piece_groups": PIECE_GROUPS}
+                "max_model_len": core.scheduler.max_model_len, "buckets": core.runner.buckets, "max_batch": max_batch}
         piece_helper = TileCompiler([], [], kernel_dir(), module="mlxserve.engine.warmup_helper", spec=spec)
     if compile_tiles:
         from mlxserve.platform.kernel_cache import count_modules, kernel_dir

@@ -3,8 +3,7 @@
 On MLX-CUDA a warm-up step on a machine with an empty kernel cache compiles kernels for seconds, and a request
 that arrives meanwhile waits for that step (docs/BENCHMARKS.md, "Start-up on MLX-CUDA"). This process loads
 the same model, builds an engine core with the server's settings (a small KV budget, no SSD tier, no
-speculation) and runs its group of the warm-up's pieces (engine/warmup.py PIECE_GROUPS: a process per group,
-side by side) in the same order; each compile reaches the kernel cache through a
+speculation) and runs the warm-up's pieces in the same order; each compile reaches the kernel cache through a
 staging folder (platform/tile_compile.py), and after each piece a line `piece NAME SECONDS` lets the server run
 that piece itself, which then only loads compiled kernels. Its quantized layers dequantize from 8 rows on, as
 the server's do while their tiled kernels compile (the tile helper compiles those), so both need the same
@@ -44,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                                      draft_model=None, memory_refresh_s=0.0)
         core = EngineCore(loaded.model, loaded.tokenizer, config, spec["max_model_len"], spec["buckets"])
         set_tiled_rows(loaded.model, MIN_TILED_ROWS - 1)
-        warm = BackgroundWarmup(spec["max_batch"], spec["buckets"], pieces=spec.get("pieces"))
+        warm = BackgroundWarmup(spec["max_batch"], spec["buckets"])
         reported = 0
         while not warm.finished:
             wait = warm.between_steps(core)

@@ -100,8 +100,7 @@ class TileCompiler:
     without waiting. Reports: ("ready", rows, seconds) once every checkpoint up to `rows` is compiled,
     ("piece", name, seconds), ("done", 0, total seconds) once all are done, or ("failed", 0, 0.0) once one
     stopped early. The tile groups (tile_groups) compile in processes of their own; `module` runs instead of
-    this one, with the same protocol (engine/warmup_helper.py): in one process, or in one per group of
-    the warm-up's pieces when the spec names them ("piece_groups")."""
+    this one, in one process, with the same protocol (engine/warmup_helper.py)."""
 
     def __init__(self, shapes: list[list], rows: list[int], cache_dir: Path, python: str = sys.executable,
                  module: str = "mlxserve.platform.tile_compile", spec: dict | None = None) -> None:
@@ -119,12 +118,8 @@ class TileCompiler:
 
     def start(self) -> None:
         self._started = time.perf_counter()
-        if "rows" in self.spec:
-            specs = [dict(self.spec, rows=group) for group in tile_groups(self.rows)]
-        elif "piece_groups" in self.spec:  # the warm-up's pieces, a process per group (engine/warmup.py)
-            specs = [dict(self.spec, pieces=list(group)) for group in self.spec["piece_groups"]]
-        else:
-            specs = [self.spec]
+        specs = ([dict(self.spec, rows=group) for group in tile_groups(self.rows)] if "rows" in self.spec
+                 else [self.spec])
         for spec in specs or [self.spec]:
             proc = subprocess.Popen([self._python, "-m", self.module, json.dumps(spec)],
                                     stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
