@@ -86,6 +86,11 @@ def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAP
     if kernels is not None:
         log.info("MLX kernel cache: %s (%d compiled modules)", kernels, count_modules(kernels))
     specs = model_specs(config, loaded)
+    primers = []
+    if kernels is not None and is_cuda():  # its indexing kernels compile beside the model's load (kernel_primer.py)
+        from mlxserve.platform.kernel_primer import start as start_primer
+
+        primers = start_primer(specs[0].source, kernels)
     preloaded = {specs[0].name: loaded} if loaded is not None else {}
     manager = ModelManager(
         specs,
@@ -98,6 +103,7 @@ def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAP
     manager.load_pinned()
     app = create_app(manager)
     app.state.models, app.state.model_specs = manager, specs  # for the start-up banner (cli.py)
+    app.state.kernel_primers = primers  # short-lived; kept so they are not collected while they run
     add_web_routes(app, enabled=config.web_ui)
     install_security(app, config.security, config.host, web_page=config.web_ui)
     return app
