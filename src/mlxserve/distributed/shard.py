@@ -63,9 +63,9 @@ def check_shardable(config: dict, dist: DistributedConfig) -> None:
 
 def drop_gradient_hooks(model: Any) -> int:
     """mlx's `AllToShardedLinear` (what `shard()` makes of q/k/v, gate and up projections) wraps its input in
-    `sum_gradients(group)` on every call: a custom function built anew each time, identity forward, all-reduce
+    `sum_gradients(group)` on every call: a custom-function node in the graph, identity forward, all-reduce
     of the gradient backward. Serving has no backward, and a 64-layer model pays 320 of them a step in host
-    time (building and evaluating them). Each becomes an `nn.Linear` holding the same arrays: the same matmul.
+    time (adding and evaluating the nodes). Each becomes an `nn.Linear` holding the same arrays: the same matmul.
     The quantized shards are left as they are (platform/quantized_rows.py folds those). Returns how many."""
     import mlx.nn as nn
     from mlx.nn.layers.distributed import AllToShardedLinear
