@@ -4,6 +4,7 @@ On the CPU nothing compiles; these tests check the plumbing: which row counts, w
 cache folder and in which order, which path a layer takes."""
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -70,10 +71,15 @@ def test_staging_links_the_cache_and_publishes_new_files_binary_last(tmp_path, m
     (cache / "deep").mkdir(parents=True)
     (cache / "old.ptx").write_bytes(b"old")
     (cache / "deep" / "older.txt").write_text("names")
+    (cache / "deep" / "older.ptx").write_text("binary")
+    (cache / "half.txt").write_text("a module whose binary is not published yet: not linked")
     (cache / ".staging-999999999").mkdir()  # a stopped run's: removed
+    running = cache / f".staging-{os.getppid()}"  # a running helper's: not entered (it may vanish meanwhile)
+    running.mkdir()
+    (running / "theirs.ptx").write_text("theirs")
     staging, linked = make_staging(cache)
-    assert not (cache / ".staging-999999999").exists()
-    assert linked == {Path("old.ptx"), Path("deep/older.txt")}
+    assert not (cache / ".staging-999999999").exists() and running.exists()
+    assert linked == {Path("old.ptx"), Path("deep/older.txt"), Path("deep/older.ptx")}
     assert (staging / "old.ptx").read_bytes() == b"old" and (staging / "deep" / "older.txt").read_text() == "names"
     for name in ("new.ptx", "new.txt", "new.cu"):  # as MLX writes one module: binary, names, source
         (staging / name).write_text(name)
@@ -199,3 +205,31 @@ def test_a_group_that_stops_early_fails_once_and_holds_back_the_rows_above(tmp_p
     assert "done" not in [kind for kind, _, _ in reports]
     # 48-127 compiled in their own process, but a row counts as ready only with every row below it.
     assert [rows for kind, rows, _ in reports if kind == "ready"] == [8, 12, 16]
+
+
+def test_listing_the_cache_survives_a_staging_folder_removed_meanwhile(tmp_path):
+    """A helper that ends removes its staging folder (links to the whole cache) while another helper starting
+    lists the cache: the listing must neither enter it nor fail."""
+    import threading
+
+    from mlxserve.platform.tile_compile import _files
+
+    (tmp_path / "a.ptx").write_text("a")
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            folder = tmp_path / ".staging-1"
+            for i in range(20):
+                (folder / f"d{i}").mkdir(parents=True, exist_ok=True)
+                (folder / f"d{i}" / "x.ptx").write_text("x")
+            shutil.rmtree(folder, ignore_errors=True)
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(300):
+            assert _files(tmp_path) == {Path("a.ptx")}
+    finally:
+        stop.set()
+        thread.join()

@@ -5,7 +5,7 @@ pair of dtypes (`gather_bfloat16_uint32_1`, `scatter_int32_int32_Assign_1`, ...)
 host, however small the arrays. A server's start-up forwards feed int32 token ids, so with an empty kernel
 cache a request still met new pairs: its first decode step (sampled ids are uint32: 5.3 s), the first
 prompts prefilled together (`gather_axis_bfloat16_int32` and `gather_int32_int32_1`: 7.9 s), the first
-batch of 32 (two scatters) (docs/BENCHMARKS.md, "Start-up on MLX-CUDA"). These processes run each pair once
+batch of 32 (two scatters) (docs/BENCHMARKS.md, "Start-up on MLX-CUDA", D). These processes run each pair once
 on tiny arrays while the server loads its model, and publish the modules into the kernel cache through a
 staging folder (platform/tile_compile.py), where the server's MLX finds them at first use.
 
@@ -17,24 +17,28 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-PROCESSES = 3  # NVRTC compiles on one core; more processes side by side slowed each other on an H200 host
+# Three processes, so the pair each first decode step needs lands first in two of them (the count was not
+# measured against others; four warm-up processes side by side slowed each other, BENCHMARKS.md D).
+PROCESSES = 3
 
 
 def modules(act: str, quantized: bool) -> list[tuple[str, str, str]]:
-    """(kind, array dtype, index dtype) of each module, those the first requests meet first."""
+    """(kind, array dtype, index dtype) of each module a cold server compiled on the request path (BENCHMARKS.md
+    D), those the first requests meet first."""
     src = [act, "uint32"] if quantized else [act]  # quantized embeddings gather packed uint32 rows
     first = [("gather", s, "uint32") for s in src]  # a decode step's ids: sampled, uint32
     first += [("gather_axis", act, "int32"), ("gather", "int32", "int32")]  # prompts prefilled together
-    first += [("scatter", "int32", "int32"), ("scatter", "uint32", "int32")]  # larger batches
-    first += [("gather", s, "int32") for s in src]  # prompt ids (the start-up forwards compile these too)
-    first += [("gather_axis", act, "uint32"), ("gather", "int32", "uint32"), ("scatter", act, "int32")]
-    return first
+    first += [("scatter", "int32", "int32"), ("scatter", "uint32", "int32")]  # batches of 32
+    # Prompt ids: the server's own start-up forwards compile these too; they come last, to be skipped once there.
+    return first + [("gather", s, "int32") for s in src]
 
 
 def module_name(kind: str, dtype: str, index: str) -> str:
@@ -52,24 +56,44 @@ def model_dtypes(source: str | None) -> tuple[str, bool]:
         config = None
     if not isinstance(config, dict):
         return "bfloat16", True
-    text = config.get("text_config", config)
-    dtype = str(text.get("torch_dtype") or config.get("torch_dtype") or text.get("dtype") or "bfloat16")
+    text = config.get("text_config")
+    text = text if isinstance(text, dict) else config
+    # transformers writes "dtype" now, "torch_dtype" before; a VLM's text model may name it in either place.
+    dtype = next((d for d in (text.get("dtype"), text.get("torch_dtype"), config.get("dtype"),
+                              config.get("torch_dtype")) if isinstance(d, str)), "bfloat16")
     act = dtype if dtype in ("bfloat16", "float16", "float32") else "bfloat16"
     return act, bool(config.get("quantization") or config.get("quantization_config"))
 
 
 def start(source: str | None, cache: Path) -> list[subprocess.Popen]:
-    """The processes compiling what `cache` lacks (none when it has every module)."""
+    """The processes compiling what `cache` lacks (none when it has every module). Each is waited for by a
+    thread of its own, which logs a failure: nothing else needs their result."""
     act, quantized = model_dtypes(source)
     todo = [m for m in modules(act, quantized) if not (cache / f"{module_name(*m)}.ptx").exists()]
     if not todo:
         return []
-    groups = [todo[i::PROCESSES] for i in range(min(PROCESSES, len(todo)))]  # the first modules first in each
+    groups = [todo[i::PROCESSES] for i in range(min(PROCESSES, len(todo)))]
     log.info("MLX kernel cache: %d indexing modules compile in %d processes beside the model's load",
              len(todo), len(groups))
-    return [subprocess.Popen([sys.executable, "-m", __name__, json.dumps({"cache_dir": str(cache), "modules": g})],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-            for g in groups]
+    procs = [subprocess.Popen([sys.executable, "-m", __name__, json.dumps({"cache_dir": str(cache), "modules": g})],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+             for g in groups]
+    for proc in procs:
+        threading.Thread(target=_reap, args=(proc,), name="mlxserve-kernel-primer", daemon=True).start()
+    return procs
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    if proc.wait() not in (0, -15):  # -15: stopped with the server (stop)
+        log.warning("MLX kernel cache: a process compiling indexing kernels exited with %d; requests compile "
+                    "what it did not", proc.returncode)
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """Ends the processes still running (a server that failed to start)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
 
 
 def run(kind: str, dtype: str, index: str):
@@ -88,18 +112,24 @@ def run(kind: str, dtype: str, index: str):
 def main(argv: list[str] | None = None) -> int:
     from mlxserve.platform.tile_compile import publish, start_staged
 
-    spec, cache, staging, linked = start_staged(argv)
-    import shutil
-
+    spec, cache, staging, linked = start_staged(argv)  # before MLX's first compile, which reads the folder
     import mlx.core as mx
 
+    failed = 0
     try:
         for kind, dtype, index in spec["modules"]:
-            mx.eval(run(kind, dtype, index))
-            publish(staging, cache, linked)  # each module as soon as it is compiled
+            if (cache / f"{module_name(kind, dtype, index)}.ptx").exists():  # the server or another process's
+                continue
+            try:
+                mx.eval(run(kind, dtype, index))
+            except Exception as exc:  # one pair MLX refuses does not hold back the others
+                print(f"kernel primer: {kind} {dtype} {index}: {exc}", file=sys.stderr)
+                failed += 1
+            # Now, not at the end: the server finds each module at first use while the others compile.
+            publish(staging, cache, linked)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -180,8 +180,14 @@ class TileCompiler:
 
 
 def _files(root: Path) -> set[Path]:
-    return {p.relative_to(root) for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")
-            and not any(part.startswith(".staging-") for part in p.relative_to(root).parts)}
+    """The cache's files, relative to it. Other processes' staging folders are not entered: one may be removed
+    while this walks (a helper ending), which would fail a walk that descended into it."""
+    found = set()
+    for folder, dirs, names in os.walk(root, onerror=lambda _exc: None):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        base = Path(folder).relative_to(root)
+        found.update(base / n for n in names if not n.startswith(".") and os.path.isfile(os.path.join(folder, n)))
+    return found
 
 
 def _alive(pid: int) -> bool:
@@ -203,7 +209,11 @@ def make_staging(cache: Path) -> tuple[Path, set[Path]]:
             shutil.rmtree(old, ignore_errors=True)
     staging = cache / f".staging-{os.getpid()}"
     staging.mkdir(parents=True, exist_ok=True)
-    linked = _files(cache)
+    files = _files(cache)
+    # Whole modules only: `publish` moves a module's binary last, and a file linked without it would be
+    # rewritten in place, through the link, if this process compiled that module again.
+    whole = {rel.with_suffix("") for rel in files if rel.suffix == ".ptx"}
+    linked = {rel for rel in files if rel.with_suffix("") in whole}
     for rel in linked:
         (staging / rel).parent.mkdir(parents=True, exist_ok=True)
         try:

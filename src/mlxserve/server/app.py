@@ -87,10 +87,15 @@ def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAP
         log.info("MLX kernel cache: %s (%d compiled modules)", kernels, count_modules(kernels))
     specs = model_specs(config, loaded)
     primers = []
-    if kernels is not None and is_cuda():  # its indexing kernels compile beside the model's load (kernel_primer.py)
-        from mlxserve.platform.kernel_primer import start as start_primer
+    if kernels is not None and is_cuda():
+        # Started before the load so the compiles hide behind it (kernel_primer.py); only a speed-up: a failure
+        # to start them costs the first requests their compile time, not the server its start.
+        from mlxserve.platform import kernel_primer
 
-        primers = start_primer(specs[0].source, kernels)
+        try:
+            primers = kernel_primer.start(specs[0].source, kernels)
+        except Exception as exc:
+            log.warning("MLX kernel cache: indexing kernels not compiled ahead (%s)", exc)
     preloaded = {specs[0].name: loaded} if loaded is not None else {}
     manager = ModelManager(
         specs,
@@ -100,10 +105,16 @@ def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAP
         free_bytes=lambda: free_for_weights(config.engine),
         release=release_memory,
     )
-    manager.load_pinned()
+    try:
+        manager.load_pinned()
+    except BaseException:
+        if primers:
+            from mlxserve.platform.kernel_primer import stop
+
+            stop(primers)
+        raise
     app = create_app(manager)
     app.state.models, app.state.model_specs = manager, specs  # for the start-up banner (cli.py)
-    app.state.kernel_primers = primers  # short-lived; kept so they are not collected while they run
     add_web_routes(app, enabled=config.web_ui)
     install_security(app, config.security, config.host, web_page=config.web_ui)
     return app
