@@ -2,11 +2,12 @@
 the same model sharded over the local ranks (`Model.shard()`), random weights built in memory.
 
 Per decode step (batch 1, the generate_step pattern: build step n+1, launch it, then wait for step n):
-  host_ms: building the step's graph and launching it (mx.async_eval), on the host;
+  build_ms: building the step's graph (no evaluation), on the host;
+  host_ms: building it and launching it (mx.async_eval): what async_eval adds is where it waits;
   step_ms: the whole pipelined step (what a server's single stream gets);
   synced_ms: build, launch and wait for the same step alone (host and device one after the other).
 usage: python tools/tp_step_probe.py [--backend nccl|ring] [--ranks 2] [--shape qwen3-32b|qwen3-8b|tiny]
-       [--bits 4] [--mlp-only]
+       [--bits 4] [--mlp-only]    (--bits with qwen3-32b holds both copies at once: an H200, not an H100)
 (the shapes of `mlxserve bench distributed`)
 Prints one JSON line per rank and layout.
 """
@@ -70,10 +71,11 @@ def _decode(model, steps: int) -> dict:
     cache = make_prompt_cache(model)
     y = mx.argmax(model(mx.arange(16)[None], cache=cache)[:, -1, :], axis=-1)
     mx.eval(y)
-    host, total = [], []
+    build, host, total = [], [], []
     for _ in range(steps):
         start = time.perf_counter()
         nxt = mx.argmax(model(y[None], cache=cache)[:, -1, :], axis=-1)
+        build.append(time.perf_counter() - start)
         mx.async_eval(nxt)
         host.append(time.perf_counter() - start)
         y.item()
@@ -87,7 +89,7 @@ def _decode(model, steps: int) -> dict:
         mx.eval(y)
         synced.append(time.perf_counter() - start)
     med = lambda xs: round(sorted(xs[2:] or xs)[len(xs[2:] or xs) // 2] * 1e3, 2)  # noqa: E731
-    return {"host_ms": med(host), "step_ms": med(total), "synced_ms": med(synced)}
+    return {"build_ms": med(build), "host_ms": med(host), "step_ms": med(total), "synced_ms": med(synced)}
 
 
 def worker(args) -> None:

@@ -85,12 +85,13 @@ def _forward(model, lora, ids_per_row, tokens):
 
 
 @pytest.mark.parametrize("positions, per_row, limit", [(1, None, None), (3, None, None), (12, None, None),
-                                                     (12, 16, None), (12, 16, 50)])
+                                                     (12, 8, None), (12, None, 50)])
 def test_fused_rows_match_the_gathered_layout(loaded, adapter_set, positions, per_row, limit, monkeypatch):
     """Rows of three adapters and the base in one forward: the fused layout's logits are the gathered
-    layout's, one launch per input group for up to MAX_FUSED_PER_ROW positions a row (`per_row` raises it),
-    none for a longer (prefill) input or one of more positions than a launch takes (`limit` lowers that:
-    8 rows x 12 positions is over 50)."""
+    layout's, one launch per input group for up to MAX_FUSED_PER_ROW positions a row (every length by
+    default; `per_row` 8, as MLXSERVE_LORA_FUSED_POSITIONS=8 sets it, sends a 12-position input to the
+    gathered ops), none for one of more positions than a launch takes (`limit` lowers that: 8 rows x 12
+    positions is over 50)."""
     if per_row is not None:
         monkeypatch.setattr("mlxserve.lora.layers.MAX_FUSED_PER_ROW", per_row)
     if limit is not None:
@@ -165,3 +166,13 @@ def test_the_kernel_runs_only_on_the_batch_rows(loaded, adapter_set):
         assert kernel.sizes == [3]
         mx.eval(q_proj(mx.random.normal((1, 1, q_proj.in_dims))))
     assert kernel.sizes == [3]
+
+
+def test_the_fused_positions_setting_is_a_whole_number_of_at_least_one():
+    from mlxserve.lora.layers import _fused_positions
+
+    assert _fused_positions({"MLXSERVE_LORA_FUSED_POSITIONS": "8"}) == 8
+    assert _fused_positions({}) > 8  # prefill too by default
+    for bad in ("0", "-3", "abc", ""):
+        with pytest.raises(ValueError, match="MLXSERVE_LORA_FUSED_POSITIONS"):
+            _fused_positions({"MLXSERVE_LORA_FUSED_POSITIONS": bad})
