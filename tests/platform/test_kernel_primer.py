@@ -20,6 +20,7 @@ def test_a_quantized_model_primes_the_packed_weights_gathers_and_the_uint32_ids_
     assert names[:2] == ["gather_bfloat16_uint32_1", "gather_uint32_uint32_1"]  # the first decode step's
     assert {"gather_axis_bfloat16_int32", "gather_int32_int32_1", "scatter_int32_int32_Assign_1",
             "scatter_uint32_int32_Assign_1"} <= set(names)
+    assert "scatter_axis_bfloat16_uint32_Assign" in names  # top-k sampling's
     assert names[-2:] == ["gather_bfloat16_int32_1", "gather_uint32_int32_1"]  # the server compiles these too
     assert len(names) == len(set(names))
 
@@ -70,7 +71,7 @@ def test_the_missing_modules_spread_over_the_processes_first_ones_first(tmp_path
 
 
 @pytest.mark.parametrize("kind, primitive", [("gather", "Gather"), ("gather_axis", "GatherAxis"),
-                                             ("scatter", "Scatter")])
+                                             ("scatter", "Scatter"), ("scatter_axis", "ScatterAxis")])
 def test_each_op_builds_the_primitive_its_module_is_named_after(tmp_path, kind, primitive):
     out = kernel_primer.run(kind, "bfloat16", "int32")
     mx.export_to_dot(str(tmp_path / "g.dot"), out)
@@ -89,3 +90,15 @@ def test_a_helper_run_compiles_skips_what_is_there_and_leaves_no_staging_folder(
     assert kernel_primer.main([json.dumps(spec)]) == 0
     assert ran == [("scatter", "int32", "int32")]
     assert not any(p.name.startswith(".staging-") for p in tmp_path.iterdir())
+
+
+def test_top_k_sampling_builds_the_take_along_axis_scatter_the_primer_compiles(tmp_path):
+    """mlx-lm's top-k filter, as the sampler calls it on bfloat16 logprobs: its graph holds the ScatterAxis at
+    uint32 indices that `modules` lists (a change in mlx-lm that moves it fails here)."""
+    from mlx_lm.sample_utils import apply_top_k
+
+    logprobs = mx.zeros((2, 50), dtype=mx.bfloat16)
+    mx.export_to_dot(str(tmp_path / "g.dot"), apply_top_k(logprobs, 5))
+    text = (tmp_path / "g.dot").read_text()
+    assert "ScatterAxis" in text and ("scatter_axis", "bfloat16", "uint32") in modules("bfloat16", True)
+    assert mx.argpartition(-logprobs, kth=4, axis=-1).dtype == mx.uint32

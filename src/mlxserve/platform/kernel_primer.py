@@ -37,6 +37,9 @@ def modules(act: str, quantized: bool) -> list[tuple[str, str, str]]:
     first = [("gather", s, "uint32") for s in src]  # a decode step's ids: sampled, uint32
     first += [("gather_axis", act, "int32"), ("gather", "int32", "int32")]  # prompts prefilled together
     first += [("scatter", "int32", "int32"), ("scatter", "uint32", "int32")]  # batches of 32
+    # Top-k sampling (mlx-lm's apply_top_k: put_along_axis at argpartition's uint32 indices), read off its graph
+    # on the CPU; top-p's take_along_axis is the int32 pair above. Their fused (mx.compile) kernels are not primed.
+    first += [("scatter_axis", act, "uint32")]
     # Prompt ids: the server's own start-up forwards compile these too; they come last, to be skipped once there.
     return first + [("gather", s, "int32") for s in src]
 
@@ -44,7 +47,8 @@ def modules(act: str, quantized: bool) -> list[tuple[str, str, str]]:
 def module_name(kind: str, dtype: str, index: str) -> str:
     """MLX-CUDA's name of the module (mlx/backend/cuda/indexing.cpp), one index array."""
     return {"gather": f"gather_{dtype}_{index}_1", "gather_axis": f"gather_axis_{dtype}_{index}",
-            "scatter": f"scatter_{dtype}_{index}_Assign_1"}[kind]
+            "scatter": f"scatter_{dtype}_{index}_Assign_1",
+            "scatter_axis": f"scatter_axis_{dtype}_{index}_Assign"}[kind]
 
 
 def model_dtypes(source: str | None) -> tuple[str, bool]:
@@ -105,6 +109,8 @@ def run(kind: str, dtype: str, index: str):
         return mx.take(src, mx.array([1, 2], dtype=getattr(mx, index)), axis=0)
     if kind == "gather_axis":
         return mx.take_along_axis(src, mx.zeros((4, 2), dtype=getattr(mx, index)), axis=1)
+    if kind == "scatter_axis":
+        return mx.put_along_axis(src, mx.zeros((4, 2), dtype=getattr(mx, index)), mx.array(1, dtype=src.dtype), axis=1)
     src[mx.array([1, 2], dtype=getattr(mx, index))] = mx.ones((2, 8), dtype=src.dtype)
     return src
 
