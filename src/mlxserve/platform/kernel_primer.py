@@ -31,8 +31,8 @@ PROCESSES = 3
 
 
 def modules(act: str, quantized: bool) -> list[tuple[str, str, str]]:
-    """(kind, array dtype, index dtype) of each module a cold server compiled on the request path (BENCHMARKS.md
-    D), those the first requests meet first."""
+    """(kind, array dtype, index dtype) of each module a cold server was seen to compile on the request path
+    (BENCHMARKS.md D) or a sampling filter's graph holds, those the first requests meet first."""
     src = [act, "uint32"] if quantized else [act]  # quantized embeddings gather packed uint32 rows
     first = [("gather", s, "uint32") for s in src]  # a decode step's ids: sampled, uint32
     first += [("gather_axis", act, "int32"), ("gather", "int32", "int32")]  # prompts prefilled together
