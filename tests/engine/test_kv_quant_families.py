@@ -1,4 +1,4 @@
-"""Quantized KV on the layer stacks other than plain KV (HOUSE_STYLE 16): which layers get quantized, and
+"""Quantized KV on the layer stacks other than plain KV: which layers get quantized, and
 that a request alone, among 8 concurrent rows and on a prefix-cache hit gives the same greedy tokens.
 
 * sliding window (gemma3_text): the global layer is quantized, the sliding one stays float;

@@ -3,7 +3,7 @@
 The engine, the caches and the memory budget meet very different layer stacks in practice: plain KV
 attention, sliding windows (rotating caches), recurrent state (SSM / linear attention / short convolutions)
 and MLA (keys and values of different widths). Each family here is small enough to build in about a
-second on a CPU and to run through `mlx_lm.generate`, so tests can cover all of them (HOUSE_STYLE 16).
+second on a CPU and to run through `mlx_lm.generate`, so tests can cover all of them.
 The rope-scaled ones (llama3-rope, deepseek_v2/v3, ministral3) keep their scaling on purpose: mlx-lm builds
 their rope frequency tables lazily on the loading thread's stream, a trap for servers that load on one
 thread and run on another.
