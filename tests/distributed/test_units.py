@@ -227,6 +227,29 @@ def test_shutdown_plan_ends_the_follower(tiny):
     assert runner.follow() is False
 
 
+def test_a_follower_takes_rank_0s_tiled_kernel_limit(qwen3_4bit_model_dir):
+    """While rank 0's helpers compile the tiled kernels its quantized layers dequantize those rows; every
+    rank must switch at the same step, or the layers all compute whole (the LM head) give other logits."""
+    from mlxserve.distributed.engine import step_digest
+    from mlxserve.engine.runner.model_runner import StepTokens
+    from mlxserve.models.loader import load_model
+    from mlxserve.platform.quantized_rows import ALL_TILED_ROWS, fold_quantized_rows, row_layers
+
+    model = load_model(str(qwen3_4bit_model_dir)).model
+    assert fold_quantized_rows(model) > 0
+    runner = DistributedRunner(model)
+    empty = step_digest(StepTokens())  # of each empty step before
+    plans = [StepPlan(0, SchedulerOutput(), tiled_rows=7), StepPlan(1, SchedulerOutput(), digest=empty),
+             StepPlan(2, SchedulerOutput(), digest=empty, tiled_rows=ALL_TILED_ROWS)]
+    runner.attach(RankContext(DistributedConfig(tensor_parallel=2), _FakeChannel(plans), seed=0))
+    assert runner.follow()
+    assert {layer.tiled_rows for layer in row_layers(model)} == {7}
+    assert runner.follow()  # a plan without a limit (a model without such layers on rank 0) changes nothing
+    assert {layer.tiled_rows for layer in row_layers(model)} == {7}
+    assert runner.follow()
+    assert {layer.tiled_rows for layer in row_layers(model)} == {ALL_TILED_ROWS}
+
+
 class _ScriptedFollower(Channel):
     """A follower's channel whose first broadcast is rank 0's decode buckets; later ones echo (agree)."""
 

@@ -14,7 +14,7 @@ from mlxserve.engine.core import EngineCore
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.models.loader import load_model
 from mlxserve.platform.quantized_rows import (RowsQuantizedEmbedding, RowsQuantizedLinear, fold_on_cuda,
-                                            fold_quantized_rows)
+                                            fold_quantized_rows, set_tiled_rows)
 
 
 @pytest.fixture(autouse=True)
@@ -113,6 +113,37 @@ def test_tensor_parallel_shards_fold_too():
     assert fold_quantized_rows(holder) == 2
     assert type(holder.up).__name__ == "RowsQuantizedAllToShardedLinear"
     assert mx.allclose(holder.down(holder.up(x)), want).item()
+
+
+@pytest.mark.parametrize("rows", [1, 10, 200])
+def test_tensor_parallel_shards_dequantize_like_the_other_layers(monkeypatch, rows):
+    """A shard's prompt rows (from dequant_rows on) and the rows above its tiled limit take dequantize + one
+    plain matmul, its bias added once (after the sharded-to-all layer's all-reduce); its other rows the
+    quantized kernel. Either way the output is the layer's own."""
+    from mlx.nn.layers.distributed import shard_linear
+
+    from mlxserve.platform.quantized_rows import row_layers
+
+    group = mx.distributed.init()
+    mx.random.seed(5)
+    holder = nn.Module()
+    holder.up = shard_linear(nn.QuantizedLinear(64, 128, bias=True), "all-to-sharded", group=group)
+    holder.down = shard_linear(nn.QuantizedLinear(128, 64, bias=True), "sharded-to-all", group=group)
+    holder.up.bias = mx.random.normal((128,))
+    holder.down.bias = mx.random.normal((64,))
+    x = mx.random.normal((rows, 1, 64))
+    want = holder.down(holder.up(x))
+    fold_quantized_rows(holder, dequant_rows=128)
+    assert len(row_layers(holder)) == 2
+    calls = []
+    real = mx.dequantize
+    monkeypatch.setattr(mx, "dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert mx.allclose(holder.down(holder.up(x)), want, atol=1e-4).item()
+    assert len(calls) == (2 if rows >= 128 else 0)
+    calls.clear()
+    set_tiled_rows(holder, 7)  # tiled kernels not compiled yet: from 8 rows on they dequantize too
+    assert mx.allclose(holder.down(holder.up(x)), want, atol=1e-4).item()
+    assert len(calls) == (2 if rows >= 8 else 0)
 
 
 @pytest.mark.parametrize("dequant_rows", [0, 12])

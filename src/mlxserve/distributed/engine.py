@@ -59,6 +59,10 @@ class StepPlan:
     new_requests: list[Request] = field(default_factory=list)
     store_calls: list[tuple[str, tuple, Any]] = field(default_factory=list)
     digest: int = 0  # of the tokens rank 0 got from the previous step
+    # Rank 0's tiled-kernel limit (platform/quantized_rows.py `tiled_rows`), None where the model has no
+    # row-folding layers: every rank switches a row count to the tiled kernel at the same step, so the layers
+    # every rank computes whole (the LM head) give every rank the same logits.
+    tiled_rows: int | None = None
 
 
 def step_digest(out: StepTokens) -> int:
@@ -133,6 +137,9 @@ class DistributedRunner(ModelRunner):
         self._forwards: dict[int, list[tuple]] = {}  # rank 0: step -> the forwards it ran (recent steps)
         self._calls: list[tuple] = []  # the forwards of the last step
         self.model = wrap(self.model, staged=ctx.dist.pipeline_parallel > 1)
+        from mlxserve.platform.quantized_rows import row_layers
+
+        self._row_layers = row_layers(self.model.model)
 
     @property
     def num_steps(self) -> int:
@@ -144,7 +151,8 @@ class DistributedRunner(ModelRunner):
         new = [requests[c.request_id] for c in sched.prefill_chunks if c.request_id not in self._sent]
         self._sent.update(r.request_id for r in new)
         calls = self.store.take_calls() if isinstance(self.store, RecordingStore) else []
-        plan = StepPlan(self._step, sched, new, calls, self._digest)
+        tiled = self._row_layers[0].tiled_rows if self._row_layers else None
+        plan = StepPlan(self._step, sched, new, calls, self._digest, tiled)
         what = describe(sched, self._step)
         started = time.perf_counter()
         ctx.supervisor.step_started(what)
@@ -223,6 +231,9 @@ class DistributedRunner(ModelRunner):
             self.store.replay(plan.store_calls)
         if plan.sched is None:
             return False
+        if plan.tiled_rows is not None and self._row_layers and self._row_layers[0].tiled_rows != plan.tiled_rows:
+            for layer in self._row_layers:
+                layer.tiled_rows = plan.tiled_rows
         for request in plan.new_requests:
             self._requests[request.request_id] = request
         what = describe(plan.sched, self._step)
@@ -290,10 +301,22 @@ class DistributedEngineCore(EngineCore):
             raise ValueError("some ranks have a prefix cache and others none: start them with the same flags")
 
     def warmup(self, max_batch: int, prompt_len: int = 16) -> None:
-        # Rank 0 drives it: every warm-up step is a plan the other ranks run too (same shapes, same kernels
-        # compiled on every rank at the same time).
+        """Rank 0 drives it: every warm-up step is a plan the other ranks run too (same shapes, same kernels
+        compiled on every rank at the same time). On MLX-CUDA the tiled quantized kernels compile in helper
+        processes meanwhile (engine/warmup.py), as one rank's do: until they are ready the quantized layers
+        dequantize those rows, on every rank (the plans carry the limit). What the helpers have left when the
+        pieces are done goes on while serving (`background_warmup`, polled by the engine loop). The helpers
+        compile into rank 0's kernel cache, which the ranks on its host share; a rank on another host compiles
+        a tiled kernel itself at the step that switches to it."""
+        from mlxserve.engine.warmup import BackgroundWarmup, tile_compiler
+        from mlxserve.platform.backend import is_cuda
+
         log.info("warm-up over %d ranks starts", self.ctx.dist.world_size)
-        super().warmup(max_batch, prompt_len)
+        compiler = tile_compiler(self) if is_cuda() else None
+        warm = BackgroundWarmup(max_batch, self.runner.buckets, prompt_len, compiler=compiler, model=self.runner.model)
+        warm.run_pieces(self)
+        if not warm.finished:
+            self.background_warmup = warm
 
     def status(self) -> dict:
         dist = self.ctx.dist

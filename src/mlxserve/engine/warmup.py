@@ -154,6 +154,16 @@ class BackgroundWarmup:
             elif core.has_work:
                 core.step()
 
+    def run_pieces(self, core: Any) -> None:
+        """Every piece now, without waiting for the tile helper: its reports go on applying in `between_steps`
+        (a distributed engine's ranks warm up before serving, in step, and compile no tiled kernel meanwhile)."""
+        while not (self._pieces_over or self.finished):
+            wait = self.between_steps(core)
+            if wait and not self._pieces_over:
+                time.sleep(wait)
+            elif core.has_work:
+                core.step()
+
     def close(self) -> None:
         for helper in (self._compiler, self._piece_helper):
             if helper is not None:
@@ -276,6 +286,25 @@ class BackgroundWarmup:
                  self.report.finished_s, self.report.helper, self.report.piece_helper)
 
 
+def tile_compiler(core: Any) -> Any:
+    """The helper processes that compile the model's tiled quantized kernels (platform/tile_compile.py), not
+    started; None where the model has none worth compiling."""
+    from mlxserve.platform.kernel_cache import count_modules, kernel_dir
+    from mlxserve.platform.tile_compile import (TileCompiler, quantized_shapes, tile_checkpoints, tile_groups,
+                                               tiled_row_limit)
+
+    model = core.runner.model
+    shapes = quantized_shapes(model)
+    rows = tile_checkpoints(core.runner.buckets, tiled_row_limit(model))
+    if not (shapes and rows):
+        return None
+    cache = kernel_dir()
+    log.info("warm-up: tiled quantized kernels for %d matmul shapes at rows %s compile in %d helper "
+             "processes, one per tile (kernel cache %s, %d modules); until each is ready those rows dequantize",
+             len(shapes), rows, len(tile_groups(rows)), cache, count_modules(cache))
+    return TileCompiler(shapes, rows, cache)
+
+
 def make_warmup(core: Any, max_batch: int, compile_tiles: bool, source: str | None = None) -> BackgroundWarmup:
     """The warm-up a server runs while it serves. `compile_tiles` (MLX-CUDA): the model's tiled quantized kernels
     compile in a helper process meanwhile, into the kernel cache MLX uses (platform/kernel_cache.py); with the
@@ -292,23 +321,12 @@ def make_warmup(core: Any, max_batch: int, compile_tiles: bool, source: str | No
                 "max_model_len": core.scheduler.max_model_len, "buckets": core.runner.buckets, "max_batch": max_batch}
         piece_helper = TileCompiler([], [], kernel_dir(), module="mlxserve.engine.warmup_helper", spec=spec)
     if compile_tiles:
-        from mlxserve.platform.kernel_cache import count_modules, kernel_dir
-        from mlxserve.platform.tile_compile import (TileCompiler, quantized_shapes, tile_checkpoints, tile_groups,
-                                                   tiled_row_limit)
-
-        shapes = quantized_shapes(model)
-        rows = tile_checkpoints(core.runner.buckets, tiled_row_limit(model))
-        if shapes and rows:
-            cache = kernel_dir()
-            compiler = TileCompiler(shapes, rows, cache)
-            log.info("warm-up: tiled quantized kernels for %d matmul shapes at rows %s compile in %d helper "
-                     "processes, one per tile (kernel cache %s, %d modules); until each is ready those rows dequantize",
-                     len(shapes), rows, len(tile_groups(rows)), cache, count_modules(cache))
+        compiler = tile_compiler(core)
     warm = BackgroundWarmup(max_batch, core.runner.buckets, compiler=compiler, model=model, piece_helper=piece_helper)
     log.info("warm-up runs while serving: %d pieces between requests on the engine thread", warm.num_pieces)
     return warm
 
 
 def warm_up(core: Any, max_batch: int, prompt_len: int = 16) -> None:
-    """The whole warm-up before anything else runs (a distributed engine's ranks, `--warmup on`)."""
+    """The whole warm-up before anything else runs (`--warmup on`)."""
     BackgroundWarmup(max_batch, core.runner.buckets, prompt_len).run_to_end(core)

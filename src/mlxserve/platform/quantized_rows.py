@@ -14,7 +14,8 @@ kernel is slower than dequantizing the weight and one plain matmul (cuBLAS), wit
 (docs/BENCHMARKS.md, "Quantized layers on MLX-CUDA"). So from
 `dequant_rows` rows on, a linear layer (and the tied head) takes that path. The dequantized copy of one
 weight lives only until its matmul has run; the start-up memory profile's prefill forward takes the same
-path, so the budget counts it.
+path, so the budget counts it. Tensor-parallel shards do the same, their all-reduce after the matmul
+either way: a rank never compiles a tiled kernel for a prompt's rows.
 
 The layers keep their classes (as subclasses) under the same names with the same arrays, so anything that
 walks the model (LoRA, weight accounting, saving) sees no change.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -42,30 +44,32 @@ DEQUANT_ROWS = 128
 ALL_TILED_ROWS = 1 << 30
 
 
-def _folded(matmul, x: mx.array, layer=None) -> mx.array:
+def _folded(matmul, x: mx.array, layer=None, add_bias: bool = True) -> mx.array:
     """`matmul(x)` with x's matrices as one (rows, hidden) matrix when x holds several (decode rows,
     several prompts' chunks) with enough rows in all for the tiled kernel. The lone stream's (1, 1, hidden)
     and a single prompt's (1, L, hidden) are one matrix already and take the plain call. `layer` (a linear
-    layer or the tied embedding, not a tensor-parallel shard, whose matmul is followed by communication):
-    from its `dequant_rows` on, the weight is dequantized for one plain matmul instead. This runs in every
-    layer of every step, so it reads the shape once."""
+    layer, the tied embedding or a tensor-parallel shard): from its `dequant_rows` on, and from _MIN_ROWS
+    rows on above its `tiled_rows`, the weight is dequantized for one plain matmul instead (`add_bias`:
+    False where the caller adds the bias itself, after the shard's all-reduce). This runs in every layer of
+    every step, so it reads the shape once."""
     shape = x.shape
     rows = x.size // shape[-1]
     if layer is not None and (0 < layer.dequant_rows <= rows or (rows >= _MIN_ROWS and rows > layer.tiled_rows)):
         w = mx.dequantize(layer["weight"], layer["scales"], layer.get("biases"), layer.group_size, layer.bits,
                           getattr(layer, "mode", "affine"))
         y = (x.reshape(rows, shape[-1]) @ w.astype(x.dtype).T).reshape(*shape[:-1], -1)
-        return y + layer["bias"] if "bias" in layer else y
+        return y + layer["bias"] if add_bias and "bias" in layer else y
     if len(shape) > 2 and rows > shape[-2] and rows >= _MIN_ROWS:
         return matmul(x.reshape(rows, shape[-1])).reshape(*shape[:-1], -1)
     return matmul(x)
 
 
-class _FoldsRows:
-    """Mixed in before a quantized linear layer's class: its matmul sees (rows, hidden)."""
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return _folded(super().__call__, x)
+def _quantized_matmul(layer) -> Callable[[mx.array], mx.array]:
+    """The shard's quantized matmul alone: no bias, and no `sum_gradients` node (mlx's shard layers add one
+    on every call for training's backward; serving has none, and it costs host time in every layer)."""
+    return lambda x: mx.quantized_matmul(x, layer["weight"], scales=layer["scales"], biases=layer.get("biases"),
+                                         transpose=True, group_size=layer.group_size, bits=layer.bits,
+                                         mode=getattr(layer, "mode", "affine"))
 
 
 class RowsQuantizedLinear(nn.QuantizedLinear):
@@ -88,19 +92,34 @@ class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
 _REPLACEMENTS: dict[type, type] = {nn.QuantizedLinear: RowsQuantizedLinear,
                                    nn.QuantizedEmbedding: RowsQuantizedEmbedding}
 
-try:  # tensor-parallel shards (mlx-lm's `shard` builds these); their matmul is the same call
+try:  # tensor-parallel shards (mlx-lm's `shard` builds these): the same matmul, the same dequantize switch
     from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear
 
-    class RowsQuantizedAllToShardedLinear(_FoldsRows, QuantizedAllToShardedLinear):
-        pass
+    class RowsQuantizedAllToShardedLinear(QuantizedAllToShardedLinear):
+        dequant_rows = DEQUANT_ROWS
+        tiled_rows = ALL_TILED_ROWS
 
-    class RowsQuantizedShardedToAllLinear(_FoldsRows, QuantizedShardedToAllLinear):
-        pass
+        def __call__(self, x: mx.array) -> mx.array:
+            y = _folded(_quantized_matmul(self), x, self, add_bias=False)
+            return y + self["bias"] if "bias" in self else y
+
+    class RowsQuantizedShardedToAllLinear(QuantizedShardedToAllLinear):
+        dequant_rows = DEQUANT_ROWS
+        tiled_rows = ALL_TILED_ROWS
+
+        def __call__(self, x: mx.array) -> mx.array:
+            # Every rank's partial product, summed; the bias once, after the sum.
+            y = mx.distributed.all_sum(_folded(_quantized_matmul(self), x, self, add_bias=False), group=self.group)
+            return y + self["bias"] if "bias" in self else y
 
     _REPLACEMENTS[QuantizedAllToShardedLinear] = RowsQuantizedAllToShardedLinear
     _REPLACEMENTS[QuantizedShardedToAllLinear] = RowsQuantizedShardedToAllLinear
+    _TP_ROWS: tuple[type, ...] = (RowsQuantizedAllToShardedLinear, RowsQuantizedShardedToAllLinear)
 except ImportError:  # an MLX without them has no such layers to fold
-    pass
+    _TP_ROWS = ()
+
+# Every row-folding class with the dequantize switch (dequant_rows, tiled_rows).
+ROW_LAYERS: tuple[type, ...] = (RowsQuantizedLinear, RowsQuantizedEmbedding, *_TP_ROWS)
 
 
 def _rebase(layer: nn.Module, cls: type) -> nn.Module:
@@ -137,11 +156,15 @@ def fold_quantized_rows(model: nn.Module, dequant_rows: int = DEQUANT_ROWS) -> i
     return replaced
 
 
+def row_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's row-folding layers (those with the dequantize switch)."""
+    return [m for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module) if isinstance(m, ROW_LAYERS)]
+
+
 def set_tiled_rows(model: nn.Module, rows: int) -> int:
     """Row counts up to `rows` take the tiled kernel in the model's row-folding layers, more (from _MIN_ROWS
     on) dequantize + matmul; ALL_TILED_ROWS: no limit. Returns how many layers were set."""
-    layers = [m for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
-              if isinstance(m, (RowsQuantizedLinear, RowsQuantizedEmbedding))]
+    layers = row_layers(model)
     for layer in layers:
         layer.tiled_rows = rows
     return len(layers)

@@ -60,10 +60,10 @@ def tiled_row_limit(model: Any, default: int = 256) -> int:
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from mlxserve.platform.quantized_rows import RowsQuantizedEmbedding, RowsQuantizedLinear
+    from mlxserve.platform.quantized_rows import ROW_LAYERS
 
     limits = [m.dequant_rows for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
-              if isinstance(m, (RowsQuantizedLinear, RowsQuantizedEmbedding)) and m.dequant_rows > 0]
+              if isinstance(m, ROW_LAYERS) and m.dequant_rows > 0]
     return min(limits, default=default)
 
 
@@ -73,11 +73,11 @@ def quantized_shapes(model: Any) -> list[list]:
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from mlxserve.platform.quantized_rows import RowsQuantizedEmbedding, RowsQuantizedLinear
+    from mlxserve.platform.quantized_rows import ROW_LAYERS
 
     shapes = set()
     for _, layer in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
-        if isinstance(layer, (RowsQuantizedLinear, RowsQuantizedEmbedding)):
+        if isinstance(layer, ROW_LAYERS):
             out_features, packed = layer["weight"].shape
             mode = getattr(layer, "mode", "affine")
             # Affine scales have the activations' dtype; the float modes' are uint8 (bf16 activations then).
