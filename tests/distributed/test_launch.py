@@ -91,3 +91,18 @@ def test_bad_layouts_are_refused_before_loading(qwen3_model_dir, flags):
                         str(_free_port()), *flags], capture_output=True, text=True, env=env, timeout=_BOUND_S)
     assert r.returncode == 2, r.stderr
     assert "cannot be combined" in r.stderr or "does not divide" in r.stderr, r.stderr
+
+
+def test_tensor_parallel_over_nccl_turns_cuda_graphs_off_unless_told():
+    from mlxserve.distributed.config import DistributedConfig
+    from mlxserve.distributed.launch import cuda_graphs_setting
+
+    env: dict[str, str] = {}
+    assert cuda_graphs_setting(DistributedConfig(tensor_parallel=2, backend="nccl"), env) == "0"
+    assert env == {"MLX_USE_CUDA_GRAPHS": "0"}
+    kept = {"MLX_USE_CUDA_GRAPHS": "1"}  # the user's choice stands
+    assert cuda_graphs_setting(DistributedConfig(tensor_parallel=2, backend="nccl"), kept) is None
+    assert kept == {"MLX_USE_CUDA_GRAPHS": "1"}
+    for dist in (DistributedConfig(tensor_parallel=2, backend="ring"), DistributedConfig(pipeline_parallel=2, backend="nccl")):
+        env = {}
+        assert cuda_graphs_setting(dist, env) is None and env == {}

@@ -23,7 +23,7 @@ from typing import Any
 from mlxserve.config import EngineConfig, ServerConfig
 from mlxserve.distributed.channel import Channel, ControlServer, LostRank, connect
 from mlxserve.distributed.config import DistributedConfig
-from mlxserve.distributed.launch import (control_host, dump_stacks_on_sigusr1, init_group, share_control_address, spawn_local_ranks,
+from mlxserve.distributed.launch import (control_host, cuda_graphs_setting, dump_stacks_on_sigusr1, init_group, share_control_address, spawn_local_ranks,
                                          under_launcher)
 from mlxserve.distributed.supervisor import Supervisor
 
@@ -100,6 +100,9 @@ def serve_distributed(config: ServerConfig, dist: DistributedConfig) -> int:
         raise ValueError("--tensor-parallel / --pipeline-parallel serve one model: name it as MODEL")
     _check_local_model(config.model, dist)  # before any rank is started
     dump_stacks_on_sigusr1()
+    if cuda_graphs_setting(dist) is not None:
+        log.info("tensor parallel over NCCL: MLX-CUDA's graphs are off on every rank (MLX_USE_CUDA_GRAPHS=0; "
+                 "set it to 1 to keep them)")
     if config.engine.memory_mode == "desktop":
         log.warning("--memory-mode desktop follows rank 0's free memory only; with several machines use "
                     "--memory-mode dedicated (the KV budget then is the smallest rank's)")
