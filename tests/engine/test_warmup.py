@@ -222,3 +222,27 @@ def test_a_piece_waits_for_the_piece_helper_and_all_run_once_the_helper_fails(lo
     helper.queued.append(("failed", 0, 0.0))
     warm.run_to_end(core)
     assert warm.report.pieces_done == PIECES and warm.report.piece_helper == "failed" and helper.closed
+
+
+def test_the_piece_helper_starts_only_where_a_second_copy_of_the_model_fits(loaded, monkeypatch):
+    from types import SimpleNamespace
+
+    import mlxserve.engine.warmup as warmup
+    from mlxserve.engine.warmup_helper import KV_TOKENS, PREFIX_BYTES
+
+    gib = 2**30
+    # 61 GiB of weights with 13 GiB left to other processes (a 32B bf16 model on one 141-GB GPU): no helper.
+    big = SimpleNamespace(budget=SimpleNamespace(weights=61 * gib, activations=7 * gib, kv=44 * gib,
+                                                 free_for_others=13 * gib), kv_capacity_tokens=180_000)
+    assert not warmup.piece_helper_fits(big)
+    small = SimpleNamespace(budget=SimpleNamespace(weights=4 * gib, activations=1 * gib, kv=20 * gib,
+                                                   free_for_others=13 * gib), kv_capacity_tokens=140_000)
+    need = 5 * gib + KV_TOKENS * (20 * gib // 140_000) + PREFIX_BYTES
+    assert need < 13 * gib and warmup.piece_helper_fits(small)
+    assert warmup.piece_helper_fits(SimpleNamespace(budget=None))  # no budget to go by: as before
+    # make_warmup then runs the pieces on the engine thread alone.
+    monkeypatch.setattr(warmup, "piece_helper_fits", lambda core: False)
+    core = _core(loaded)
+    warm = warmup.make_warmup(core, 8, compile_tiles=True, source="unused")
+    assert warm.report.piece_helper == "off" and warm._piece_helper is None
+    warm.close()

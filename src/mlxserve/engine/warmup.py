@@ -305,6 +305,27 @@ def tile_compiler(core: Any) -> Any:
     return TileCompiler(shapes, rows, cache)
 
 
+def piece_helper_fits(core: Any) -> bool:
+    """Whether the piece helper (engine/warmup_helper.py), which loads the model a second time with a small KV
+    budget, fits beside the server in the memory its budget leaves to other processes. A 32B bf16 model on one
+    141-GB GPU does not: the helper's load took the memory the server's own steps then failed to get. A server
+    without a budget keeps the helper."""
+    from mlxserve.engine.warmup_helper import KV_TOKENS, PREFIX_BYTES
+
+    budget = getattr(core, "budget", None)
+    if budget is None:
+        return True
+    tokens = core.kv_capacity_tokens
+    per_token = budget.kv // tokens if tokens else 0
+    need = budget.weights + budget.activations + KV_TOKENS * per_token + PREFIX_BYTES
+    if need <= budget.free_for_others:
+        return True
+    log.info("warm-up: no piece helper process (it would hold %.1f GiB beside the server, %.1f GiB are left to "
+             "other processes); the pieces compile here, between requests", need / 2**30,
+             max(budget.free_for_others, 0) / 2**30)
+    return False
+
+
 def make_warmup(core: Any, max_batch: int, compile_tiles: bool, source: str | None = None) -> BackgroundWarmup:
     """The warm-up a server runs while it serves. `compile_tiles` (MLX-CUDA): the model's tiled quantized kernels
     compile in a helper process meanwhile, into the kernel cache MLX uses (platform/kernel_cache.py); with the
@@ -313,6 +334,8 @@ def make_warmup(core: Any, max_batch: int, compile_tiles: bool, source: str | No
 
     model = core.runner.model
     compiler = piece_helper = None
+    if compile_tiles and source is not None and not piece_helper_fits(core):
+        source = None  # the pieces compile here, between requests
     if compile_tiles and source is not None:
         from mlxserve.platform.kernel_cache import kernel_dir
         from mlxserve.platform.tile_compile import TileCompiler

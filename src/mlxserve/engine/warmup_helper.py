@@ -17,9 +17,10 @@ import shutil
 import sys
 import time
 
-# Enough KV for every piece (the longest prompt is one prefill step plus a little, a few rows at a time).
-_KV_TOKENS = 32768
-_PREFIX_BYTES = 256 << 20
+# Enough KV for every piece (the longest prompt is one prefill step plus a little, a few rows at a time); what
+# engine/warmup.py counts when it decides whether this process fits beside the server.
+KV_TOKENS = 32768
+PREFIX_BYTES = 256 << 20
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
 
         started = time.perf_counter()
         loaded = load_model(spec["source"])
-        config = dataclasses.replace(EngineConfig(**spec["config"]), kv_budget_tokens=_KV_TOKENS,
-                                     cache_memory_bytes=_PREFIX_BYTES, ssd_cache_dir=None, speculative="off",
+        config = dataclasses.replace(EngineConfig(**spec["config"]), kv_budget_tokens=KV_TOKENS,
+                                     cache_memory_bytes=PREFIX_BYTES, ssd_cache_dir=None, speculative="off",
                                      draft_model=None, memory_refresh_s=0.0)
         core = EngineCore(loaded.model, loaded.tokenizer, config, spec["max_model_len"], spec["buckets"])
         set_tiled_rows(loaded.model, MIN_TILED_ROWS - 1)
