@@ -103,6 +103,7 @@ def test_tensor_parallel_over_nccl_turns_cuda_graphs_off_unless_told():
     kept = {"MLX_USE_CUDA_GRAPHS": "1"}  # the user's choice stands
     assert cuda_graphs_setting(DistributedConfig(tensor_parallel=2, backend="nccl"), kept) is None
     assert kept == {"MLX_USE_CUDA_GRAPHS": "1"}
-    for dist in (DistributedConfig(tensor_parallel=2, backend="ring"), DistributedConfig(pipeline_parallel=2, backend="nccl")):
+    for dist in (DistributedConfig(tensor_parallel=2, backend="ring"),
+                 DistributedConfig(pipeline_parallel=2, backend="nccl")):
         env = {}
         assert cuda_graphs_setting(dist, env) is None and env == {}

@@ -233,11 +233,11 @@ def test_the_piece_helper_starts_only_where_a_second_copy_of_the_model_fits(load
     gib = 2**30
     # 61 GiB of weights with 13 GiB left to other processes (a 32B bf16 model on one 141-GB GPU): no helper.
     big = SimpleNamespace(budget=SimpleNamespace(weights=61 * gib, activations=7 * gib, kv=44 * gib,
-                                                 free_for_others=13 * gib), kv_capacity_tokens=180_000)
+                                                 free_for_others=13 * gib), kv_bytes_per_token=262_144)
     assert not warmup.piece_helper_fits(big)
     small = SimpleNamespace(budget=SimpleNamespace(weights=4 * gib, activations=1 * gib, kv=20 * gib,
-                                                   free_for_others=13 * gib), kv_capacity_tokens=140_000)
-    need = 5 * gib + KV_TOKENS * (20 * gib // 140_000) + PREFIX_BYTES
+                                                   free_for_others=13 * gib), kv_bytes_per_token=147_456)
+    need = 5 * gib + KV_TOKENS * 147_456 + PREFIX_BYTES
     assert need < 13 * gib and warmup.piece_helper_fits(small)
     assert warmup.piece_helper_fits(SimpleNamespace(budget=None))  # no budget to go by: as before
     # make_warmup then runs the pieces on the engine thread alone.

@@ -23,8 +23,8 @@ from typing import Any
 from mlxserve.config import EngineConfig, ServerConfig
 from mlxserve.distributed.channel import Channel, ControlServer, LostRank, connect
 from mlxserve.distributed.config import DistributedConfig
-from mlxserve.distributed.launch import (control_host, cuda_graphs_setting, dump_stacks_on_sigusr1, init_group, share_control_address, spawn_local_ranks,
-                                         under_launcher)
+from mlxserve.distributed.launch import (control_host, cuda_graphs_setting, dump_stacks_on_sigusr1, init_group,
+                                         share_control_address, spawn_local_ranks, under_launcher)
 from mlxserve.distributed.supervisor import Supervisor
 
 # The ranks mlxserve starts connect within this (they import MLX first); a launcher's may take longer.

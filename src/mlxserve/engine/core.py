@@ -98,6 +98,7 @@ class EngineCore:
             # A draft model's weights are fixed; its KV grows with every running token beside the target's.
             self.budget, per_token = reserve_draft(self.budget, self.spec.proposer.model, per_token)
         # The one holder of KV capacity (memory/capacity.py): the scheduler admits by it, the governor moves it.
+        self.kv_bytes_per_token = per_token  # a running request's KV per token (what the warm-up's helper needs)
         self.kv_capacity = KVCapacity.at_startup(self.budget, per_token, config.kv_budget_tokens)
         prefix_bytes = self.budget.prefix_cache if self.budget is not None and prefix_on else None
         self.prefix, store = make_prefix_cache(model, config, model_key, probe, prefix_bytes, self.kv_quant,

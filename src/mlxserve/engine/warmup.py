@@ -315,9 +315,7 @@ def piece_helper_fits(core: Any) -> bool:
     budget = getattr(core, "budget", None)
     if budget is None:
         return True
-    tokens = core.kv_capacity_tokens
-    per_token = budget.kv // tokens if tokens else 0
-    need = budget.weights + budget.activations + KV_TOKENS * per_token + PREFIX_BYTES
+    need = budget.weights + budget.activations + KV_TOKENS * core.kv_bytes_per_token + PREFIX_BYTES
     if need <= budget.free_for_others:
         return True
     log.info("warm-up: no piece helper process (it would hold %.1f GiB beside the server, %.1f GiB are left to "
