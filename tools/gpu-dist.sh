@@ -8,7 +8,8 @@
 #   PART=8b:  tools/allsum_probe.py (per-call cost of NCCL's all_sum / all_gather at the 8B and 32B widths),
 #             then the random 4-bit Qwen3-8B shape: layouts 1, tp2, pp2, a rank killed under streams (tp2, pp2).
 #   PART=32b: the random bf16 Qwen3-32B shape (built once, ~65 GB, in /dev/shm when it has room: written and
-#             read back at memory speed, and still there for a later call on the same machine): 1, tp2, pp2.
+#             read back at memory speed, and still there for a later call on the same machine): 1, tp2, pp2,
+#             then tools/tp_step_probe.py (mlx-lm's own tensor parallel on the same shape).
 # Env: CALL_S (the time this whole run may take, default 585 s: each step's limit is what is left of it),
 # BENCH_ARGS (more `bench distributed` flags), BENCH_S (the bench's time limit), LAYOUTS (default 1,tp2,pp2).
 set -uo pipefail
@@ -33,7 +34,7 @@ echo "part $part, models in $root (/dev/shm free: ${shm_free:-?} GB)"; mkdir -p 
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
 bench=(python3 -m mlxserve.server.cli bench distributed --model-root "$root" --startup-timeout 300
-       --layouts "${LAYOUTS:-1,tp2,pp2}" --server-flag=--distributed-timeout=60)
+       --layouts "${LAYOUTS:-1,tp2,pp2}" --server-flag=--distributed-timeout=60 --kernel-cache fresh)
 read -ra extra <<< "${BENCH_ARGS:-}"
 case $part in
   8b)
@@ -55,15 +56,12 @@ case $part in
 import sys; from pathlib import Path; from mlxserve.bench.distributed import ensure_shape
 print(ensure_shape(Path(sys.argv[1]), 'qwen3-32b', None))" "$root" 2>&1 | tail -3
     echo "32B folder ready after $(( $(date +%s) - start )) s: $(du -sh "$root/qwen3-32b-floatbit" | cut -f1)"
-    # Debug logs: every rank's step timeline (rank 1: how long it waited for each plan, how long it ran).
-    timeout -s INT -k 15 "${BENCH_S:-$(left)}" "${bench[@]}" --shapes qwen3-32b --bits 0 --waves 1 --warmup 1 \
-      --server-flag=--log-level=debug --output-json "$out/dist-32b.json" "${extra[@]}" > "$out/dist-32b.log" 2>&1
+    timeout -s INT -k 15 "${BENCH_S:-$(( $(left) - 110 ))}" "${bench[@]}" --shapes qwen3-32b --bits 0 --waves 1 \
+      --warmup 1 --output-json "$out/dist-32b.json" "${extra[@]}" > "$out/dist-32b.log" 2>&1
     echo "32B part: exit $?"; grep -v "httpx" "$out/dist-32b.log" | tail -16
-    if [ "$(left)" -gt 100 ]; then  # tensor parallel again without MLX-CUDA's graphs (the probe's other setting)
-      MLX_USE_CUDA_GRAPHS=0 timeout -s INT -k 15 "$(left)" "${bench[@]}" --layouts tp2 --shapes qwen3-32b \
-        --bits 0 --waves 1 --warmup 1 --concurrency 1,16 --output-json "$out/dist-32b-nographs.json" \
-        "${extra[@]}" > "$out/dist-32b-nographs.log" 2>&1
-      echo "32B tp2 without CUDA graphs: exit $?"; grep -v "httpx" "$out/dist-32b-nographs.log" | tail -6
+    if [ "$(left)" -gt 100 ]; then  # mlx-lm's own tensor parallel, graphs off as the server runs it
+      MLX_USE_CUDA_GRAPHS=0 timeout "$(( $(left) - 5 ))" python3 tools/tp_step_probe.py --backend nccl \
+        --shape qwen3-32b 2>&1 | grep '^{' | tee "$out/tp-probe.jsonl"
     fi ;;
   *) echo "PART must be 8b or 32b"; exit 2 ;;
 esac
