@@ -54,8 +54,9 @@ CUDA_GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
 def cuda_graphs_setting(dist: DistributedConfig, environ=os.environ) -> str | None:
     """Tensor parallel over NCCL runs without MLX-CUDA's graphs unless MLX_USE_CUDA_GRAPHS says otherwise.
     MLX captures every collective into the step's graph (stream capture of the NCCL call): a decode step of a
-    split model, two all-reduces a layer, spent more host time capturing than the graphs saved. 8B 4-bit shape
-    on 2 GPUs, one stream: 48-72 tok/s with graphs, 99-118 without (docs/distributed.md). MLX reads the
+    split model, two all-reduces a layer, spent more host time capturing than the graphs saved: on 2 GPUs a lone
+    stream's step took 68-82 ms with graphs against 12.5 ms without (8B 4-bit shape), 49.2 against 26.4 ms (32B
+    bf16; docs/distributed.md). MLX reads the
     variable once, at its first kernel, so this runs before any rank computes (the ranks mlxserve starts
     inherit it). Returns the value set, or None where nothing was changed."""
     if dist.backend != "nccl" or dist.tensor_parallel < 2 or CUDA_GRAPHS_ENV in environ:
