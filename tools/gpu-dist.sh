@@ -56,7 +56,8 @@ case $part in
 import sys; from pathlib import Path; from mlxserve.bench.distributed import ensure_shape
 print(ensure_shape(Path(sys.argv[1]), 'qwen3-32b', None))" "$root" 2>&1 | tail -3
     echo "32B folder ready after $(( $(date +%s) - start )) s: $(du -sh "$root/qwen3-32b-floatbit" | cut -f1)"
-    timeout -s INT -k 15 "${BENCH_S:-$(( $(left) - 110 ))}" "${bench[@]}" --shapes qwen3-32b --bits 0 --waves 1 \
+    limit=$(( $(left) - 110 )); [ "$limit" -gt 60 ] || limit=60  # (the probe after it takes ~100 s)
+    timeout -s INT -k 15 "${BENCH_S:-$limit}" "${bench[@]}" --shapes qwen3-32b --bits 0 --waves 1 \
       --warmup 1 --output-json "$out/dist-32b.json" "${extra[@]}" > "$out/dist-32b.log" 2>&1
     echo "32B part: exit $?"; grep -v "httpx" "$out/dist-32b.log" | tail -16
     if [ "$(left)" -gt 100 ]; then  # mlx-lm's own tensor parallel, graphs off as the server runs it

@@ -156,7 +156,7 @@ def test_the_helpers_reports_move_the_layers_dequantize_limit(qwen3_4bit_model_d
     assert layer.tiled_rows == ALL_TILED_ROWS and warm2.report.helper == "done"  # everything compiled: no limit
 
 
-def test_run_pieces_does_not_wait_for_the_helper(qwen3_4bit_model_dir):
+def test_run_to_end_without_the_helpers_does_not_wait_for_them(qwen3_4bit_model_dir):
     # A distributed engine's ranks run every piece before serving; the helper's compiles go on while it serves.
     loaded = load_model(str(qwen3_4bit_model_dir))
     fold_quantized_rows(loaded.model)
@@ -164,7 +164,7 @@ def test_run_pieces_does_not_wait_for_the_helper(qwen3_4bit_model_dir):
     layer = loaded.model.model.layers[0].self_attn.q_proj
     helper = _Helper()
     warm = BackgroundWarmup(8, core.runner.buckets, compiler=helper, model=loaded.model)
-    warm.run_pieces(core)
+    warm.run_to_end(core, helpers=False)
     assert warm.report.pieces_done == PIECES and not warm.finished and not core.has_work
     assert layer.tiled_rows == 7 and warm.report.helper == "compiling"  # every piece ran on dequantized rows
     helper.queued += [("ready", 16, 5.0), ("done", 0, 6.0)]

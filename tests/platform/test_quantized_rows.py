@@ -125,6 +125,8 @@ def test_tensor_parallel_shards_dequantize_like_the_other_layers(monkeypatch, ro
     from mlxserve.platform.quantized_rows import row_layers
 
     group = mx.distributed.init()
+    # Two ranks' all-reduce of equal partial products: a bias added before the sum would show twice.
+    monkeypatch.setattr(mx.distributed, "all_sum", lambda x, group=None, stream=None: 2 * x)
     mx.random.seed(5)
     holder = nn.Module()
     holder.up = shard_linear(nn.QuantizedLinear(64, 128, bias=True), "all-to-sharded", group=group)
@@ -132,7 +134,7 @@ def test_tensor_parallel_shards_dequantize_like_the_other_layers(monkeypatch, ro
     holder.up.bias = mx.random.normal((128,))
     holder.down.bias = mx.random.normal((64,))
     x = mx.random.normal((rows, 1, 64))
-    want = holder.down(holder.up(x))
+    want = holder.down(holder.up(x))  # mlx's own shard layers, on the same doubled all-reduce
     fold_quantized_rows(holder, dequant_rows=128)
     assert len(row_layers(holder)) == 2
     calls = []

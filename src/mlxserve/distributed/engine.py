@@ -32,6 +32,7 @@ from mlxserve.engine.request import Request
 from mlxserve.engine.runner.model_runner import ModelRunner, StepTokens
 from mlxserve.engine.scheduler import SchedulerOutput
 from mlxserve.memory.profile import startup_budget
+from mlxserve.platform.quantized_rows import row_layers, set_tiled_rows
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class RankContext:
     channel: Channel
     seed: int
     supervisor: Any = None  # rank 0 only: supervisor.Supervisor
+    one_host: bool = False  # rank 0 only: every rank runs on its host (and shares its kernel cache)
 
     @property
     def rank(self) -> int:
@@ -137,9 +139,7 @@ class DistributedRunner(ModelRunner):
         self._forwards: dict[int, list[tuple]] = {}  # rank 0: step -> the forwards it ran (recent steps)
         self._calls: list[tuple] = []  # the forwards of the last step
         self.model = wrap(self.model, staged=ctx.dist.pipeline_parallel > 1)
-        from mlxserve.platform.quantized_rows import row_layers
-
-        self._row_layers = row_layers(self.model.model)
+        self._row_layers = row_layers(self.model.model)  # (walked once: the plan's limit is applied each step)
 
     @property
     def num_steps(self) -> int:
@@ -232,8 +232,7 @@ class DistributedRunner(ModelRunner):
         if plan.sched is None:
             return False
         if plan.tiled_rows is not None and self._row_layers and self._row_layers[0].tiled_rows != plan.tiled_rows:
-            for layer in self._row_layers:
-                layer.tiled_rows = plan.tiled_rows
+            set_tiled_rows(self._row_layers, plan.tiled_rows)
         for request in plan.new_requests:
             self._requests[request.request_id] = request
         what = describe(plan.sched, self._step)
@@ -300,21 +299,26 @@ class DistributedEngineCore(EngineCore):
         if len(blocks) not in (0, len(everyone)):
             raise ValueError("some ranks have a prefix cache and others none: start them with the same flags")
 
-    def warmup(self, max_batch: int, prompt_len: int = 16) -> None:
+    def warmup(self, max_batch: int, prompt_len: int = 16, background: bool = False) -> None:
         """Rank 0 drives it: every warm-up step is a plan the other ranks run too (same shapes, same kernels
-        compiled on every rank at the same time). On MLX-CUDA the tiled quantized kernels compile in helper
-        processes meanwhile (engine/warmup.py), as one rank's do: until they are ready the quantized layers
-        dequantize those rows, on every rank (the plans carry the limit). What the helpers have left when the
-        pieces are done goes on while serving (`background_warmup`, polled by the engine loop). The helpers
-        compile into rank 0's kernel cache, which the ranks on its host share; a rank on another host compiles
-        a tiled kernel itself at the step that switches to it."""
+        compiled on every rank at the same time). On MLX-CUDA, where every rank runs on rank 0's host (and
+        shares its kernel cache), the tiled quantized kernels compile in helper processes meanwhile
+        (engine/warmup.py), as one rank's do: until they are ready the quantized layers dequantize those rows,
+        on every rank (the plans carry the limit). `background` (`--warmup auto` / `background`): what the
+        helpers have left once the pieces are done goes on while serving (`background_warmup`, polled by the
+        engine loop); otherwise it is waited for. Ranks on other hosts would meet a switch to the tiled kernels
+        with an empty cache and compile inside a serving step: there the warm-up compiles them itself."""
         from mlxserve.engine.warmup import BackgroundWarmup, tile_compiler
         from mlxserve.platform.backend import is_cuda
 
         log.info("warm-up over %d ranks starts", self.ctx.dist.world_size)
-        compiler = tile_compiler(self) if is_cuda() else None
+        compiler = tile_compiler(self) if is_cuda() and self.ctx.one_host else None
         warm = BackgroundWarmup(max_batch, self.runner.buckets, prompt_len, compiler=compiler, model=self.runner.model)
-        warm.run_pieces(self)
+        try:
+            warm.run_to_end(self, helpers=not background)
+        except BaseException:
+            warm.close()
+            raise
         if not warm.finished:
             self.background_warmup = warm
 

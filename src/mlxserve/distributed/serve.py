@@ -84,11 +84,13 @@ def differences(everyone: list[Identity]) -> str | None:
     return "; ".join(problems) or None
 
 
-def _check_ranks(channel: Channel, source: str) -> None:
+def _check_ranks(channel: Channel, source: str) -> bool:
+    """Stops every rank where they differ. Returns, on rank 0, whether all ranks run on its host."""
     everyone = channel.gather(identity(channel.rank, source))
     verdict = channel.broadcast(differences(everyone) if channel.rank == 0 else None)
     if verdict is not None:
         raise ValueError(f"the ranks differ: {verdict}")
+    return everyone is not None and all(i.host == everyone[0].host for i in everyone)
 
 
 def serve_distributed(config: ServerConfig, dist: DistributedConfig) -> int:
@@ -164,9 +166,9 @@ def _build_lead(config: ServerConfig, dist: DistributedConfig, channel: Any, sup
     source = model_specs(config)[0].source  # the demo model when none is named
     setup = Setup(source, config.engine, dist, random.getrandbits(32))
     channel.broadcast(setup)
-    _check_ranks(channel, source)
+    one_host = _check_ranks(channel, source)
     loaded = load_text_side(source)
-    ctx = RankContext(dist, channel, setup.seed, supervisor)
+    ctx = RankContext(dist, channel, setup.seed, supervisor, one_host=one_host)
     loaded.make_engine_core = functools.partial(_lead_core, ctx=ctx, group=group, source=source)
     app = build_app(config, loaded)
     ready = make_ready_hook(config, app.state.models, app.state.model_specs, port)

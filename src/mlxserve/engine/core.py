@@ -224,7 +224,8 @@ class EngineCore:
         self._forget(request_id)
         return RequestOutput(request_id, [], "", request.num_prompt_tokens, request.num_output_tokens, error=message)
 
-    def warmup(self, max_batch: int, prompt_len: int = 16) -> None:
+    def warmup(self, max_batch: int, prompt_len: int = 16, background: bool = False) -> None:
+        # `background` matters to a distributed core only (its ranks warm up in step before serving).
         warm_up(self, max_batch, prompt_len)  # warmup.py
 
     def describe_last_step(self) -> str:

@@ -145,21 +145,13 @@ class BackgroundWarmup:
         self._step_started = None  # the step about to run is the request's, not the warm-up's
         self.report.num_interrupted += 1
 
-    def run_to_end(self, core: Any) -> None:
-        """Every piece now, and the helper's compiles waited for (nothing else runs meanwhile)."""
-        while not self.finished:
+    def run_to_end(self, core: Any, helpers: bool = True) -> None:
+        """Every piece now, nothing else running meanwhile, and the helpers' compiles waited for; with
+        `helpers=False` only the pieces: the helpers' reports go on applying in `between_steps` (a distributed
+        engine's ranks warm up in step before serving, and compile no tiled kernel meanwhile)."""
+        while not (self.finished or (not helpers and self._pieces_over)):
             wait = self.between_steps(core)
-            if wait:
-                time.sleep(wait)
-            elif core.has_work:
-                core.step()
-
-    def run_pieces(self, core: Any) -> None:
-        """Every piece now, without waiting for the tile helper: its reports go on applying in `between_steps`
-        (a distributed engine's ranks warm up before serving, in step, and compile no tiled kernel meanwhile)."""
-        while not (self._pieces_over or self.finished):
-            wait = self.between_steps(core)
-            if wait and not self._pieces_over:
+            if wait and not (not helpers and self._pieces_over):
                 time.sleep(wait)
             elif core.has_work:
                 core.step()
@@ -308,14 +300,15 @@ def tile_compiler(core: Any) -> Any:
 def piece_helper_fits(core: Any) -> bool:
     """Whether the piece helper (engine/warmup_helper.py), which loads the model a second time with a small KV
     budget, fits beside the server in the memory its budget leaves to other processes. A 32B bf16 model on one
-    141-GB GPU does not: the helper's load took the memory the server's own steps then failed to get. A server
-    without a budget keeps the helper."""
+    140-GiB GPU does not: the helper's load took the memory the server's own steps then failed to get. A server
+    without a budget keeps the helper. (A draft model's share of the budget is counted too, though the helper
+    runs without one: the estimate errs towards no helper.)"""
     from mlxserve.engine.warmup_helper import KV_TOKENS, PREFIX_BYTES
 
     budget = getattr(core, "budget", None)
     if budget is None:
         return True
-    need = budget.weights + budget.activations + KV_TOKENS * core.kv_bytes_per_token + PREFIX_BYTES
+    need = budget.weights + budget.activations + KV_TOKENS * getattr(core, "kv_bytes_per_token", 0) + PREFIX_BYTES
     if need <= budget.free_for_others:
         return True
     log.info("warm-up: no piece helper process (it would hold %.1f GiB beside the server, %.1f GiB are left to "

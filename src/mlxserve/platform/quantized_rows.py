@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -64,12 +63,13 @@ def _folded(matmul, x: mx.array, layer=None, add_bias: bool = True) -> mx.array:
     return matmul(x)
 
 
-def _quantized_matmul(layer) -> Callable[[mx.array], mx.array]:
+class _ShardMatmul:
     """The shard's quantized matmul alone: no bias, and no `sum_gradients` node (mlx's shard layers add one
     on every call for training's backward; serving has none, and it costs host time in every layer)."""
-    return lambda x: mx.quantized_matmul(x, layer["weight"], scales=layer["scales"], biases=layer.get("biases"),
-                                         transpose=True, group_size=layer.group_size, bits=layer.bits,
-                                         mode=getattr(layer, "mode", "affine"))
+
+    def _matmul(self, x: mx.array) -> mx.array:
+        return mx.quantized_matmul(x, self["weight"], scales=self["scales"], biases=self.get("biases"), transpose=True,
+                                   group_size=self.group_size, bits=self.bits, mode=getattr(self, "mode", "affine"))
 
 
 class RowsQuantizedLinear(nn.QuantizedLinear):
@@ -95,21 +95,21 @@ _REPLACEMENTS: dict[type, type] = {nn.QuantizedLinear: RowsQuantizedLinear,
 try:  # tensor-parallel shards (mlx-lm's `shard` builds these): the same matmul, the same dequantize switch
     from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear
 
-    class RowsQuantizedAllToShardedLinear(QuantizedAllToShardedLinear):
+    class RowsQuantizedAllToShardedLinear(_ShardMatmul, QuantizedAllToShardedLinear):
         dequant_rows = DEQUANT_ROWS
         tiled_rows = ALL_TILED_ROWS
 
         def __call__(self, x: mx.array) -> mx.array:
-            y = _folded(_quantized_matmul(self), x, self, add_bias=False)
+            y = _folded(self._matmul, x, self, add_bias=False)
             return y + self["bias"] if "bias" in self else y
 
-    class RowsQuantizedShardedToAllLinear(QuantizedShardedToAllLinear):
+    class RowsQuantizedShardedToAllLinear(_ShardMatmul, QuantizedShardedToAllLinear):
         dequant_rows = DEQUANT_ROWS
         tiled_rows = ALL_TILED_ROWS
 
         def __call__(self, x: mx.array) -> mx.array:
             # Every rank's partial product, summed; the bias once, after the sum.
-            y = mx.distributed.all_sum(_folded(_quantized_matmul(self), x, self, add_bias=False), group=self.group)
+            y = mx.distributed.all_sum(_folded(self._matmul, x, self, add_bias=False), group=self.group)
             return y + self["bias"] if "bias" in self else y
 
     _REPLACEMENTS[QuantizedAllToShardedLinear] = RowsQuantizedAllToShardedLinear
@@ -161,10 +161,11 @@ def row_layers(model: nn.Module) -> list[nn.Module]:
     return [m for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module) if isinstance(m, ROW_LAYERS)]
 
 
-def set_tiled_rows(model: nn.Module, rows: int) -> int:
-    """Row counts up to `rows` take the tiled kernel in the model's row-folding layers, more (from _MIN_ROWS
-    on) dequantize + matmul; ALL_TILED_ROWS: no limit. Returns how many layers were set."""
-    layers = row_layers(model)
+def set_tiled_rows(model: "nn.Module | list[nn.Module]", rows: int) -> int:
+    """Row counts up to `rows` take the tiled kernel in the model's row-folding layers (or in the list of them
+    given), more (from _MIN_ROWS on) dequantize + matmul; ALL_TILED_ROWS: no limit. Returns how many layers
+    were set."""
+    layers = model if isinstance(model, list) else row_layers(model)
     for layer in layers:
         layer.tiled_rows = rows
     return len(layers)

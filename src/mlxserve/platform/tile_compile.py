@@ -57,33 +57,25 @@ def tile_checkpoints(buckets: list[int] | None, limit: int) -> list[int]:
 def tiled_row_limit(model: Any, default: int = 256) -> int:
     """Rows from which the model's row-folding layers dequantize anyway (their smallest `dequant_rows`), or
     `default` where none does: the row counts worth compiling tiled kernels for lie below it."""
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
+    from mlxserve.platform.quantized_rows import row_layers
 
-    from mlxserve.platform.quantized_rows import ROW_LAYERS
-
-    limits = [m.dequant_rows for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
-              if isinstance(m, ROW_LAYERS) and m.dequant_rows > 0]
+    limits = [m.dequant_rows for m in row_layers(model) if m.dequant_rows > 0]
     return min(limits, default=default)
 
 
 def quantized_shapes(model: Any) -> list[list]:
     """The distinct matmul problems of the model's row-folding quantized layers (quantized_rows.py), as
     [out features, in features, bits, group size, mode, activation dtype, has biases]."""
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
-
-    from mlxserve.platform.quantized_rows import ROW_LAYERS
+    from mlxserve.platform.quantized_rows import row_layers
 
     shapes = set()
-    for _, layer in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
-        if isinstance(layer, ROW_LAYERS):
-            out_features, packed = layer["weight"].shape
-            mode = getattr(layer, "mode", "affine")
-            # Affine scales have the activations' dtype; the float modes' are uint8 (bf16 activations then).
-            dtype = str(layer["scales"].dtype).rsplit(".", 1)[-1] if mode == "affine" else "bfloat16"
-            shapes.add((out_features, packed * 32 // layer.bits, layer.bits, layer.group_size, mode, dtype,
-                        layer.get("biases") is not None))
+    for layer in row_layers(model):
+        out_features, packed = layer["weight"].shape
+        mode = getattr(layer, "mode", "affine")
+        # Affine scales have the activations' dtype; the float modes' are uint8 (bf16 activations then).
+        dtype = str(layer["scales"].dtype).rsplit(".", 1)[-1] if mode == "affine" else "bfloat16"
+        shapes.add((out_features, packed * 32 // layer.bits, layer.bits, layer.group_size, mode, dtype,
+                    layer.get("biases") is not None))
     return [list(s) for s in sorted(shapes)]
 
 
