@@ -242,12 +242,15 @@ def test_a_follower_takes_rank_0s_tiled_kernel_limit(qwen3_4bit_model_dir):
     plans = [StepPlan(0, SchedulerOutput(), tiled_rows=7), StepPlan(1, SchedulerOutput(), digest=empty),
              StepPlan(2, SchedulerOutput(), digest=empty, tiled_rows=ALL_TILED_ROWS)]
     runner.attach(RankContext(DistributedConfig(tensor_parallel=2), _FakeChannel(plans), seed=0))
+    seen = []  # the limit each step ran with: set before the step, not after
+    run = runner._run
+    runner._run = lambda *a: seen.append(row_layers(model)[0].tiled_rows) or run(*a)
     assert runner.follow()
-    assert {layer.tiled_rows for layer in row_layers(model)} == {7}
+    assert {layer.tiled_rows for layer in row_layers(model)} == {7} and seen == [7]
     assert runner.follow()  # a plan without a limit (a model without such layers on rank 0) changes nothing
     assert {layer.tiled_rows for layer in row_layers(model)} == {7}
     assert runner.follow()
-    assert {layer.tiled_rows for layer in row_layers(model)} == {ALL_TILED_ROWS}
+    assert {layer.tiled_rows for layer in row_layers(model)} == {ALL_TILED_ROWS} and seen == [7, 7, ALL_TILED_ROWS]
 
 
 class _ScriptedFollower(Channel):

@@ -231,7 +231,7 @@ def test_the_piece_helper_starts_only_where_a_second_copy_of_the_model_fits(load
     from mlxserve.engine.warmup_helper import KV_TOKENS, PREFIX_BYTES
 
     gib = 2**30
-    # 61 GiB of weights with 13 GiB left to other processes (a 32B bf16 model on one 141-GB GPU): no helper.
+    # 61 GiB of weights with 13 GiB left to other processes (a 32B bf16 model on one 140-GiB GPU): no helper.
     big = SimpleNamespace(budget=SimpleNamespace(weights=61 * gib, activations=7 * gib, kv=44 * gib,
                                                  free_for_others=13 * gib), kv_bytes_per_token=262_144)
     assert not warmup.piece_helper_fits(big)

@@ -64,8 +64,9 @@ def _folded(matmul, x: mx.array, layer=None, add_bias: bool = True) -> mx.array:
 
 
 class _ShardMatmul:
-    """The shard's quantized matmul alone: no bias, and no `sum_gradients` node (mlx's shard layers add one
-    on every call for training's backward; serving has none, and it costs host time in every layer)."""
+    """The shard's quantized matmul alone, without the bias, and without the `sum_gradients` node mlx's
+    all-to-sharded layer adds on every call (identity forward, for training's backward: serving has none, and
+    it costs host time in every layer; these classes are inference-only)."""
 
     def _matmul(self, x: mx.array) -> mx.array:
         return mx.quantized_matmul(x, self["weight"], scales=self["scales"], biases=self.get("biases"), transpose=True,
