@@ -132,13 +132,18 @@ def test_the_engine_is_ready_before_the_warmup_ends_and_serves_during_it(loaded)
     assert helper.closed  # the warm-up ends the helper process (the engine's stop does too)
 
 
-def test_the_helpers_reports_move_the_layers_dequantize_limit(qwen3_4bit_model_dir):
-    loaded = load_model(str(qwen3_4bit_model_dir))
+def _folded_core_with_fake_helper(model_dir):
+    """A 4-bit model's core with row-folding layers, one of those layers, and a warm-up whose tile helper is fake."""
+    loaded = load_model(str(model_dir))
     fold_quantized_rows(loaded.model)
     core = EngineCore(loaded.model, loaded.tokenizer, CONFIG, 4096, make_buckets(8))
-    layer = loaded.model.model.layers[0].self_attn.q_proj
     helper = _Helper()
     warm = BackgroundWarmup(8, core.runner.buckets, compiler=helper, model=loaded.model)
+    return loaded, core, loaded.model.model.layers[0].self_attn.q_proj, helper, warm
+
+
+def test_the_helpers_reports_move_the_layers_dequantize_limit(qwen3_4bit_model_dir):
+    loaded, core, layer, helper, warm = _folded_core_with_fake_helper(qwen3_4bit_model_dir)
     assert layer.tiled_rows == 7  # nothing compiled yet: 8 rows and more dequantize
     helper.queued.append(("ready", 16, 40.0))
     warm.between_steps(core)
@@ -158,12 +163,7 @@ def test_the_helpers_reports_move_the_layers_dequantize_limit(qwen3_4bit_model_d
 
 def test_run_to_end_without_the_helpers_does_not_wait_for_them(qwen3_4bit_model_dir):
     # A distributed engine's ranks run every piece before serving; the helper's compiles go on while it serves.
-    loaded = load_model(str(qwen3_4bit_model_dir))
-    fold_quantized_rows(loaded.model)
-    core = EngineCore(loaded.model, loaded.tokenizer, CONFIG, 4096, make_buckets(8))
-    layer = loaded.model.model.layers[0].self_attn.q_proj
-    helper = _Helper()
-    warm = BackgroundWarmup(8, core.runner.buckets, compiler=helper, model=loaded.model)
+    _, core, layer, helper, warm = _folded_core_with_fake_helper(qwen3_4bit_model_dir)
     warm.run_to_end(core, helpers=False)
     assert warm.report.pieces_done == PIECES and not warm.finished and not core.has_work
     assert layer.tiled_rows == 7 and warm.report.helper == "compiling"  # every piece ran on dequantized rows
