@@ -149,9 +149,11 @@ class BackgroundWarmup:
         """Every piece now, nothing else running meanwhile, and the helpers' compiles waited for; with
         `helpers=False` only the pieces: the helpers' reports go on applying in `between_steps` (a distributed
         engine's ranks warm up in step before serving, and compile no tiled kernel meanwhile)."""
-        while not (self.finished or (not helpers and self._pieces_over)):
+        while not self.finished:
             wait = self.between_steps(core)
-            if wait and not (not helpers and self._pieces_over):
+            if not helpers and self._pieces_over:
+                return
+            if wait:
                 time.sleep(wait)
             elif core.has_work:
                 core.step()
@@ -308,7 +310,7 @@ def piece_helper_fits(core: Any) -> bool:
     budget = getattr(core, "budget", None)
     if budget is None:
         return True
-    need = budget.weights + budget.activations + KV_TOKENS * getattr(core, "kv_bytes_per_token", 0) + PREFIX_BYTES
+    need = budget.weights + budget.activations + KV_TOKENS * core.kv_bytes_per_token + PREFIX_BYTES
     if need <= budget.free_for_others:
         return True
     log.info("warm-up: no piece helper process (it would hold %.1f GiB beside the server, %.1f GiB are left to "

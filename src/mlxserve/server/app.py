@@ -70,10 +70,8 @@ def make_engine(loaded: LoadedModel, config: EngineConfig, max_model_len: int, l
 
             core.background_warmup = make_warmup(core, config.max_num_seqs, compile_tiles=per_shape,
                                                  source=loaded.source)
-        elif mode == "on":
-            core.warmup(config.max_num_seqs)
-        elif mode == "background":  # a distributed core: its ranks run the pieces in step before serving
-            core.warmup(config.max_num_seqs, background=True)
+        elif mode != "off":  # `background` here: a distributed core, whose ranks run the pieces in step first
+            core.warmup(config.max_num_seqs, background=mode == "background")
         return core
 
     return AsyncEngine(make_core, max_num_waiting=config.max_num_waiting)
