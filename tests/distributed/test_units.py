@@ -131,6 +131,25 @@ def test_a_follower_error_or_exit_reaches_rank_0_at_once():
         lead.close()
 
 
+def test_rank_0s_hang_up_after_its_last_broadcast_is_no_loss():
+    """A follower still closing its engine when rank 0 hangs up after the shutdown plan exits 0: rank 0's
+    hang-up then is the end. Before that plan the same hang-up is a loss (the follower may be stuck)."""
+    lead, followers, lost = _pair(3)
+    try:
+        lead.broadcast("step 0")
+        lead.broadcast_last("shut down")
+        lead.close()  # before either follower has read a thing: both are still "closing their engine"
+        for f in followers.values():
+            assert f.broadcast() == "step 0" and f.broadcast() == "shut down"
+            with pytest.raises(LostRank):  # its reader saw the hang-up (and decided) before queueing this
+                f.broadcast()
+        assert lost == {"lead": [], 1: [], 2: []}
+    finally:
+        lead.close()
+        for f in followers.values():
+            f.close()
+
+
 def test_the_control_port_refuses_a_connection_without_the_token():
     server = ControlServer()
     host, port = server.address.split("/")[0].rsplit(":", 1)

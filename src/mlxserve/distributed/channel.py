@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 _HEAD = struct.Struct("<QB")
 _HELLO = struct.Struct("<I32s")  # rank, token: checked before anything on the connection is unpickled
-BROADCAST, GATHER, STEP, PHASE, ERROR, BYE = b"BGSPEX"
+BROADCAST, GATHER, STEP, PHASE, ERROR, BYE, LAST = b"BGSPEXL"
 HEARTBEAT_S = 1.0  # a follower reports its phase this often, so rank 0 can say what it waits on
 
 
@@ -96,6 +96,11 @@ class Channel:
 
     def broadcast(self, obj: Any = None) -> Any:
         raise NotImplementedError
+
+    def broadcast_last(self, obj: Any) -> None:
+        """Rank 0's last broadcast (the shutdown plan): a follower that got it takes rank 0's hang-up
+        that follows as the end, not as a loss, even while it is still closing its engine."""
+        self.broadcast(obj)
 
     def gather(self, obj: Any) -> list[Any] | None:
         raise NotImplementedError
@@ -163,13 +168,16 @@ class LeadChannel(Channel):
         if not self.closing:
             self.on_lost(reason)
 
-    def broadcast(self, obj: Any = None) -> Any:
+    def broadcast(self, obj: Any = None, kind: int = BROADCAST) -> Any:
         for rank, conn in self._conns.items():
             try:
-                _send(conn, self._locks[rank], BROADCAST, obj)
+                _send(conn, self._locks[rank], kind, obj)
             except OSError as exc:
                 raise LostRank(f"sending to rank {rank} failed: {exc}") from exc
         return obj
+
+    def broadcast_last(self, obj: Any) -> None:
+        self.broadcast(obj, LAST)
 
     def gather(self, obj: Any, timeout_s: float | None = None) -> list[Any]:
         everyone = [obj]
@@ -205,6 +213,7 @@ class FollowerChannel(Channel):
         self._inbox: queue.Queue = queue.Queue()
         self._phase = "connected"
         self._stop = threading.Event()
+        self._ended = False  # rank 0's last broadcast came: its hang-up is the end, not a loss
         self.on_lost = on_lost
         threading.Thread(target=self._read, name="mlxserve-rank0-reader", daemon=True).start()
         threading.Thread(target=self._beat, name="mlxserve-heartbeat", daemon=True).start()
@@ -214,11 +223,14 @@ class FollowerChannel(Channel):
             try:
                 kind, obj = _recv(self._sock)
             except (OSError, ConnectionError, EOFError, pickle.UnpicklingError) as exc:
-                self._inbox.put(LostRank(f"rank 0 closed its connection ({exc})"))
-                if not self._stop.is_set():
+                # Before the last broadcast the main thread may be stuck in a collective that rank 0
+                # will never join; after it, the main thread is only closing its engine (and exits 0).
+                if not self._stop.is_set() and not self._ended:
                     self.on_lost(f"rank 0 closed its connection ({exc})")
+                self._inbox.put(LostRank(f"rank 0 closed its connection ({exc})"))
                 return
-            if kind == BROADCAST:
+            if kind in (BROADCAST, LAST):
+                self._ended = kind == LAST
                 self._inbox.put(obj)
 
     def _beat(self) -> None:

@@ -191,7 +191,7 @@ class DistributedRunner(ModelRunner):
     def shutdown(self) -> None:
         # Calls made since the last step (e.g. DELETE /v1/cache's SSD clear) still reach every rank.
         calls = self.store.take_calls() if isinstance(self.store, RecordingStore) else []
-        self.ctx.channel.broadcast(StepPlan(self._step, None, store_calls=calls))
+        self.ctx.channel.broadcast_last(StepPlan(self._step, None, store_calls=calls))
 
     # -- every rank ----------------------------------------------------------------------------
     def _run(self, sched: SchedulerOutput, requests: dict[str, Request]) -> StepTokens:
