@@ -38,8 +38,11 @@ def _stream_until_error(server, started: threading.Event, result: dict) -> None:
 
 @pytest.mark.parametrize("fault", ["kill", "stop"])
 def test_lost_rank_ends_streams_and_the_server(qwen3_model_dir, tmp_path, fault):
-    # "stop": SIGSTOP keeps the rank's connection open, so only the step timeout can notice it.
-    server = start_dist_server(qwen3_model_dir, tmp_path, "--tensor-parallel", "2", "--distributed-timeout", "5",
+    # "stop": SIGSTOP keeps the rank's connection open, so only the step timeout can notice it. A killed rank
+    # is seen by its closed connection: its test keeps the timeout out of the way (a slow step before the kill
+    # must not end the server first).
+    timeout = "20" if fault == "stop" else "600"
+    server = start_dist_server(qwen3_model_dir, tmp_path, "--tensor-parallel", "2", "--distributed-timeout", timeout,
                                "--max-model-len", "200000")
     (rank1,) = server.rank_pids()
     try:
@@ -73,9 +76,10 @@ def test_lost_rank_ends_streams_and_the_server(qwen3_model_dir, tmp_path, fault)
 
 
 def test_a_rank_dying_during_warm_up_fails_the_start_up_at_once(qwen3_model_dir, tmp_path):
-    # Warm-up steps run on every rank (rank 0 sends them as plans): rank 1 killed in the middle of it.
+    # Warm-up steps run on every rank (rank 0 sends them as plans): rank 1 killed in the middle of it. 256
+    # sequences make the warm-up long enough that the kill lands inside it on a fast machine too.
     server = spawn_dist_server(qwen3_model_dir, tmp_path, "--tensor-parallel", "2", "--warmup", "on",
-                               "--max-num-seqs", "32", "--distributed-timeout", "600")
+                               "--max-num-seqs", "256", "--distributed-timeout", "600")
     try:
         deadline = time.monotonic() + 150  # start-up bound on a shared CPU, not a timing check
         while "warm-up over 2 ranks starts" not in server.log():
@@ -83,13 +87,10 @@ def test_a_rank_dying_during_warm_up_fails_the_start_up_at_once(qwen3_model_dir,
             time.sleep(0.02)
         (rank1,) = server.rank_pids()
         os.kill(rank1, signal.SIGKILL)
-        killed = time.monotonic()
-        try:
+        try:  # far inside the 600-s step timeout: the dead rank itself was seen (it takes ~1 s)
             code = server.proc.wait(_EXIT_BOUND_S)
         except subprocess.TimeoutExpired:
             pytest.fail("the start-up did not end:\n" + server.log())
-        # Far inside the 600-s step timeout: the dead rank itself was seen (it takes ~1 s).
-        assert time.monotonic() - killed < _EXIT_BOUND_S
         assert code == STARTUP_EXIT_CODE, server.log()
         assert "start-up failed: rank 1" in server.log(), server.log()
     finally:

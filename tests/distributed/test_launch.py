@@ -19,9 +19,13 @@ from tests.distributed.conftest import _SRC, _free_port
 _BOUND_S = 150  # start-up and exit bounds, not timing checks
 
 
-def _launch(model_dirs, tmp_path, port):
+def _launch(model_dirs, tmp_path):
+    """The ranks, and the HTTP port: every port distinct (taken together, as mlxserve's own launch does)."""
+    from mlxserve.distributed.launch import _free_ports
+
+    port, *ring = _free_ports(len(model_dirs) + 1)
     hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{_free_port()}"] for _ in model_dirs]))
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring]))
     procs = []
     for rank, model_dir in enumerate(model_dirs):
         env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile),
@@ -31,7 +35,7 @@ def _launch(model_dirs, tmp_path, port):
             [sys.executable, "-m", "mlxserve.server.cli", "serve", str(model_dir), "--tensor-parallel", str(len(model_dirs)),
              "--port", str(port), "--served-model-name", "tiny", "--memory-mode", "dedicated", "--no-web-ui"],
             stdout=log, stderr=subprocess.STDOUT, env=env))
-    return procs
+    return procs, port
 
 
 def _logs(tmp_path, n):
@@ -51,17 +55,18 @@ def _wait_all(procs, timeout_s):
 
 
 def test_launched_ranks_serve_and_stop_together(qwen3_model_dir, tmp_path):
-    port = _free_port()
-    procs = _launch([qwen3_model_dir, qwen3_model_dir], tmp_path, port)
+    procs, port = _launch([qwen3_model_dir, qwen3_model_dir], tmp_path)
     try:
         deadline = time.monotonic() + _BOUND_S
-        while time.monotonic() < deadline:
+        while True:
             assert all(p.poll() is None for p in procs), _logs(tmp_path, 2)
+            assert time.monotonic() < deadline, "not ready:\n" + _logs(tmp_path, 2)
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
-                time.sleep(0.5)
+                pass
+            time.sleep(0.5)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"model": "tiny", "prompt": "hello", "max_tokens": 5, "temperature": 0})
         assert r.status_code == 200, r.text
@@ -75,7 +80,7 @@ def test_launched_ranks_serve_and_stop_together(qwen3_model_dir, tmp_path):
 
 
 def test_a_rank_with_another_model_is_named(qwen3_model_dir, llama_model_dir, tmp_path):
-    procs = _launch([qwen3_model_dir, llama_model_dir], tmp_path, _free_port())
+    procs, _ = _launch([qwen3_model_dir, llama_model_dir], tmp_path)
     codes = _wait_all(procs, _BOUND_S)
     logs = _logs(tmp_path, 2)
     assert "hung" not in codes, logs
@@ -107,3 +112,16 @@ def test_tensor_parallel_over_nccl_turns_cuda_graphs_off_unless_told():
                  DistributedConfig(pipeline_parallel=2, backend="nccl")):
         env = {}
         assert cuda_graphs_setting(dist, env) is None and env == {}
+
+
+def test_ranks_told_to_shut_down_get_to_close_by_themselves():
+    """Rank 0 waits for ranks it told to shut down (they flush their SSD tier) before ending the rest."""
+    from mlxserve.distributed.launch import LocalRanks
+
+    closing = [sys.executable, "-c", "import time; time.sleep(1.5)"]  # a rank still flushing its blocks
+    told = LocalRanks([subprocess.Popen(closing)])
+    told.stop(grace_s=_BOUND_S)
+    assert told.children[0].returncode == 0
+    untold = LocalRanks([subprocess.Popen(closing)])
+    untold.stop()  # a rank that was not told (a failed start, a lost rank) is ended at once
+    assert untold.children[0].returncode == -signal.SIGTERM

@@ -51,6 +51,7 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=60)
+        assert not self.thread.is_alive(), "the test server did not stop"  # what follows reads its files
 
 
 def start_server(model_dir, media: MediaConfig | None = None, **engine_kwargs) -> LiveServer:

@@ -329,6 +329,27 @@ def test_hold_does_not_load(run):
     run(manager, main)
 
 
+def test_unload_waits_out_a_status_read_not_a_request(run):
+    """A dashboard's status poll (a hold) must not turn an operator's unload into a 409; a request must."""
+    manager, loader = make_manager([spec("a")])
+
+    async def main():
+        await use(manager, "a")
+        with manager.hold("a"):
+            unloading = asyncio.ensure_future(manager.unload("a"))
+            await asyncio.sleep(0.2)
+            assert not unloading.done() and manager.state("a") is ModelState.LOADED  # the read still has it
+        assert await unloading is True
+        assert manager.state("a") is ModelState.NOT_LOADED and loader.engines["a"].stopped
+        await use(manager, "a")
+        loader.engines["a"].num_active = 1  # a request still streaming
+        with manager.hold("a"):
+            assert await manager.unload("a") is False
+        return manager.state("a")
+
+    assert run(manager, main) is ModelState.LOADED
+
+
 # -- specs: YAML and flags -------------------------------------------------------------------------
 
 

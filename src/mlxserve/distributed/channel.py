@@ -132,6 +132,7 @@ class LeadChannel(Channel):
         self.signatures: dict[int, dict[int, int]] = {r: {} for r in conns}  # rank -> step -> signature
         self.on_lost: Callable[[str], None] = lambda reason: None  # the supervisor's fatal
         self.closing = False
+        self.last_sent = False  # the followers were told to shut down (they close by themselves)
         for rank, conn in conns.items():
             threading.Thread(target=self._read, args=(rank, conn), name=f"mlxserve-rank{rank}-reader",
                              daemon=True).start()
@@ -178,6 +179,7 @@ class LeadChannel(Channel):
 
     def broadcast_last(self, obj: Any) -> None:
         self.broadcast(obj, LAST)
+        self.last_sent = True
 
     def gather(self, obj: Any, timeout_s: float | None = None) -> list[Any]:
         everyone = [obj]
@@ -259,7 +261,10 @@ class FollowerChannel(Channel):
                 pass
 
     def report_step(self, step: int, wait_s: float, run_s: float, signature: int) -> None:
-        _send(self._sock, self._lock, STEP, (step, wait_s, run_s, signature))
+        try:
+            _send(self._sock, self._lock, STEP, (step, wait_s, run_s, signature))
+        except OSError:
+            pass  # rank 0 hung up: the reader thread tells a loss from the end (after the last broadcast)
 
     def report_error(self, reason: str) -> None:
         try:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,15 @@ class LocalRanks:
     children: list[subprocess.Popen] = field(default_factory=list)
     hostfile: str | None = None
 
-    def stop(self, timeout_s: float = 5.0) -> None:
+    def stop(self, timeout_s: float = 5.0, grace_s: float = 0.0) -> None:
+        """Ends the ranks. `grace_s`: how long ranks that were told to shut down get to close by themselves
+        first (their SSD tier flushes the blocks still queued; a terminated rank would lose them)."""
+        end = time.monotonic() + grace_s
+        for child in self.children:
+            try:
+                child.wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
         for child in self.children:
             if child.poll() is None:
                 child.terminate()

@@ -29,6 +29,8 @@ from mlxserve.distributed.supervisor import Supervisor
 
 # The ranks mlxserve starts connect within this (they import MLX first); a launcher's may take longer.
 _CONNECT_S = 120.0
+# Ranks told to shut down get this long to close by themselves (flush their SSD tier) before being ended.
+_RANKS_CLOSE_S = 30.0
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +144,8 @@ def serve_distributed(config: ServerConfig, dist: DistributedConfig) -> int:
         if channel is not None:
             channel.close()
         sock.close()
-        ranks.stop()
+        told = channel is not None and channel.last_sent
+        ranks.stop(grace_s=_RANKS_CLOSE_S if told else 0.0)
 
 
 def _check_local_model(source: str | None, dist: DistributedConfig) -> None:

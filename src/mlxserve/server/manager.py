@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 # queueing forever; a model's requests usually end well within it.
 _BUSY_WAIT_S = 300.0
 _POLL_S = 0.05
+# An unload asked for over HTTP waits this long for status and cache reads of the model to end (they wait
+# for the engine thread between two steps: a busy engine's may take a while).
+_HOLDS_WAIT_S = 30.0
 # How often the ttl watcher looks when a client's keep_alive (not the config) started it.
 _KEEP_ALIVE_POLL_S = 0.5
 
@@ -159,8 +162,9 @@ class ModelManager:
             pass
 
     async def unload(self, requested: str) -> bool:
-        """Unloads a model now (POST /v1/models/NAME/unload); False while it serves requests. The next
-        request loads it again, pinned or not."""
+        """Unloads a model now (POST /v1/models/NAME/unload); False while it serves requests. Status and
+        cache reads under way (a dashboard polls them every few seconds) are waited out, up to
+        `_HOLDS_WAIT_S`. The next request loads it again, pinned or not."""
         adapter = self.adapters.find(requested)
         if adapter is not None:  # AdapterBusy while its requests run
             slot = self._slots[adapter.base]
@@ -169,6 +173,9 @@ class ModelManager:
         slot = self._slots[self.resolve(requested)]
         async with self._lock:  # after a load under way
             if slot.state is ModelState.LOADED:
+                deadline = time.monotonic() + _HOLDS_WAIT_S
+                while slot.num_holds and not slot.is_serving and time.monotonic() < deadline:
+                    await asyncio.sleep(_POLL_S)
                 if not slot.is_idle:
                     return False
                 await self._unload(slot, "asked to over HTTP")
@@ -363,11 +370,11 @@ class ModelManager:
         if slot.state is not ModelState.LOADED:
             yield None
             return
-        slot.num_leases += 1
+        slot.num_holds += 1
         try:
             yield slot.engine
         finally:
-            slot.num_leases -= 1
+            slot.num_holds -= 1
 
     def card(self, requested: str) -> dict:
         """The /v1/models entry of a model or LoRA adapter name."""

@@ -41,6 +41,8 @@ class ModelSlot:
     last_used: float = 0.0
     # Requests holding or waiting for this model: a leased model is never unloaded.
     num_leases: int = 0
+    # Status and cache reads under way (ModelManager.hold): short, so an unload asked for waits them out.
+    num_holds: int = 0
     task: asyncio.Future | None = None  # the load or unload in progress
     error: str | None = None  # why the last load failed
     loaded_at: int = 0  # unix time, the card's `created`
@@ -53,8 +55,12 @@ class ModelSlot:
         return self.keep_alive_s if self.keep_alive_s is not None else self.spec.ttl_s
 
     @property
+    def is_serving(self) -> bool:
+        return self.num_leases > 0 or (self.engine is not None and self.engine.num_active > 0)
+
+    @property
     def is_idle(self) -> bool:
-        return self.num_leases == 0 and (self.engine is None or self.engine.num_active == 0)
+        return not self.is_serving and self.num_holds == 0
 
 
 Loader = Callable[[ModelSpec], "tuple[Any, Any]"]  # spec -> (ServedModel, AsyncEngine not yet started)

@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 
 # After the deadline the ended streams need a moment to send their error events and close.
 _CLOSE_GRACE_S = 5.0
-_FORCE_FLUSH_S = 0.2  # a second signal: time for the error events to leave before the loop stops
+# A second signal: the ended streams' error events leave before the loop stops, up to this long (a loaded
+# machine may need more than a moment to run their last chunks).
+_FORCE_FLUSH_S = 2.0
 
 
 class PortInUseError(OSError):
@@ -100,7 +102,14 @@ class GracefulServer(uvicorn.Server):
         if self._deadline_handle is not None:
             self._deadline_handle.cancel()
         self._end_streams("the server is shutting down now (second signal)")
-        self._loop.call_later(_FORCE_FLUSH_S, setattr, self, "force_exit", True)
+        self._force_when_sent(self._loop.time() + _FORCE_FLUSH_S)
+
+    def _force_when_sent(self, deadline: float) -> None:
+        # The request tasks end once their responses are written: the error events have left.
+        if not self.server_state.tasks or self._loop.time() >= deadline:
+            self.force_exit = True
+        else:
+            self._loop.call_later(0.02, self._force_when_sent, deadline)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         await super().shutdown(sockets)
