@@ -156,9 +156,9 @@ def test_status_and_cache_endpoints_take_a_model(multi):
 
 
 def test_ttl_unloads_idle_model_and_its_memory_comes_back(dirs, refs, multi, serve_module_app):
-    # Its own server (the module one stays up but idle): a pinned, c with a ttl of a few seconds, so
+    # Its own server (the module one stays up but idle): a pinned, c with a ttl of 10 s, so
     # the reading just after its request still finds it loaded.
-    live = serve_module_app(_multi_app(dirs, c_ttl=3.0))
+    live = serve_module_app(_multi_app(dirs, c_ttl=10.0))
     with _client(live) as client:
         _complete(client, "a", PROMPTS[0])
         httpx.delete(live.url + "/v1/cache", timeout=30)

@@ -161,7 +161,7 @@ def test_keep_alive_reaches_the_manager_and_load_only_requests(fake):
 
 
 def test_generate_refuses_suffix_and_template(fake):
-    client, _ = fake
+    client, _ = fake  # the fake's vocabulary has no fill-in-the-middle markers (tests/frontends/test_fim.py)
     for extra in ({"suffix": "}"}, {"template": "{{ .Prompt }}"}):
         r = client.post("/api/generate", json={"model": NAME, "prompt": "def f(", "stream": False, **extra})
         assert r.status_code == 400 and set(r.json()) == {"error"}

@@ -10,6 +10,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from mlxserve.frontends.app import create_app
+from mlxserve.frontends.common.fim import fim_for
 from mlxserve.frontends.common.prompt_bound import max_token_chars
 from mlxserve.frontends.common.security import install_security
 from mlxserve.frontends.common.serving import ServedModel
@@ -166,6 +167,7 @@ def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | Non
         **output_conventions(loaded, config.tool_call_parser),
         max_tokens_cap=config.security.max_tokens_cap,
         max_token_chars=max_token_chars(loaded.tokenizer),
+        fim=fim_for(loaded.tokenizer),
     )
     log.info("serving %s as %r (context %d tokens, up to %d sequences)", loaded.source, spec.name, max_model_len,
              engine_config.max_num_seqs)

@@ -346,7 +346,7 @@ class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
     echo: bool = False
-    suffix: Annotated[Any, refusing("suffix (fill-in-the-middle) is not supported", (None, ""))] = None
+    suffix: Optional[str] = None  # fill-in-the-middle (fim.py): the text after the one to write
 
     @property
     def requested_max_tokens(self) -> Optional[int]:

@@ -46,6 +46,7 @@ class ServedModel:
     max_token_chars: int = 0  # longest vocabulary string: the cheap length bound (prompt_bound.py); 0: none
     embedding_only: bool = False  # an encoder (BERT-style) model: /v1/embeddings only (engine/encoder.py)
     audio: Any = None  # an audio model (frontends/audio/model.py AudioInfo): /v1/audio/* only
+    fim: Any = None  # its fill-in-the-middle prompt (fim.Fim), when its vocabulary has the markers
     adapter: str = ""  # a LoRA adapter served on this model (lora/registry.py): the id its requests carry
 
     def check_name(self, requested: str) -> None:
@@ -151,6 +152,14 @@ def _completion_prompt(model: ServedModel, body: CompletionRequest) -> list[int]
         if len(prompt) != 1:
             raise APIError(400, "only one prompt per request is supported", "prompt")
         prompt = prompt[0]
+    if body.suffix:  # an empty suffix asks for nothing after the text: a plain completion (as Ollama reads it)
+        if model.fim is None:
+            raise APIError(400, f"`{model.name}` has no fill-in-the-middle tokens in its vocabulary, so it cannot "
+                           "complete between a prompt and a suffix (code models such as Qwen2.5-Coder, StarCoder2, "
+                           "CodeGemma and DeepSeek-Coder can)", "suffix")
+        if not isinstance(prompt, str):
+            raise APIError(400, "suffix needs the prompt as text, not token ids", "suffix")
+        prompt = model.fim.prompt(prompt, body.suffix)
     if isinstance(prompt, str):
         _check_fits(model, body, prompt, "prompt")
         try:
@@ -270,6 +279,8 @@ def prepare(model: ServedModel, body: SamplingFields) -> Prepared:
         top_logprobs=body.num_top_logprobs,
         constraint=constraint,
     )
-    request = Request(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, model.eos_token_ids, media=media,
-                      adapter=model.adapter)
+    eos = model.eos_token_ids
+    if isinstance(body, CompletionRequest) and body.suffix:
+        eos = eos | model.fim.stop_ids  # an instruct model's end of turn is not how a middle ends
+    request = Request(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, eos, media=media, adapter=model.adapter)
     return Prepared(request, output)

@@ -163,7 +163,7 @@ def add_ollama_routes(app: FastAPI, gateway: Gateway, pull_fn: Callable[[str], A
         durations = Durations()
         keep, requested = _keep_alive(body.keep_alive), body.model
         body.model = _served_name(models, requested)
-        if not body.prompt and not body.images and not body.context:
+        if not body.prompt and not body.suffix and not body.images and not body.context:
             return await _load_only(models, body.model, requested, keep, chat=False)
         async with models.lease(body.model) as (served, _):
             if served.embedding_only:

@@ -163,14 +163,20 @@ def to_chat(body: ChatRequest):
 
 
 def to_generate(body: GenerateRequest, tokenizer: Any):
-    """A generate body as a chat request (the model's template around `system` and `prompt`), or a
-    completion of token ids when `raw` or `context` asks for the prompt as it is."""
-    if body.suffix:
-        raise APIError(400, "suffix (fill-in-the-middle) is not supported", "suffix")
+    """A generate body as a chat request (the model's template around `system` and `prompt`), a completion
+    of token ids when `raw` or `context` asks for the prompt as it is, or with `suffix` a fill-in-the-middle
+    completion (frontends/common/fim.py builds its prompt, as for OpenAI's `suffix`)."""
     if body.template:
         raise APIError(400, "a per-request template is not supported: the model's chat template is used", "template")
     fields = _common(body, "/api/generate")
     prompt = body.prompt or ""
+    if body.suffix:
+        for name, value in (("raw", body.raw), ("context", body.context), ("images", body.images)):
+            if value:
+                raise APIError(400, f"suffix (fill-in-the-middle) cannot be combined with {name}", name)
+        if body.system:  # a fill-in-the-middle prompt has no place for it (Ollama's insert templates drop it too)
+            log.debug("/api/generate: system ignored with suffix")
+        return _completion({**fields, "prompt": prompt, "suffix": body.suffix})
     if body.raw or body.context:
         if body.images:
             raise APIError(400, "images need the chat template: send them without raw or context", "images")
@@ -200,6 +206,6 @@ def _completion(fields: dict) -> CompletionRequest:
     top = fields.pop("top_logprobs", None)
     if fields.pop("logprobs", None):
         fields["logprobs"] = top or 0  # a completion's logprobs field is the number of alternatives
-    if not fields["prompt"]:
+    if not fields["prompt"] and not fields.get("suffix"):  # fill-in-the-middle at a file's start has no prefix
         raise APIError(400, "the prompt is empty", "prompt")
     return completion_request(fields)
