@@ -61,7 +61,7 @@ def _launch_env(server: DemoServer, agent: str, base_env: dict, folder: pathlib.
 def test_claude_code(demo_server, isolated_env):
     claude = find_cli("claude")
     base, home, project = isolated_env
-    # Claude Code (2.1.197) fails a run whose answer stops at max_tokens ("Claude's response exceeded the N output
+    # Claude Code (2.1.197, 2.1.332) fails a run whose answer stops at max_tokens ("Claude's response exceeded the N output
     # token maximum", after three tries to continue it): it gets launch's own limit, and the random model's
     # answers end at its end-of-text token (~3k tokens on average).
     limit = default_max_output_tokens(demo_server.context_tokens)

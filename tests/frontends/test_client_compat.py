@@ -18,7 +18,7 @@ from mlxserve.frontends.common.schemas import ChatCompletionRequest
 from mlxserve.frontends.common.serving import ServedModel, make_request
 
 FIXTURES = Path(__file__).parent / "fixtures"
-CLAUDE_CODE = ["claude_code_first_turn", "claude_code_title", "claude_code_continue"]
+CLAUDE_CODE = ["claude_code_first_turn", "claude_code_title", "claude_code_continue", "claude_code_tool_search"]
 CODEX = ["codex_first_turn", "codex_resume"]
 HI = [{"role": "user", "content": "hi"}]
 WEATHER = {"name": "get_weather", "description": "Weather for a city",
@@ -72,8 +72,40 @@ def test_claude_code_requests_are_served(app, name, stream):
     assert roles[0] == "system" and roles.count("system") == (1 if name == "claude_code_title" else 2)
     if name != "claude_code_title":
         assert roles[1:3] == ["user", "system"]
-        assert render["messages"][2]["content"].startswith("Available agent types")
-        assert len(render["tools"]) == len(body["tools"])
+        mid = body["messages"][1]  # Claude Code's mid-conversation system message, as it was sent
+        text = mid["content"] if isinstance(mid["content"], str) else "\n".join(b["text"] for b in mid["content"])
+        assert mid["role"] == "system" and render["messages"][2]["content"] == text
+        # Tools deferred until a tool search loads them are not in the list at the top (tool_search_loads_...).
+        assert len(render["tools"]) == len([t for t in body["tools"] if not t.get("defer_loading")])
+
+
+def test_tool_search_loads_deferred_tools_where_it_found_them(app):
+    """Claude Code 2.1.332 defers tools (`defer_loading`) and its ToolSearch answers with `tool_reference`
+    blocks: the definitions appear in the tool result, in the encoding ToolSearch describes to the model; the
+    tool list at the top, and so the cached prompt prefix, stays the first turn's."""
+    client, models = app
+    body = fixture("claude_code_tool_search")
+    r = client.post("/v1/messages?beta=true", json={**body, "stream": False})
+    assert r.status_code == 200, r.text
+    render = models.last_render
+    shown = [t["function"]["name"] for t in render["tools"]]
+    assert "WebFetch" not in shown and "DeferredToolPlaceholder" not in shown and "ToolSearch" in shown
+    result = render["messages"][-1]
+    assert result["role"] == "tool" and result["tool_call_id"] == "toolu_1"
+    lines = result["content"].split("\n")
+    assert lines[0] == "<functions>" and lines[-1] == "</functions>" and len(lines) == 4
+    loaded = [json.loads(line.removeprefix("<function>").removesuffix("</function>")) for line in lines[1:3]]
+    tools = {t["name"]: t for t in body["tools"]}
+    assert [t["name"] for t in loaded] == ["WebFetch", "NotebookEdit"]
+    assert all(t["parameters"] == tools[t["name"]]["input_schema"] for t in loaded)
+    first = fixture("claude_code_tool_search")
+    first["messages"] = first["messages"][:-2]  # the turn before the search: the same tools at the top
+    assert client.post("/v1/messages?beta=true", json={**first, "stream": False}).status_code == 200
+    assert [t["function"]["name"] for t in models.last_render["tools"]] == shown
+    # A loaded tool's call is a call (the parser takes names outside the list at the top).
+    models.engine.reply = '<tool_call>\n{"name": "WebFetch", "arguments": {"url": "https://example.com"}}\n</tool_call>'
+    r = client.post("/v1/messages?beta=true", json={**body, "stream": False})
+    assert [b["type"] for b in r.json()["content"]] == ["tool_use"] and r.json()["content"][0]["name"] == "WebFetch"
 
 
 def test_claude_code_request_tokens_are_counted(app):

@@ -1,4 +1,4 @@
-"""Claude Code (`@anthropic-ai/claude-code`): environment variables only, read at start (checked on 2.1.197)."""
+"""Claude Code (`@anthropic-ai/claude-code`): environment variables only, read at start (checked on 2.1.197 and 2.1.332)."""
 
 from __future__ import annotations
 

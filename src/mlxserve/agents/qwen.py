@@ -1,5 +1,5 @@
 """Qwen Code (`@qwen-code/qwen-code`): OpenAI-compatible auth from the environment, and a system settings file
-for what has no variable: usage statistics off, the context window (checked on 0.15.10)."""
+for what has no variable: usage statistics off, the context window (checked on 0.15.10 and 0.24.4)."""
 
 from __future__ import annotations
 

@@ -53,7 +53,15 @@ class ToolUseBlock(_Block):
     input: dict
 
 
-ResultPart = Annotated[Union[TextBlock, ImageBlock], Field(discriminator="type")]
+class ToolReferenceBlock(_Block):
+    """A tool a client-side tool search found (Claude Code's ToolSearch, Anthropic's advanced tool use): the
+    definition of that tool, deferred until now (`Tool.defer_loading`), is shown to the model in its place."""
+
+    type: Literal["tool_reference"]
+    tool_name: str
+
+
+ResultPart = Annotated[Union[TextBlock, ImageBlock, ToolReferenceBlock], Field(discriminator="type")]
 
 
 class ToolResultBlock(_Block):
@@ -85,8 +93,9 @@ class InputMessage(StrictModel):
 
 
 class Tool(StrictModel):
-    """A client tool. Hints Anthropic added for its own serving (defer_loading, input_examples,
-    eager_input_streaming, allowed_callers, ...) are accepted: the model sees name, description, schema."""
+    """A client tool. Hints Anthropic added for its own serving (input_examples, eager_input_streaming,
+    allowed_callers, ...) are accepted: the model sees name, description, schema. A tool with
+    `defer_loading` is not shown until a tool search names it (a `tool_reference` in a tool result)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -96,6 +105,7 @@ class Tool(StrictModel):
     input_schema: dict
     strict: Optional[bool] = None
     cache_control: Optional[dict] = None
+    defer_loading: Optional[bool] = None
 
 
 class ServerTool(StrictModel):

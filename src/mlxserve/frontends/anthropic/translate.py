@@ -8,6 +8,7 @@ unknown fields are accepted and logged at debug, server tools skipped with a war
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Optional, Union
 
@@ -22,6 +23,7 @@ from mlxserve.frontends.anthropic.protocol import (
     ThinkingBlock,
     Tool,
     ToolChoice,
+    ToolReferenceBlock,
     ToolResultBlock,
     ToolUseBlock,
 )
@@ -57,13 +59,38 @@ def _parts(blocks: list, where: str) -> Union[str, list[dict]]:
     return parts
 
 
-def _user_messages(blocks: list, where: str) -> list[dict]:
+def _loaded(blocks: list, tools: dict[str, Tool]) -> list:
+    """A tool result's `tool_reference` blocks as the definitions they load: one `<functions>` block per run
+    of them, a `<function>{description, name, parameters}</function>` line each (the encoding Claude Code's
+    ToolSearch tells the model to expect). Shown where the search returned them, the tool list at the top of
+    the prompt stays as it was, and so does the conversation's prefix-cache entry."""
+    out: list = []
+    run: list[str] = []
+    for b in [*blocks, None]:
+        if isinstance(b, ToolReferenceBlock):
+            tool = tools.get(b.tool_name)
+            if tool is None:
+                log.debug("/v1/messages: a tool_reference names %r, which the request does not define", b.tool_name)
+            definition = ({"description": tool.description or "", "name": tool.name, "parameters": tool.input_schema}
+                          if tool is not None else {"name": b.tool_name, "description": "(not defined in this request)"})
+            run.append(f"<function>{json.dumps(definition, ensure_ascii=False)}</function>")
+            continue
+        if run:
+            out.append(TextBlock(type="text", text="<functions>\n" + "\n".join(run) + "\n</functions>"))
+            run = []
+        if b is not None:
+            out.append(b)
+    return out
+
+
+def _user_messages(blocks: list, where: str, tools: dict[str, Tool]) -> list[dict]:
     """Tool results first (as OpenAI `tool` messages: they must follow the assistant's calls), then
     the rest of the turn as one user message."""
     out, rest = [], []
     for j, b in enumerate(blocks):
         if isinstance(b, ToolResultBlock):
-            content = b.content if isinstance(b.content, str) else _parts(b.content or [], f"{where}.{j}.content")
+            content = (b.content if isinstance(b.content, str)
+                       else _parts(_loaded(b.content or [], tools), f"{where}.{j}.content"))
             out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
         elif isinstance(b, (TextBlock, ImageBlock)):
             rest.append(b)
@@ -153,8 +180,17 @@ def _tool_choice(body: MessagesRequest) -> tuple[Any, Optional[bool]]:
     return choice.type, parallel  # "auto" / "none": the same words in OpenAI's dialect
 
 
+def _shown(tools: list[Tool], body: MessagesRequest) -> list[Tool]:
+    """The tools listed at the top of the prompt: not the deferred ones (a tool search loads those inside the
+    conversation, `_loaded`), unless `tool_choice` forces one."""
+    forced = body.tool_choice.name if isinstance(body.tool_choice, ToolChoice) else None
+    return [t for t in tools if not t.defer_loading or t.name == forced]
+
+
 def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     log_unused("/v1/messages", unused_fields(body, body.ACCEPTED_UNUSED))
+    tools = _client_tools(body)
+    by_name = {t.name: t for t in tools}
     messages: list[dict] = []
     system = body.system if isinstance(body.system, str) else _joined(_without_billing(body.system or []))
     if system:
@@ -165,7 +201,7 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
         elif m.role == "system":
             messages.append(_system_message(m.content, f"messages.{i}.content"))
         elif m.role == "user":
-            messages.extend(_user_messages(m.content, f"messages.{i}.content"))
+            messages.extend(_user_messages(m.content, f"messages.{i}.content", by_name))
         else:
             messages.append(_assistant_message(m.content, f"messages.{i}.content"))
     fields: dict = {"model": body.model, "messages": adjacent_systems_joined(messages), "max_tokens": body.max_tokens,
@@ -173,11 +209,11 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     for name in ("temperature", "top_p", "top_k"):
         if getattr(body, name) is not None:
             fields[name] = getattr(body, name)
-    tools = _client_tools(body)
-    if tools:
+    shown = _shown(tools, body)
+    if shown:
         fields["tools"] = [{"type": "function", "function": {
             "name": t.name, "description": t.description, "parameters": t.input_schema, "strict": t.strict}}
-            for t in tools]
+            for t in shown]
     fields["tool_choice"], fields["parallel_tool_calls"] = _tool_choice(body)
     if body.thinking is not None and body.thinking.type in ("enabled", "disabled"):
         fields["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}
