@@ -162,7 +162,7 @@ def test_context_errors_name_the_numbers():
 
 @pytest.mark.parametrize("body, status, param", [
     (comp_body(model="other"), 404, "model"),
-    (comp_body(echo=True), 400, "echo"),
+    (comp_body(echo=True, suffix="}"), 400, "echo"),
     (comp_body(prompt=""), 400, "prompt"),
     (comp_body(prompt=[[1], [2]]), 400, "prompt"),
     (comp_body(prompt=[VOCAB]), 400, "prompt"),

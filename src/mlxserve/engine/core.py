@@ -213,6 +213,7 @@ class EngineCore:
                 continue
             if rid in step.logprobs:
                 out.logprobs = step.logprobs[rid][: len(out.new_token_ids)]
+            out.prompt_logprobs = step.prompt_logprobs.get(rid)
             outputs.append(out)
             if out.finished:
                 self._forget(rid)

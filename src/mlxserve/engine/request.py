@@ -27,6 +27,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # The prompt's own logprobs (a text completion's `echo` with `logprobs`): each prompt token's logprob
+    # after the tokens before it, and this many alternatives. None: off. Such a prompt is computed whole,
+    # not taken from the prefix cache (a cached position has no logits); its blocks are still stored.
+    prompt_logprobs: int | None = None
     # A `structured.grammar.Constraint` (plain, hashable data: a serialized llguidance grammar) the
     # output must match; the runner masks this row's logits with it. None: free text.
     constraint: Any = None
@@ -148,7 +152,7 @@ class Request:
 @dataclass(frozen=True)
 class TokenLogprob:
     token_id: int
-    logprob: float
+    logprob: float | None  # None: a prompt's first token, which nothing comes before
     top: tuple[tuple[int, float], ...] = ()
 
 
@@ -165,6 +169,9 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     num_cached_tokens: int = 0
+    # With `SamplingParams.prompt_logprobs`, on the request's first output: one entry per prompt token (the
+    # first one's logprob None).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -188,4 +195,5 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         logprobs=logprobs if any(o.logprobs is not None for o in outputs) else None,
         error=next((o.error for o in outputs if o.error), None),
         num_cached_tokens=last.num_cached_tokens,
+        prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None),
     )

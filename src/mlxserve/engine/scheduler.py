@@ -202,6 +202,9 @@ class Scheduler:
 
     def _look_up(self, request: Request) -> None:
         rid, prefix = request.request_id, self.prefix
+        if request.sampling.prompt_logprobs is not None:  # every position's logits: nothing from the cache
+            self._next_store_block[rid] = 0
+            return
         hashes = prefix.hashes(request.prompt_token_ids, request.block_key_spans, request.block_hashes)
         request.cached_block_ids = prefix.lookup(rid, request.prompt_token_ids, request.block_key_spans, hashes)
         request.num_cached_tokens = len(request.cached_block_ids) * prefix.block_size

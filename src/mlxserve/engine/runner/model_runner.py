@@ -24,8 +24,8 @@ from mlxserve.engine.runner.batch_prefill import pick_rows, why_not_batched
 from mlxserve.engine.runner.block_copy import copy_blocks
 from mlxserve.engine.runner.mm_prefill import MultimodalPrefill
 from mlxserve.engine.runner.prefill import PrefillSteps
-from mlxserve.engine.runner.sampling import (RowSampler, gather_logprobs, pending_arrays, reseed_after_failure,
-                                             sample_batch, to_logprob)
+from mlxserve.engine.runner.sampling import (RowSampler, gather_logprobs, pending_arrays, prompt_entries,
+                                             reseed_after_failure, sample_batch, to_logprob)
 from mlxserve.engine.runner.state import RowTable
 from mlxserve.engine.scheduler import SchedulerOutput
 from mlxserve.kv.store.kv_store import KVBlockStore
@@ -51,6 +51,8 @@ class StepTokens:
     failed: dict[str, str] = field(default_factory=dict)
     # Prefix-cache blocks planned this step whose copy failed: their hashes must not be found.
     failed_block_ids: list[int] = field(default_factory=list)
+    # Prompts that asked for their own logprobs and got their first token this step: their entries.
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
 
 
 # On CUDA a last chunk whose logits (tokens x vocab) stay under this many runs as one forward, not two:
@@ -148,6 +150,7 @@ class ModelRunner(PrefillSteps):
             joined.extend(self._prefill_together(together, requests, out))
         if joined:
             self._sync_phase(*(j[2] for j in joined))
+            self._take_prompt_scores([j[0] for j in joined], requests, out)
         self.last_prefill_s = time.perf_counter() - started  # for the slow-step log line
         self.last_join_s = 0.0
         try:
@@ -170,6 +173,15 @@ class ModelRunner(PrefillSteps):
             reseed_after_failure()
             out.request_ids, out.token_ids, out.logprobs = [], [], {}
         return out
+
+    def _take_prompt_scores(self, rids: list[str], requests: dict[str, Request], out: StepTokens) -> None:
+        """Scored prompts that finished: their entries read back now (a scoring request waits for its
+        prompt's forwards here; no other request asks for it)."""
+        for rid in rids:
+            row = self.rows[rid]
+            if row.prompt_scores is not None:
+                out.prompt_logprobs[rid] = prompt_entries(requests[rid].prompt_token_ids, row.prompt_scores)
+                row.prompt_scores = None
 
     def _join(self, joined: list[tuple[str, list[Any], mx.array]], requests: dict[str, Request]) -> None:
         """Prompts whose prefill finished join the decode batch with their first tokens."""

@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlxserve.engine.request import Request
 from mlxserve.engine.runner.batch_prefill import prefill_rows
 from mlxserve.engine.runner.capture import capture, captured_arrays, start_captures
-from mlxserve.engine.runner.sampling import RowSampler, reseed_after_failure, sample_batch
+from mlxserve.engine.runner.sampling import RowSampler, reseed_after_failure, sample_batch, score_positions
 from mlxserve.engine.runner.state import RowState
 from mlxserve.engine.scheduler import PrefillChunk
 
@@ -38,6 +38,8 @@ class PrefillSteps:
             if request.sampling.constraint is not None:
                 sampler.matcher = self.grammar.compiler.compile(request.sampling.constraint)
             row = RowState(rid, sampler, prefill_cache=cache)
+            if request.sampling.prompt_logprobs is not None:
+                row.prompt_scores = []
             start_captures(row, request, self.store, self.block_size)
             if request.media:
                 row.media, row.position_delta = self.mm.start(request)
@@ -54,32 +56,49 @@ class PrefillSteps:
         else:
             def forward(start: int, end: int):
                 return self.model(mx.array(request.prompt_token_ids[start:end])[None], cache=cache)
+        scoring = row.prompt_scores is not None
         if row.captured is not None:
             model_forward = forward
 
             def forward(start: int, end: int):
                 # Stop at the snapshot boundary if it falls inside, so the state there can be copied.
                 at = row.snap_at
+                head = None
                 if at is not None and start < at < end:
-                    model_forward(start, at)
+                    head = model_forward(start, at)
                     capture(row, cache, start, at, request.num_cached_tokens, self.store, self.block_size)
                     start = at
                 out = model_forward(start, end)
                 capture(row, cache, start, end, request.num_cached_tokens, self.store, self.block_size)
-                return out
+                # Logits left unused are never computed: only a scored prompt reads the head's.
+                return mx.concatenate([head, out], axis=1) if scoring and head is not None else out
         start, end = chunk.start, chunk.start + chunk.num_tokens
         if not chunk.is_last:
-            forward(start, end)
+            logits = forward(start, end)
             # Bound the lazy graph: a chunk is evaluated before the next is built. Only the cache is
-            # evaluated, so the LM head never runs on these positions.
-            self._bound([c.state for c in cache], captured_arrays(row))
+            # evaluated (and a scored prompt's logprobs), so the LM head runs on these positions for those only.
+            self._bound([c.state for c in cache], captured_arrays(row),
+                        self._score(row, request, logits, start, end) if scoring else [])
             return None
-        if end - start > 1 and (end - start) * (self.logits_width or 1 << 20) > self.one_forward_logits:
+        if not scoring and end - start > 1 and (end - start) * (self.logits_width or 1 << 20) > self.one_forward_logits:
             # Same reason: the last position alone gets logits (what mlx-lm's generate_step does).
             forward(start, end - 1)
             start = end - 1
         logits = forward(start, end)
+        if scoring:
+            self._score(row, request, logits, start, end)
         return self._first_token(rid, cache, logits[:, -1, :])
+
+    @staticmethod
+    def _score(row: RowState, request: Request, logits: mx.array, start: int, end: int) -> list:
+        """A scored prompt's logprobs of positions [start, end): each position's of the prompt token after
+        it (the last prompt position's logits give the first output token instead). Kept on the row, lazily."""
+        targets = request.prompt_token_ids[start + 1 : end + 1]
+        if not targets:  # a last chunk of the last prompt token alone
+            return []
+        scores = score_positions(logits[0, : len(targets)], targets, request.sampling.prompt_logprobs)
+        row.prompt_scores.append(scores)
+        return [a for a in scores if a is not None]
 
     def _first_token(self, rid: str, cache: list, logits: mx.array):
         """Samples a finished prompt's first token from its last position's logits [1, vocab]."""
@@ -96,7 +115,8 @@ class PrefillSteps:
         # A request whose prefill captures prefix-cache data (sliding windows, recurrent snapshots) runs
         # its own forwards (`capture` reads batch-1 caches); those families never batch anyway.
         row = self.rows.get(request.request_id)
-        return self._batch_prefill and not request.media and (row is None or row.captured is None)
+        return (self._batch_prefill and not request.media and request.sampling.prompt_logprobs is None
+                and (row is None or row.captured is None))
 
     def _prefill_together(self, chunks: list[PrefillChunk], requests: dict[str, Request], out):
         """Several requests' chunks in one forward (batch_prefill.py). Returns the prompts it finished, as

@@ -144,6 +144,32 @@ def gather_logprobs(
     return chosen, top_ids, top_vals
 
 
+def score_positions(logits: mx.array, targets: list[int], k: int) -> tuple:
+    """Each position's logprob of the token that follows it ([n, vocab] logits, n targets) and, with k > 0,
+    its top k alternatives: (chosen [n], top ids [n, k] or None, their logprobs or None)."""
+    lp = logits.astype(mx.float32)
+    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(lp, mx.array(targets)[:, None], axis=-1)[:, 0]
+    if k <= 0:
+        return chosen, None, None
+    top_ids = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
+    top_vals = mx.take_along_axis(lp, top_ids, axis=-1)
+    order = mx.argsort(-top_vals, axis=-1)  # best first, as the sampled tokens' alternatives are
+    return chosen, mx.take_along_axis(top_ids, order, axis=-1), mx.take_along_axis(top_vals, order, axis=-1)
+
+
+def prompt_entries(prompt: list[int], scores: list[tuple]) -> list[TokenLogprob]:
+    """The prompt's logprob entries from its forwards' `score_positions`, in order (the first token's None)."""
+    entries = [TokenLogprob(prompt[0], None)]
+    for chosen, top_ids, top_vals in scores:
+        values = chosen.tolist()
+        ids = top_ids.tolist() if top_ids is not None else [[]] * len(values)
+        vals = top_vals.tolist() if top_vals is not None else [[]] * len(values)
+        for value, row_ids, row_vals in zip(values, ids, vals):
+            entries.append(TokenLogprob(prompt[len(entries)], value, tuple(zip(row_ids, row_vals))))
+    return entries
+
+
 def to_logprob(token: int, pending: tuple, k: int) -> TokenLogprob:
     """A token's entry from its pending (chosen, (top ids, top logprobs)): arrays the device evaluated
     already (read whole: a slice would be a new op, queued behind the next forward), or the Python

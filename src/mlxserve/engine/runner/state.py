@@ -29,6 +29,8 @@ class RowState:
     # Requests that asked for logprobs: lazy (chosen logprob, top ids, top logprobs) of the next token to
     # feed, read back when that token is emitted.
     pending_logprob: tuple | None = None
+    # Requests that asked for their prompt's logprobs: each prefill forward's (chosen, top ids, top logprobs).
+    prompt_scores: list[tuple] | None = None
     # Prefix data only a prefill can give (capture.py), kept until its blocks are stored: sliding-window
     # KV by block start, the boundary the prefill stops at for a recurrent snapshot, and that snapshot.
     captured: dict[int, mx.array] | None = None

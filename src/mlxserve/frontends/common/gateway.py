@@ -49,6 +49,7 @@ class Whole:
     token_ids: list[int]
     logprobs: list[Any]
     last: RequestOutput
+    prompt_logprobs: list[Any] | None = None  # an echoed prompt's (SamplingParams.prompt_logprobs)
 
 
 def chat_request(fields: dict) -> ChatCompletionRequest:
@@ -126,7 +127,7 @@ class Gateway:
         """All of a request's outputs; None if the client left first (its slot is freed at once)."""
 
         async def gather() -> Whole:
-            parts, ids, lps, last = [], [], [], None
+            parts, ids, lps, last, prompt_lps = [], [], [], None, None
             async for out in outputs:
                 if out.error:
                     if out.finish_reason:  # ended by the server (shutdown, a lost rank): a 503, as when streamed
@@ -139,8 +140,10 @@ class Gateway:
                 ids.extend(out.new_token_ids)
                 if out.logprobs:
                     lps.extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    prompt_lps = out.prompt_logprobs
                 last = out
-            return Whole("".join(parts), ids, lps, last)
+            return Whole("".join(parts), ids, lps, last, prompt_lps)
 
         # Nothing is streamed, so watch the connection ourselves: a client that gives up must not keep
         # its slot busy until max_tokens.

@@ -235,8 +235,8 @@ def prepare(model: ServedModel, body: SamplingFields) -> Prepared:
     """Validates what pydantic cannot (model name, n, context limits, token ids, schemas) and builds the
     engine request plus how its output is read."""
     model.check_name(body.model)
-    if isinstance(body, CompletionRequest) and body.echo:
-        raise APIError(400, "echo is not supported", "echo")
+    if isinstance(body, CompletionRequest) and body.echo and body.suffix:
+        raise APIError(400, "echo cannot be combined with suffix: the reply would not start with the prompt", "echo")
     media, prompt_text = (), None
     if isinstance(body, ChatCompletionRequest) and body.has_media:
         (prompt_ids, media), prefix = _render_multimodal(model, body), "chatcmpl"
@@ -277,6 +277,9 @@ def prepare(model: ServedModel, body: SamplingFields) -> Prepared:
         ignore_eos=body.ignore_eos,
         logprobs=body.logprobs is not None if isinstance(body, CompletionRequest) else body.logprobs,
         top_logprobs=body.num_top_logprobs,
+        # echo with logprobs: the prompt's own too, each with as many alternatives as the output's.
+        prompt_logprobs=body.logprobs if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None
+        else None,
         constraint=constraint,
     )
     eos = model.eos_token_ids

@@ -16,7 +16,7 @@ from mlxserve.frontends.common.gateway import Gateway, Opened
 from mlxserve.frontends.common.metrics import RequestTimer
 from mlxserve.frontends.common.schemas import SamplingFields
 from mlxserve.frontends.common.sse import SSE_DONE, client_gone, event_stream, sse
-from mlxserve.frontends.openai.render import CompletionBuilder, completion_usage
+from mlxserve.frontends.openai.render import CompletionBuilder, completion_usage, echo_text
 
 
 async def complete_choices(gateway: Gateway, body: SamplingFields, raw: Request, chat: bool, opened: Opened):
@@ -24,8 +24,9 @@ async def complete_choices(gateway: Gateway, body: SamplingFields, raw: Request,
     head = await anext(first)
     streams = [_prepend(head, first), *await gateway.open_copies(body, opened.prepared, body.n - 1)]
     rid = opened.prepared.request.request_id
-    builders = [CompletionBuilder(rid, body.model, chat, opened.model.tokenizer, opened.prepared.output, index=i)
-                for i in range(body.n)]
+    echo = echo_text(body, opened.model.tokenizer)
+    builders = [CompletionBuilder(rid, body.model, chat, opened.model.tokenizer, opened.prepared.output, index=i,
+                                  echo=echo) for i in range(body.n)]
     timer = gateway.timer()
     if body.stream:
         return event_stream(_stream_choices(builders, streams, body.include_usage, timer))
@@ -33,7 +34,7 @@ async def complete_choices(gateway: Gateway, body: SamplingFields, raw: Request,
     if any(w is None for w in wholes):
         return client_gone()
     responses = [b.full(w.text, w.last.finish_reason, w.last.num_prompt_tokens, w.last.num_output_tokens,
-                        w.logprobs or None, w.last.num_cached_tokens) for b, w in zip(builders, wholes)]
+                        w.logprobs or None, w.last.num_cached_tokens, w.prompt_logprobs) for b, w in zip(builders, wholes)]
     merged = responses[0]
     merged["choices"] = [r["choices"][0] for r in responses]
     merged["usage"] = _choices_usage([w.last for w in wholes])

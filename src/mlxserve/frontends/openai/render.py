@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from typing import Any
 
 from mlxserve.engine.request import RequestOutput, TokenLogprob
 from mlxserve.frontends.common.chat_output import ChatOutput, OutputSpec, ReasoningDelta, collect
+from mlxserve.frontends.common.schemas import CompletionRequest, SamplingFields
 from mlxserve.frontends.common.sse import sse
 from mlxserve.structured.tool_parsers import ContentDelta, ToolCallArgsDelta, ToolCallStart
 
@@ -18,11 +20,21 @@ def completion_usage(num_prompt: int, num_completion: int, num_cached: int = 0) 
             "prompt_tokens_details": {"cached_tokens": num_cached}}
 
 
+def echo_text(body: SamplingFields, tokenizer) -> str | None:
+    """What a text completion's `echo` puts before the reply: the prompt as sent (token ids decoded)."""
+    if not isinstance(body, CompletionRequest) or not body.echo:
+        return None
+    prompt = body.prompt[0] if isinstance(body.prompt, list) and body.prompt and isinstance(
+        body.prompt[0], (str, list)) else body.prompt
+    return prompt if isinstance(prompt, str) else tokenizer.decode(list(prompt))
+
+
+
 class CompletionBuilder:
     """Shapes one request's outputs as a chat or text completion (whole or streamed chunk by chunk)."""
 
     def __init__(self, request_id: str, model: str, chat: bool, tokenizer: Any, output: OutputSpec | None = None,
-                 index: int = 0) -> None:
+                 index: int = 0, echo: str | None = None) -> None:
         self.id = request_id
         self.index = index  # the choice this builder shapes (n > 1: one builder per choice, one id)
         # Replies that may hold reasoning or tool calls are read through a parser; plain ones stream as is.
@@ -34,6 +46,10 @@ class CompletionBuilder:
         self.created = int(time.time())
         self._tok = tokenizer
         self._text_templates: dict[str | None, list[str]] = {}  # delta key -> text chunk around the text
+        # A text completion's `echo`: the prompt, put before the reply's text (and its logprobs, when the
+        # engine scored it, before the reply's); streamed, in the first chunk.
+        self.echo = echo
+        self._echo_pending = echo is not None
 
     def _envelope(self, obj: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
@@ -48,7 +64,9 @@ class CompletionBuilder:
         return {
             "tokens": [self._token_str(e.token_id) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self._token_str(t): lp for t, lp in e.top} for e in entries],
+            # An echoed prompt's first token has nothing before it: null, as OpenAI gives it.
+            "top_logprobs": [{self._token_str(t): lp for t, lp in e.top} if e.logprob is not None else None
+                             for e in entries],
             "text_offset": [],
         }
 
@@ -63,7 +81,10 @@ class CompletionBuilder:
 
     # -- whole response ------------------------------------------------------------------------
     def full(self, text: str, finish_reason: str, num_prompt: int, num_completion: int, lps: list | None,
-             num_cached: int = 0) -> dict:
+             num_cached: int = 0, prompt_lps: list | None = None) -> dict:
+        if self.echo is not None:
+            text = self.echo + text
+            lps = [*(prompt_lps or ()), *lps] if lps is not None else None
         if self.chat:
             message: dict = {"role": "assistant", "content": text}
             if self.output is not None:
@@ -101,6 +122,10 @@ class CompletionBuilder:
         return self._envelope(obj, [choice])
 
     def chunk(self, out: RequestOutput) -> str | None:
+        if self._echo_pending:
+            self._echo_pending = False
+            lps = [*(out.prompt_logprobs or ()), *(out.logprobs or ())] if out.prompt_logprobs else out.logprobs
+            out = replace(out, text=self.echo + out.text, logprobs=lps)
         if self._parser is not None:
             return self._parsed_chunks(out)
         if not out.text and not out.finish_reason and not out.logprobs:

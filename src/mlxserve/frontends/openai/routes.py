@@ -15,7 +15,7 @@ from mlxserve.frontends.common.metrics import RequestTimer
 from mlxserve.frontends.common.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mlxserve.frontends.common.sse import SSE_DONE, heartbeats, sse
 from mlxserve.frontends.openai.choices import complete_choices
-from mlxserve.frontends.openai.render import CompletionBuilder
+from mlxserve.frontends.openai.render import CompletionBuilder, echo_text
 
 
 def add_model_list_route(app: FastAPI, models) -> None:
@@ -46,7 +46,7 @@ def add_openai_routes(app: FastAPI, gateway: Gateway) -> None:
         if body.n > 1:
             return await complete_choices(gateway, body, raw, chat, opened)
         builder = CompletionBuilder(opened.prepared.request.request_id, body.model, chat, opened.model.tokenizer,
-                                    opened.prepared.output)
+                                    opened.prepared.output, echo=echo_text(body, opened.model.tokenizer))
 
         def frames(outputs, timer):
             return stream_chunks(builder, outputs, body.include_usage, timer)
@@ -54,7 +54,7 @@ def add_openai_routes(app: FastAPI, gateway: Gateway) -> None:
         def render(whole):
             last = whole.last
             return builder.full(whole.text, last.finish_reason, last.num_prompt_tokens, last.num_output_tokens,
-                                whole.logprobs or None, last.num_cached_tokens)
+                                whole.logprobs or None, last.num_cached_tokens, whole.prompt_logprobs)
 
         return await gateway.reply(opened.outputs, raw, body.stream, frames, render)
 
