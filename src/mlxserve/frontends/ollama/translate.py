@@ -170,8 +170,10 @@ def to_generate(body: GenerateRequest, tokenizer: Any):
         raise APIError(400, "a per-request template is not supported: the model's chat template is used", "template")
     fields = _common(body, "/api/generate")
     prompt = body.prompt or ""
-    if body.suffix:
-        for name, value in (("raw", body.raw), ("context", body.context), ("images", body.images)):
+    if body.suffix and body.raw:  # as Ollama does: a raw prompt is sent as it is (the client marked it up)
+        log.debug("/api/generate: suffix not used with raw")
+    elif body.suffix:
+        for name, value in (("context", body.context), ("images", body.images)):
             if value:
                 raise APIError(400, f"suffix (fill-in-the-middle) cannot be combined with {name}", name)
         if body.system:  # a fill-in-the-middle prompt has no place for it (Ollama's insert templates drop it too)
