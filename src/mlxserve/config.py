@@ -242,6 +242,9 @@ class ServerConfig:
     load_strategy: str = "auto"
     # How replies carry tool calls (a structured.tool_formats name); None: read off the chat template.
     tool_call_parser: str | None = None
+    # Fill-in-the-middle (`suffix`): "auto" for models with its marker tokens named as code models, "on" for any
+    # model with the markers, "off" for none (frontends/common/fim.py).
+    fim: str = "auto"
     security: SecurityConfig = field(default_factory=SecurityConfig)  # keys, CORS, body and max_tokens limits
     # On SIGTERM/SIGINT running streams may finish for this long; then they end with an error event.
     shutdown_timeout_s: float = 30.0
@@ -255,6 +258,8 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.fim not in ("auto", "on", "off"):
+            raise ValueError(f"fim must be auto, on or off, got {self.fim!r}")
         if self.load_strategy != "auto" and self.load_strategy not in LOAD_STRATEGIES:
             raise ValueError(f"load_strategy must be auto or one of {LOAD_STRATEGIES}, got {self.load_strategy!r}")
         if self.tool_call_parser is not None:

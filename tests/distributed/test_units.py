@@ -11,6 +11,7 @@ import time
 import mlx.core as mx
 import pytest
 
+import mlxserve.distributed.channel as channel_module
 from mlxserve.distributed.channel import Channel, ControlServer, LostRank, connect
 from mlxserve.distributed.config import DistributedConfig, choose_handoff
 from mlxserve.distributed.engine import DistributedRunner, DivergenceError, RankContext, RecordingStore, StepPlan
@@ -131,7 +132,7 @@ def test_a_follower_error_or_exit_reaches_rank_0_at_once():
         lead.close()
 
 
-def test_rank_0s_hang_up_after_its_last_broadcast_is_no_loss():
+def test_rank_0s_hang_up_after_its_last_broadcast_is_no_loss(monkeypatch):
     """A follower still closing its engine when rank 0 hangs up after the shutdown plan exits 0: rank 0's
     hang-up then is the end. Before that plan the same hang-up is a loss (the follower may be stuck)."""
     lead, followers, lost = _pair(3)
@@ -149,6 +150,15 @@ def test_rank_0s_hang_up_after_its_last_broadcast_is_no_loss():
             with pytest.raises(LostRank):  # its reader saw the hang-up (and decided) before queueing this
                 f.broadcast()
         assert lost == {"lead": [], 1: [], 2: []}
+        # One that never finishes closing still ends (a launcher's ranks have nobody else to end them).
+        monkeypatch.setattr(channel_module, "CLOSE_AFTER_LAST_S", 0.2)
+        lead2, followers2, lost2 = _pair(2)
+        lead2.broadcast_last("shut down")
+        lead2.close()
+        assert followers2[1].broadcast() == "shut down"
+        _wait_for(lambda: lost2[1])
+        assert "did not finish closing" in lost2[1][0]
+        followers2[1].close()
     finally:
         lead.close()
         for f in followers.values():

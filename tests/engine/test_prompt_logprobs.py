@@ -77,3 +77,34 @@ def test_prompt_logprobs_match_one_forward_and_skip_the_cache(loaded):
     assert all(e.top == () for e in again[1:])
     _, hit_ids, hit_cached = run(core, prompt, k=None, rid="hit")
     assert hit_cached > 0 and hit_ids == ids
+
+
+def test_a_scored_prompt_beside_a_decoding_row_and_one_that_fails_alone(loaded, monkeypatch):
+    rng = random.Random(1)
+    prompt = [rng.randrange(3, 500) for _ in range(2 * BS + 5)]
+    alone, _, _ = run(make_core(loaded), prompt, k=2)
+    core = make_core(loaded)
+    core.add_request(Request("decoding", prompt[:9], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))
+    core.step()  # it decodes while the scored prompt prefills chunk by chunk
+    beside, _, _ = run(core, prompt, k=2, rid="scored")
+    assert [e.logprob for e in beside[1:]] == pytest.approx([e.logprob for e in alone[1:]], abs=1e-4)
+    assert [e.top for e in beside[1:]] == [e.top for e in alone[1:]] or all(
+        [t for t, _ in a.top][:1] == [t for t, _ in b.top][:1] for a, b in zip(alone[1:], beside[1:]))
+
+    import mlxserve.engine.runner.model_runner as model_runner
+
+    def fails(*args):
+        raise RuntimeError("out of memory reading the scores")
+
+    monkeypatch.setattr(model_runner, "prompt_entries", fails)
+    core.add_request(Request("other", prompt[:12], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)))
+    core.add_request(Request("doomed", prompt, SamplingParams(max_tokens=5, temperature=0.0, prompt_logprobs=0)))
+    errors, finished = {}, set()
+    while core.has_work:
+        for o in core.step():
+            if o.error:
+                errors[o.request_id] = o.error
+            elif o.finished:
+                finished.add(o.request_id)
+    assert set(errors) == {"doomed"} and "out of memory" in errors["doomed"]
+    assert "other" in finished  # the rest carried on

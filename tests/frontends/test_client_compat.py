@@ -98,10 +98,14 @@ def test_tool_search_loads_deferred_tools_where_it_found_them(app):
     tools = {t["name"]: t for t in body["tools"]}
     assert [t["name"] for t in loaded] == ["WebFetch", "NotebookEdit"]
     assert all(t["parameters"] == tools[t["name"]]["input_schema"] for t in loaded)
+    # Callable all the same: the tool-call grammar (built for `auto` too) takes the loaded tools' names.
+    grammar = models.engine.requests[-1].sampling.constraint.grammar
+    assert "WebFetch" in grammar and "NotebookEdit" in grammar and "DeferredToolPlaceholder" not in grammar
     first = fixture("claude_code_tool_search")
     first["messages"] = first["messages"][:-2]  # the turn before the search: the same tools at the top
     assert client.post("/v1/messages?beta=true", json={**first, "stream": False}).status_code == 200
     assert [t["function"]["name"] for t in models.last_render["tools"]] == shown
+    assert "WebFetch" not in models.engine.requests[-1].sampling.constraint.grammar  # not loaded yet
     # A loaded tool's call is a call (the parser takes names outside the list at the top).
     models.engine.reply = '<tool_call>\n{"name": "WebFetch", "arguments": {"url": "https://example.com"}}\n</tool_call>'
     r = client.post("/v1/messages?beta=true", json={**body, "stream": False})

@@ -80,3 +80,24 @@ def test_echo_with_suffix_is_refused(app):
     client, _ = app
     r = client.post("/v1/completions", json={"model": NAME, "prompt": "a", "suffix": "b", "echo": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_score_the_prompt_once(app, stream):
+    client, models = app
+    body = {"model": NAME, "prompt": "abc", "echo": True, "logprobs": 0, "max_tokens": 5, "n": 2, "stream": stream}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert [q.sampling.prompt_logprobs for q in models.engine.requests] == [0, None]  # the copy reuses choice 0's
+    if stream:
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        firsts = {}
+        for c in chunks:
+            choice = c["choices"][0]
+            firsts.setdefault(choice["index"], choice)
+        choices = [firsts[0], firsts[1]]
+    else:
+        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    for choice in choices:
+        assert choice["text"].startswith("abc")
+        assert choice["logprobs"]["token_logprobs"][:3] == [None, -1.0, -2.0]

@@ -35,6 +35,22 @@ def test_the_markers_are_read_off_the_vocabulary():
     assert len({f.prefix for f in FORMATS}) == len(FORMATS)
 
 
+def test_auto_takes_the_markers_only_from_a_model_named_as_a_code_model():
+    # Every Qwen2.5/Qwen3 and Gemma tokenizer carries its code siblings' markers.
+    vocab = _Vocab(["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"])
+    assert fim_for(vocab, ["Qwen2.5-Coder-7B-Instruct", "qwen2"], "auto") is not None
+    assert fim_for(vocab, ["starcoder2-3b"], "auto") is not None and fim_for(vocab, ["codegemma-7b"], "auto")
+    assert fim_for(vocab, ["Qwen3-8B", "qwen3", "Qwen3ForCausalLM"], "auto") is None
+    assert fim_for(vocab, ["all-MiniLM-L6-v2", "BertEncoder"], "auto") is None  # "encoder" is no code word
+    assert fim_for(vocab, ["Qwen3-8B"], "on") is not None and fim_for(vocab, ["Qwen2.5-Coder"], "off") is None
+
+    class Broken:
+        def get_vocab(self):
+            raise ValueError("no vocabulary here")
+
+    assert fim_for(Broken(), ["coder"], "on") is None  # a model still loads, without fill-in-the-middle
+
+
 class _FimTokenizer:
     """The fake's byte tokenizer, with the Qwen markers and <|endoftext|> as single ids above the bytes."""
 

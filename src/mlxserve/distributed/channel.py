@@ -33,6 +33,9 @@ _HEAD = struct.Struct("<QB")
 _HELLO = struct.Struct("<I32s")  # rank, token: checked before anything on the connection is unpickled
 BROADCAST, GATHER, STEP, PHASE, ERROR, BYE, LAST = b"BGSPEXL"
 HEARTBEAT_S = 1.0  # a follower reports its phase this often, so rank 0 can say what it waits on
+# A follower told to shut down has this long to close after rank 0 hung up (rank 0 waits 30 s for the ranks
+# it started): then it ends as a rank that lost rank 0 does.
+CLOSE_AFTER_LAST_S = 60.0
 
 
 class LostRank(RuntimeError):
@@ -226,14 +229,24 @@ class FollowerChannel(Channel):
                 kind, obj = _recv(self._sock)
             except (OSError, ConnectionError, EOFError, pickle.UnpicklingError) as exc:
                 # Before the last broadcast the main thread may be stuck in a collective that rank 0
-                # will never join; after it, the main thread is only closing its engine (and exits 0).
+                # will never join; after it, the main thread is only closing its engine (and exits 0), given
+                # a while to do so: a rank that hangs while closing still ends (nobody else ends a launcher's).
+                reason = f"rank 0 closed its connection ({exc})"
                 if not self._stop.is_set() and not self._ended:
-                    self.on_lost(f"rank 0 closed its connection ({exc})")
-                self._inbox.put(LostRank(f"rank 0 closed its connection ({exc})"))
+                    self.on_lost(reason)
+                elif not self._stop.is_set():
+                    timer = threading.Timer(CLOSE_AFTER_LAST_S, self._late, args=(reason,))
+                    timer.daemon = True
+                    timer.start()
+                self._inbox.put(LostRank(reason))
                 return
             if kind in (BROADCAST, LAST):
                 self._ended = kind == LAST
                 self._inbox.put(obj)
+
+    def _late(self, reason: str) -> None:
+        if not self._stop.is_set():
+            self.on_lost(f"{reason}, and this rank did not finish closing within {CLOSE_AFTER_LAST_S:.0f} s")
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):

@@ -202,11 +202,10 @@ class Scheduler:
 
     def _look_up(self, request: Request) -> None:
         rid, prefix = request.request_id, self.prefix
-        if request.sampling.prompt_logprobs is not None:  # every position's logits: nothing from the cache
-            self._next_store_block[rid] = 0
-            return
         hashes = prefix.hashes(request.prompt_token_ids, request.block_key_spans, request.block_hashes)
-        request.cached_block_ids = prefix.lookup(rid, request.prompt_token_ids, request.block_key_spans, hashes)
+        # A scored prompt needs every position's logits: nothing comes from the cache (its blocks are stored).
+        request.cached_block_ids = ([] if request.sampling.prompt_logprobs is not None else
+                                    prefix.lookup(rid, request.prompt_token_ids, request.block_key_spans, hashes))
         request.num_cached_tokens = len(request.cached_block_ids) * prefix.block_size
         request.num_computed_tokens = request.num_cached_tokens
         self._next_store_block[rid] = len(request.cached_block_ids)
@@ -214,6 +213,8 @@ class Scheduler:
 
     def _waits_for_inflight(self, request: Request) -> bool:
         if not self.wait_for_inflight or self.prefix is None or not len(self.inflight):
+            return False
+        if request.sampling.prompt_logprobs is not None:  # it would not use the blocks it waited for
             return False
         hashes = self.prefix.hashes(request.prompt_token_ids, request.block_key_spans, request.block_hashes)
         usable = hashes[: (request.num_prompt_tokens - 1) // self.prefix.block_size]  # as a lookup takes them

@@ -167,7 +167,7 @@ def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | Non
         **output_conventions(loaded, config.tool_call_parser),
         max_tokens_cap=config.security.max_tokens_cap,
         max_token_chars=max_token_chars(loaded.tokenizer),
-        fim=fim_for(loaded.tokenizer),
+        fim=fim_for(loaded.tokenizer, _model_names(spec, loaded), config.fim),
     )
     log.info("serving %s as %r (context %d tokens, up to %d sequences)", loaded.source, spec.name, max_model_len,
              engine_config.max_num_seqs)
@@ -246,6 +246,15 @@ def output_conventions(loaded: LoadedModel, tool_call_parser: str | None) -> dic
     parser = choose_tool_parser(template, cfg.get("model_type"), tool_call_parser)
     log.info("tool calls: %s; reasoning: %s", parser or "none", "%s...%s" % tags if tags else "none")
     return {"tool_parser": parser, "reasoning_tags": tags, "thinks_by_default": thinks}
+
+
+def _model_names(spec: ModelSpec, loaded: LoadedModel) -> list[str]:
+    """What a model is called: its folder's or hub repo's own name (not the folders above it), served names, and
+    its config's name and type."""
+    cfg = loaded.config.get("text_config", loaded.config)
+    sources = (spec.source, str(loaded.source), str(loaded.config.get("_name_or_path", "")))
+    return [*(Path(s).name for s in sources), spec.name, *spec.aliases, str(cfg.get("model_type", "")),
+            *map(str, loaded.config.get("architectures") or ())]
 
 
 def _vocab_size(loaded: LoadedModel) -> int:

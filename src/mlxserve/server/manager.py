@@ -171,15 +171,17 @@ class ModelManager:
             await self.adapters.unload(adapter, slot.engine if slot.state is ModelState.LOADED else None)
             return True
         slot = self._slots[self.resolve(requested)]
-        async with self._lock:  # after a load under way
-            if slot.state is ModelState.LOADED:
-                deadline = time.monotonic() + _HOLDS_WAIT_S
-                while slot.num_holds and not slot.is_serving and time.monotonic() < deadline:
-                    await asyncio.sleep(_POLL_S)
-                if not slot.is_idle:
+        deadline = time.monotonic() + _HOLDS_WAIT_S
+        while True:
+            async with self._lock:  # after a load under way; waiting between looks, other models load meanwhile
+                if slot.state is not ModelState.LOADED:
+                    return True
+                if slot.is_idle:
+                    await self._unload(slot, "asked to over HTTP")
+                    return True
+                if slot.is_serving or time.monotonic() >= deadline:
                     return False
-                await self._unload(slot, "asked to over HTTP")
-        return True
+            await asyncio.sleep(_POLL_S)
 
     # -- loading and unloading -----------------------------------------------------------------
     async def _load(self, slot: ModelSlot) -> None:

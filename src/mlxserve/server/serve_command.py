@@ -51,6 +51,9 @@ def add_serve_command(sub) -> argparse.ArgumentParser:
 
     serve.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSER_NAMES,
                        help="how the model writes tool calls (default: read off its chat template / model type)")
+    serve.add_argument("--fim", default="auto", choices=("auto", "on", "off"),
+                       help="fill-in-the-middle (`suffix`) for models with its marker tokens: auto (those named as "
+                            "code models), on (any), off")
     _add_engine_flags(serve)
     from mlxserve.distributed.config import add_distributed_flags
 
@@ -259,7 +262,8 @@ def _serve(args) -> int:
         config = ServerConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
                               port=args.port, log_level=args.log_level, engine=_engine_config(args),
                               load_strategy=args.load_strategy, media=_media_config(args),
-                              tool_call_parser=args.tool_call_parser, shutdown_timeout_s=args.shutdown_timeout,
+                              tool_call_parser=args.tool_call_parser, fim=args.fim,
+                              shutdown_timeout_s=args.shutdown_timeout,
                               web_ui=not args.no_web_ui,
                               security=_security_config(args), **_models_fields(args))
         from mlxserve.distributed.config import distributed_config

@@ -150,7 +150,7 @@ class ModelRunner(PrefillSteps):
             joined.extend(self._prefill_together(together, requests, out))
         if joined:
             self._sync_phase(*(j[2] for j in joined))
-            self._take_prompt_scores([j[0] for j in joined], requests, out)
+            joined = self._take_prompt_scores(joined, requests, out)
         self.last_prefill_s = time.perf_counter() - started  # for the slow-step log line
         self.last_join_s = 0.0
         try:
@@ -174,14 +174,23 @@ class ModelRunner(PrefillSteps):
             out.request_ids, out.token_ids, out.logprobs = [], [], {}
         return out
 
-    def _take_prompt_scores(self, rids: list[str], requests: dict[str, Request], out: StepTokens) -> None:
+    def _take_prompt_scores(self, joined: list, requests: dict[str, Request], out: StepTokens) -> list:
         """Scored prompts that finished: their entries read back now (a scoring request waits for its
-        prompt's forwards here; no other request asks for it)."""
-        for rid in rids:
+        prompt's forwards here; no other request asks for it). One whose read-back fails (its last forward
+        runs here) fails alone and does not join. Returns the prompts that join."""
+        kept = []
+        for done in joined:
+            rid = done[0]
             row = self.rows[rid]
             if row.prompt_scores is not None:
-                out.prompt_logprobs[rid] = prompt_entries(requests[rid].prompt_token_ids, row.prompt_scores)
+                try:
+                    out.prompt_logprobs[rid] = prompt_entries(requests[rid].prompt_token_ids, row.prompt_scores)
+                except Exception as exc:
+                    self._fail_prefill(rid, exc, out)
+                    continue
                 row.prompt_scores = None
+            kept.append(done)
+        return kept
 
     def _join(self, joined: list[tuple[str, list[Any], mx.array]], requests: dict[str, Request]) -> None:
         """Prompts whose prefill finished join the decode batch with their first tokens."""

@@ -144,18 +144,30 @@ def gather_logprobs(
     return chosen, top_ids, top_vals
 
 
+# Positions scored at once: a slice's float32 temporaries are this many rows of the vocabulary, not a whole
+# prefill chunk's (512 x 152k float32 logits alone are 300 MB; the memory profile counts one chunk's logits).
+_SCORE_ROWS = 64
+
+
 def score_positions(logits: mx.array, targets: list[int], k: int) -> tuple:
     """Each position's logprob of the token that follows it ([n, vocab] logits, n targets) and, with k > 0,
-    its top k alternatives: (chosen [n], top ids [n, k] or None, their logprobs or None)."""
-    lp = logits.astype(mx.float32)
-    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
-    chosen = mx.take_along_axis(lp, mx.array(targets)[:, None], axis=-1)[:, 0]
+    its top k alternatives: (chosen [n], top ids [n, k] or None, their logprobs or None). Unlike
+    `gather_logprobs` it takes raw logits, normalised a slice of rows at a time, never the whole log-softmax."""
+    chosen, top_ids, top_vals = [], [], []
+    for s in range(0, len(targets), _SCORE_ROWS):
+        rows = logits[s : s + _SCORE_ROWS].astype(mx.float32)
+        lse = mx.logsumexp(rows, axis=-1, keepdims=True)
+        chosen.append(mx.take_along_axis(rows, mx.array(targets[s : s + _SCORE_ROWS])[:, None], axis=-1)[:, 0]
+                      - lse[:, 0])
+        if k > 0:
+            ids = mx.argpartition(rows, -k, axis=-1)[:, -k:]
+            vals = mx.take_along_axis(rows, ids, axis=-1)
+            order = mx.argsort(-vals, axis=-1)  # best first, as the sampled tokens' alternatives are
+            top_ids.append(mx.take_along_axis(ids, order, axis=-1))
+            top_vals.append(mx.take_along_axis(vals, order, axis=-1) - lse)
     if k <= 0:
-        return chosen, None, None
-    top_ids = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
-    top_vals = mx.take_along_axis(lp, top_ids, axis=-1)
-    order = mx.argsort(-top_vals, axis=-1)  # best first, as the sampled tokens' alternatives are
-    return chosen, mx.take_along_axis(top_ids, order, axis=-1), mx.take_along_axis(top_vals, order, axis=-1)
+        return mx.concatenate(chosen), None, None
+    return mx.concatenate(chosen), mx.concatenate(top_ids), mx.concatenate(top_vals)
 
 
 def prompt_entries(prompt: list[int], scores: list[tuple]) -> list[TokenLogprob]:

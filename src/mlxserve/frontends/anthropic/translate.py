@@ -59,7 +59,7 @@ def _parts(blocks: list, where: str) -> Union[str, list[dict]]:
     return parts
 
 
-def _loaded(blocks: list, tools: dict[str, Tool]) -> list:
+def _loaded(blocks: list, tools: dict[str, Tool], referenced: set[str]) -> list:
     """A tool result's `tool_reference` blocks as the definitions they load: one `<functions>` block per run
     of them, a `<function>{description, name, parameters}</function>` line each (the encoding Claude Code's
     ToolSearch tells the model to expect). Shown where the search returned them, the tool list at the top of
@@ -68,6 +68,7 @@ def _loaded(blocks: list, tools: dict[str, Tool]) -> list:
     run: list[str] = []
     for b in [*blocks, None]:
         if isinstance(b, ToolReferenceBlock):
+            referenced.add(b.tool_name)
             tool = tools.get(b.tool_name)
             if tool is None:
                 log.debug("/v1/messages: a tool_reference names %r, which the request does not define", b.tool_name)
@@ -83,14 +84,14 @@ def _loaded(blocks: list, tools: dict[str, Tool]) -> list:
     return out
 
 
-def _user_messages(blocks: list, where: str, tools: dict[str, Tool]) -> list[dict]:
+def _user_messages(blocks: list, where: str, tools: dict[str, Tool], referenced: set[str]) -> list[dict]:
     """Tool results first (as OpenAI `tool` messages: they must follow the assistant's calls), then
     the rest of the turn as one user message."""
     out, rest = [], []
     for j, b in enumerate(blocks):
         if isinstance(b, ToolResultBlock):
             content = (b.content if isinstance(b.content, str)
-                       else _parts(_loaded(b.content or [], tools), f"{where}.{j}.content"))
+                       else _parts(_loaded(b.content or [], tools, referenced), f"{where}.{j}.content"))
             out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
         elif isinstance(b, (TextBlock, ImageBlock)):
             rest.append(b)
@@ -180,17 +181,20 @@ def _tool_choice(body: MessagesRequest) -> tuple[Any, Optional[bool]]:
     return choice.type, parallel  # "auto" / "none": the same words in OpenAI's dialect
 
 
-def _shown(tools: list[Tool], body: MessagesRequest) -> list[Tool]:
-    """The tools listed at the top of the prompt: not the deferred ones (a tool search loads those inside the
-    conversation, `_loaded`), unless `tool_choice` forces one."""
+def _callable(tools: list[Tool], body: MessagesRequest, referenced: set[str]) -> tuple[list[Tool], set[str]]:
+    """The tools the model may call, and the names of those listed at the top of the prompt. A deferred tool
+    is callable once a tool search loaded it (its definition is in the conversation, `_loaded`) and is never
+    listed, unless `tool_choice` forces it."""
     forced = body.tool_choice.name if isinstance(body.tool_choice, ToolChoice) else None
-    return [t for t in tools if not t.defer_loading or t.name == forced]
+    listed = {t.name for t in tools if not t.defer_loading or t.name == forced}
+    return [t for t in tools if t.name in listed or t.name in referenced], listed
 
 
 def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     log_unused("/v1/messages", unused_fields(body, body.ACCEPTED_UNUSED))
     tools = _client_tools(body)
     by_name = {t.name: t for t in tools}
+    referenced: set[str] = set()  # deferred tools a tool search loaded
     messages: list[dict] = []
     system = body.system if isinstance(body.system, str) else _joined(_without_billing(body.system or []))
     if system:
@@ -201,7 +205,7 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
         elif m.role == "system":
             messages.append(_system_message(m.content, f"messages.{i}.content"))
         elif m.role == "user":
-            messages.extend(_user_messages(m.content, f"messages.{i}.content", by_name))
+            messages.extend(_user_messages(m.content, f"messages.{i}.content", by_name, referenced))
         else:
             messages.append(_assistant_message(m.content, f"messages.{i}.content"))
     fields: dict = {"model": body.model, "messages": adjacent_systems_joined(messages), "max_tokens": body.max_tokens,
@@ -209,11 +213,11 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     for name in ("temperature", "top_p", "top_k"):
         if getattr(body, name) is not None:
             fields[name] = getattr(body, name)
-    shown = _shown(tools, body)
-    if shown:
+    callable_tools, listed = _callable(tools, body, referenced)
+    if callable_tools:
         fields["tools"] = [{"type": "function", "function": {
             "name": t.name, "description": t.description, "parameters": t.input_schema, "strict": t.strict}}
-            for t in shown]
+            for t in callable_tools]
     fields["tool_choice"], fields["parallel_tool_calls"] = _tool_choice(body)
     if body.thinking is not None and body.thinking.type in ("enabled", "disabled"):
         fields["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}
@@ -222,4 +226,7 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
         fields["reasoning_effort"] = effort(wanted)
         if fields["reasoning_effort"] is None:
             log.debug("/v1/messages: output_config.effort %r has no meaning here", wanted)
-    return chat_request(fields)
+    request = chat_request(fields)
+    if len(listed) < len(callable_tools):
+        request._listed_tools = frozenset(listed)
+    return request

@@ -5,12 +5,19 @@ here and send it down as a plain completion.
 
 The markers are read off the vocabulary, as Ollama reads its "insert" capability off a model's template.
 A model without them was not trained for this, and its request is refused: completing the prompt alone
-would ignore the suffix. Imports no MLX."""
+would ignore the suffix. Having them is not enough, though: every Qwen2.5/Qwen3 and Gemma tokenizer carries
+the markers of its code siblings. So by default (`--fim auto`) a model must also be named as a code model
+(its folder, hub id, served name or config: "coder", "code", "starcoder2", "codegemma", ...); `--fim on`
+takes the markers alone. Imports no MLX."""
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,13 +51,35 @@ class Fim:
         return f"{f.prefix}{prefix}{f.suffix}{suffix}{f.middle}"
 
 
-def fim_for(tokenizer: Any) -> Fim | None:
-    """The first format whose three markers are tokens of this vocabulary; None when none is."""
+# Words of a model's names that make it a code model: Qwen2.5-Coder, deepseek-coder, granite-code, stable-code;
+# StarCoder2, CodeGemma, CodeLlama, Codestral, CodeQwen, SantaCoder ("encoder" is not one).
+_CODE_WORDS = {"coder", "code"}
+_CODE_PREFIXES = ("starcoder", "codegemma", "codellama", "codestral", "codeqwen", "santacoder", "gpt_bigcode")
+
+
+def named_as_code_model(names: Iterable[str]) -> bool:
+    for name in names:
+        for word in re.split(r"[^a-z0-9_]+", str(name).lower()):
+            if word in _CODE_WORDS or word.startswith(_CODE_PREFIXES):
+                return True
+    return False
+
+
+def fim_for(tokenizer: Any, names: Iterable[str] = (), setting: str = "on") -> Fim | None:
+    """The first format whose three markers are tokens of this vocabulary, if `setting` lets this model use it
+    ("auto": only a model `names` call a code model); None otherwise."""
     get_vocab = getattr(tokenizer, "get_vocab", None)
-    if not callable(get_vocab):
+    if setting == "off" or not callable(get_vocab):
         return None
-    vocab = get_vocab()
+    try:
+        vocab = get_vocab()
+    except Exception:  # a tokenizer without a readable vocabulary: no markers to find
+        return None
     for f in FORMATS:
         if all(marker in vocab for marker in (f.prefix, f.suffix, f.middle)):
+            if setting == "auto" and not named_as_code_model(names):
+                log.info("fill-in-the-middle: the vocabulary has its tokens, but the model is not named as a code "
+                         "model; --fim on serves `suffix` with it")
+                return None
             return Fim(f, frozenset(vocab[t] for t in (f.prefix, f.suffix, f.middle, *f.ends) if t in vocab))
     return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 log = logging.getLogger(__name__)
 
@@ -317,6 +317,16 @@ class ChatCompletionRequest(SamplingFields):
     documents: Annotated[Any, refusing("documents are not supported: put them in the messages", _EMPTY)] = None
 
     ACCEPTED_UNUSED: ClassVar[tuple[str, ...]] = SamplingFields.ACCEPTED_UNUSED + ("prediction", "verbosity")
+
+    # Set by a front door, never by a client: the names of the `tools` the chat template lists. The others are
+    # callable all the same (the grammar and the parser know them) but shown elsewhere in the conversation:
+    # Anthropic's deferred tools, loaded where a tool search returned them. None: every tool is listed.
+    _listed_tools: Optional[frozenset[str]] = PrivateAttr(default=None)
+
+    @property
+    def listed_tools(self) -> list[ToolSpec]:
+        tools = self.tools or []
+        return tools if self._listed_tools is None else [t for t in tools if t.function.name in self._listed_tools]
 
     @field_validator("reasoning_effort", mode="before")
     @classmethod

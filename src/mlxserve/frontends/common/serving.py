@@ -121,7 +121,7 @@ def _render_chat(model: ServedModel, body: ChatCompletionRequest) -> str | list[
         kwargs = dict(body.chat_template_kwargs or {})
         if body.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", body.reasoning_effort)
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        tools = [t.model_dump(exclude_none=True) for t in body.listed_tools] or None
         try:
             return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
         except Exception as exc:  # a template may reject a role order, e.g. two system messages
@@ -154,9 +154,10 @@ def _completion_prompt(model: ServedModel, body: CompletionRequest) -> list[int]
         prompt = prompt[0]
     if body.suffix:  # an empty suffix asks for nothing after the text: a plain completion (as Ollama reads it)
         if model.fim is None:
-            raise APIError(400, f"`{model.name}` has no fill-in-the-middle tokens in its vocabulary, so it cannot "
-                           "complete between a prompt and a suffix (code models such as Qwen2.5-Coder, StarCoder2, "
-                           "CodeGemma and DeepSeek-Coder can)", "suffix")
+            raise APIError(400, f"`{model.name}` does not complete between a prompt and a suffix: its vocabulary has "
+                           "no fill-in-the-middle markers, or it is not named as a code model (--fim on serves it; "
+                           "code models such as Qwen2.5-Coder, StarCoder2, CodeGemma and DeepSeek-Coder can)",
+                           "suffix")
         if not isinstance(prompt, str):
             raise APIError(400, "suffix needs the prompt as text, not token ids", "suffix")
         prompt = model.fim.prompt(prompt, body.suffix)
@@ -220,11 +221,12 @@ class Prepared:
 
     def copy(self, i: int) -> Request:
         """Choice `i` of an n > 1 request: the same prompt, its own id and (if seeded) its own seed, so
-        the choices differ as OpenAI's do; the prompt's KV comes from the prefix cache."""
+        the choices differ as OpenAI's do; the prompt's KV comes from the prefix cache. An echoed prompt's
+        logprobs are choice 0's: a copy scoring it again would prefill it whole again."""
         r, sp = self.request, self.request.sampling
         seed = (sp.seed + i) % 2**64 if sp.seed is not None else None
-        return Request(f"{r.request_id}-{i}", list(r.prompt_token_ids), replace(sp, seed=seed), r.eos_token_ids,
-                       media=r.media, adapter=r.adapter)
+        return Request(f"{r.request_id}-{i}", list(r.prompt_token_ids), replace(sp, seed=seed, prompt_logprobs=None),
+                       r.eos_token_ids, media=r.media, adapter=r.adapter)
 
 
 def make_request(model: ServedModel, body: SamplingFields) -> Request:

@@ -168,6 +168,9 @@ def add_ollama_routes(app: FastAPI, gateway: Gateway, pull_fn: Callable[[str], A
         async with models.lease(body.model) as (served, _):
             if served.embedding_only:
                 raise APIError(400, f"`{requested}` is an embedding model: it serves /api/embed only", "model")
+            if body.suffix and served.fim is None:  # raw or not: Ollama asks for the "insert" capability either way
+                raise APIError(400, f"`{requested}` does not support insert (fill-in-the-middle): its vocabulary has "
+                               "no markers, or it is not a code model (--fim on)", "suffix")
             internal = await gateway.prep.run(to_generate, body, served.tokenizer)
         return await generate_reply(internal, requested, keep, False, bool(body.logprobs), body.stream, raw,
                                     durations)

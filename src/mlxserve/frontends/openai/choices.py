@@ -26,7 +26,7 @@ async def complete_choices(gateway: Gateway, body: SamplingFields, raw: Request,
     rid = opened.prepared.request.request_id
     echo = echo_text(body, opened.model.tokenizer)
     builders = [CompletionBuilder(rid, body.model, chat, opened.model.tokenizer, opened.prepared.output, index=i,
-                                  echo=echo) for i in range(body.n)]
+                                  echo=echo, echo_logprobs=head.prompt_logprobs) for i in range(body.n)]
     timer = gateway.timer()
     if body.stream:
         return event_stream(_stream_choices(builders, streams, body.include_usage, timer))

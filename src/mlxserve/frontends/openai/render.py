@@ -34,7 +34,7 @@ class CompletionBuilder:
     """Shapes one request's outputs as a chat or text completion (whole or streamed chunk by chunk)."""
 
     def __init__(self, request_id: str, model: str, chat: bool, tokenizer: Any, output: OutputSpec | None = None,
-                 index: int = 0, echo: str | None = None) -> None:
+                 index: int = 0, echo: str | None = None, echo_logprobs: list | None = None) -> None:
         self.id = request_id
         self.index = index  # the choice this builder shapes (n > 1: one builder per choice, one id)
         # Replies that may hold reasoning or tool calls are read through a parser; plain ones stream as is.
@@ -47,8 +47,10 @@ class CompletionBuilder:
         self._tok = tokenizer
         self._text_templates: dict[str | None, list[str]] = {}  # delta key -> text chunk around the text
         # A text completion's `echo`: the prompt, put before the reply's text (and its logprobs, when the
-        # engine scored it, before the reply's); streamed, in the first chunk.
+        # engine scored it, before the reply's); streamed, in the first chunk. `echo_logprobs`: the prompt's
+        # entries when another choice's request carried them (n > 1 scores the prompt once).
         self.echo = echo
+        self.echo_logprobs = echo_logprobs
         self._echo_pending = echo is not None
 
     def _envelope(self, obj: str, choices: list, **extra) -> dict:
@@ -84,7 +86,7 @@ class CompletionBuilder:
              num_cached: int = 0, prompt_lps: list | None = None) -> dict:
         if self.echo is not None:
             text = self.echo + text
-            lps = [*(prompt_lps or ()), *lps] if lps is not None else None
+            lps = [*(prompt_lps or self.echo_logprobs or ()), *lps] if lps is not None else None
         if self.chat:
             message: dict = {"role": "assistant", "content": text}
             if self.output is not None:
@@ -124,7 +126,8 @@ class CompletionBuilder:
     def chunk(self, out: RequestOutput) -> str | None:
         if self._echo_pending:
             self._echo_pending = False
-            lps = [*(out.prompt_logprobs or ()), *(out.logprobs or ())] if out.prompt_logprobs else out.logprobs
+            prompt_lps = out.prompt_logprobs or self.echo_logprobs
+            lps = [*prompt_lps, *(out.logprobs or ())] if prompt_lps else out.logprobs
             out = replace(out, text=self.echo + out.text, logprobs=lps)
         if self._parser is not None:
             return self._parsed_chunks(out)
