@@ -80,3 +80,12 @@ def test_version(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--version"])
     assert capsys.readouterr().out.startswith("mlxserve 0.1.0")
+
+
+
+def test_a_bare_yaml_on_or_off_is_the_word_not_a_boolean(monkeypatch, tmp_path):
+    # YAML 1.1 reads `fim: on` as true: a flag whose choices are on/off takes it as the word.
+    cfg = tmp_path / "mlxserve.yaml"
+    cfg.write_text("fim: on\nwarmup: off\n")
+    args = _serve_args(["--config", str(cfg)], monkeypatch)
+    assert (args.fim, args.warmup) == ("on", "off")

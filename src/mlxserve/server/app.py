@@ -252,8 +252,8 @@ def _model_names(spec: ModelSpec, loaded: LoadedModel) -> list[str]:
     """What a model is called: its folder's or hub repo's own name (not the folders above it), served names, and
     its config's name and type."""
     cfg = loaded.config.get("text_config", loaded.config)
-    sources = (spec.source, str(loaded.source), str(loaded.config.get("_name_or_path", "")))
-    return [*(Path(s).name for s in sources), spec.name, *spec.aliases, str(cfg.get("model_type", "")),
+    names = (spec.source, str(loaded.source), str(loaded.config.get("_name_or_path", "")), spec.name, *spec.aliases)
+    return [*(Path(n).name for n in names), str(cfg.get("model_type", "")),
             *map(str, loaded.config.get("architectures") or ())]
 
 

@@ -108,6 +108,8 @@ def _convert(action: argparse.Action, raw, where: str):
 
 
 def _one(action: argparse.Action, raw, where: str):
+    if isinstance(raw, bool) and action.choices is not None and {"on", "off"} <= set(action.choices):
+        raw = "on" if raw else "off"  # YAML 1.1 reads a bare on / off as a boolean
     text = str(raw).strip()
     try:
         value = action.type(text) if action.type is not None else text

@@ -145,7 +145,8 @@ def gather_logprobs(
 
 
 # Positions scored at once: a slice's float32 temporaries are this many rows of the vocabulary, not a whole
-# prefill chunk's (512 x 152k float32 logits alone are 300 MB; the memory profile counts one chunk's logits).
+# prefill chunk's (512 x 152k float32 logits alone are 300 MB; the memory profile counts one chunk's logits in
+# the model's dtype). Each slice is evaluated before the next is built, so only one slice's are alive at once.
 _SCORE_ROWS = 64
 
 
@@ -165,6 +166,7 @@ def score_positions(logits: mx.array, targets: list[int], k: int) -> tuple:
             order = mx.argsort(-vals, axis=-1)  # best first, as the sampled tokens' alternatives are
             top_ids.append(mx.take_along_axis(ids, order, axis=-1))
             top_vals.append(mx.take_along_axis(vals, order, axis=-1) - lse)
+        mx.eval(chosen[-1], *top_ids[-1:], *top_vals[-1:])
     if k <= 0:
         return mx.concatenate(chosen), None, None
     return mx.concatenate(chosen), mx.concatenate(top_ids), mx.concatenate(top_vals)

@@ -51,16 +51,15 @@ class Fim:
         return f"{f.prefix}{prefix}{f.suffix}{suffix}{f.middle}"
 
 
-# Words of a model's names that make it a code model: Qwen2.5-Coder, deepseek-coder, granite-code, stable-code;
-# StarCoder2, CodeGemma, CodeLlama, Codestral, CodeQwen, SantaCoder ("encoder" is not one).
-_CODE_WORDS = {"coder", "code"}
-_CODE_PREFIXES = ("starcoder", "codegemma", "codellama", "codestral", "codeqwen", "santacoder", "gpt_bigcode")
+# Words of a model's names that make it a code model: Qwen2.5-Coder, deepseek-coder, granite-code, stable-code,
+# WizardCoder, StarCoder2, CodeGemma, CodeLlama, Codestral, CodeQwen, gpt_bigcode ("encoder" is not one).
+_CODE_PREFIXES = ("code", "starcoder", "santacoder", "bigcode")
 
 
 def named_as_code_model(names: Iterable[str]) -> bool:
     for name in names:
-        for word in re.split(r"[^a-z0-9_]+", str(name).lower()):
-            if word in _CODE_WORDS or word.startswith(_CODE_PREFIXES):
+        for word in re.split(r"[^a-z]+", str(name).lower()):
+            if word.startswith(_CODE_PREFIXES) or (word.endswith("coder") and not word.endswith(("encoder", "decoder"))):
                 return True
     return False
 

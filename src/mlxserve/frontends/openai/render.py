@@ -52,7 +52,6 @@ class CompletionBuilder:
         self.echo = echo
         self.echo_logprobs = echo_logprobs
         self._echo_pending = echo is not None
-        self._text_offset = 0  # where the next logprob entry's token starts in the choice's text
 
     def _envelope(self, obj: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
@@ -64,18 +63,13 @@ class CompletionBuilder:
     def logprobs(self, entries: list[TokenLogprob]) -> dict:
         if self.chat:
             return {"content": [self._chat_logprob(e) for e in entries]}
-        tokens = [self._token_str(e.token_id) for e in entries]
-        offsets = []
-        for token in tokens:  # each token's start in the text so far (streamed: across chunks)
-            offsets.append(self._text_offset)
-            self._text_offset += len(token)
         return {
-            "tokens": tokens,
+            "tokens": [self._token_str(e.token_id) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
             # An echoed prompt's first token has nothing before it: null, as OpenAI gives it.
             "top_logprobs": [{self._token_str(t): lp for t, lp in e.top} if e.logprob is not None else None
                              for e in entries],
-            "text_offset": offsets,
+            "text_offset": [],
         }
 
     def _chat_logprob(self, e: TokenLogprob) -> dict:
