@@ -345,3 +345,31 @@ def test_fixtures_are_what_the_clients_send():
     assert {"namespace", "web_search", "function"} <= {t["type"] for t in codex["tools"]}
     title = copy.deepcopy(json.loads((FIXTURES / "claude_code_title.json").read_text()))
     assert title["output_config"]["format"]["type"] == "json_schema"
+
+
+def test_a_screenshot_turn_keeps_the_tools_and_the_calls_before_it(app):
+    """Claude Code sends screenshots as images in tool results and user turns: on a vision-language model the
+    template still gets the listed tools, the earlier tool calls and the template arguments."""
+    client, models = app
+    seen = {}
+
+    class Builder:  # stands in for the multimodal prompt builder
+        def build(self, messages, parts, tools=None, **kwargs):
+            seen.update(messages=messages, parts=parts, tools=tools, kwargs=kwargs)
+            return [1, 2, 3], ()
+
+    models.served = copy.copy(models.served)
+    models.served.multimodal = Builder()
+    png = "data:image/png;base64,iVBORw0KGgo="
+    body = {"model": NAME, "max_tokens": 8, "tools": [WEATHER], "thinking": {"type": "disabled"}, "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png.split(",")[1]}}]}]}]}
+    r = client.post("/v1/messages", json=body)
+    assert r.status_code == 200, r.text
+    assert [t["function"]["name"] for t in seen["tools"]] == ["get_weather"]
+    assert seen["kwargs"] == {"enable_thinking": False} and len(seen["parts"]) == 1
+    assert seen["messages"][1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert seen["messages"][2]["role"] == "tool" and seen["messages"][2]["tool_call_id"] == "t1"

@@ -177,3 +177,30 @@ def test_a_processor_refusal_is_a_media_error(qwen25vl_dir):
     messages = [{"role": "user", "content": [{"type": "image"}]}]
     with pytest.raises(MediaError, match="cannot take this media"):
         builder.build(messages, [MediaPart("image", url)])
+
+
+def test_tools_and_earlier_tool_calls_reach_the_template_with_an_image(qwen25):
+    """An agent's turn with a screenshot keeps its tools and the calls before it, as a text-only turn does: the
+    chat template gets them (this fixture's template has no place for tools; real Qwen-VL ones do)."""
+    seen = {}
+
+    class Recording:
+        def __init__(self, tokenizer):
+            self._tok = tokenizer
+
+        def apply_chat_template(self, messages, **kwargs):
+            seen.update(messages=messages, **kwargs)
+            return self._tok.apply_chat_template(messages, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self._tok, name)
+
+    builder = MultimodalPromptBuilder(qwen25.model, Recording(qwen25.tokenizer), MediaConfig())
+    tools = [{"type": "function", "function": {"name": "click_button", "description": "Click a button",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "click_button", "arguments": {}}}
+    messages = [{"role": "user", "content": "open the page"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "clicked"}, *user("image", text="what now?")]
+    builder.build(messages, [MediaPart("image", uri(noise(3)))], tools, enable_thinking=False)
+    assert seen["tools"] == tools and seen["enable_thinking"] is False
+    assert seen["messages"][1]["tool_calls"] == [call] and seen["messages"][2]["tool_call_id"] == "c1"

@@ -68,15 +68,18 @@ class MultimodalPromptBuilder:
         self._known: OrderedDict[str, tuple] = OrderedDict()
         self._lock = threading.Lock()
 
-    def build(self, messages: list[dict], parts: list[MediaPart]) -> tuple[list[int], tuple[MediaItem, ...]]:
+    def build(self, messages: list[dict], parts: list[MediaPart], tools: list[dict] | None = None,
+              **template_kwargs) -> tuple[list[int], tuple[MediaItem, ...]]:
         """`messages` already hold {"type": "image"} / {"type": "video"} parts where the media go,
-        and `parts` lists the media in that order."""
+        and `parts` lists the media in that order. `tools` and `template_kwargs` go to the chat template, as
+        for a text-only prompt."""
         if len(parts) > self.config.max_media_per_request:
             raise MediaError(f"{len(parts)} images/videos in one request; this server takes at most "
                              f"{self.config.max_media_per_request}", "messages")
         loaded = [self._load(p) for p in parts]
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=False, **template_kwargs)
         except Exception as exc:  # a template may reject a role order, e.g. two system messages
             raise PromptError(f"the chat template rejected these messages: {exc}") from exc
         text = self._expand(text, loaded)

@@ -65,8 +65,9 @@ def _render_multimodal(model: ServedModel, body: ChatCompletionRequest) -> tuple
                        "vision-language model", "messages")
     messages, parts = [], []
     for m in body.messages:
+        message = _message_dict(m)  # its tool calls and tool results too: an agent's screenshot turn keeps them
+        messages.append(message)
         if not isinstance(m.content, list):
-            messages.append({"role": m.role, "content": m.content or ""})
             continue
         content = []
         for p in m.content:
@@ -78,9 +79,9 @@ def _render_multimodal(model: ServedModel, body: ChatCompletionRequest) -> tuple
             else:
                 content.append({"type": "video"})
                 parts.append(MediaPart("video", *p.source()))
-        messages.append({"role": m.role, "content": content})
+        message["content"] = content
     try:
-        return model.multimodal.build(messages, parts)
+        return model.multimodal.build(messages, parts, _listed_tools(body), **_template_kwargs(body))
     except MediaError as exc:
         raise APIError(400, str(exc), exc.param or "messages", "invalid_media") from exc
     except PromptError as exc:
@@ -113,15 +114,25 @@ def _arguments(raw: str | dict) -> dict:
     return value
 
 
+def _listed_tools(body: ChatCompletionRequest) -> list[dict] | None:
+    """The tools the chat template lists (not every callable one: schemas.ChatCompletionRequest.listed_tools)."""
+    return [t.model_dump(exclude_none=True) for t in body.listed_tools] or None
+
+
+def _template_kwargs(body: ChatCompletionRequest) -> dict:
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+    return kwargs
+
+
 def _render_chat(model: ServedModel, body: ChatCompletionRequest) -> str | list[int]:
     """The prompt as text (a chat template's rendering) or token ids (no template)."""
     messages = [_message_dict(m) for m in body.messages]
     tok = model.tokenizer
     if getattr(tok, "chat_template", None):
-        kwargs = dict(body.chat_template_kwargs or {})
-        if body.reasoning_effort is not None:
-            kwargs.setdefault("reasoning_effort", body.reasoning_effort)
-        tools = [t.model_dump(exclude_none=True) for t in body.listed_tools] or None
+        kwargs = _template_kwargs(body)
+        tools = _listed_tools(body)
         try:
             return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
         except Exception as exc:  # a template may reject a role order, e.g. two system messages
