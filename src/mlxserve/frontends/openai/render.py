@@ -29,7 +29,6 @@ def echo_text(body: SamplingFields, tokenizer) -> str | None:
     return prompt if isinstance(prompt, str) else tokenizer.decode(list(prompt))
 
 
-
 class CompletionBuilder:
     """Shapes one request's outputs as a chat or text completion (whole or streamed chunk by chunk)."""
 
@@ -86,7 +85,8 @@ class CompletionBuilder:
              num_cached: int = 0, prompt_lps: list | None = None) -> dict:
         if self.echo is not None:
             text = self.echo + text
-            lps = [*(prompt_lps or self.echo_logprobs or ()), *lps] if lps is not None else None
+            prompt_lps = prompt_lps or self.echo_logprobs
+            lps = [*(prompt_lps or ()), *(lps or ())] if lps is not None or prompt_lps else None
         if self.chat:
             message: dict = {"role": "assistant", "content": text}
             if self.output is not None:
