@@ -1,7 +1,7 @@
 """A prompt's own logprobs (`SamplingParams.prompt_logprobs`, a text completion's echo with logprobs): each
 prompt token's logprob after the tokens before it, from the chunked prefill, equal to one whole forward's
 log-softmax; computed whole even when the prefix cache holds the prompt, whose blocks it still stores; on the
-plain layout and on the ones whose prefill stops at block boundaries (sliding windows, recurrent state)."""
+plain layout, MLA, and the ones whose prefill stops at block boundaries (sliding windows, recurrent state)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from mlxserve.testing.families import build_family_folder
 BS = 16
 
 
-@pytest.fixture(scope="module", params=["qwen3", "gemma3_text", "qwen3_next"])
+@pytest.fixture(scope="module", params=["qwen3", "gemma3_text", "qwen3_next", "deepseek_v2"])
 def loaded(request, qwen3_model_dir, tmp_path_factory):
     if request.param == "qwen3":
         return load_model(str(qwen3_model_dir))

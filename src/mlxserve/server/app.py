@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from mlxserve.frontends.app import create_app
 from mlxserve.frontends.common.fim import fim_for
-from mlxserve.frontends.common.prompt_bound import max_token_chars
+from mlxserve.frontends.common.prompt_bound import max_token_chars, read_vocab
 from mlxserve.frontends.common.security import install_security
 from mlxserve.frontends.common.serving import ServedModel
 from mlxserve.frontends.admin.web import add_web_routes
@@ -154,6 +154,7 @@ def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | Non
         return audio_served(spec, config, loaded)
     engine_config = shared_engine_config(spec.engine or config.engine, config, spec.name)
     max_model_len = resolve_max_model_len(loaded, engine_config)
+    vocab = read_vocab(loaded.tokenizer)  # once: the length bound and the fill-in-the-middle markers read it
     served = ServedModel(
         name=spec.name,
         aliases=frozenset(spec.aliases),
@@ -166,8 +167,8 @@ def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | Non
         multimodal=_prompt_builder(loaded, config, engine_config),
         **output_conventions(loaded, config.tool_call_parser),
         max_tokens_cap=config.security.max_tokens_cap,
-        max_token_chars=max_token_chars(loaded.tokenizer),
-        fim=fim_for(loaded.tokenizer, _model_names(spec, loaded), config.fim),
+        max_token_chars=max_token_chars(loaded.tokenizer, vocab),
+        fim=fim_for(loaded.tokenizer, _model_names(spec, loaded), config.fim, vocab),
     )
     log.info("serving %s as %r (context %d tokens, up to %d sequences)", loaded.source, spec.name, max_model_len,
              engine_config.max_num_seqs)

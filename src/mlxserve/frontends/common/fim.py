@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from mlxserve.frontends.common.prompt_bound import read_vocab
+
 log = logging.getLogger(__name__)
 
 
@@ -59,20 +61,20 @@ _CODE_PREFIXES = ("code", "starcoder", "santacoder", "bigcode")
 def named_as_code_model(names: Iterable[str]) -> bool:
     for name in names:
         for word in re.split(r"[^a-z]+", str(name).lower()):
-            if word.startswith(_CODE_PREFIXES) or (word.endswith("coder") and not word.endswith(("encoder", "decoder"))):
+            coder = word.endswith("coder") and not word.endswith(("encoder", "decoder"))
+            if coder or word.startswith(_CODE_PREFIXES):
                 return True
     return False
 
 
-def fim_for(tokenizer: Any, names: Iterable[str] = (), setting: str = "on") -> Fim | None:
+def fim_for(tokenizer: Any, names: Iterable[str] = (), setting: str = "on", vocab: dict | None = None) -> Fim | None:
     """The first format whose three markers are tokens of this vocabulary, if `setting` lets this model use it
-    ("auto": only a model `names` call a code model); None otherwise."""
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    if setting == "off" or not callable(get_vocab):
+    ("auto": only a model `names` call a code model); None otherwise. `vocab`: the tokenizer's, when the
+    caller read it already (prompt_bound.read_vocab)."""
+    if setting == "off":
         return None
-    try:
-        vocab = get_vocab()
-    except Exception:  # a tokenizer without a readable vocabulary: no markers to find
+    vocab = vocab if vocab is not None else read_vocab(tokenizer)
+    if not vocab:  # a tokenizer without a readable vocabulary: no markers to find
         return None
     for f in FORMATS:
         if all(marker in vocab for marker in (f.prefix, f.suffix, f.middle)):
