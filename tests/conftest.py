@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxserve.testing.demo import DemoModelConfig, build_model_folder
+from mlxhost.testing.demo import DemoModelConfig, build_model_folder
 
 _TESTS = Path(__file__).resolve().parent
 # (where under tests/, marker): a folder, a file, or a file::test name prefix. A test gets every marker whose
@@ -25,7 +25,7 @@ LANES = (
     ("distributed/", "distributed"),  # servers whose ranks are subprocesses
     ("export/", "export"),  # Core ML conversion through torch and coremltools
     ("realweights/", "real_weights"),  # small real models from a local cache
-    # The model-family matrix: the same scenarios once per family fixture (mlxserve.testing.families, VLMs).
+    # The model-family matrix: the same scenarios once per family fixture (mlxhost.testing.families, VLMs).
     # The fast lane keeps one plain-KV, sliding-window, recurrent and MLA fixture (test_prefix_engine.py).
     ("engine/test_families_engine.py", "families"),
     ("engine/test_prefix_layouts.py", "families"),
@@ -133,30 +133,30 @@ def qwen3_4bit_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def qwen25vl_dir(tmp_path_factory):
-    from mlxserve.testing.vlm_demo import build_vlm_folder
+    from mlxhost.testing.vlm_demo import build_vlm_folder
 
     return build_vlm_folder(tmp_path_factory.mktemp("qwen2_5_vl"), family="qwen2_5_vl")
 
 
 @pytest.fixture(scope="session")
 def qwen3vl_dir(tmp_path_factory):
-    from mlxserve.testing.vlm_demo import build_vlm_folder
+    from mlxhost.testing.vlm_demo import build_vlm_folder
 
     return build_vlm_folder(tmp_path_factory.mktemp("qwen3_vl"), family="qwen3_vl")
 
 
 @pytest.fixture(scope="session")
 def gemma3_dir(tmp_path_factory):
-    from mlxserve.testing.vlm_demo import build_vlm_folder
+    from mlxhost.testing.vlm_demo import build_vlm_folder
 
     return build_vlm_folder(tmp_path_factory.mktemp("gemma3"), family="gemma3")
 
 
 @pytest.fixture(autouse=True)
 def _torch_stays_importable():
-    """`mlxserve serve` run in-process for a text model hides PyTorch from the whole process
+    """`mlxhost serve` run in-process for a text model hides PyTorch from the whole process
     (models/torch_free.py): after the test, it is importable again for the next ones (the export lane)."""
-    from mlxserve.models.torch_free import TORCH_ENV
+    from mlxhost.models.torch_free import TORCH_ENV
 
     hidden, env = "torch" in sys.modules and sys.modules["torch"] is None, os.environ.get(TORCH_ENV)
     yield
@@ -180,7 +180,7 @@ def _one_memory_profile_per_model(request, monkeypatch):
     time."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxserve.memory import profile
+    from mlxhost.memory import profile
 
     if request.path.resolve().is_relative_to(_TESTS / "memory"):
         return

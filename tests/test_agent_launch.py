@@ -1,4 +1,4 @@
-"""`mlxserve launch`: the environment and config files each agent gets, and the server's life around the agent
+"""`mlxhost launch`: the environment and config files each agent gets, and the server's life around the agent
 (fake agents and a fake /v1/models server: no agent CLI, no model)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from mlxserve.server import cli
-from mlxserve.agents import AGENTS, Target, launch
-from mlxserve.agents.base import default_max_output_tokens
+from mlxhost.server import cli
+from mlxhost.agents import AGENTS, Target, launch
+from mlxhost.agents.base import default_max_output_tokens
 
 TARGET = Target(url="http://127.0.0.1:8123", model="demo", api_key="k1", context_tokens=131072,
                 max_output_tokens=512)
@@ -44,15 +44,15 @@ def test_codex_home_config(tmp_path):
     setup = AGENTS["codex"].configure(TARGET, tmp_path / "codex")
     assert setup.env["CODEX_HOME"] == str(tmp_path / "codex")
     config = tomllib.loads((tmp_path / "codex" / "config.toml").read_text())
-    assert config["model"] == "demo" and config["model_provider"] == "mlxserve"
+    assert config["model"] == "demo" and config["model_provider"] == "mlxhost"
     assert config["model_context_window"] == 131072
     assert config["model_auto_compact_token_limit"] < 131072
     assert config["analytics"] == {"enabled": False} and config["check_for_update_on_startup"] is False
-    provider = config["model_providers"]["mlxserve"]
+    provider = config["model_providers"]["mlxhost"]
     assert provider["base_url"] == "http://127.0.0.1:8123/v1"
     assert provider["wire_api"] == "responses"
     assert setup.env[provider["env_key"]] == "k1"
-    assert provider["env_key"] != "MLXSERVE_API_KEY"  # a server the agent starts must not require it
+    assert provider["env_key"] != "MLXHOST_API_KEY"  # a server the agent starts must not require it
 
 
 def test_codex_config_quotes_names(tmp_path):
@@ -65,11 +65,11 @@ def test_codex_config_quotes_names(tmp_path):
 def test_opencode_config_content(tmp_path):
     env = AGENTS["opencode"].configure(TARGET, tmp_path).env
     config = json.loads(env["OPENCODE_CONFIG_CONTENT"])
-    provider = config["provider"]["mlxserve"]
+    provider = config["provider"]["mlxhost"]
     assert provider["npm"] == "@ai-sdk/openai-compatible"
     assert provider["options"] == {"baseURL": "http://127.0.0.1:8123/v1", "apiKey": "k1"}
     assert provider["models"]["demo"]["limit"] == {"context": 131072, "output": 512}
-    assert config["model"] == config["small_model"] == "mlxserve/demo"
+    assert config["model"] == config["small_model"] == "mlxhost/demo"
     assert env["OPENCODE_DISABLE_MODELS_FETCH"] == "1" and config["share"] == "disabled"
 
 
@@ -175,7 +175,7 @@ def test_launch_reuses_a_running_server(fake_agent):
 def test_launch_stops_the_server_it_started(fake_agent, monkeypatch, tmp_path):
     started = []
 
-    def start(args, log_path):  # a stand-in for `mlxserve serve` that answers /v1/models
+    def start(args, log_path):  # a stand-in for `mlxhost serve` that answers /v1/models
         code = ("import sys; sys.path.insert(0, %r); from test_agent_launch import _Models; "
                 "from http.server import HTTPServer; HTTPServer(('127.0.0.1', %d), _Models).serve_forever()"
                 % (str(__import__("pathlib").Path(__file__).parent), args.port))

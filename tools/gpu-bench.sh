@@ -1,30 +1,30 @@
 #!/usr/bin/env bash
-# The GPU comparison in one run: random 4-bit Qwen3 shapes, mlx-lm's raw generate_step, mlxserve,
+# The GPU comparison in one run: random 4-bit Qwen3 shapes, mlx-lm's raw generate_step, mlxhost,
 # mlx_lm.server and vllm-mlx under the same load generator (docs/BENCHMARKS.md, GPU serving).
 #
-# Needs an MLX-CUDA machine where mlx (CUDA build), mlx-lm, mlx-vlm, vllm-mlx 0.6.0 and mlxserve's dependencies
+# Needs an MLX-CUDA machine where mlx (CUDA build), mlx-lm, mlx-vlm, vllm-mlx 0.6.0 and mlxhost's dependencies
 # import: either installed in the running environment, or an MLX-CUDA wheel bundle (those packages' site-packages
 # folder packed as a .tar.xz) named by MLX_SITE_BUNDLE, which is unpacked into /tmp/site and put first on PYTHONPATH.
 # The versions measured: mlx-lm 0.32.2, mlx-vlm 0.7.10, vllm-mlx 0.6.0, fastapi 0.165.0, uvicorn 0.54.0.
 # usage: bash tools/gpu-bench.sh [SHAPE ...] (default: qwen3-0.6b)
-# Env: SERVERS (default mlxserve,mlx_lm,vllm_mlx), CONC (default 1,16,32), STEPS (default decode,compare,burst;
-# c1 adds mlxserve's single stream timed against raw generate_step round by round, see LOAD=c1 in gpu-serve.sh),
-# MLXSERVE_ARGS (more `mlxserve serve` flags), TAG (suffix of the result files, for a second configuration),
+# Env: SERVERS (default mlxhost,mlx_lm,vllm_mlx), CONC (default 1,16,32), STEPS (default decode,compare,burst;
+# c1 adds mlxhost's single stream timed against raw generate_step round by round, see LOAD=c1 in gpu-serve.sh),
+# MLXHOST_ARGS (more `mlxhost serve` flags), TAG (suffix of the result files, for a second configuration),
 # SERVER_S (seconds each server may take, start-up and warm-up included; default 240), KERNELS=shared (one
 # on-disk kernel cache for every server of the run, see gpu-serve.sh; KERNEL_CACHE_ARCHIVE, a .tar.xz of an
 # earlier run's /tmp/mlx kernel cache, is unpacked into it first), BURST_STEPS (prefill step sizes the burst
 # compares, default 512,2048), BURST_ROWS (default 1,8), BURST_CUDNN (--cudnn-attention values the burst runs
 # under, default auto; e.g. auto,off), BURST_S (each burst run's time limit, default 300). SERVERS may name
-# mlxserve-cudnn-off: mlxserve again with --cudnn-attention off, and mlxserve-TAG: mlxserve again with the flags
-# in $ARGS_TAG and the environment in $ENV_TAG (e.g. SERVERS=mlxserve,mlxserve-wait4 ARGS_wait4="--prefill-wait-steps 4",
-# SERVERS=mlxserve,mlxserve-nofold ENV_nofold=MLXSERVE_FOLD_ROWS=0). A name may come more than once
-# (SERVERS=mlxserve,vllm_mlx,mlxserve,vllm_mlx: starts in turns, so the host's drift hits each server alike):
+# mlxhost-cudnn-off: mlxhost again with --cudnn-attention off, and mlxhost-TAG: mlxhost again with the flags
+# in $ARGS_TAG and the environment in $ENV_TAG (e.g. SERVERS=mlxhost,mlxhost-wait4 ARGS_wait4="--prefill-wait-steps 4",
+# SERVERS=mlxhost,mlxhost-nofold ENV_nofold=MLXHOST_FOLD_ROWS=0). A name may come more than once
+# (SERVERS=mlxhost,vllm_mlx,mlxhost,vllm_mlx: starts in turns, so the host's drift hits each server alike):
 # its second start writes serve-<name>-<shape>$TAG-2.json, the third -3 ... After the compare step
 # tools/pool_serve.py prints each server's aggregate per level pooled over its starts (tokens / wall
-# seconds), mlxserve's over each other server's, TTFT p50/p99 over all their requests and the first wave's
+# seconds), mlxhost's over each other server's, TTFT p50/p99 over all their requests and the first wave's
 # p50, and the errors, into $OUT/pooled-<shape>$TAG.json. gpu-serve.sh's WAVES, PROBE and KERNELS=/dir pass
 # through (e.g. WAVES=8 PROBE=1 KERNELS=/tmp/kernels: 8 waves per level, every server on one kernel folder that
-# the first mlxserve start fills from empty, each mlxserve start timed from launch).
+# the first mlxhost start fills from empty, each mlxhost start timed from launch).
 set -uo pipefail
 if [ -n "${MLX_SITE_BUNDLE:-}" ]; then
   mkdir -p /tmp/site && tar -xJf "$MLX_SITE_BUNDLE" -C /tmp/site
@@ -38,7 +38,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 [ "${KERNELS:-}" = shared ] && [ -f "${KERNEL_CACHE_ARCHIVE:-}" ] && tar -xJf "$KERNEL_CACHE_ARCHIVE" -C /tmp
 out=${OUT:-/tmp/gpu-bench}; mkdir -p "$out"
 shapes=("${@:-qwen3-0.6b}")
-servers=${SERVERS:-mlxserve,mlx_lm,vllm_mlx}
+servers=${SERVERS:-mlxhost,mlx_lm,vllm_mlx}
 conc=${CONC:-1,16,32}
 steps=${STEPS:-decode,compare,burst}
 BURST_CUDNN=${BURST_CUDNN:-auto}
@@ -46,14 +46,14 @@ python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_devic
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for shape in "${shapes[@]}"; do
   m=/tmp/models/$shape
-  [ -f "$m/config.json" ] || python3 -m mlxserve.server.cli demo-model "$m" --shape "$shape" --bits 4 >/dev/null
+  [ -f "$m/config.json" ] || python3 -m mlxhost.server.cli demo-model "$m" --shape "$shape" --bits 4 >/dev/null
   echo "=== $shape"
   if [[ $steps == *decode* ]]; then
-    python3 -m mlxserve.server.cli bench decode --model "$m" --max-tokens 256 --output-json "$out/decode-$shape.json"
+    python3 -m mlxhost.server.cli bench decode --model "$m" --max-tokens 256 --output-json "$out/decode-$shape.json"
   fi
   if [[ $steps == *c1* ]]; then
-    read -ra extra <<< "${MLXSERVE_ARGS:-}"
-    LOAD=c1 bash tools/gpu-serve.sh "c1-mlxserve-$shape${TAG:-}" "${SERVER_S:-240}" mlxserve "$m" "${extra[@]}"
+    read -ra extra <<< "${MLXHOST_ARGS:-}"
+    LOAD=c1 bash tools/gpu-serve.sh "c1-mlxhost-$shape${TAG:-}" "${SERVER_S:-240}" mlxhost "$m" "${extra[@]}"
   fi
   if [[ $steps == *compare* ]]; then
     # One server at a time under the same load, each within SERVER_S seconds from its start (warm-up
@@ -64,10 +64,10 @@ for shape in "${shapes[@]}"; do
       suffix=; ((n > 1)) && suffix=-$n  # a repeated name's later starts: -2, -3 ...
       extra=() kind=$server envs=()
       case $server in
-        mlxserve) read -ra extra <<< "${MLXSERVE_ARGS:-}" ;;
-        mlxserve-cudnn-off) kind=mlxserve; read -ra extra <<< "${MLXSERVE_ARGS:-} --cudnn-attention off" ;;
-        mlxserve-*) kind=mlxserve; v="ARGS_${server#mlxserve-}" e="ENV_${server#mlxserve-}"
-                    read -ra extra <<< "${MLXSERVE_ARGS:-} ${!v:-}"; read -ra envs <<< "${!e:-}" ;;
+        mlxhost) read -ra extra <<< "${MLXHOST_ARGS:-}" ;;
+        mlxhost-cudnn-off) kind=mlxhost; read -ra extra <<< "${MLXHOST_ARGS:-} --cudnn-attention off" ;;
+        mlxhost-*) kind=mlxhost; v="ARGS_${server#mlxhost-}" e="ENV_${server#mlxhost-}"
+                    read -ra extra <<< "${MLXHOST_ARGS:-} ${!v:-}"; read -ra envs <<< "${!e:-}" ;;
       esac
       env "${envs[@]}" CONC=$conc bash tools/gpu-serve.sh "$server-$shape${TAG:-}$suffix" "${SERVER_S:-240}" \
         "$kind" "$m" "${extra[@]}"
@@ -78,8 +78,8 @@ for shape in "${shapes[@]}"; do
     # 8 mixed-length prompts at once, prefilled one by one (rows 1) vs together (rows 8), per cuDNN setting.
     cache=fresh; [ "${KERNELS:-}" = shared ] && cache=shared
     for cudnn in ${BURST_CUDNN//,/ }; do
-      MLXSERVE_STEP_TRACE=${MLXSERVE_STEP_TRACE:+$out/steps-burst-$shape-$cudnn.tsv} timeout "${BURST_S:-300}" \
-        python3 -m mlxserve.server.cli bench burst --model "$m" --rows "${BURST_ROWS:-1,8}" \
+      MLXHOST_STEP_TRACE=${MLXHOST_STEP_TRACE:+$out/steps-burst-$shape-$cudnn.tsv} timeout "${BURST_S:-300}" \
+        python3 -m mlxhost.server.cli bench burst --model "$m" --rows "${BURST_ROWS:-1,8}" \
         --prefill-step-sizes "${BURST_STEPS:-512,2048}" --repeats 3 --max-tokens 64 --kernel-cache "$cache" \
         --serve-args "--cudnn-attention $cudnn" --output-json "$out/burst-$shape-$cudnn.json" \
         > "$out/burst-$shape-$cudnn.log" 2>&1

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Distributed serving on a 2-GPU MLX-CUDA machine: `mlxserve bench distributed` (1 rank vs tensor parallel vs
+# Distributed serving on a 2-GPU MLX-CUDA machine: `mlxhost bench distributed` (1 rank vs tensor parallel vs
 # pipeline parallel, all over NCCL), every server's log and step trace kept in $OUT.
-# Needs MLX's CUDA build and mlxserve's dependencies importable (installed, or a site-packages archive named by
+# Needs MLX's CUDA build and mlxhost's dependencies importable (installed, or a site-packages archive named by
 # MLX_SITE_BUNDLE, unpacked into /tmp/site) and NCCL (the nvidia-nccl-cu13 wheel: its lib folder goes on
 # LD_LIBRARY_PATH). NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
 # usage: PART=8b bash tools/gpu-dist.sh    (one part per call of a machine that stays up between calls)
@@ -33,7 +33,7 @@ if [ "${shm_free:-0}" -gt 90 ]; then root=/dev/shm/dist-models; else root=/tmp/d
 echo "part $part, models in $root (/dev/shm free: ${shm_free:-?} GB)"; mkdir -p "$root"
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
-bench=(python3 -m mlxserve.server.cli bench distributed --model-root "$root" --startup-timeout 300
+bench=(python3 -m mlxhost.server.cli bench distributed --model-root "$root" --startup-timeout 300
        --layouts "${LAYOUTS:-1,tp2,pp2}" --server-flag=--distributed-timeout=60 --kernel-cache fresh)
 read -ra extra <<< "${BENCH_ARGS:-}"
 case $part in
@@ -53,7 +53,7 @@ case $part in
     done
     start=$(date +%s)
     timeout 240 python3 -c "
-import sys; from pathlib import Path; from mlxserve.bench.distributed import ensure_shape
+import sys; from pathlib import Path; from mlxhost.bench.distributed import ensure_shape
 print(ensure_shape(Path(sys.argv[1]), 'qwen3-32b', None))" "$root" 2>&1 | tail -3
     echo "32B folder ready after $(( $(date +%s) - start )) s: $(du -sh "$root/qwen3-32b-floatbit" | cut -f1)"
     limit=$(( $(left) - 110 )); [ "$limit" -gt 60 ] || limit=60  # (the probe after it takes ~100 s)

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Installs the agent CLIs pinned in tests/external/clients.txt into one prefix (default
-# ~/.cache/mlxserve/agent-clis, or MLXSERVE_AGENT_CLIS): npm packages with `npm install -g --prefix`, each PyPI
+# ~/.cache/mlxhost/agent-clis, or MLXHOST_AGENT_CLIS): npm packages with `npm install -g --prefix`, each PyPI
 # package in a venv of its own (aider pins many packages). Commands land in PREFIX/bin. Idempotent: a client
 # already at its pinned version is left alone, so CI can cache PREFIX between runs.
 # Usage: tools/install-agent-clis.sh [COMMAND...]   (default: every client in the list)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-prefix="${MLXSERVE_AGENT_CLIS:-$HOME/.cache/mlxserve/agent-clis}"
+prefix="${MLXHOST_AGENT_CLIS:-$HOME/.cache/mlxhost/agent-clis}"
 python="${PYTHON:-python3}"
 mkdir -p "$prefix/bin" "$prefix/venvs"
 
@@ -36,7 +36,7 @@ while read -r registry package version command; do
         ;;
     pypi)
         venv="$prefix/venvs/$command"
-        stamp="$venv/.mlxserve-pinned"
+        stamp="$venv/.mlxhost-pinned"
         if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$package==$version" ] && [ -x "$venv/bin/$command" ]; then
             echo "$command: $package $version already installed"
         else

@@ -4,7 +4,7 @@ A server named more than once in SERVERS is started once per name, in turns with
 drift within a call hits every server alike; its starts write serve-<server>-<key>.json, then
 serve-<server>-<key>-2.json, -3 ... (key: the shape and $TAG). Per server and concurrency level the pooled
 aggregate is the sum of completion tokens over the sum of wall seconds of all starts, not a mean of
-rates: a start whose level ran longer weighs more. Other servers' rows carry mlxserve's pooled aggregate
+rates: a start whose level ran longer weighs more. Other servers' rows carry mlxhost's pooled aggregate
 over theirs. TTFT p50 / p99 are taken over every request of every start (where the JSON lists them), and
 "first wave" over the first `concurrency` requests of each start's level: the burst that opens it.
 Standard library only (it runs on the GPU machine beside the bench).
@@ -18,7 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-BASE = "mlxserve"  # the server the others are compared with
+BASE = "mlxhost"  # the server the others are compared with
 
 
 def find_starts(out_dir: Path, key: str) -> dict[str, list[Path]]:
@@ -58,7 +58,7 @@ def pool(starts: dict[str, list[dict]]) -> list[dict]:
     for (server, conc), row in rows.items():
         base = rows.get((BASE, conc))
         comparable = base and server != BASE and row["agg_tok_s"]  # a level of only errors has no rate
-        row["mlxserve_ratio"] = base["agg_tok_s"] / row["agg_tok_s"] if comparable else None
+        row["mlxhost_ratio"] = base["agg_tok_s"] / row["agg_tok_s"] if comparable else None
     return sorted(rows.values(), key=lambda r: (r["concurrency"], r["server"] != BASE, r["server"]))
 
 
@@ -74,12 +74,12 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def format_rows(rows: list[dict]) -> str:
-    lines = ["| server | conc | starts | tokens | wall s | pooled agg tok/s | per start | errors | mlxserve / this "
+    lines = ["| server | conc | starts | tokens | wall s | pooled agg tok/s | per start | errors | mlxhost / this "
              "| TTFT p50 ms | TTFT p99 ms | first wave TTFT p50 ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ms = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
     for r in rows:
-        ratio = "" if r["mlxserve_ratio"] is None else f"{r['mlxserve_ratio']:.3f}x"
+        ratio = "" if r["mlxhost_ratio"] is None else f"{r['mlxhost_ratio']:.3f}x"
         per_start = ", ".join(f"{x:.1f}" for x in r["start_agg_tok_s"])
         lines.append(f"| {r['server']} | {r['concurrency']} | {r['num_starts']} | {r['num_completion_tokens']} | "
                      f"{r['wall_s']:.2f} | {r['agg_tok_s']:.1f} | {per_start} | {r['num_errors']} | {ratio} | "

@@ -3,7 +3,7 @@
 # (empty MLX kernel cache: a fresh machine) and a warm restart (the kernel cache the cold start filled), each
 # timed from launch by tools/startup_probe.py: ready, first token, requests sent during the warm-up, the
 # warm-up's end. Needs what gpu-bench.sh needs (MLX_SITE_BUNDLE or an environment where mlx's CUDA build,
-# mlx-lm, mlxserve's dependencies and httpx import).
+# mlx-lm, mlxhost's dependencies and httpx import).
 # usage: bash tools/startup-bench.sh [SHAPE ...] (default: qwen3-0.6b)
 # Env: LOAD_S (seconds of c=CONC load sent right after the first request, default 45), CONC (default 16),
 # WAIT_S (how long the cold start may take to end its warm-up before the probe stops it, default 200),
@@ -25,7 +25,7 @@ first=
 for shape in "${@:-qwen3-0.6b}"; do
   m=/tmp/models/$shape
   t=$(date +%s)
-  [ -f "$m/config.json" ] || python3 -m mlxserve.server.cli demo-model "$m" --shape "$shape" --bits 4 > /dev/null
+  [ -f "$m/config.json" ] || python3 -m mlxhost.server.cli demo-model "$m" --shape "$shape" --bits 4 > /dev/null
   echo "=== $shape (model built in $(($(date +%s) - t)) s)"
   kernels=/tmp/kernels-$shape
   rm -rf "$kernels"; mkdir -p "$kernels"

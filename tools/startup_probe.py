@@ -1,4 +1,4 @@
-"""Start-up of one `mlxserve serve` from launch: when it answers, when the first request's first token comes,
+"""Start-up of one `mlxhost serve` from launch: when it answers, when the first request's first token comes,
 how long requests sent while the warm-up still runs wait (first token, longest gap between two tokens), when
 the warm-up ends, and the same load once it has ended. The server's log lines about the warm-up and the kernel
 cache are printed beside the numbers, each with its time since launch.
@@ -10,7 +10,7 @@ usage: python tools/startup_probe.py MODEL_DIR --label cold-0.6b [--kernel-dir D
 filled: a warm restart). --attach: time a server someone else launched (tools/gpu-serve.sh, PROBE=1) from
 EPOCH_S (time.time() at its launch): ready, first token, then waves for --load-s or until its log says the
 warm-up finished, then (no load) until it finished or --wait-warmup-s passed since launch; it is left running
-for the load that follows. Runs where mlxserve, its MLX
+for the load that follows. Runs where mlxhost, its MLX
 build and httpx import (tools/README.md).
 """
 
@@ -200,7 +200,7 @@ def main() -> int:
     log_path = (args.out or f"/tmp/startup-{args.label}.json").rsplit(".", 1)[0] + ".log"
     log = open(log_path, "w")
     t0, wall0 = time.monotonic(), time.time()
-    server = subprocess.Popen([sys.executable, "-m", "mlxserve.server.cli", "serve", args.model, "--port", str(port),
+    server = subprocess.Popen([sys.executable, "-m", "mlxhost.server.cli", "serve", args.model, "--port", str(port),
                                "--served-model-name", "bench", "--max-num-seqs", "64", *args.server_args],
                               stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     read_log, lines = _log_reader(log_path, wall0, t0)

@@ -1,4 +1,4 @@
-"""Where a tensor-parallel decode step's time goes, outside mlxserve: mlx-lm's own model, one rank and then
+"""Where a tensor-parallel decode step's time goes, outside mlxhost: mlx-lm's own model, one rank and then
 the same model sharded over the local ranks (`Model.shard()`), random weights built in memory.
 
 Per decode step (batch 1, the generate_step pattern: build step n+1, launch it, then wait for step n):
@@ -8,7 +8,7 @@ Per decode step (batch 1, the generate_step pattern: build step n+1, launch it, 
   synced_ms: build, launch and wait for the same step alone (host and device one after the other).
 usage: python tools/tp_step_probe.py [--backend nccl|ring] [--ranks 2] [--shape qwen3-32b|qwen3-8b|tiny]
        [--bits 4] [--mlp-only]    (--bits with qwen3-32b holds both copies at once: an H200, not an H100)
-(the shapes of `mlxserve bench distributed`)
+(the shapes of `mlxhost bench distributed`)
 Prints one JSON line per rank and layout.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from allsum_probe import rank_parser, run  # noqa: E402
 
-from mlxserve.bench.distributed import shapes  # noqa: E402  (the bench's random Qwen3 shapes)
+from mlxhost.bench.distributed import shapes  # noqa: E402  (the bench's random Qwen3 shapes)
 
 
 def _model(shape: str, bits: int = 0):

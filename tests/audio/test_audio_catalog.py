@@ -1,4 +1,4 @@
-"""Audio folders as the rest of the server sees models: `--model-dir` and `mlxserve list` find them by
+"""Audio folders as the rest of the server sees models: `--model-dir` and `mlxhost list` find them by
 config.json alone, and their weight files count toward the memory budget (a faster-whisper folder's
 model.bin, an MLX Whisper's weights file)."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-from mlxserve.models.catalog import model_dir_specs, scan_model_dir
-from mlxserve.models.specs import weights_on_disk
-from mlxserve.testing.audio_fixtures import build_tiny_whisper, build_tiny_whisper_ct2
+from mlxhost.models.catalog import model_dir_specs, scan_model_dir
+from mlxhost.models.specs import weights_on_disk
+from mlxhost.testing.audio_fixtures import build_tiny_whisper, build_tiny_whisper_ct2
 
 
 def test_model_dir_finds_audio_folders(tmp_path):

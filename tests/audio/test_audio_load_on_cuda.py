@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from mlxserve.models.loader import load_model
-from mlxserve.platform import backend
-from mlxserve.testing.audio_fixtures import build_tiny_kokoro, build_tiny_whisper, build_tiny_whisper_ct2
+from mlxhost.models.loader import load_model
+from mlxhost.platform import backend
+from mlxhost.testing.audio_fixtures import build_tiny_kokoro, build_tiny_whisper, build_tiny_whisper_ct2
 
 
 @pytest.mark.parametrize("layout", ["mlx", "ct2", "kokoro"])
 def test_audio_folders_load_with_the_cuda_branch_taken(layout, tmp_path, monkeypatch):
     monkeypatch.setattr(backend, "is_cuda", lambda: True)
-    monkeypatch.delenv("MLXSERVE_FOLD_ROWS", raising=False)
+    monkeypatch.delenv("MLXHOST_FOLD_ROWS", raising=False)
     if layout == "kokoro":
         folder = build_tiny_kokoro(tmp_path / "kokoro")
     else:

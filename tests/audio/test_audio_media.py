@@ -10,8 +10,8 @@ import av
 import numpy as np
 import pytest
 
-from mlxserve.frontends.audio.media import SPEECH_FORMATS, AudioDecodeError, SpeechEncoder, decode_audio, wav_header
-from mlxserve.frontends.audio.render import clock, srt, vtt
+from mlxhost.frontends.audio.media import SPEECH_FORMATS, AudioDecodeError, SpeechEncoder, decode_audio, wav_header
+from mlxhost.frontends.audio.render import clock, srt, vtt
 
 RATE = 24000
 

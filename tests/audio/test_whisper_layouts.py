@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlxserve.audio.ct2 import CT2FormatError, read_model_bin
-from mlxserve.audio.detect import audio_kind, whisper_layout
-from mlxserve.audio.transcribe import TranscribeOptions, TranscriptionJob
-from mlxserve.audio.whisper import load_whisper
-from mlxserve.models.loader import ModelLoadError, load_model
-from mlxserve.testing.audio_fixtures import build_tiny_whisper, build_tiny_whisper_ct2
+from mlxhost.audio.ct2 import CT2FormatError, read_model_bin
+from mlxhost.audio.detect import audio_kind, whisper_layout
+from mlxhost.audio.transcribe import TranscribeOptions, TranscriptionJob
+from mlxhost.audio.whisper import load_whisper
+from mlxhost.models.loader import ModelLoadError, load_model
+from mlxhost.testing.audio_fixtures import build_tiny_whisper, build_tiny_whisper_ct2
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_bad_model_bin_is_a_load_error(folders, tmp_path):
 
 
 def test_convert_writes_an_mlx_folder(folders, tmp_path):
-    from mlxserve.audio.convert import convert_ct2_whisper, is_ct2_whisper
+    from mlxhost.audio.convert import convert_ct2_whisper, is_ct2_whisper
 
     _, ct2_dir = folders
     assert is_ct2_whisper(ct2_dir) and not is_ct2_whisper(folders[0])

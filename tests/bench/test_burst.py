@@ -1,7 +1,7 @@
 """`bench burst`'s table from `bench serve` levels, no server: each prompt's median TTFT by its length."""
 
-from mlxserve.bench.burst import columns, summarize
-from mlxserve.bench.report import format_table
+from mlxhost.bench.burst import columns, summarize
+from mlxhost.bench.report import format_table
 
 
 def level(ttfts, errors=0):

@@ -1,11 +1,11 @@
-"""`mlxserve bench decode` on the tiny fixture model: every layer of the stack gets its row, the core loop
+"""`mlxhost bench decode` on the tiny fixture model: every layer of the stack gets its row, the core loop
 on a thread of its own among them, with a rate and a ratio to mlx-lm's `generate_step`."""
 
 from __future__ import annotations
 
 import json
 
-from mlxserve.bench.decode import add_arguments, run
+from mlxhost.bench.decode import add_arguments, run
 from tests.bench.test_serve_bench import fake_server  # noqa: F401  (a fake SSE server on 127.0.0.1, as a fixture)
 
 

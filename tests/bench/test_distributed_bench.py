@@ -1,11 +1,11 @@
-"""`mlxserve bench distributed` without servers: its shapes, layouts, log reading and the row of one run."""
+"""`mlxhost bench distributed` without servers: its shapes, layouts, log reading and the row of one run."""
 
 import argparse
 
 import pytest
 
-from mlxserve.bench.distributed import parse_layout, row, shapes, step_stats, table_columns
-from mlxserve.bench.report import format_table
+from mlxhost.bench.distributed import parse_layout, row, shapes, step_stats, table_columns
+from mlxhost.bench.report import format_table
 
 
 def test_qwen3_32b_shape():

@@ -1,10 +1,10 @@
-"""`mlxserve bench kvquant` at a very small size on the tiny fixture (float32 KV, head_dim 32): the table is
+"""`mlxhost bench kvquant` at a very small size on the tiny fixture (float32 KV, head_dim 32): the table is
 printed, the JSON written, and the capacity follows the bytes per token (float32 KV: 1024 bytes a token,
 8-bit 320, 4-bit 192 with group 32), measured and by admission."""
 
 import json
 
-from mlxserve.server.cli import make_parser
+from mlxhost.server.cli import make_parser
 
 
 def test_kvquant_bench_small(qwen3_model_dir, tmp_path, capsys):

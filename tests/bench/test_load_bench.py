@@ -1,4 +1,4 @@
-"""`mlxserve bench load` on the tiny fixture: every cell runs in a child process and lands in the JSON.
+"""`mlxhost bench load` on the tiny fixture: every cell runs in a child process and lands in the JSON.
 
 Timing values are only checked for being >= 0: wall-clock numbers vary by machine.
 """
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from mlxserve.bench.load import evict_page_cache, page_cache_fraction, warm_page_cache
-from mlxserve.server.cli import main
+from mlxhost.bench.load import evict_page_cache, page_cache_fraction, warm_page_cache
+from mlxhost.server.cli import main
 
 
 def test_bench_writes_every_cell(qwen3_model_dir, tmp_path, capsys):

@@ -1,9 +1,9 @@
-"""`mlxserve bench memory` at a very small size on the tiny fixture: tables printed, JSON written, and
+"""`mlxhost bench memory` at a very small size on the tiny fixture: tables printed, JSON written, and
 the numbers say what they should (flat with prealloc; fewer running with admission on)."""
 
 import json
 
-from mlxserve.server.cli import make_parser
+from mlxhost.server.cli import make_parser
 
 
 def test_memory_bench_small(qwen3_model_dir, tmp_path, capsys):

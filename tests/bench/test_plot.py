@@ -1,4 +1,4 @@
-"""`mlxserve bench plot` / `bench serve --plot`: a PNG of the expected size from fixture results."""
+"""`mlxhost bench plot` / `bench serve --plot`: a PNG of the expected size from fixture results."""
 
 import json
 import struct
@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from mlxserve.server import cli  # noqa: E402
-from mlxserve.bench import plot  # noqa: E402
+from mlxhost.server import cli  # noqa: E402
+from mlxhost.bench import plot  # noqa: E402
 
 
 def _result(label: str, scale: float) -> dict:
@@ -25,7 +25,7 @@ def _png_size(path) -> tuple[int, int]:
 
 def test_plot_command_writes_a_png_of_the_expected_size(tmp_path):
     files = []
-    for label, scale in (("mlxserve", 1.0), ("mlx_lm.server", 0.6)):
+    for label, scale in (("mlxhost", 1.0), ("mlx_lm.server", 0.6)):
         files.append(tmp_path / f"{label}.json")
         files[-1].write_text(json.dumps(_result(label, scale)))
     out = tmp_path / "chart.png"
@@ -59,7 +59,7 @@ def test_missing_matplotlib_names_the_extra(monkeypatch, tmp_path):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    with pytest.raises(plot.PlotUnavailableError, match=r"mlxserve\[plot\]"):
+    with pytest.raises(plot.PlotUnavailableError, match=r"mlxhost\[plot\]"):
         plot.plot_series([("a", _result("a", 1.0)["levels"])], tmp_path / "x.png")
 
 
@@ -86,10 +86,10 @@ def test_memory_chart_is_two_panels(tmp_path):
 
 def test_a_compare_file_is_one_series_per_server(tmp_path):
     f = tmp_path / "compare.json"
-    levels = _result("mlxserve", 1.0)["levels"] + _result("mlx_lm", 0.6)["levels"]
+    levels = _result("mlxhost", 1.0)["levels"] + _result("mlx_lm", 0.6)["levels"]
     f.write_text(json.dumps({"model": "m", "levels": levels, "ratios": []}))
     series = plot.load_series([f])
-    assert [label for label, _ in series] == ["mlxserve", "mlx_lm"] and all(len(lv) == 4 for _, lv in series)
+    assert [label for label, _ in series] == ["mlxhost", "mlx_lm"] and all(len(lv) == 4 for _, lv in series)
     assert cli.main(["bench", "plot", str(f)]) == 0 and _png_size(tmp_path / "compare.png")[0] > 0
 
 

@@ -1,5 +1,5 @@
 """tools/pool_serve.py: the compare step's serve results pooled over each server's starts (tokens over
-wall seconds summed across starts), with mlxserve's pooled aggregate over each other server's."""
+wall seconds summed across starts), with mlxhost's pooled aggregate over each other server's."""
 
 from __future__ import annotations
 
@@ -27,25 +27,25 @@ def _write(out: Path, name: str, levels: list[tuple[int, int, float, int]]) -> N
 
 
 def test_starts_pool_per_server_and_level(pool_serve, tmp_path, capsys):
-    _write(tmp_path, "serve-mlxserve-qwen3-0.6b.json", [(1, 256, 2.0, 0), (16, 4096, 4.0, 0)])
-    _write(tmp_path, "serve-mlxserve-qwen3-0.6b-2.json", [(1, 256, 1.0, 0), (16, 4096, 6.0, 1)])
+    _write(tmp_path, "serve-mlxhost-qwen3-0.6b.json", [(1, 256, 2.0, 0), (16, 4096, 4.0, 0)])
+    _write(tmp_path, "serve-mlxhost-qwen3-0.6b-2.json", [(1, 256, 1.0, 0), (16, 4096, 6.0, 1)])
     _write(tmp_path, "serve-vllm_mlx-qwen3-0.6b.json", [(1, 300, 3.0, 0)])  # cut after its first level
-    _write(tmp_path, "serve-mlxserve-qwen3-8b.json", [(1, 1, 100.0, 0)])  # another shape: not pooled
+    _write(tmp_path, "serve-mlxhost-qwen3-8b.json", [(1, 1, 100.0, 0)])  # another shape: not pooled
 
     assert pool_serve.main([str(tmp_path), "qwen3-0.6b"]) == 0
     result = json.loads((tmp_path / "pooled-qwen3-0.6b.json").read_text())
-    assert result["files"] == {"mlxserve": ["serve-mlxserve-qwen3-0.6b.json", "serve-mlxserve-qwen3-0.6b-2.json"],
+    assert result["files"] == {"mlxhost": ["serve-mlxhost-qwen3-0.6b.json", "serve-mlxhost-qwen3-0.6b-2.json"],
                                "vllm_mlx": ["serve-vllm_mlx-qwen3-0.6b.json"]}
     rows = {(r["server"], r["concurrency"]): r for r in result["levels"]}
-    assert set(rows) == {("mlxserve", 1), ("vllm_mlx", 1), ("mlxserve", 16)}
+    assert set(rows) == {("mlxhost", 1), ("vllm_mlx", 1), ("mlxhost", 16)}
 
-    m1 = rows["mlxserve", 1]
+    m1 = rows["mlxhost", 1]
     assert m1["num_starts"] == 2 and m1["num_completion_tokens"] == 512 and m1["wall_s"] == 3.0
     assert m1["agg_tok_s"] == pytest.approx(512 / 3)  # not the mean of the starts' 128 and 256
-    assert m1["start_agg_tok_s"] == [128.0, 256.0] and m1["mlxserve_ratio"] is None
+    assert m1["start_agg_tok_s"] == [128.0, 256.0] and m1["mlxhost_ratio"] is None
     assert rows["vllm_mlx", 1]["agg_tok_s"] == pytest.approx(100.0)
-    assert rows["vllm_mlx", 1]["mlxserve_ratio"] == pytest.approx(512 / 3 / 100)
-    assert rows["mlxserve", 16]["agg_tok_s"] == pytest.approx(819.2) and rows["mlxserve", 16]["num_errors"] == 1
+    assert rows["vllm_mlx", 1]["mlxhost_ratio"] == pytest.approx(512 / 3 / 100)
+    assert rows["mlxhost", 16]["agg_tok_s"] == pytest.approx(819.2) and rows["mlxhost", 16]["num_errors"] == 1
 
     table = capsys.readouterr().out
     assert "| vllm_mlx | 1 | 1 | 300 | 3.00 | 100.0 | 100.0 | 0 | 1.707x | - | - | - |" in table
@@ -56,14 +56,14 @@ def test_ttft_percentiles_pool_every_request_and_the_first_wave(pool_serve, tmp_
         return {"concurrency": 2, "num_completion_tokens": 10, "wall_s": 1.0, "num_errors": 0,
                 "requests": [{"ttft_s": t} for t in ttfts]}
 
-    (tmp_path / "serve-mlxserve-k.json").write_text(json.dumps({"levels": [level([1.0, 3.0, 0.1, 0.1])]}))
-    (tmp_path / "serve-mlxserve-k-2.json").write_text(json.dumps({"levels": [level([2.0, None, 0.1, 0.2])]}))
+    (tmp_path / "serve-mlxhost-k.json").write_text(json.dumps({"levels": [level([1.0, 3.0, 0.1, 0.1])]}))
+    (tmp_path / "serve-mlxhost-k-2.json").write_text(json.dumps({"levels": [level([2.0, None, 0.1, 0.2])]}))
     assert pool_serve.main([str(tmp_path), "k"]) == 0
     (row,) = json.loads((tmp_path / "pooled-k.json").read_text())["levels"]
     assert row["first_wave_ttft_p50_ms"] == pytest.approx(2000.0)  # of 1.0, 3.0 and 2.0 s
     assert row["ttft_p50_ms"] == pytest.approx(200.0)  # of all seven: 0.1 0.1 0.1 0.2 1 2 3
     assert row["ttft_p99_ms"] == pytest.approx(2940.0)  # numpy's interpolation between 2 and 3 s
-    assert "| mlxserve | 2 | 2 | 20 | 2.00 | 10.0 | 10.0, 10.0 | 0 |  | 200 | 2940 | 2000 |" in capsys.readouterr().out
+    assert "| mlxhost | 2 | 2 | 20 | 2.00 | 10.0 | 10.0, 10.0 | 0 |  | 200 | 2940 | 2000 |" in capsys.readouterr().out
 
 
 def test_no_results_is_not_an_error(pool_serve, tmp_path, capsys):

@@ -1,9 +1,9 @@
-"""`mlxserve bench prefix --shape` on a tiny sliding-window fixture: a multi-turn row with its hit, the
+"""`mlxhost bench prefix --shape` on a tiny sliding-window fixture: a multi-turn row with its hit, the
 restore time reported beside it, and the same after a restart from the SSD tier."""
 
 import json
 
-from mlxserve.server.cli import make_parser
+from mlxhost.server.cli import make_parser
 
 
 def test_prefix_bench_on_a_shape(tmp_path, capsys):
@@ -22,7 +22,7 @@ def test_prefix_bench_on_a_shape(tmp_path, capsys):
 
 
 def test_vary_lengths_gives_every_request_a_new_length(tmp_path, monkeypatch):
-    from mlxserve.bench import prefix
+    from mlxhost.bench import prefix
 
     lengths, run_one = [], prefix._run_one
 

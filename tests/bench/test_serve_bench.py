@@ -15,8 +15,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from mlxserve.bench.report import format_table, write_json
-from mlxserve.bench.serve import (
+from mlxhost.bench.report import format_table, write_json
+from mlxhost.bench.serve import (
     ServeBenchConfig,
     ServeBenchError,
     add_arguments,
@@ -25,7 +25,7 @@ from mlxserve.bench.serve import (
     run_serve_bench,
     summarize_level,
 )
-from mlxserve.bench.serve_request import RequestResult, decode_rate, e2e_rate, make_prompt, pooled_rate
+from mlxhost.bench.serve_request import RequestResult, decode_rate, e2e_rate, make_prompt, pooled_rate
 
 # Five SSE events, six tokens: " brown fox" stands for one event that carries two.
 PIECES = ["The", " quick", " brown fox", " jumps", " over"]
@@ -209,8 +209,8 @@ def test_cli_plot_writes_a_png_of_the_expected_size(server, tmp_path):
     pytest.importorskip("matplotlib")
     import struct
 
-    from mlxserve.server import cli
-    from mlxserve.bench import plot
+    from mlxhost.server import cli
+    from mlxhost.bench import plot
 
     url, _ = server
     out = tmp_path / "run.json"
@@ -248,12 +248,12 @@ def test_make_prompt_is_seeded_and_unique():
 
 
 def test_format_table_aligns_columns():
-    rows = [{"name": "mlxserve", "conc": 1, "tps": 12.345}, {"name": "b", "conc": 16, "tps": None}]
+    rows = [{"name": "mlxhost", "conc": 1, "tps": 12.345}, {"name": "b", "conc": 16, "tps": None}]
     text = format_table(rows, [("name", "server", ""), ("conc", "conc", "d"), ("tps", "tok/s", ".1f")])
     lines = text.splitlines()
     assert lines[0].split() == ["server", "conc", "tok/s"]
     assert set(lines[1].replace(" ", "")) == {"-"}
-    assert lines[2].split() == ["mlxserve", "1", "12.3"]
+    assert lines[2].split() == ["mlxhost", "1", "12.3"]
     assert lines[3].split() == ["b", "16", "-"]
     # Strings are left-aligned, numbers right-aligned, so every row's columns line up.
     assert lines[2].index("1 ") == lines[3].index("16") + 1
@@ -310,7 +310,7 @@ def test_cli_run_logs_no_line_per_request(server, caplog):
 
     url, _ = server
     with caplog.at_level(logging.INFO):
-        from mlxserve.server import cli
+        from mlxhost.server import cli
 
         assert cli.main(["bench", "serve", "--url", url, "--model", "fake", "--concurrency", "1",
                          "--num-requests", "3", "--no-json"]) == 0
@@ -318,7 +318,7 @@ def test_cli_run_logs_no_line_per_request(server, caplog):
 
 
 def test_bad_concurrency_list_names_the_flag(capsys):
-    from mlxserve.server import cli
+    from mlxhost.server import cli
 
     with pytest.raises(SystemExit):
         cli.main(["bench", "serve", "--url", "http://127.0.0.1:1", "--model", "m", "--concurrency", "1,x"])

@@ -1,9 +1,9 @@
-"""`mlxserve bench speculative` at a tiny size: the table printed, the JSON written with its settings,
+"""`mlxhost bench speculative` at a tiny size: the table printed, the JSON written with its settings,
 every mode measured, and the self-draft accepted in full."""
 
 import json
 
-from mlxserve.server.cli import make_parser
+from mlxhost.server.cli import make_parser
 
 
 def test_speculative_bench_small(tmp_path, capsys):

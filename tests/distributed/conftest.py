@@ -1,4 +1,4 @@
-"""Distributed servers for the tests: `mlxserve serve --tensor-parallel 2` (or pipeline) as a real
+"""Distributed servers for the tests: `mlxhost serve --tensor-parallel 2` (or pipeline) as a real
 subprocess that starts its second rank itself over the ring backend on loopback.
 
 A real process, not the in-process server of tests/e2e: the fault tests kill ranks and check that the
@@ -66,7 +66,7 @@ def spawn_dist_server(model_dir, tmp_path: Path, *flags: str) -> DistServer:
     port = _free_port()
     log_path = tmp_path / f"server-{port}.log"
     env = {**os.environ, "PYTHONPATH": _SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "mlxserve.server.cli", "serve", str(model_dir), "--port", str(port),
+    cmd = [sys.executable, "-m", "mlxhost.server.cli", "serve", str(model_dir), "--port", str(port),
            "--served-model-name", SERVED_NAME, "--memory-mode", "dedicated", "--no-web-ui", *flags]
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -96,8 +96,8 @@ def qwen2_model_dir(tmp_path_factory):
     from mlx_lm.utils import save_config, save_model
     from tokenizers import Tokenizer
 
-    from mlxserve.testing.demo import EOS_TOKEN, PAD_TOKEN, build_tokenizer
-    from mlxserve.testing.families import INIT_STD, _random_model
+    from mlxhost.testing.demo import EOS_TOKEN, PAD_TOKEN, build_tokenizer
+    from mlxhost.testing.families import INIT_STD, _random_model
 
     out = tmp_path_factory.mktemp("qwen2")
     build_tokenizer(out)

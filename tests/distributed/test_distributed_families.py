@@ -11,7 +11,7 @@ import openai
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from mlxserve.testing.families import build_family_folder
+from mlxhost.testing.families import build_family_folder
 from tests.distributed.conftest import SERVED_NAME, start_dist_server
 
 PROMPT = list(range(5, 41))  # 36 tokens: 2 full blocks of 16 before the last token
@@ -44,7 +44,7 @@ def test_family_tensor_parallel_matches_and_hits(family, tmp_path):
 
 
 def test_mlx_lm_pipeline_family_over_send_recv(tmp_path):
-    """A family outside mlxserve's own stage (qwen3_moe) pipelines through mlx-lm's forward, send/recv
+    """A family outside mlxhost's own stage (qwen3_moe) pipelines through mlx-lm's forward, send/recv
     between the stages: greedy tokens match a single process."""
     model_dir = build_family_folder(tmp_path / "qwen3_moe", "qwen3_moe")
     ref = _greedy_tokens(model_dir)

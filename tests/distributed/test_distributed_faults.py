@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from mlxserve.distributed.supervisor import FATAL_EXIT_CODE, STARTUP_EXIT_CODE
+from mlxhost.distributed.supervisor import FATAL_EXIT_CODE, STARTUP_EXIT_CODE
 from tests.distributed.conftest import SERVED_NAME, spawn_dist_server, start_dist_server
 
 _EXIT_BOUND_S = 60  # the server must be gone within this (it takes ~1-2 s; the bound only stops a hang)

@@ -20,8 +20,8 @@ _BOUND_S = 150  # start-up and exit bounds, not timing checks
 
 
 def _launch(model_dirs, tmp_path):
-    """The ranks, and the HTTP port: every port distinct (taken together, as mlxserve's own launch does)."""
-    from mlxserve.distributed.launch import _free_ports
+    """The ranks, and the HTTP port: every port distinct (taken together, as mlxhost's own launch does)."""
+    from mlxhost.distributed.launch import _free_ports
 
     port, *ring = _free_ports(len(model_dirs) + 1)
     hostfile = tmp_path / "hosts.json"
@@ -32,7 +32,7 @@ def _launch(model_dirs, tmp_path):
                "PYTHONPATH": _SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
         log = open(tmp_path / f"rank{rank}.log", "wb")
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "mlxserve.server.cli", "serve", str(model_dir), "--tensor-parallel", str(len(model_dirs)),
+            [sys.executable, "-m", "mlxhost.server.cli", "serve", str(model_dir), "--tensor-parallel", str(len(model_dirs)),
              "--port", str(port), "--served-model-name", "tiny", "--memory-mode", "dedicated", "--no-web-ui"],
             stdout=log, stderr=subprocess.STDOUT, env=env))
     return procs, port
@@ -92,15 +92,15 @@ def test_a_rank_with_another_model_is_named(qwen3_model_dir, llama_model_dir, tm
                                    ["--tensor-parallel", "3"]])
 def test_bad_layouts_are_refused_before_loading(qwen3_model_dir, flags):
     env = {**os.environ, "PYTHONPATH": _SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, "-m", "mlxserve.server.cli", "serve", str(qwen3_model_dir), "--port",
+    r = subprocess.run([sys.executable, "-m", "mlxhost.server.cli", "serve", str(qwen3_model_dir), "--port",
                         str(_free_port()), *flags], capture_output=True, text=True, env=env, timeout=_BOUND_S)
     assert r.returncode == 2, r.stderr
     assert "cannot be combined" in r.stderr or "does not divide" in r.stderr, r.stderr
 
 
 def test_tensor_parallel_over_nccl_turns_cuda_graphs_off_unless_told():
-    from mlxserve.distributed.config import DistributedConfig
-    from mlxserve.distributed.launch import cuda_graphs_setting
+    from mlxhost.distributed.config import DistributedConfig
+    from mlxhost.distributed.launch import cuda_graphs_setting
 
     env: dict[str, str] = {}
     assert cuda_graphs_setting(DistributedConfig(tensor_parallel=2, backend="nccl"), env) == "0"
@@ -116,7 +116,7 @@ def test_tensor_parallel_over_nccl_turns_cuda_graphs_off_unless_told():
 
 def test_ranks_told_to_shut_down_get_to_close_by_themselves():
     """Rank 0 waits for ranks it told to shut down (they flush their SSD tier) before ending the rest."""
-    from mlxserve.distributed.launch import LocalRanks
+    from mlxhost.distributed.launch import LocalRanks
 
     closing = [sys.executable, "-c", "import time; time.sleep(1.5)"]  # a rank still flushing its blocks
     told = LocalRanks([subprocess.Popen(closing)])

@@ -11,12 +11,12 @@ import time
 import mlx.core as mx
 import pytest
 
-import mlxserve.distributed.channel as channel_module
-from mlxserve.distributed.channel import Channel, ControlServer, LostRank, connect
-from mlxserve.distributed.config import DistributedConfig, choose_handoff
-from mlxserve.distributed.engine import DistributedRunner, DivergenceError, RankContext, RecordingStore, StepPlan
-from mlxserve.distributed.serve import Identity, differences
-from mlxserve.engine.scheduler import SchedulerOutput
+import mlxhost.distributed.channel as channel_module
+from mlxhost.distributed.channel import Channel, ControlServer, LostRank, connect
+from mlxhost.distributed.config import DistributedConfig, choose_handoff
+from mlxhost.distributed.engine import DistributedRunner, DivergenceError, RankContext, RecordingStore, StepPlan
+from mlxhost.distributed.serve import Identity, differences
+from mlxhost.engine.scheduler import SchedulerOutput
 
 
 def test_config_checks_and_layout():
@@ -35,7 +35,7 @@ def test_config_checks_and_layout():
 
 def test_stage_split_is_mlx_lms():
     """The last rank runs the first layers, the low ranks one more (mlx-lm's PipelineMixin split)."""
-    from mlxserve.distributed.pipeline import split_layers
+    from mlxhost.distributed.pipeline import split_layers
 
     assert split_layers(4, 2) == [(2, 4), (0, 2)]
     assert split_layers(5, 2) == [(2, 5), (0, 2)]
@@ -46,7 +46,7 @@ def test_stage_split_is_mlx_lms():
 
 def test_pipeline_refusals_before_loading():
     """Families outside our stage need mlx-lm's send/recv pipeline: refused over NCCL, named."""
-    from mlxserve.distributed.shard import check_shardable
+    from mlxhost.distributed.shard import check_shardable
 
     check_shardable({"model_type": "qwen3", "num_attention_heads": 4}, DistributedConfig(pipeline_parallel=2,
                                                                                          backend="nccl"))
@@ -58,11 +58,11 @@ def test_pipeline_refusals_before_loading():
 
 
 def test_differences_name_the_rank_and_what_differs():
-    versions = (("mlxserve", "0.1.0"), ("mlx", "0.32.4"), ("mlx-lm", "0.32.2"))
+    versions = (("mlxhost", "0.1.0"), ("mlx", "0.32.4"), ("mlx-lm", "0.32.2"))
     lead = Identity(0, "mac-a", versions, "abc")
     same = Identity(1, "mac-b", versions, "abc")
     assert differences([lead, same]) is None
-    old_mlx = Identity(2, "mac-c", (("mlxserve", "0.1.0"), ("mlx", "0.31.0"), ("mlx-lm", "0.32.2")), "abc")
+    old_mlx = Identity(2, "mac-c", (("mlxhost", "0.1.0"), ("mlx", "0.31.0"), ("mlx-lm", "0.32.2")), "abc")
     other_model = Identity(3, "mac-d", versions, "def")
     text = differences([lead, same, old_mlx, other_model])
     assert "rank 2 (mac-c) has mlx 0.31.0, rank 0 has 0.32.4" in text
@@ -193,7 +193,7 @@ def test_a_rank_that_never_connects_fails_the_start_quickly():
 
 
 def test_forward_log_records_shapes_and_wraps_once():
-    from mlxserve.distributed.forward import RankForward, wrap
+    from mlxhost.distributed.forward import RankForward, wrap
 
     calls = []
     model = lambda x, cache=None: calls.append(x.shape) or x  # noqa: E731
@@ -207,15 +207,15 @@ def test_forward_log_records_shapes_and_wraps_once():
 
 @pytest.fixture(scope="module")
 def tiny(qwen3_model_dir):
-    from mlxserve.kv.kinds.probe import probe_kv
-    from mlxserve.models.loader import load_model
+    from mlxhost.kv.kinds.probe import probe_kv
+    from mlxhost.models.loader import load_model
 
     loaded = load_model(str(qwen3_model_dir))
     return loaded, probe_kv(loaded.model).layout
 
 
 def test_recording_store_replays_the_schedulers_calls(tiny):
-    from mlxserve.kv.store.kv_store import KVBlock
+    from mlxhost.kv.store.kv_store import KVBlock
 
     _, layout = tiny
     lead, other = RecordingStore(layout, 16), RecordingStore(layout, 16)
@@ -264,10 +264,10 @@ def test_shutdown_plan_ends_the_follower(tiny):
 def test_a_follower_takes_rank_0s_tiled_kernel_limit(qwen3_4bit_model_dir):
     """While rank 0's helpers compile the tiled kernels its quantized layers dequantize those rows; every
     rank must switch at the same step, or the layers all compute whole (the LM head) give other logits."""
-    from mlxserve.distributed.engine import step_digest
-    from mlxserve.engine.runner.model_runner import StepTokens
-    from mlxserve.models.loader import load_model
-    from mlxserve.platform.quantized_rows import ALL_TILED_ROWS, fold_quantized_rows, row_layers
+    from mlxhost.distributed.engine import step_digest
+    from mlxhost.engine.runner.model_runner import StepTokens
+    from mlxhost.models.loader import load_model
+    from mlxhost.platform.quantized_rows import ALL_TILED_ROWS, fold_quantized_rows, row_layers
 
     model = load_model(str(qwen3_4bit_model_dir)).model
     assert fold_quantized_rows(model) > 0
@@ -303,8 +303,8 @@ class _ScriptedFollower(Channel):
 def test_every_rank_takes_rank_0s_decode_buckets(tiny):
     # Rank 0 picks buckets for its backend (on MLX-CUDA by default); a follower that padded its batch
     # otherwise would run decode forwards, and so collectives, of other sizes.
-    from mlxserve.distributed.engine import DistributedEngineCore
-    from mlxserve.config import EngineConfig
+    from mlxhost.distributed.engine import DistributedEngineCore
+    from mlxhost.config import EngineConfig
 
     loaded, _ = tiny
     ctx = RankContext(DistributedConfig(tensor_parallel=2), _ScriptedFollower([1, 2, 4]), seed=0)
@@ -317,7 +317,7 @@ def test_sharded_input_layers_lose_the_gradient_hook_not_their_matmul():
     import mlx.nn as nn
     from mlx.nn.layers.distributed import AllToShardedLinear, ShardedToAllLinear, shard_linear
 
-    from mlxserve.distributed.shard import drop_gradient_hooks
+    from mlxhost.distributed.shard import drop_gradient_hooks
 
     group = mx.distributed.init()  # one process: a group of 1 shards nothing, the layer types are the same
     mx.random.seed(3)
@@ -339,7 +339,7 @@ def test_a_pipeline_hand_off_ties_plain_and_quantized_caches_alike():
 
     import mlx.core as mx
 
-    from mlxserve.distributed.pipeline import _tie
+    from mlxhost.distributed.pipeline import _tie
 
     h = mx.ones((1, 2))
     plain = SimpleNamespace(keys=mx.zeros((1, 2)))

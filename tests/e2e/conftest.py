@@ -16,8 +16,8 @@ import openai
 import pytest
 import uvicorn
 
-from mlxserve.config import EngineConfig, MediaConfig, ServerConfig
-from mlxserve.server.app import build_app
+from mlxhost.config import EngineConfig, MediaConfig, ServerConfig
+from mlxhost.server.app import build_app
 
 SERVED_NAME = "tiny"
 _START_TIMEOUT_S = 120  # a bound for the start-up loop, not a timing check
@@ -46,7 +46,7 @@ class LiveServer:
         return out
 
     def num_running(self) -> float:
-        return self.metrics()["mlxserve_num_requests_running"]
+        return self.metrics()["mlxhost_num_requests_running"]
 
     def stop(self) -> None:
         self.server.should_exit = True

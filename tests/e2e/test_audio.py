@@ -16,10 +16,10 @@ import numpy as np
 import openai
 import pytest
 
-from mlxserve.frontends.audio.media import decode_audio
-from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
-from mlxserve.server.app import build_app
-from mlxserve.testing.audio_fixtures import build_tiny_kokoro, build_tiny_whisper, build_tiny_whisper_ct2
+from mlxhost.frontends.audio.media import decode_audio
+from mlxhost.config import EngineConfig, ModelSpec, ServerConfig
+from mlxhost.server.app import build_app
+from mlxhost.testing.audio_fixtures import build_tiny_kokoro, build_tiny_whisper, build_tiny_whisper_ct2
 
 pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="Kokoro phonemizes with espeak-ng")
 

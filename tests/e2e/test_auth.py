@@ -8,8 +8,8 @@ import httpx
 import openai
 import pytest
 
-from mlxserve.config import EngineConfig, SecurityConfig, ServerConfig
-from mlxserve.server.app import build_app
+from mlxhost.config import EngineConfig, SecurityConfig, ServerConfig
+from mlxhost.server.app import build_app
 from tests.e2e.conftest import response_head_to_headers_only
 
 SERVED_NAME = "tiny"  # the name tests/e2e/conftest.py serves under
@@ -81,7 +81,7 @@ def test_health_open_metrics_and_root_closed(http):
 
 def test_metrics_public(qwen3_model_dir, serve_module_app):
     server = serve_module_app(secured_app(qwen3_model_dir, api_keys=(KEY,), metrics_public=True))
-    assert "mlxserve_num_requests_running" in httpx.get(server.url + "/metrics", timeout=30).text
+    assert "mlxhost_num_requests_running" in httpx.get(server.url + "/metrics", timeout=30).text
     assert httpx.get(server.base_url + "/models", timeout=30).status_code == 401
 
 

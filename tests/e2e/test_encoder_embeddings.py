@@ -10,9 +10,9 @@ import numpy as np
 import openai
 import pytest
 
-from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
-from mlxserve.testing.encoder_demo import EncoderDemoConfig, build_encoder_folder
-from mlxserve.server.app import build_app
+from mlxhost.config import EngineConfig, ModelSpec, ServerConfig
+from mlxhost.testing.encoder_demo import EncoderDemoConfig, build_encoder_folder
+from mlxhost.server.app import build_app
 
 TEXTS = ["The quick brown fox", "jumps", "over the lazy dog, again and again and again and again", "a"]
 HIDDEN = EncoderDemoConfig().hidden_size

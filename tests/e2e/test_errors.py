@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from mlxserve.frontends.common.schemas import MAX_STOP_STRINGS
+from mlxhost.frontends.common.schemas import MAX_STOP_STRINGS
 
 MAX_MODEL_LEN = 64
 M = [{"role": "user", "content": "hi"}]
@@ -236,7 +236,7 @@ def test_server_still_serves_after_bad_inputs_and_never_5xx(http, small_server):
         assert ok.status_code == 200, ok.text
         assert ok.json()["usage"]["completion_tokens"] == 4
     metrics = small_server.metrics()
-    assert metrics['mlxserve_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 2
-    assert metrics['mlxserve_requests_total{endpoint="/v1/chat/completions",status="400"}'] >= 1
+    assert metrics['mlxhost_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 2
+    assert metrics['mlxhost_requests_total{endpoint="/v1/chat/completions",status="400"}'] >= 1
     assert not [k for k in metrics if re.search(r'status="5\d\d"', k)]
-    assert metrics["mlxserve_num_requests_running"] == 0
+    assert metrics["mlxhost_num_requests_running"] == 0

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from mlxserve.testing.families import FAMILIES, build_family_folder
+from mlxhost.testing.families import FAMILIES, build_family_folder
 
 MESSAGES = [{"role": "user", "content": "Tell me about unified memory."}]
 

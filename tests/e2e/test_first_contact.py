@@ -1,6 +1,6 @@
 """The first minutes: the banner's curl and Python lines run as printed against a live server (the Python line on
 the standard library alone: the openai package is no dependency of the plain install), the demo model is said to
-be random, and `mlxserve list` shows the demo model and what a running server serves."""
+be random, and `mlxhost list` shows the demo model and what a running server serves."""
 
 import json
 import shlex
@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from mlxserve.server import cli
-from mlxserve.server.banner import TRY_MAX_TOKENS, BannerModel, format_banner, is_demo_source, try_lines
-from mlxserve.config import EngineConfig, SecurityConfig, ServerConfig
-from mlxserve.server.app import build_app
+from mlxhost.server import cli
+from mlxhost.server.banner import TRY_MAX_TOKENS, BannerModel, format_banner, is_demo_source, try_lines
+from mlxhost.config import EngineConfig, SecurityConfig, ServerConfig
+from mlxhost.server.app import build_app
 from tests.e2e.conftest import SERVED_NAME, start_app
 
 _BOUND_S = 120  # a bound for each subprocess, not a timing check
@@ -67,23 +67,23 @@ def keyed_server(qwen3_model_dir):
 
 def test_with_an_api_key_both_lines_read_it_from_the_environment(keyed_server):
     curl, python = _banner_lines(keyed_server.url, needs_key=True)
-    env = {"MLXSERVE_API_KEY": "sk-first-contact"}
+    env = {"MLXHOST_API_KEY": "sk-first-contact"}
     result = _run(_plain_python(python), env)
     assert result.returncode == 0, result.stderr
     if shutil.which("curl"):
         result = _run(curl, env)
         assert "choices" in json.loads(result.stdout), result.stdout
-    assert "401" in _run(_plain_python(python), {"MLXSERVE_API_KEY": "wrong"}).stderr
+    assert "401" in _run(_plain_python(python), {"MLXHOST_API_KEY": "wrong"}).stderr
 
 
 def test_the_demo_model_is_said_to_be_random(tmp_path, monkeypatch):
     demo_dir = tmp_path / "demo-model"
-    monkeypatch.setattr("mlxserve.testing.demo.default_demo_model_dir", lambda: demo_dir)
+    monkeypatch.setattr("mlxhost.testing.demo.default_demo_model_dir", lambda: demo_dir)
     assert is_demo_source(str(demo_dir)) and not is_demo_source(str(tmp_path / "other"))
     text = format_banner("0", "http://127.0.0.1:8000", [BannerModel("demo", str(demo_dir), "loaded")], "m",
                          needs_key=False, demo=True)
     assert "the demo model has random weights: its replies are gibberish by design" in text
-    assert "mlxserve serve mlx-community/Qwen3-0.6B-4bit" in text
+    assert "mlxhost serve mlx-community/Qwen3-0.6B-4bit" in text
     plain = format_banner("0", "http://127.0.0.1:8000", [BannerModel("q", "q", "loaded")], "m", needs_key=False)
     assert "random weights" not in plain
     assert f'"max_tokens": {TRY_MAX_TOKENS}' in try_lines("http://h:1", "q", False)[0]
@@ -93,8 +93,8 @@ def test_list_shows_the_demo_model_and_what_a_server_serves(server, qwen3_model_
                                                             capsys):
     demo_dir = tmp_path / "demo-model"
     shutil.copytree(qwen3_model_dir, demo_dir)
-    monkeypatch.setattr("mlxserve.testing.demo.default_demo_model_dir", lambda: demo_dir)
-    monkeypatch.delenv("MLXSERVE_API_KEY", raising=False)
+    monkeypatch.setattr("mlxhost.testing.demo.default_demo_model_dir", lambda: demo_dir)
+    monkeypatch.delenv("MLXHOST_API_KEY", raising=False)
     assert cli.main(["list", "--no-hf-cache", "--server", server.url]) == 0
     out = capsys.readouterr().out
     assert "Demo model (random weights: its replies are gibberish by design" in out

@@ -17,11 +17,11 @@ import openai
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from mlxserve.config import EngineConfig
-from mlxserve.engine.runner.batch import make_buckets
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.models.loader import load_model
+from mlxhost.config import EngineConfig
+from mlxhost.engine.runner.batch import make_buckets
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.models.loader import load_model
 
 MODEL = "tiny"  # the served name tests/e2e/conftest.py gives
 PREFILL_STEP = 16

@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from mlxserve.config import EngineConfig, SecurityConfig, ServerConfig
-from mlxserve.server.app import build_app
+from mlxhost.config import EngineConfig, SecurityConfig, ServerConfig
+from mlxhost.server.app import build_app
 from tests.e2e.conftest import SERVED_NAME, response_head_to_headers_only, start_app
 
 STALL_BOUND_S = 15.0  # a hang bound for a running stream's inter-token gap, not a timing check
@@ -155,9 +155,9 @@ def test_405_says_allow(live, http):
 
 
 def test_404_paths_add_no_metric_series(live, http):
-    before = {k for k in live.metrics() if k.startswith("mlxserve_requests_total")}
+    before = {k for k in live.metrics() if k.startswith("mlxhost_requests_total")}
     for i in range(1000):
         assert http.get(f"/v1/no-such-thing-{i}").status_code == 404
-    after = {k for k in live.metrics() if k.startswith("mlxserve_requests_total")}
+    after = {k for k in live.metrics() if k.startswith("mlxhost_requests_total")}
     assert len(after - before) <= 1  # at most the one "unmatched" series
     assert all("no-such-thing" not in k for k in after)

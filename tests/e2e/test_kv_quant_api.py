@@ -13,7 +13,7 @@ import asyncio
 import httpx
 import pytest
 
-from mlxserve.testing.demo import DemoModelConfig, build_model_folder
+from mlxhost.testing.demo import DemoModelConfig, build_model_folder
 
 
 @pytest.fixture(scope="module")
@@ -49,5 +49,5 @@ def test_status_and_metrics_show_the_larger_capacity(make_server, bf16_dir, mode
     assert statuses[8]["kv_quantization"]["bits"] == 8 and statuses[8]["kv_quantization"]["group_size"] == 64
     assert statuses[8]["kv_quantization"]["attention"] == statuses[4]["kv_quantization"]["attention"] == attention
     for bits in (None, 8, 4):
-        assert gauges[bits]["mlxserve_kv_bytes_per_token"] == statuses[bits]["kv_bytes_per_token"]
-        assert gauges[bits]["mlxserve_kv_capacity_tokens"] == statuses[bits]["kv_capacity_tokens"]
+        assert gauges[bits]["mlxhost_kv_bytes_per_token"] == statuses[bits]["kv_bytes_per_token"]
+        assert gauges[bits]["mlxhost_kv_capacity_tokens"] == statuses[bits]["kv_capacity_tokens"]

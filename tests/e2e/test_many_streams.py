@@ -67,7 +67,7 @@ async def one(client: openai.AsyncOpenAI, i: int, forced: int | None, chat: bool
 @pytest.mark.anyio
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
 async def test_64_concurrent_streams_each_get_their_text(live, tokenizer, chat, caplog):
-    caplog.set_level(logging.INFO, logger="mlxserve.engine.core")
+    caplog.set_level(logging.INFO, logger="mlxhost.engine.core")
     cases = forced_tokens(tokenizer)
     async with openai.AsyncOpenAI(base_url=live.base_url, api_key="x", max_retries=0, timeout=_BOUND_S) as client:
         results = await asyncio.wait_for(

@@ -1,4 +1,4 @@
-"""`mlxserve serve --model-dir DIR`: every model folder inside DIR served by its folder's name, loaded on
+"""`mlxhost serve --model-dir DIR`: every model folder inside DIR served by its folder's name, loaded on
 first use; `GET /v1/models/{id}` through the openai client; `/docs` with only local assets; the start-up
 banner; a vision-language folder without the `vision` extra is a 400 naming it."""
 
@@ -12,10 +12,10 @@ import httpx
 import openai
 import pytest
 
-from mlxserve.server.banner import make_ready_hook
-from mlxserve.config import EngineConfig, ServerConfig
-from mlxserve.models.catalog import model_dir_specs
-from mlxserve.server.app import build_app
+from mlxhost.server.banner import make_ready_hook
+from mlxhost.config import EngineConfig, ServerConfig
+from mlxhost.models.catalog import model_dir_specs
+from mlxhost.server.app import build_app
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_every_folder_is_a_model_loaded_on_first_use(live, client):
 
 def test_models_retrieve(live, client):
     card = client.models.retrieve("qwen-tiny")
-    assert card.id == "qwen-tiny" and card.object == "model" and card.owned_by == "mlxserve"
+    assert card.id == "qwen-tiny" and card.object == "model" and card.owned_by == "mlxhost"
     with pytest.raises(openai.NotFoundError) as err:
         client.models.retrieve("no-such-model")
     assert err.value.body["code"] == "model_not_found" and "qwen-tiny" in err.value.body["message"]
@@ -84,9 +84,9 @@ def test_banner_names_url_models_memory_and_a_snippet(live):
 def test_vlm_without_vision_extra_is_a_400_naming_it(tmp_path_factory, qwen25vl_dir, serve_module_app, monkeypatch):
     root = tmp_path_factory.mktemp("vlm-dir")
     shutil.copytree(qwen25vl_dir, root / "vl")
-    monkeypatch.setattr("mlxserve.models.extras.has_vision", lambda: False)
+    monkeypatch.setattr("mlxhost.models.extras.has_vision", lambda: False)
     server = serve_module_app(build_app(ServerConfig(models=tuple(model_dir_specs(root)))))
     r = httpx.post(server.base_url + "/chat/completions", timeout=60,
                    json={"model": "vl", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert r.status_code == 400, r.text
-    assert 'pip install "mlxserve[vision]"' in r.json()["error"]["message"]
+    assert 'pip install "mlxhost[vision]"' in r.json()["error"]["message"]

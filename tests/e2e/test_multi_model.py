@@ -14,9 +14,9 @@ import mlx.core as mx
 import openai
 import pytest
 
-from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
-from mlxserve.testing.demo import DemoModelConfig, build_model_folder
-from mlxserve.server.app import build_app
+from mlxhost.config import EngineConfig, ModelSpec, ServerConfig
+from mlxhost.testing.demo import DemoModelConfig, build_model_folder
+from mlxhost.server.app import build_app
 
 PROMPTS = ["The quick brown fox", "In the morning the teacher opens the window and"]
 MAX_TOKENS = 24
@@ -152,7 +152,7 @@ def test_status_and_cache_endpoints_take_a_model(multi):
     cleared = httpx.delete(multi.url + "/v1/cache", timeout=30).json()
     assert set(cleared["models"]) == {"a", "b", "c"} and cleared["cleared_blocks"] >= 1
     metrics = httpx.get(multi.url + "/metrics", timeout=30).text
-    assert "mlxserve_num_requests_running" in metrics
+    assert "mlxhost_num_requests_running" in metrics
 
 
 def test_ttl_unloads_idle_model_and_its_memory_comes_back(dirs, refs, multi, serve_module_app):

@@ -191,8 +191,8 @@ def test_keep_alive_unloads_and_expires(qwen3_model_dir, llama_model_dir, serve_
     import time
     from datetime import datetime, timezone
 
-    from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
-    from mlxserve.server.app import build_app
+    from mlxhost.config import EngineConfig, ModelSpec, ServerConfig
+    from mlxhost.server.app import build_app
 
     specs = (ModelSpec("chat", str(qwen3_model_dir), pinned=True), ModelSpec("other", str(llama_model_dir)))
     live = serve_module_app(build_app(ServerConfig(models=specs, engine=EngineConfig(max_num_seqs=4))))
@@ -214,9 +214,9 @@ def test_keep_alive_unloads_and_expires(qwen3_model_dir, llama_model_dir, serve_
 
 def test_lora_adapters_are_ollama_models(qwen3_model_dir, tmp_path_factory, serve_module_app):
     """A LoRA adapter served as a model is listed by tags and ps and answers chat under its name."""
-    from mlxserve.config import LoraSpec, ServerConfig
-    from mlxserve.server.app import build_app
-    from mlxserve.testing.lora_fixtures import train_adapter
+    from mlxhost.config import LoraSpec, ServerConfig
+    from mlxhost.server.app import build_app
+    from mlxhost.testing.lora_fixtures import train_adapter
 
     adapter = train_adapter(qwen3_model_dir, tmp_path_factory.mktemp("ollama-lora") / "alpha", seed=1, rank=4)
     live = serve_module_app(build_app(ServerConfig(model=str(qwen3_model_dir), served_model_name=SERVED_NAME,

@@ -423,13 +423,13 @@ def test_metrics_after_requests(client, server):
     chat(client, max_tokens=4, temperature=0.0, extra_body=IGNORE_EOS)
     list(complete(client, max_tokens=4, temperature=0.0, extra_body=IGNORE_EOS, stream=True))
     m = server.metrics()
-    assert m['mlxserve_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
-    assert m['mlxserve_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
-    assert m["mlxserve_prompt_tokens_total"] > 0
-    assert m["mlxserve_completion_tokens_total"] >= 8
-    assert m["mlxserve_num_requests_running"] == 0
-    assert m["mlxserve_num_requests_waiting"] == 0
-    assert m["mlxserve_time_to_first_token_seconds_count"] >= 2
-    assert m["mlxserve_inter_token_latency_seconds_count"] >= 6
-    assert m["mlxserve_request_latency_seconds_count"] >= 2
+    assert m['mlxhost_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
+    assert m['mlxhost_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
+    assert m["mlxhost_prompt_tokens_total"] > 0
+    assert m["mlxhost_completion_tokens_total"] >= 8
+    assert m["mlxhost_num_requests_running"] == 0
+    assert m["mlxhost_num_requests_waiting"] == 0
+    assert m["mlxhost_time_to_first_token_seconds_count"] >= 2
+    assert m["mlxhost_inter_token_latency_seconds_count"] >= 6
+    assert m["mlxhost_request_latency_seconds_count"] >= 2
     assert not any(re.search(r'status="5\d\d"', k) for k in m)

@@ -119,9 +119,9 @@ def test_metrics_count_hit_tokens(on, on_client):
     chat(on_client, question)
     chat(on_client, question)
     m = on.metrics()
-    assert m["mlxserve_prefix_cache_hit_tokens_total"] > 0
-    assert m["mlxserve_prefix_cache_queried_tokens_total"] >= m["mlxserve_prefix_cache_hit_tokens_total"]
-    assert m["mlxserve_prefix_cache_blocks"] == stats(on)["num_cached_blocks"] > 0
+    assert m["mlxhost_prefix_cache_hit_tokens_total"] > 0
+    assert m["mlxhost_prefix_cache_queried_tokens_total"] >= m["mlxhost_prefix_cache_hit_tokens_total"]
+    assert m["mlxhost_prefix_cache_blocks"] == stats(on)["num_cached_blocks"] > 0
 
 
 def test_cache_off_gives_the_same_text_and_no_cached_tokens(on_client, off, off_client):
@@ -133,4 +133,4 @@ def test_cache_off_gives_the_same_text_and_no_cached_tokens(on_client, off, off_
     assert stats(off) == {"enabled": False}
     assert clear(off) == {"cleared_blocks": 0}
     m = off.metrics()
-    assert m["mlxserve_prefix_cache_hit_tokens_total"] == 0 and m["mlxserve_prefix_cache_blocks"] == 0
+    assert m["mlxhost_prefix_cache_hit_tokens_total"] == 0 and m["mlxhost_prefix_cache_blocks"] == 0

@@ -16,10 +16,10 @@ import numpy as np
 import openai
 import pytest
 
-from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
-from mlxserve.testing.cross_encoder_demo import CrossEncoderDemoConfig, build_cross_encoder_folder
-from mlxserve.testing.encoder_demo import EncoderDemoConfig, build_encoder_folder
-from mlxserve.server.app import build_app
+from mlxhost.config import EngineConfig, ModelSpec, ServerConfig
+from mlxhost.testing.cross_encoder_demo import CrossEncoderDemoConfig, build_cross_encoder_folder
+from mlxhost.testing.encoder_demo import EncoderDemoConfig, build_encoder_folder
+from mlxhost.server.app import build_app
 
 QUERY = "what is the capital of france"
 DOCS = ["paris is the capital of france", "the quick brown fox", "import os and sys",
@@ -165,8 +165,8 @@ def test_embedding_method_is_the_cosine_of_the_embeddings(http, live, model):
 def test_yes_no_matches_the_decoders_own_logits(http, qwen3_model_dir):
     from mlx_lm import load
 
-    from mlxserve.frontends.rerank.methods import _JUDGE
-    from mlxserve.frontends.rerank.protocol import DEFAULT_INSTRUCTION
+    from mlxhost.frontends.rerank.methods import _JUDGE
+    from mlxhost.frontends.rerank.protocol import DEFAULT_INSTRUCTION
 
     out = rerank(http, model="tiny-reranker")  # "rerank" in the name: yes/no by default
     assert out["meta"]["method"] == "yes_no"

@@ -142,6 +142,6 @@ def test_codex_fields_and_tools_are_accepted(client, server):
         include=["reasoning.encrypted_content"], prompt_cache_key="k", reasoning={"summary": "auto"},
         tools=[namespace, {"type": "web_search", "external_web_access": False}], tool_choice="required",
         parallel_tool_calls=False, extra_body={"client_metadata": {"turn_id": "t1"}, "bogus": 1})
-    assert r.metadata == {"mlxserve_skipped_tools": "web_search"}
+    assert r.metadata == {"mlxhost_skipped_tools": "web_search"}
     calls = [item for item in r.output if item.type == "function_call"]
     assert [(c.name, c.namespace) for c in calls] == [("spawn_agent", "agents")]

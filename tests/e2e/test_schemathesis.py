@@ -21,8 +21,8 @@ from schemathesis.specs.openapi.checks import (
     unsupported_method,
 )
 
-from mlxserve.config import EngineConfig, SecurityConfig, ServerConfig
-from mlxserve.server.app import build_app
+from mlxhost.config import EngineConfig, SecurityConfig, ServerConfig
+from mlxhost.server.app import build_app
 from tests.e2e.conftest import SERVED_NAME, start_app
 
 MAX_EXAMPLES = 8  # generated per operation: the whole run stays well under a minute on the tiny model

@@ -1,4 +1,4 @@
-"""The serving process (`mlxserve serve` in a subprocess, tiny model, 127.0.0.1): SIGTERM under 32
+"""The serving process (`mlxhost serve` in a subprocess, tiny model, 127.0.0.1): SIGTERM under 32
 long streams ends them at the shutdown deadline (each gets an error event, none runs to its end) and the
 SSD tier's queued blocks are on disk; SIGTERM during start-up exits; a port in use is reported before the
 model loads. The time bounds here only catch hangs: a slow machine must not fail these tests."""
@@ -31,7 +31,7 @@ def free_port() -> int:
 
 
 def serve(model_dir, port: int, *flags: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "mlxserve.server.cli", "serve", str(model_dir), "--port", str(port),
+    cmd = [sys.executable, "-m", "mlxhost.server.cli", "serve", str(model_dir), "--port", str(port),
            "--served-model-name", "tiny", "--log-level", "warning", *flags]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -90,7 +90,7 @@ def test_sigterm_under_32_streams_ends_by_the_deadline(qwen3_model_dir, tmp_path
     deadline = time.monotonic() + _START_TIMEOUT_S
     while time.monotonic() < deadline:  # every stream is producing tokens
         text = httpx.get(url + "/metrics", timeout=10).text
-        if f"mlxserve_num_requests_running {NUM_STREAMS}.0" in text:
+        if f"mlxhost_num_requests_running {NUM_STREAMS}.0" in text:
             break
         time.sleep(0.2)
     time.sleep(0.5)

@@ -85,10 +85,10 @@ def test_counters_in_status_and_metrics(servers):
     assert spec["mode"] == "draft" and spec["num_draft_tokens"] == 5 and spec["spec_max_batch"] == 4
     assert spec["num_accepted"] == spec["num_drafted"] > 0 and spec["acceptance_rate"] == 1.0
     metrics = servers["draft"].metrics()
-    assert metrics["mlxserve_spec_draft_tokens_total"] >= spec["num_drafted"] > 0
-    assert metrics["mlxserve_spec_acceptance_rate"] == 1.0
-    assert metrics["mlxserve_spec_max_batch"] == 4 and "mlxserve_spec_big_batch_steps_total" in metrics
+    assert metrics["mlxhost_spec_draft_tokens_total"] >= spec["num_drafted"] > 0
+    assert metrics["mlxhost_spec_acceptance_rate"] == 1.0
+    assert metrics["mlxhost_spec_max_batch"] == 4 and "mlxhost_spec_big_batch_steps_total" in metrics
     off = httpx.get(f"{servers['off'].url}/v1/status", timeout=30).json()
     assert off["speculative"] == {"mode": "off"}
-    assert servers["off"].metrics()["mlxserve_spec_draft_tokens_total"] == 0
-    assert servers["off"].metrics()["mlxserve_spec_max_batch"] == 0
+    assert servers["off"].metrics()["mlxhost_spec_draft_tokens_total"] == 0
+    assert servers["off"].metrics()["mlxhost_spec_max_batch"] == 0

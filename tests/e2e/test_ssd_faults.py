@@ -27,8 +27,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mlxserve.kv.store.ssd_format import BlockData, BlockMeta
-from mlxserve.kv.store.ssd_tier import SSDTier
+from mlxhost.kv.store.ssd_format import BlockData, BlockMeta
+from mlxhost.kv.store.ssd_tier import SSDTier
 
 SERVED_NAME = "tiny"  # the name tests/e2e/conftest.py serves under
 BS = 16
@@ -106,7 +106,7 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def cli_server(model_dir, ssd: Path, log_path: Path, max_file_bytes: int | None = None):
-    """`mlxserve serve` as a child process on a free loopback port; yields (process, url), kills it at
+    """`mlxhost serve` as a child process on a free loopback port; yields (process, url), kills it at
     the end. `max_file_bytes` sets RLIMIT_FSIZE in the child: writes past it fail as on a full disk."""
     port = free_port()
     flags = [str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
@@ -115,8 +115,8 @@ def cli_server(model_dir, ssd: Path, log_path: Path, max_file_bytes: int | None 
     limit = "" if max_file_bytes is None else (
         f"import resource; resource.setrlimit(resource.RLIMIT_FSIZE, ({max_file_bytes}, {max_file_bytes})); ")
     # CPython ignores SIGXFSZ, so a write past the limit raises OSError(EFBIG) instead of killing us.
-    launcher = limit + ("import runpy, sys; sys.argv[0] = 'mlxserve'; "
-                        "runpy.run_module('mlxserve.server.cli', run_name='__main__')")
+    launcher = limit + ("import runpy, sys; sys.argv[0] = 'mlxhost'; "
+                        "runpy.run_module('mlxhost.server.cli', run_name='__main__')")
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-c", launcher, "serve", *flags], stdout=log,

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from mlxserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from mlxhost.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 UTF8_TEXTS = [
     "emoji 😀🚀 flag 🇯🇵 family 👨‍👩‍👧 heart ❤️",
@@ -196,7 +196,7 @@ def test_closed_stream_frees_its_slot(one_slot_server, path):
         # Leaving the block closes the connection mid-stream.
     short_request_completes(live)
     wait_until(lambda: live.num_running() == 0, "the running gauge to return to 0")
-    assert live.metrics()["mlxserve_num_requests_waiting"] == 0
+    assert live.metrics()["mlxhost_num_requests_waiting"] == 0
 
 
 def test_timed_out_non_streaming_request_frees_its_slot(one_slot_server):
@@ -230,7 +230,7 @@ def test_waiting_request_runs_after_the_slot_frees(one_slot_server):
             lines = first.iter_lines()
             next_event(lines)
             with c2.stream("POST", live.base_url + "/completions", json=short_body) as second:
-                wait_until(lambda: live.metrics()["mlxserve_num_requests_waiting"] == 1, "the second to wait")
+                wait_until(lambda: live.metrics()["mlxhost_num_requests_waiting"] == 1, "the second to wait")
                 first.close()
                 events = [line for line in second.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
@@ -247,7 +247,7 @@ def test_full_queue_answers_429(make_server, qwen3_model_dir):
             lines = running.iter_lines()  # kept: a dropped iterator closes the connection
             next_event(lines)
             with c2.stream("POST", live.base_url + "/completions", json=body) as waiting:
-                wait_until(lambda: live.metrics()["mlxserve_num_requests_waiting"] == 1, "the second to wait")
+                wait_until(lambda: live.metrics()["mlxhost_num_requests_waiting"] == 1, "the second to wait")
                 r = httpx.post(live.base_url + "/completions", json=body, timeout=_BOUND_S)
                 assert r.status_code == 429
                 assert r.headers["retry-after"]
@@ -283,7 +283,7 @@ def engine_held(live):
 
 @pytest.fixture
 def fast_heartbeat(monkeypatch):
-    monkeypatch.setattr("mlxserve.frontends.common.gateway.HEARTBEAT_S", 0.05)
+    monkeypatch.setattr("mlxhost.frontends.common.gateway.HEARTBEAT_S", 0.05)
 
 
 def read_heartbeats(lines, is_heartbeat, num: int) -> list[str]:

@@ -12,8 +12,8 @@ import jsonschema
 import openai
 import pytest
 
-from mlxserve.testing.demo import DemoModelConfig, build_model_folder
-from mlxserve.testing.tag_tokens import add_tag_tokens
+from mlxhost.testing.demo import DemoModelConfig, build_model_folder
+from mlxhost.testing.tag_tokens import add_tag_tokens
 
 WEATHER = {
     "type": "object",

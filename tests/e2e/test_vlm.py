@@ -28,7 +28,7 @@ import pytest
 from mlx_vlm.prompt_utils import apply_chat_template
 from PIL import Image
 
-from mlxserve.config import MediaConfig
+from mlxhost.config import MediaConfig
 
 FAMILIES = {"qwen2_5_vl": "qwen25vl_dir", "qwen3_vl": "qwen3vl_dir"}
 ENGINE = dict(prefill_step_size=64, block_size=16)

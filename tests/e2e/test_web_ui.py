@@ -16,8 +16,8 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from mlxserve.config import EngineConfig, SecurityConfig, ServerConfig
-from mlxserve.server.app import build_app
+from mlxhost.config import EngineConfig, SecurityConfig, ServerConfig
+from mlxhost.server.app import build_app
 
 SERVED_NAME = "tiny"  # the name tests/e2e/conftest.py serves under
 KEY = "sk-web-0123456789"
@@ -73,7 +73,7 @@ def browser(tmp_path_factory):
 
 def num_running(live) -> float:
     text = httpx.get(live.url + "/metrics", headers=AUTH, timeout=30).text
-    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("mlxserve_num_requests_running ")))
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("mlxhost_num_requests_running ")))
 
 
 def wait_for(driver, condition, message: str):
@@ -121,7 +121,7 @@ def test_chat_and_dashboard_in_chromium(live, browser, tmp_path):
     find("#key").send_keys(KEY)
     find("#key-form button").click()
     wait_for(d, lambda _: SERVED_NAME in find("#model").text, "the model list never loaded with the key")
-    assert d.execute_script("return localStorage.getItem('mlxserve.apiKey')") == KEY
+    assert d.execute_script("return localStorage.getItem('mlxhost.apiKey')") == KEY
 
     # A streamed reply: the reply's text changes several times before the stats line appears.
     find("#system").send_keys("You are terse.")

@@ -8,8 +8,8 @@ import threading
 import time
 from types import SimpleNamespace
 
-from mlxserve.engine.loop import AsyncEngine
-from mlxserve.engine.request import Request, RequestOutput, SamplingParams
+from mlxhost.engine.loop import AsyncEngine
+from mlxhost.engine.request import Request, RequestOutput, SamplingParams
 
 
 class _Core:
@@ -104,7 +104,7 @@ def test_a_stream_left_early_aborts_once_and_a_finished_one_not_at_all():
 
 def test_step_trace_writes_a_line_per_step(tmp_path, monkeypatch):
     trace = tmp_path / "steps.tsv"
-    monkeypatch.setenv("MLXSERVE_STEP_TRACE", str(trace))
+    monkeypatch.setenv("MLXHOST_STEP_TRACE", str(trace))
     chunk = SimpleNamespace(num_tokens=7)
 
     class _Traced(_Core):

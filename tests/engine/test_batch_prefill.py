@@ -12,13 +12,13 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-import mlxserve.engine.runner.prefill as runner_module
-from mlxserve.config import EngineConfig
-from mlxserve.engine.runner.batch_prefill import why_not_batched
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.testing.families import build_family_folder
-from mlxserve.models.loader import load_model
+import mlxhost.engine.runner.prefill as runner_module
+from mlxhost.config import EngineConfig
+from mlxhost.engine.runner.batch_prefill import why_not_batched
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.testing.families import build_family_folder
+from mlxhost.models.loader import load_model
 
 BS = 16
 NEW = 5
@@ -114,6 +114,6 @@ def test_a_burst_prefilled_together_matches_one_at_a_time_and_mlx_lm(family, for
     ([5000, 5000, 10, 20], [2, 3]),  # long contexts run alone: no second copy of their KV
 ])
 def test_rows_far_longer_than_the_rest_are_prefilled_alone(ends, picked):
-    from mlxserve.engine.runner.batch_prefill import pick_rows
+    from mlxhost.engine.runner.batch_prefill import pick_rows
 
     assert pick_rows(ends) == picked

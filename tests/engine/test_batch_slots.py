@@ -13,11 +13,11 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-import mlxserve.engine.runner.batch as batch_module
-from mlxserve.config import EngineConfig
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.models.loader import load_model
+import mlxhost.engine.runner.batch as batch_module
+from mlxhost.config import EngineConfig
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.models.loader import load_model
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_trimmed_left_padding_keeps_the_tokens(loaded, fills, monkeypatch):
 def test_blocks_stored_from_slot_rows_give_the_same_tokens_on_a_hit(loaded, fills, cuda_like):
     """Rows written into slots store their prompt blocks (read back through their left padding); the same
     prompts again resume from those blocks and decode the same tokens. `cuda_like`: with what MLX-CUDA
-    changes (batched prefill padded to 32-token shapes) and MLXSERVE_STEP_SYNC's waits after each phase."""
+    changes (batched prefill padded to 32-token shapes) and MLXHOST_STEP_SYNC's waits after each phase."""
     config = EngineConfig(max_num_seqs=8, block_size=16, cache_memory_bytes=64 << 20)
     core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len=4096, buckets=[1, 2, 4, 8])
     if cuda_like:

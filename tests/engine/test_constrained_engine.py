@@ -12,14 +12,14 @@ import random
 import jsonschema
 import pytest
 
-from mlxserve.config import EngineConfig
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.grammar import GrammarSource
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.testing.demo import DemoModelConfig, build_model_folder
-from mlxserve.models.loader import load_model
-from mlxserve.structured.grammar import Constraint, GrammarFailure, json_schema_constraint
-from mlxserve.testing.tag_tokens import add_tag_tokens
+from mlxhost.config import EngineConfig
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.grammar import GrammarSource
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.testing.demo import DemoModelConfig, build_model_folder
+from mlxhost.models.loader import load_model
+from mlxhost.structured.grammar import Constraint, GrammarFailure, json_schema_constraint
+from mlxhost.testing.tag_tokens import add_tag_tokens
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0,

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxserve.engine.embeddings import (
+from mlxhost.engine.embeddings import (
     DimensionsTooLargeError,
     EmbeddingBatch,
     EmbeddingsUnsupportedError,
@@ -19,8 +19,8 @@ from mlxserve.engine.embeddings import (
     hidden_size,
     plan_batches,
 )
-from mlxserve.testing.families import build_family_folder
-from mlxserve.models.loader import load_model
+from mlxhost.testing.families import build_family_folder
+from mlxhost.models.loader import load_model
 
 TOL = 1e-5
 LENGTHS = (5, 37, 1, 20, 33, 37, 2)

@@ -8,9 +8,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxserve.engine.encoder import pool
-from mlxserve.models.encoder import encoder_type, read_pooling
-from mlxserve.models.loader import ModelLoadError
+from mlxhost.engine.encoder import pool
+from mlxhost.models.encoder import encoder_type, read_pooling
+from mlxhost.models.loader import ModelLoadError
 
 # Two rows: 3 real tokens, then 1 real token and 2 padded positions full of junk.
 HIDDEN = mx.array([[[1.0, 2.0], [3.0, 4.0], [5.0, 0.0]],

@@ -6,10 +6,10 @@ import logging
 
 import pytest
 
-from mlxserve.config import EngineConfig
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.models.loader import load_model
+from mlxhost.config import EngineConfig
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.models.loader import load_model
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def test_outputs_carry_tokens_and_counts(core):
 def test_sampling_still_works_after_a_failed_step(core, caplog):
     # A top_k the sampler rejects (the API clamps it; the engine gets it raw here) fails the step inside
     # an mx.compile'd function. Later unseeded sampling must not inherit a broken mx.random state.
-    with caplog.at_level(logging.CRITICAL, logger="mlxserve.engine.core"):
+    with caplog.at_level(logging.CRITICAL, logger="mlxhost.engine.core"):
         failed = run(core, [sampled("bad", top_k=10**6)])["bad"]
     assert failed and failed[-1].error
     after = run(core, [sampled("good")])["good"]
@@ -76,9 +76,9 @@ def test_warmup_leaves_nothing_behind(loaded):
     """Warm-up steps the batch through its bucket sizes and traffic's paths (joins of unequal prompts, a
     split prompt, block stores, prefix hits), then leaves no request, block or hit count behind, and
     a request afterwards decodes exactly as on a core that never warmed up."""
-    from mlxserve.engine.runner.batch import make_buckets
+    from mlxhost.engine.runner.batch import make_buckets
 
-    import mlxserve.engine.runner.prefill as runner_module
+    import mlxhost.engine.runner.prefill as runner_module
 
     config = EngineConfig(max_num_seqs=8, block_size=16, prefill_step_size=48)
     warmed = EngineCore(loaded.model, loaded.tokenizer, config, 4096, make_buckets(8))

@@ -3,7 +3,7 @@
 with the prefix cache on (every family caches its blocks: plain KV, MLA, sliding windows, recurrent state)
 completes and the same prompt again hits.
 
-One tiny random-weight fixture per family (`mlxserve.testing.families`), built once per module.
+One tiny random-weight fixture per family (`mlxhost.testing.families`), built once per module.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-from mlxserve.config import EngineConfig
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.testing.families import FAMILIES, build_family_folder
-from mlxserve.models.loader import load_model
+from mlxhost.config import EngineConfig
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.testing.families import FAMILIES, build_family_folder
+from mlxhost.models.loader import load_model
 
 BS = 16
 NEW = 6

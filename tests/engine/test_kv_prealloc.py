@@ -8,11 +8,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlxserve.config import EngineConfig
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.runner.kv_prealloc import reserve, room
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.models.loader import load_model
+from mlxhost.config import EngineConfig
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.runner.kv_prealloc import reserve, room
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.models.loader import load_model
 
 H, D = 2, 8
 

@@ -22,13 +22,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxserve.kv.kinds.kv_quant import DEQUANTIZED, QUANTIZED_ATTENTION, plan_kv_quant, probe_attention
-from mlxserve.kv.kinds.quantized import BatchQuantizedKVCache
-from mlxserve.config import EngineConfig
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.testing.demo import DemoModelConfig, build_model_folder
-from mlxserve.models.loader import load_model
+from mlxhost.kv.kinds.kv_quant import DEQUANTIZED, QUANTIZED_ATTENTION, plan_kv_quant, probe_attention
+from mlxhost.kv.kinds.quantized import BatchQuantizedKVCache
+from mlxhost.config import EngineConfig
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.testing.demo import DemoModelConfig, build_model_folder
+from mlxhost.models.loader import load_model
 
 BS = 16
 GS = 32  # the fixture's head_dim is 32
@@ -237,7 +237,7 @@ def test_flags_are_validated(loaded):
     with pytest.raises(ValueError, match=r"kv_group_size 64 must divide the attention head dim \(32\); "
                                          r"try --kv-group-size 32"):
         make_core(loaded, kv_bits=8, kv_group_size=64)
-    from mlxserve.server.cli import make_parser
+    from mlxhost.server.cli import make_parser
 
     with pytest.raises(SystemExit):
         make_parser().parse_args(["serve", "--kv-bits", "3"])

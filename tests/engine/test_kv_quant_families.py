@@ -16,11 +16,11 @@ import random
 
 import pytest
 
-from mlxserve.config import EngineConfig
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.testing.families import build_family_folder
-from mlxserve.models.loader import load_model
+from mlxhost.config import EngineConfig
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.testing.families import build_family_folder
+from mlxhost.models.loader import load_model
 
 BS = 16
 NEW = 10

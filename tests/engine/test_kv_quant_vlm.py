@@ -8,10 +8,10 @@ import numpy as np
 from mlx_vlm.prompt_utils import apply_chat_template
 from PIL import Image
 
-from mlxserve.config import EngineConfig
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.request import MediaItem, Request, SamplingParams
-from mlxserve.models.loader import load_model
+from mlxhost.config import EngineConfig
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.request import MediaItem, Request, SamplingParams
+from mlxhost.models.loader import load_model
 
 
 def test_image_request_with_quantized_kv(qwen25vl_dir):

@@ -12,10 +12,10 @@ import pytest
 from mlx_vlm.prompt_utils import apply_chat_template
 from PIL import Image
 
-from mlxserve.config import EngineConfig
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.request import MediaItem, Request, SamplingParams
-from mlxserve.models.loader import load_model
+from mlxhost.config import EngineConfig
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.request import MediaItem, Request, SamplingParams
+from mlxhost.models.loader import load_model
 
 FAMILIES = {"qwen2_5_vl": "qwen25vl_dir", "qwen3_vl": "qwen3vl_dir"}
 TOL = 1e-4

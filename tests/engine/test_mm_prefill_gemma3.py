@@ -12,11 +12,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxserve.config import EngineConfig, MediaConfig
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.models.loader import load_model
-from mlxserve.multimodal.prompt import MediaPart, MultimodalPromptBuilder
+from mlxhost.config import EngineConfig, MediaConfig
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.models.loader import load_model
+from mlxhost.multimodal.prompt import MediaPart, MultimodalPromptBuilder
 from tests.engine.test_mm_prefill import TOL, assert_matches, noise, run
 
 QUESTION = "describe this picture in a few words"

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.multimodal.prompt import MediaPart
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.multimodal.prompt import MediaPart
 from tests.engine.test_mm_prefill import TOL, noise
 from tests.engine.test_mm_prefill_gemma3 import Gemma3Fixture, data_uri
 
@@ -168,9 +168,9 @@ def test_restart_from_the_ssd_tier(fx, tmp_path):
 def test_a_vision_model_with_recurrent_layers_keeps_the_cache_off(fx, tmp_path):
     """No recurrent-layer VLM has run snapshots with images: such a model (a recurrent text fixture
     marked as a VLM here) gets no prefix cache, while the Gemma 3 VLM gets one."""
-    from mlxserve.kv.kinds.probe import probe_kv
-    from mlxserve.testing.families import build_family_folder
-    from mlxserve.models.loader import load_model
+    from mlxhost.kv.kinds.probe import probe_kv
+    from mlxhost.testing.families import build_family_folder
+    from mlxhost.models.loader import load_model
 
     assert probe_kv(fx.model).shareable
     hybrid = load_model(str(build_family_folder(tmp_path, "qwen3_next"))).model
@@ -184,9 +184,9 @@ def test_a_vision_model_with_recurrent_layers_keeps_the_cache_off(fx, tmp_path):
 def test_a_last_chunk_in_one_forward_on_cuda(fx, step, monkeypatch):
     """On CUDA a short last chunk (image or text) runs as one forward, not its body and its last token
     apart, and matches the split."""
-    monkeypatch.setattr("mlxserve.engine.runner.model_runner.is_cuda", lambda: False)
+    monkeypatch.setattr("mlxhost.engine.runner.model_runner.is_cuda", lambda: False)
     split = core(fx, step)
-    monkeypatch.setattr("mlxserve.engine.runner.model_runner.is_cuda", lambda: True)
+    monkeypatch.setattr("mlxhost.engine.runner.model_runner.is_cuda", lambda: True)
     whole = core(fx, step)
     assert split.runner.one_forward_logits == 0 < whole.runner.one_forward_logits
     turn1 = ask(fx, [user()], [noise(0)], 12)

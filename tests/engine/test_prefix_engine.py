@@ -12,10 +12,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from mlxserve.config import EngineConfig
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.models.loader import load_model
+from mlxhost.config import EngineConfig
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.models.loader import load_model
 
 BS = 16
 MAX_NEW = 8
@@ -408,7 +408,7 @@ LAYOUT_FAMILIES = ["deepseek_v2", "gemma3_text", "qwen3_next"]
 
 @pytest.fixture(scope="module", params=LAYOUT_FAMILIES)
 def family(request, tmp_path_factory):
-    from mlxserve.testing.families import build_family_folder
+    from mlxhost.testing.families import build_family_folder
 
     return request.param, load_model(str(build_family_folder(tmp_path_factory.mktemp(request.param), request.param)))
 

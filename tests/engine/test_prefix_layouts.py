@@ -12,11 +12,11 @@ import random
 import numpy as np
 import pytest
 
-from mlxserve.config import EngineConfig
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.testing.families import build_family_folder
-from mlxserve.models.loader import load_model
+from mlxhost.config import EngineConfig
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.testing.families import build_family_folder
+from mlxhost.models.loader import load_model
 
 BS = 16
 FAMILIES = ["deepseek_v2", "gemma3_text", "gpt_oss", "qwen3_next", "nemotron_h", "lfm2"]
@@ -96,9 +96,9 @@ def with_logprobs(core: EngineCore, prompt: list[int], max_tokens: int = 8) -> t
 def one_forward_matches_the_split(loaded, monkeypatch, name: str) -> None:
     """On CUDA a short last chunk runs as one forward instead of its body and its last token apart
     (runner.one_forward_logits). Same tokens and logprobs, with chunks split over steps and a turn 2 that hits."""
-    monkeypatch.setattr("mlxserve.engine.runner.model_runner.is_cuda", lambda: False)
+    monkeypatch.setattr("mlxhost.engine.runner.model_runner.is_cuda", lambda: False)
     split = make_core(loaded, prefill_step_size=32)
-    monkeypatch.setattr("mlxserve.engine.runner.model_runner.is_cuda", lambda: True)
+    monkeypatch.setattr("mlxhost.engine.runner.model_runner.is_cuda", lambda: True)
     whole = make_core(loaded, prefill_step_size=32)
     assert split.runner.one_forward_logits == 0 < whole.runner.one_forward_logits
     turn1 = tokens(5, 3 * BS + 13)

@@ -11,11 +11,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxserve.config import EngineConfig
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.models.loader import load_model
-from mlxserve.testing.families import build_family_folder
+from mlxhost.config import EngineConfig
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.models.loader import load_model
+from mlxhost.testing.families import build_family_folder
 
 BS = 16
 
@@ -91,7 +91,7 @@ def test_a_scored_prompt_beside_a_decoding_row_and_one_that_fails_alone(loaded, 
     assert [e.top for e in beside[1:]] == [e.top for e in alone[1:]] or all(
         [t for t, _ in a.top][:1] == [t for t, _ in b.top][:1] for a, b in zip(alone[1:], beside[1:]))
 
-    import mlxserve.engine.runner.model_runner as model_runner
+    import mlxhost.engine.runner.model_runner as model_runner
 
     def fails(*args):
         raise RuntimeError("out of memory reading the scores")

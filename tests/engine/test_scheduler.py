@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from mlxserve.config import EngineConfig
-from mlxserve.engine.request import Request, RequestStatus, SamplingParams
-from mlxserve.memory.capacity import KVCapacity
-from mlxserve.engine.scheduler import PrefillChunk, QueueFullError, Scheduler, split_prefill_budget
+from mlxhost.config import EngineConfig
+from mlxhost.engine.request import Request, RequestStatus, SamplingParams
+from mlxhost.memory.capacity import KVCapacity
+from mlxhost.engine.scheduler import PrefillChunk, QueueFullError, Scheduler, split_prefill_budget
 
 EOS = 0
 
@@ -32,7 +32,7 @@ def chunks(out) -> list[tuple[str, int, int, bool]]:
 
 
 def test_scheduler_imports_no_tensor_library():
-    code = "import sys, mlxserve.engine.scheduler; bad = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'numpy')]; assert not bad, bad"
+    code = "import sys, mlxhost.engine.scheduler; bad = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'numpy')]; assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

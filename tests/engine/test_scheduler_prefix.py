@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from mlxserve.kv.prefix_cache import PrefixCacheManager
-from mlxserve.config import EngineConfig
-from mlxserve.engine.request import Request, RequestStatus, SamplingParams
-from mlxserve.engine.scheduler import Scheduler
+from mlxhost.kv.prefix_cache import PrefixCacheManager
+from mlxhost.config import EngineConfig
+from mlxhost.engine.request import Request, RequestStatus, SamplingParams
+from mlxhost.engine.scheduler import Scheduler
 
 BS = 4
 TOKEN = 7  # every fake sampled token

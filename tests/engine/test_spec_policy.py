@@ -1,7 +1,7 @@
 """When speculation runs, without a model: the batch-size threshold and a row's draft length with its
 back-off after drafts that keep failing."""
 
-from mlxserve.engine.spec.policy import FIRST_PAUSE, MAX_PAUSE, PATIENCE, DraftLength, can_speculate
+from mlxhost.engine.spec.policy import FIRST_PAUSE, MAX_PAUSE, PATIENCE, DraftLength, can_speculate
 
 
 def test_only_small_batches_speculate():

@@ -12,11 +12,11 @@ import random
 import jsonschema
 import pytest
 
-from mlxserve.config import EngineConfig
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.models.loader import load_model
-from mlxserve.structured.grammar import json_schema_constraint
+from mlxhost.config import EngineConfig
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.models.loader import load_model
+from mlxhost.structured.grammar import json_schema_constraint
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def plain_outputs(loaded, concurrent_requests):
 @pytest.fixture(scope="module")
 def noisy_dir(qwen3_model_dir, tmp_path_factory):
     """The target with noise on its weights: a draft accepted part of the time (~30% here)."""
-    from mlxserve.testing.perturb import perturbed_copy
+    from mlxhost.testing.perturb import perturbed_copy
 
     return perturbed_copy(qwen3_model_dir, tmp_path_factory.mktemp("noisy"), noise=0.1)
 
@@ -272,10 +272,10 @@ def test_prefix_cache_hit_with_speculation(loaded, qwen3_model_dir):
 
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen3_next"])
 def test_unrewindable_families_serve_without_speculation(tmp_path_factory, family, caplog):
-    from mlxserve.testing.families import build_family_folder
+    from mlxhost.testing.families import build_family_folder
 
     loaded = load_model(str(build_family_folder(tmp_path_factory.mktemp(family), family)))
-    with caplog.at_level(logging.WARNING, logger="mlxserve.engine.spec.setup"):
+    with caplog.at_level(logging.WARNING, logger="mlxhost.engine.spec.setup"):
         core = make_core(loaded, speculative="ngram")
     assert core.spec is None and "speculative decoding is off" in caplog.text
     reqs = [greedy("a", echo_prompt(0), max_tokens=8)]
@@ -283,7 +283,7 @@ def test_unrewindable_families_serve_without_speculation(tmp_path_factory, famil
 
 
 def test_mla_family_speculates(tmp_path_factory):
-    from mlxserve.testing.families import build_family_folder
+    from mlxhost.testing.families import build_family_folder
 
     loaded = load_model(str(build_family_folder(tmp_path_factory.mktemp("dsv2"), "deepseek_v2")))
     reqs = [greedy(f"r{i}", echo_prompt(i), max_tokens=16) for i in range(4)]
@@ -306,7 +306,7 @@ def test_draft_model_memory_is_budgeted(loaded, qwen3_model_dir):
 
 
 def test_scheduler_takes_a_run_of_tokens_and_cuts_it_at_eos():
-    from mlxserve.engine.scheduler import Scheduler
+    from mlxhost.engine.scheduler import Scheduler
 
     s = Scheduler(EngineConfig(max_num_seqs=2, enable_prefix_cache=False), 4096, None, None)
     s.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=10), eos_token_ids=frozenset({9})))

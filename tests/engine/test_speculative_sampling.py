@@ -13,11 +13,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxserve.config import EngineConfig
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.engine.spec.verify import target_logprobs, verify_group
-from mlxserve.models.loader import load_model
+from mlxhost.config import EngineConfig
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.engine.spec.verify import target_logprobs, verify_group
+from mlxhost.models.loader import load_model
 
 _Z = 3.719  # one-sided normal quantile for p = 1e-4: a correct rule fails about once in 10,000 runs
 

@@ -10,10 +10,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_sampler
 
-from mlxserve.config import EngineConfig
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.models.loader import load_model
+from mlxhost.config import EngineConfig
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.models.loader import load_model
 
 
 class SoloKV(KVCache):

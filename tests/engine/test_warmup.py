@@ -9,14 +9,14 @@ import time
 
 import pytest
 
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.loop import AsyncEngine
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.engine.runner.batch import make_buckets
-from mlxserve.engine.warmup import BackgroundWarmup
-from mlxserve.models.loader import load_model
-from mlxserve.platform.quantized_rows import ALL_TILED_ROWS, fold_quantized_rows
-from mlxserve.config import EngineConfig
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.loop import AsyncEngine
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.engine.runner.batch import make_buckets
+from mlxhost.engine.warmup import BackgroundWarmup
+from mlxhost.models.loader import load_model
+from mlxhost.platform.quantized_rows import ALL_TILED_ROWS, fold_quantized_rows
+from mlxhost.config import EngineConfig
 
 PIECES = ["lone prompt", "decode batch sizes", "unequal prompts joining", "prefix hits", "prompts prefilled together"]
 CONFIG = EngineConfig(max_num_seqs=8, block_size=16, prefill_step_size=48)
@@ -192,7 +192,7 @@ def test_stopping_the_engine_stops_the_helper(loaded):
 
 def test_with_tile_compiles_the_real_helpers_run_beside_the_warmup_to_its_end(qwen3_4bit_model_dir, tmp_path,
                                                                                monkeypatch):
-    from mlxserve.engine.warmup import make_warmup
+    from mlxhost.engine.warmup import make_warmup
 
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
     loaded = load_model(str(qwen3_4bit_model_dir))
@@ -227,8 +227,8 @@ def test_a_piece_waits_for_the_piece_helper_and_all_run_once_the_helper_fails(lo
 def test_the_piece_helper_starts_only_where_a_second_copy_of_the_model_fits(loaded, monkeypatch):
     from types import SimpleNamespace
 
-    import mlxserve.engine.warmup as warmup
-    from mlxserve.engine.warmup_helper import KV_TOKENS, PREFIX_BYTES
+    import mlxhost.engine.warmup as warmup
+    from mlxhost.engine.warmup_helper import KV_TOKENS, PREFIX_BYTES
 
     gib = 2**30
     # 61 GiB of weights with 13 GiB left to other processes (a 32B bf16 model on one 140-GiB GPU): no helper.

@@ -37,7 +37,7 @@ def build_hf_folder(out, arch: str, seed: int):
     import transformers
     from tokenizers import Tokenizer
 
-    from mlxserve.testing.demo import build_tokenizer
+    from mlxhost.testing.demo import build_tokenizer
 
     build_tokenizer(out)
     vocab_size = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()
@@ -80,9 +80,9 @@ def hf_dir(request):
 
 @pytest.fixture(scope="session")
 def int4_package(hf_dir, tmp_path_factory):
-    """`mlxserve export coreml MODEL OUT --quantize int4 --block-size 32` of each fixture."""
+    """`mlxhost export coreml MODEL OUT --quantize int4 --block-size 32` of each fixture."""
     requires_coreml()
-    from mlxserve.server.cli import main
+    from mlxhost.server.cli import main
 
     out = tmp_path_factory.mktemp("coreml") / "model.mlpackage"
     assert main(["export", "coreml", str(hf_dir), str(out), "--context", str(CONTEXT),
@@ -121,11 +121,11 @@ def transformers_logits(folder, token_ids, prompt_len: int) -> np.ndarray:
 
 
 def mlx_logits(folder, token_ids, prompt_len: int) -> np.ndarray:
-    """The model as mlxserve serves it: mlxserve's loader (mlx-lm's model classes) and an mlx-lm prompt cache."""
+    """The model as mlxhost serves it: mlxhost's loader (mlx-lm's model classes) and an mlx-lm prompt cache."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxserve.models.loader import load_model
+    from mlxhost.models.loader import load_model
 
     model = load_model(str(folder)).model
     cache = make_prompt_cache(model)

@@ -1,4 +1,4 @@
-"""`mlxserve bench coreml`: its plan and package reading work anywhere; running needs macOS."""
+"""`mlxhost bench coreml`: its plan and package reading work anywhere; running needs macOS."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from mlxserve.bench.coreml import plan
-from mlxserve.server.cli import main
+from mlxhost.bench.coreml import plan
+from mlxhost.server.cli import main
 
 
 def test_plan_leaves_room_for_the_extend_steps():
@@ -26,7 +26,7 @@ def test_other_systems_get_a_clear_message_and_a_non_zero_exit(tmp_path, capsys)
 def test_package_limits_read_from_the_spec(int4_package):
     import coremltools as ct
 
-    from mlxserve.bench.coreml import package_limits
+    from mlxhost.bench.coreml import package_limits
     from tests.export.conftest import CONTEXT
 
     assert package_limits(ct.models.MLModel(str(int4_package), skip_model_load=True)) == (CONTEXT, np.float16)

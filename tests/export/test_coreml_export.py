@@ -1,4 +1,4 @@
-"""`mlxserve export coreml` on the tiny Llama and Qwen3: what the saved package's program holds, read back
+"""`mlxhost export coreml` on the tiny Llama and Qwen3: what the saved package's program holds, read back
 through coremltools' spec and MIL APIs (Linux cannot run a package; macOS runs it in test_macos.py)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from tests.export.conftest import CONTEXT, requires_coreml
 
 requires_coreml()
 
-from mlxserve.server.cli import main  # noqa: E402
-from mlxserve.export.package_info import BLOCKWISE_OP, dequantized_weights, summarize  # noqa: E402
+from mlxhost.server.cli import main  # noqa: E402
+from mlxhost.export.package_info import BLOCKWISE_OP, dequantized_weights, summarize  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_weights_are_int4_per_block(int4_package):
 
 
 def test_int4_weights_are_over_3x_smaller_than_float16(int4_package, hf_dir):
-    from mlxserve.export.wrapper import load_hf_model
+    from mlxhost.export.wrapper import load_hf_model
 
     float16_bytes = 2 * sum(p.numel() for p in load_hf_model(hf_dir).parameters())
     weight_file = int4_package / "Data" / "com.apple.CoreML" / "weights" / "weight.bin"

@@ -12,8 +12,8 @@ from tests.export.conftest import CONTEXT, PROMPT_LEN, requires_coreml
 
 requires_coreml()
 
-from mlxserve.export.package_info import dequantized_weights  # noqa: E402
-from mlxserve.export.wrapper import StatefulCausalLM, load_hf_model, stateful_logits  # noqa: E402
+from mlxhost.export.package_info import dequantized_weights  # noqa: E402
+from mlxhost.export.wrapper import StatefulCausalLM, load_hf_model, stateful_logits  # noqa: E402
 
 BLOCK = 32
 # Measured on the tiny fixtures (random weights, std 0.1; float logits of std ~0.8, max ~3.8) over prompt +

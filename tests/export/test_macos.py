@@ -15,8 +15,8 @@ if sys.platform != "darwin":
                 allow_module_level=True)
 requires_coreml()
 
-from mlxserve.server.cli import main  # noqa: E402
-from mlxserve.export.wrapper import StatefulCausalLM, load_hf_model, make_causal_mask, stateful_logits  # noqa: E402
+from mlxhost.server.cli import main  # noqa: E402
+from mlxhost.export.wrapper import StatefulCausalLM, load_hf_model, make_causal_mask, stateful_logits  # noqa: E402
 
 # Core ML states are float16, so even the float32-compute package rounds keys and values: PyTorch with its
 # weights in float16 moves these logits by ~5e-3 (measured), float16 compute throughout by about as much.
@@ -26,7 +26,7 @@ FLOAT32_ATOL, FLOAT16_ATOL = 2e-2, 5e-2
 def coreml_logits(package, token_ids, compute_units: str) -> np.ndarray:
     import coremltools as ct
 
-    from mlxserve.bench.coreml import package_limits
+    from mlxhost.bench.coreml import package_limits
 
     model = ct.models.MLModel(str(package), compute_units=getattr(ct.ComputeUnit, compute_units))
     _, mask_dtype = package_limits(model)

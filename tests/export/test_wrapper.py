@@ -1,5 +1,5 @@
 """The stateful PyTorch wrapper that gets converted: same logits as transformers (1e-4) and as the MLX
-model mlxserve serves (1e-3), over a prompt and 20 extend steps through the registered KV state."""
+model mlxhost serves (1e-3), over a prompt and 20 extend steps through the registered KV state."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from tests.export.conftest import (CONTEXT, EXTEND_STEPS, PROMPT_LEN, mlx_logits
 
 requires_coreml()
 
-from mlxserve.export import UnsupportedModelError  # noqa: E402
-from mlxserve.export.wrapper import (StatefulCausalLM, check_supported, load_hf_model,  # noqa: E402
+from mlxhost.export import UnsupportedModelError  # noqa: E402
+from mlxhost.export.wrapper import (StatefulCausalLM, check_supported, load_hf_model,  # noqa: E402
                                      make_causal_mask, stateful_logits)
 
 
@@ -48,7 +48,7 @@ def test_matches_transformers_over_prompt_and_extend(wrapped, family_dir, token_
     assert wrapped.key_cache[:, :, :, :used].abs().amin(dim=-1).max() > 0
 
 
-def test_matches_the_mlx_model_mlxserve_serves(wrapped, family_dir, token_ids):
+def test_matches_the_mlx_model_mlxhost_serves(wrapped, family_dir, token_ids):
     ours = stateful_logits(wrapped, token_ids, PROMPT_LEN)
     np.testing.assert_allclose(ours, mlx_logits(family_dir, token_ids, PROMPT_LEN), rtol=0, atol=1e-3)
 
@@ -57,7 +57,7 @@ class _Traced:
     """What stateful_logits needs of the TorchScript: call it, reset the state (the buffers are shared)."""
 
     def __init__(self, wrapper) -> None:
-        from mlxserve.export.coreml import trace_wrapper
+        from mlxhost.export.coreml import trace_wrapper
 
         self.wrapper, self.traced = wrapper, trace_wrapper(wrapper, example_tokens=4)
 

@@ -13,15 +13,15 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from mlxserve.agents.launch import agent_clis_prefix
+from mlxhost.agents.launch import agent_clis_prefix
 
 CLIENTS_FILE = pathlib.Path(__file__).with_name("clients.txt")
 # Answers are cut at this many tokens by the server when a client names no limit (Codex, aider, llm), and by
 # the agent's own setting where it has one: a random model's answer is noise, the test is about the protocol.
 MAX_OUTPUT_TOKENS = 32
-TURN_TIMEOUT_S = float(os.environ.get("MLXSERVE_EXTERNAL_TURN_TIMEOUT", "900"))
+TURN_TIMEOUT_S = float(os.environ.get("MLXHOST_EXTERNAL_TURN_TIMEOUT", "900"))
 RESULTS: list[str] = []  # one line per client, printed at the end of the run (conftest.py)
-_METRIC = re.compile(r"^(mlxserve_(?:prefix_cache_queried|prefix_cache_hit|completion)_tokens_total)\s+(\S+)$",
+_METRIC = re.compile(r"^(mlxhost_(?:prefix_cache_queried|prefix_cache_hit|completion)_tokens_total)\s+(\S+)$",
                      re.M)
 
 
@@ -60,7 +60,7 @@ OPENBLAS = pathlib.Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.
 
 @dataclass
 class DemoServer:
-    """`mlxserve serve` with no model (the demo model, its real context) as a process of its own."""
+    """`mlxhost serve` with no model (the demo model, its real context) as a process of its own."""
 
     url: str
     model: str
@@ -71,9 +71,9 @@ class DemoServer:
     def token_counters(self) -> tuple[float, float, float]:
         """(prompt tokens looked up in the prefix cache, tokens found there, tokens generated) so far."""
         found = dict(_METRIC.findall(httpx.get(self.url + "/metrics", timeout=30).text))
-        return (float(found["mlxserve_prefix_cache_queried_tokens_total"]),
-                float(found["mlxserve_prefix_cache_hit_tokens_total"]),
-                float(found["mlxserve_completion_tokens_total"]))
+        return (float(found["mlxhost_prefix_cache_queried_tokens_total"]),
+                float(found["mlxhost_prefix_cache_hit_tokens_total"]),
+                float(found["mlxhost_completion_tokens_total"]))
 
     def access_log(self) -> list[tuple[str, str, int]]:
         """(method, path, status) of every request answered so far."""
@@ -95,7 +95,7 @@ def start_demo_server(log_path: pathlib.Path, default_max_tokens: int = MAX_OUTP
     env = dict(os.environ)
     if OPENBLAS.exists() and "LD_PRELOAD" not in env:
         env["LD_PRELOAD"] = str(OPENBLAS)
-    cmd = [sys.executable, "-m", "mlxserve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "mlxhost.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--default-max-tokens", str(default_max_tokens), "--no-web-ui"]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)

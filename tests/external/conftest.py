@@ -20,7 +20,7 @@ def demo_server(tmp_path_factory):
 @pytest.fixture
 def long_answer_server(tmp_path):
     """For Codex 0.171, which sends no max_output_tokens and fails a turn whose answer was cut short
-    ("incomplete"): answers run to the model's end-of-text token, as on a server `mlxserve launch` starts (the
+    ("incomplete"): answers run to the model's end-of-text token, as on a server `mlxhost launch` starts (the
     random model's answers end after ~3k tokens on average)."""
     server = start_demo_server(tmp_path / "serve.log", default_max_tokens=32_000)
     yield server
@@ -38,7 +38,7 @@ def isolated_env(tmp_path):
     env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
            "XDG_DATA_HOME": str(home / ".local" / "share"), "XDG_CACHE_HOME": str(home / ".cache"),
            "XDG_STATE_HOME": str(home / ".local" / "state"), "NO_COLOR": "1"}
-    for name in ("MLXSERVE_API_KEY", "OPENAI_API_KEY", "OPENAI_BASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL"):
+    for name in ("MLXHOST_API_KEY", "OPENAI_API_KEY", "OPENAI_BASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL"):
         env.pop(name, None)
     return env, home, project
 

@@ -1,7 +1,7 @@
 """Each real agent CLI, headless, two turns against the served demo model: both turns exit 0, the server answers
 no request with a 4xx/5xx, and turn 2 finds at least 80% of its prompt (less turn 1's answer) in the prefix
 cache. The model has random weights: answers are noise, and the agents must still complete. Claude Code, Codex,
-opencode and Qwen Code get exactly what `mlxserve launch` gives them (mlxserve/agents/)."""
+opencode and Qwen Code get exactly what `mlxhost launch` gives them (mlxhost/agents/)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import pathlib
 import pytest
 from agent_lane import MAX_OUTPUT_TOKENS, RESULTS, DemoServer, Turn, find_cli, pinned_clients, run_turn
 
-from mlxserve.agents import AGENTS, Target
-from mlxserve.agents.base import default_max_output_tokens
+from mlxhost.agents import AGENTS, Target
+from mlxhost.agents.base import default_max_output_tokens
 
 pytestmark = pytest.mark.external
 
 FIRST = "Say hello in one short sentence."
 SECOND = "Now say goodbye in one short sentence."
-API_KEY = "mlxserve-external"
+API_KEY = "mlxhost-external"
 MIN_REUSE = 0.8
 
 
@@ -131,11 +131,11 @@ def test_llm(demo_server, isolated_env):
     user_path = home / "llm"
     user_path.mkdir()
     (user_path / "extra-openai-models.yaml").write_text(
-        f"- model_id: mlxserve\n  model_name: {json.dumps(demo_server.model)}\n"
-        f"  api_base: {json.dumps(demo_server.url + '/v1')}\n  api_key_name: mlxserve\n")
-    (user_path / "keys.json").write_text(json.dumps({"mlxserve": API_KEY}))
+        f"- model_id: mlxhost\n  model_name: {json.dumps(demo_server.model)}\n"
+        f"  api_base: {json.dumps(demo_server.url + '/v1')}\n  api_key_name: mlxhost\n")
+    (user_path / "keys.json").write_text(json.dumps({"mlxhost": API_KEY}))
     env = {**base, "LLM_USER_PATH": str(user_path)}
     limit = ["-o", "max_tokens", str(MAX_OUTPUT_TOKENS)]
     # llm sends no system prompt of its own: without one, the turns are shorter than a prefix block.
-    _two_turns(demo_server, "llm", [llm, "-m", "mlxserve", "-s", conventions(60), *limit, FIRST],
+    _two_turns(demo_server, "llm", [llm, "-m", "mlxhost", "-s", conventions(60), *limit, FIRST],
                [llm, "-c", *limit, SECOND], env, project)

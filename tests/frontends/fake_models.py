@@ -9,9 +9,9 @@ import json
 
 from fastapi.testclient import TestClient
 
-from mlxserve.engine.request import RequestOutput
-from mlxserve.frontends.app import create_app
-from mlxserve.frontends.common.serving import ServedModel
+from mlxhost.engine.request import RequestOutput
+from mlxhost.frontends.app import create_app
+from mlxhost.frontends.common.serving import ServedModel
 
 NAME = "tiny"
 REPLY = "hello"

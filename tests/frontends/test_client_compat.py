@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from fake_models import JSON_REPLY, NAME, REPLY, fake_client
-from mlxserve.frontends.common.schemas import system_merged
-from mlxserve.frontends.common.schemas import ChatCompletionRequest
-from mlxserve.frontends.common.serving import ServedModel, make_request
+from mlxhost.frontends.common.schemas import system_merged
+from mlxhost.frontends.common.schemas import ChatCompletionRequest
+from mlxhost.frontends.common.serving import ServedModel, make_request
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CLAUDE_CODE = ["claude_code_first_turn", "claude_code_title", "claude_code_continue", "claude_code_tool_search"]
@@ -131,7 +131,7 @@ def test_codex_requests_are_served(app, name, stream):
     assert r.status_code == 200, r.text
     response = [e for e in sse_events(r) if e["type"] == "response.completed"][0]["response"] if stream else r.json()
     assert response["status"] == "completed" and response["output"][-1]["content"][0]["text"] == REPLY
-    assert response["metadata"] == {"mlxserve_skipped_tools": "web_search"}
+    assert response["metadata"] == {"mlxhost_skipped_tools": "web_search"}
     render = models.last_render
     names = [t["function"]["name"] for t in render["tools"]]
     # The namespace's functions are among the model's tools; the hosted web_search is not.
@@ -260,7 +260,7 @@ def test_responses_hosted_and_custom_tools_are_skipped(app):
     r = client.post("/v1/responses", json={"model": NAME, "input": "hi", "tools": tools})
     assert r.status_code == 200, r.text
     assert [t["function"]["name"] for t in models.last_render["tools"]] == ["f"]
-    skipped = r.json()["metadata"]["mlxserve_skipped_tools"]
+    skipped = r.json()["metadata"]["mlxhost_skipped_tools"]
     assert all(kind in skipped for kind in ("web_search_preview", "file_search", "mcp", "custom apply_patch"))
     assert [t["type"] for t in r.json()["tools"]] == [t["type"] for t in tools]  # echoed as sent
 

@@ -9,8 +9,8 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from mlxserve.engine.request import RequestOutput, TokenLogprob
-from mlxserve.frontends.app import create_app
+from mlxhost.engine.request import RequestOutput, TokenLogprob
+from mlxhost.frontends.app import create_app
 from tests.frontends.fake_models import NAME, REPLY, FakeModels, InstantEngine
 
 

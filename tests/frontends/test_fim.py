@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 from fastapi.testclient import TestClient
 
-from mlxserve.frontends.app import create_app
-from mlxserve.frontends.common.fim import FORMATS, fim_for
+from mlxhost.frontends.app import create_app
+from mlxhost.frontends.common.fim import FORMATS, fim_for
 from tests.frontends.fake_models import NAME, FakeModels
 
 

@@ -8,10 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import mlxserve.frontends
+import mlxhost.frontends
 
-ROOT = Path(mlxserve.frontends.__file__).parent
-PACKAGE = "mlxserve.frontends"
+ROOT = Path(mlxhost.frontends.__file__).parent
+PACKAGE = "mlxhost.frontends"
 # The MLX packages: the core and the model libraries built on it.
 MLX_PACKAGES = ("mlx", "mlx_lm", "mlx_vlm", "mlx_audio", "mlx_embeddings")
 MODULES = sorted(ROOT.rglob("*.py"))
@@ -35,7 +35,7 @@ def imported_names(tree: ast.AST, module: str, is_package: bool) -> list[str]:
                 base = base[:len(base) - (node.level - 1)]
                 target = ".".join(base + ([node.module] if node.module else []))
             names.append(target)
-            # `from mlxserve.frontends import anthropic` names a package too.
+            # `from mlxhost.frontends import anthropic` names a package too.
             names += [f"{target}.{alias.name}" for alias in node.names]
     return names
 
@@ -77,18 +77,18 @@ def test_the_check_catches_what_it_forbids():
     def check(module: str, source: str, is_package: bool = False) -> int:
         return len(violations(f"{PACKAGE}.{module}", source, is_package))
 
-    assert check("anthropic.render", "from mlxserve.frontends.openai.render import CompletionBuilder\n") == 2
+    assert check("anthropic.render", "from mlxhost.frontends.openai.render import CompletionBuilder\n") == 2
     assert check("anthropic.render", "from ..openai import render\n") == 2
     assert check("rerank", "from .. import ollama\n", is_package=True) == 1
     assert check("rerank", "from . import methods\n", is_package=True) == 0
-    assert check("ollama.routes", "from mlxserve.frontends import rerank\n") == 1
+    assert check("ollama.routes", "from mlxhost.frontends import rerank\n") == 1
     assert check("common.sse", "def f():\n    import mlx.core as mx\n") == 1
-    assert check("common.gateway", "from mlxserve.frontends.openai import routes\n") == 2
+    assert check("common.gateway", "from mlxhost.frontends.openai import routes\n") == 2
     assert check("app", "from mlx_lm import load\n") == 2  # the module and the name it takes
     # Allowed: a dialect's own modules, common/, other packages; app.py wires every dialect.
-    assert check("openai.routes", "from mlxserve.frontends.common.sse import sse\nfrom . import render\n"
-                 "from mlxserve.engine.request import RequestOutput\n") == 0
-    assert check("app", "from mlxserve.frontends.anthropic.routes import add_anthropic_routes\n") == 0
+    assert check("openai.routes", "from mlxhost.frontends.common.sse import sse\nfrom . import render\n"
+                 "from mlxhost.engine.request import RequestOutput\n") == 0
+    assert check("app", "from mlxhost.frontends.anthropic.routes import add_anthropic_routes\n") == 0
 
 
 _BLOCK_MLX = """
@@ -101,7 +101,7 @@ class NoMLX(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, NoMLX())
-import mlxserve.frontends as f
+import mlxhost.frontends as f
 names = [m.name for m in pkgutil.walk_packages(f.__path__, f.__name__ + ".")]
 for name in names:
     importlib.import_module(name)

@@ -12,14 +12,14 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from mlxserve.frontends.app import create_app
-from mlxserve.frontends.common.errors import APIError, install_error_handlers
-from mlxserve.frontends.common.gateway import Gateway
-from mlxserve.frontends.common.metrics import Metrics
-from mlxserve.frontends.ollama.protocol import ChatRequest, keep_alive_seconds
-from mlxserve.frontends.ollama.pulling import default_pull, hub_id, pull_lines
-from mlxserve.frontends.ollama.routes import add_ollama_routes
-from mlxserve.frontends.ollama.translate import chat_fields
+from mlxhost.frontends.app import create_app
+from mlxhost.frontends.common.errors import APIError, install_error_handlers
+from mlxhost.frontends.common.gateway import Gateway
+from mlxhost.frontends.common.metrics import Metrics
+from mlxhost.frontends.ollama.protocol import ChatRequest, keep_alive_seconds
+from mlxhost.frontends.ollama.pulling import default_pull, hub_id, pull_lines
+from mlxhost.frontends.ollama.routes import add_ollama_routes
+from mlxhost.frontends.ollama.translate import chat_fields
 from tests.frontends.fake_models import NAME, FakeModels
 
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
@@ -210,7 +210,7 @@ def test_pull_streams_status_lines_from_the_projects_pull():
 
 
 def test_pull_failure_is_an_ollama_error():
-    from mlxserve.models.pull import HubError
+    from mlxhost.models.pull import HubError
 
     def fail(repo):
         raise HubError(f"{repo}: not found on the Hugging Face hub")
@@ -230,7 +230,7 @@ def test_real_pull_without_the_hub_says_why(monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
 
     async def run():
-        return [obj async for obj in pull_lines("mlxserve-tests/no-such-model", default_pull)]
+        return [obj async for obj in pull_lines("mlxhost-tests/no-such-model", default_pull)]
 
     lines = asyncio.run(run())
     assert lines[0] == {"status": "pulling manifest"} and "HF_HUB_OFFLINE" in lines[-1]["error"]
@@ -240,7 +240,7 @@ def test_real_pull_without_the_hub_says_why(monkeypatch):
 
 
 def test_manager_keep_alive_sets_the_idle_ttl_of_the_current_load():
-    from mlxserve.server.manager import ModelState
+    from mlxhost.server.manager import ModelState
     from tests.server.test_manager import Clock, make_manager, spec, use
 
     async def run():

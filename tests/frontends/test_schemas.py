@@ -7,12 +7,12 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from mlxserve.engine.request import RequestOutput, TokenLogprob
-from mlxserve.frontends.common.errors import APIError, error_body
-from mlxserve.frontends.common.schemas import MAX_STOP_STRINGS, ChatCompletionRequest, ChatMessage, CompletionRequest
-from mlxserve.frontends.common.serving import ServedModel, make_request
-from mlxserve.frontends.common.sse import SSE_DONE, sse
-from mlxserve.frontends.openai.render import CompletionBuilder, completion_usage
+from mlxhost.engine.request import RequestOutput, TokenLogprob
+from mlxhost.frontends.common.errors import APIError, error_body
+from mlxhost.frontends.common.schemas import MAX_STOP_STRINGS, ChatCompletionRequest, ChatMessage, CompletionRequest
+from mlxhost.frontends.common.serving import ServedModel, make_request
+from mlxhost.frontends.common.sse import SSE_DONE, sse
+from mlxhost.frontends.openai.render import CompletionBuilder, completion_usage
 
 VOCAB = 256
 
@@ -263,7 +263,7 @@ def test_stream_chunks():
 
 @pytest.mark.parametrize("chat", [True, False])
 def test_text_chunks_from_the_template_equal_the_whole_object(chat):
-    from mlxserve.frontends.common.chat_output import OutputSpec
+    from mlxhost.frontends.common.chat_output import OutputSpec
 
     spec = OutputSpec(reasoning_tags=("<think>", "</think>"), starts_in_reasoning=True) if chat else None
     builder = CompletionBuilder("id", "tiny", chat, ByteTokenizer(), output=spec)

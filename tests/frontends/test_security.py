@@ -12,12 +12,12 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from mlxserve.frontends.anthropic.errors import install_anthropic_errors
-from mlxserve.frontends.common.errors import APIError, ErrorShape, error_shapes, install_error_handlers, register_error_shape
-from mlxserve.frontends.common.security import BodyLimitMiddleware, install_security
-from mlxserve.server.cli import make_parser
-from mlxserve.config import SecurityConfig
-from mlxserve.server.serve_command import _security_config
+from mlxhost.frontends.anthropic.errors import install_anthropic_errors
+from mlxhost.frontends.common.errors import APIError, ErrorShape, error_shapes, install_error_handlers, register_error_shape
+from mlxhost.frontends.common.security import BodyLimitMiddleware, install_security
+from mlxhost.server.cli import make_parser
+from mlxhost.config import SecurityConfig
+from mlxhost.server.serve_command import _security_config
 
 KEYS = ("sk-first", "sk-second")
 
@@ -219,7 +219,7 @@ def test_installed_limit_through_test_client():
 @pytest.mark.parametrize("host,warns", [("0.0.0.0", True), ("::", True), ("my-box.local", True),
                                         ("127.0.0.1", False), ("::1", False), ("localhost", False)])
 def test_warning_for_a_public_host_without_key(caplog, host, warns):
-    with caplog.at_level(logging.WARNING, logger="mlxserve.frontends.common.security"):
+    with caplog.at_level(logging.WARNING, logger="mlxhost.frontends.common.security"):
         make_app(SecurityConfig(), host=host)
         make_app(SecurityConfig(api_keys=KEYS), host=host)  # a key: never a warning
     assert len([r for r in caplog.records if "without an API key" in r.message]) == (1 if warns else 0)
@@ -240,7 +240,7 @@ def parse(*flags):
 
 
 def test_flags(monkeypatch):
-    monkeypatch.delenv("MLXSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("MLXHOST_API_KEY", raising=False)
     cfg = _security_config(parse("--api-key", "a", "--api-key", "b", "--metrics-public", "--allowed-origins",
                                  "http://x:1, http://y:2", "--max-request-body-bytes", "10MB",
                                  "--max-tokens-cap", "256"))
@@ -251,7 +251,7 @@ def test_flags(monkeypatch):
 
 
 def test_env_keys_and_flags_win(monkeypatch):
-    monkeypatch.setenv("MLXSERVE_API_KEY", "k1, k2,")
+    monkeypatch.setenv("MLXHOST_API_KEY", "k1, k2,")
     assert _security_config(parse()).api_keys == ("k1", "k2")
     assert _security_config(parse("--api-key", "k3")).api_keys == ("k3",)
 

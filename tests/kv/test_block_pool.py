@@ -1,7 +1,7 @@
 import pytest
 
-from mlxserve.kv.block_pool import Block, BlockPool, FreeBlockQueue, NoFreeBlocksError
-from mlxserve.kv.hashing import hash_block
+from mlxhost.kv.block_pool import Block, BlockPool, FreeBlockQueue, NoFreeBlocksError
+from mlxhost.kv.hashing import hash_block
 
 BS = 4
 

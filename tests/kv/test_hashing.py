@@ -1,6 +1,6 @@
 import pytest
 
-from mlxserve.kv.hashing import (
+from mlxhost.kv.hashing import (
     HASH_SIZE,
     block_extra_keys,
     block_hashes,

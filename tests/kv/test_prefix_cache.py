@@ -6,9 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import mlxserve.kv
-from mlxserve.kv.hashing import block_hashes
-from mlxserve.kv.prefix_cache import PrefixCacheManager, StoreOp
+import mlxhost.kv
+from mlxhost.kv.hashing import block_hashes
+from mlxhost.kv.prefix_cache import PrefixCacheManager, StoreOp
 
 BS = 4
 
@@ -33,14 +33,14 @@ def store(mgr: PrefixCacheManager, tokens: list[int]) -> list[StoreOp]:
 
 # The logical half (every module directly in kv/) and the SSD tier's file handling: plain Python.
 NO_TENSOR_MODULES = [
-    *(f"mlxserve.kv.{p.stem}" for p in sorted(Path(mlxserve.kv.__file__).parent.glob("*.py"))),
-    "mlxserve.kv.store.snapshots", "mlxserve.kv.store.ssd_format", "mlxserve.kv.store.ssd_tier",
+    *(f"mlxhost.kv.{p.stem}" for p in sorted(Path(mlxhost.kv.__file__).parent.glob("*.py"))),
+    "mlxhost.kv.store.snapshots", "mlxhost.kv.store.ssd_format", "mlxhost.kv.store.ssd_tier",
 ]
 
 
 def test_kv_logical_modules_import_no_tensor_library():
-    assert {"mlxserve.kv.block_pool", "mlxserve.kv.prefix_cache", "mlxserve.kv.hashing",
-            "mlxserve.kv.inflight"} <= set(NO_TENSOR_MODULES)
+    assert {"mlxhost.kv.block_pool", "mlxhost.kv.prefix_cache", "mlxhost.kv.hashing",
+            "mlxhost.kv.inflight"} <= set(NO_TENSOR_MODULES)
     for module in NO_TENSOR_MODULES:  # one interpreter each: an import of one must not hide another's
         code = (f"import sys, {module}; "
                 "bad = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'numpy')]; assert not bad, bad")

@@ -1,5 +1,5 @@
 """Adapters trained in the test run with mlx-lm's LoRA code on the tiny qwen3 fixture, and mlx-lm's own greedy
-output with each loaded (`mlx_lm.load(path, adapter_path=...)`): the references mlxserve must match."""
+output with each loaded (`mlx_lm.load(path, adapter_path=...)`): the references mlxhost must match."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-from mlxserve.testing.lora_fixtures import to_peft, train_adapter
+from mlxhost.testing.lora_fixtures import to_peft, train_adapter
 
 MAX_NEW = 10
 

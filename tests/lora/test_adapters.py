@@ -8,12 +8,12 @@ import struct
 
 import pytest
 
-from mlxserve.kv.hashing import block_hashes
-from mlxserve.config import EngineConfig, LoraSpec, ModelSpec
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.lora.adapters import AdapterError, read_adapter
-from mlxserve.lora.registry import with_flag_loras
-from mlxserve.models.specs import load_models_file, parse_lora_flag
+from mlxhost.kv.hashing import block_hashes
+from mlxhost.config import EngineConfig, LoraSpec, ModelSpec
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.lora.adapters import AdapterError, read_adapter
+from mlxhost.lora.registry import with_flag_loras
+from mlxhost.models.specs import load_models_file, parse_lora_flag
 
 
 def write_safetensors(path, tensors: dict[str, tuple[list[int], str]]) -> None:

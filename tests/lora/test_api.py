@@ -11,10 +11,10 @@ import httpx
 import openai
 import pytest
 
-from mlxserve.config import LoraSpec, ServerConfig
-from mlxserve.lora.adapters import AdapterError
-from mlxserve.models.loader import load_model
-from mlxserve.server.app import build_app
+from mlxhost.config import LoraSpec, ServerConfig
+from mlxhost.lora.adapters import AdapterError
+from mlxhost.models.loader import load_model
+from mlxhost.server.app import build_app
 from tests.e2e.conftest import start_app
 
 pytestmark = pytest.mark.e2e  # a live server: the e2e lane

@@ -10,13 +10,13 @@ import random
 import mlx.nn as nn
 import pytest
 
-from mlxserve.config import EngineConfig
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.lora.adapters import AdapterError, adapter_id, read_adapter
-from mlxserve.lora.fused import fused_ops
-from mlxserve.lora.manager import AdapterSet
-from mlxserve.models.loader import load_model
+from mlxhost.config import EngineConfig
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.lora.adapters import AdapterError, adapter_id, read_adapter
+from mlxhost.lora.fused import fused_ops
+from mlxhost.lora.manager import AdapterSet
+from mlxhost.models.loader import load_model
 
 MAX_NEW = 10  # as conftest.py's references
 
@@ -102,7 +102,7 @@ def test_one_adapter_alone_matches_mlx_lm(core, reference):
 def test_a_batch_mixing_three_adapters_and_the_base(make_core, adapters, reference, prefill_rows, layout,
                                                     monkeypatch):
     # The dense layout (CPU, Metal), the gathered one, and MLX-CUDA's fused one with its kernel's op twin.
-    monkeypatch.setenv("MLXSERVE_LORA_LAYOUT", layout)
+    monkeypatch.setenv("MLXHOST_LORA_LAYOUT", layout)
     core, ids = make_core(adapters, max_num_prefill_rows=prefill_rows, enable_prefix_cache=False,
                           fused=fused_ops if layout == "fused" else None)
     assert core.runner.lora.layout == layout
@@ -190,7 +190,7 @@ def test_unloading_every_adapter_gives_the_model_back(loaded, make_core, adapter
 
 
 def test_an_adapter_for_another_model_is_refused_at_load(make_core, tmp_path, llama_model_dir):
-    from mlxserve.testing.lora_fixtures import random_adapter
+    from mlxhost.testing.lora_fixtures import random_adapter
 
     files = read_adapter(random_adapter(llama_model_dir, tmp_path / "other", rank=4, keys=("mlp.down_proj",)))
     core, _ = make_core({})
@@ -206,7 +206,7 @@ def test_an_adapter_for_another_model_is_refused_at_load(make_core, tmp_path, ll
 
 @pytest.mark.parametrize("layout", ["dense", "fused"])  # fused: the verify forward's 5 positions a row
 def test_ngram_speculation_under_adapters_keeps_the_tokens(make_core, adapters, reference, layout, monkeypatch):
-    monkeypatch.setenv("MLXSERVE_LORA_LAYOUT", layout)
+    monkeypatch.setenv("MLXHOST_LORA_LAYOUT", layout)
     core, ids = make_core(adapters, speculative="ngram", num_draft_tokens=4,
                           fused=fused_ops if layout == "fused" else None)
     assert core.runner.lora.layout == layout
@@ -224,7 +224,7 @@ def test_ngram_speculation_under_adapters_keeps_the_tokens(make_core, adapters, 
 def test_structured_output_under_an_adapter(make_core, adapters, loaded):
     import json
 
-    from mlxserve.structured.grammar import json_schema_constraint
+    from mlxhost.structured.grammar import json_schema_constraint
 
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
@@ -245,8 +245,8 @@ def test_structured_output_under_an_adapter(make_core, adapters, loaded):
 def test_an_adapter_in_use_is_not_unloaded_and_its_memory_returns(make_core, adapters):
     import mlx.core as mx
 
-    from mlxserve.lora.adapters import AdapterBusy
-    from mlxserve.lora.manager import load_adapter, unload_adapter
+    from mlxhost.lora.adapters import AdapterBusy
+    from mlxhost.lora.manager import load_adapter, unload_adapter
 
     core, _ = make_core({})
     files = read_adapter(adapters["alpha"])
@@ -277,7 +277,7 @@ def test_an_adapter_on_a_4bit_base_matches_mlx_lm(qwen3_4bit_model_dir, tmp_path
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    from mlxserve.testing.lora_fixtures import train_adapter
+    from mlxhost.testing.lora_fixtures import train_adapter
 
     path = str(train_adapter(qwen3_4bit_model_dir, tmp_path / "q", seed=5, rank=4, scale=10.0))
     model, _ = mlx_lm.load(str(qwen3_4bit_model_dir), adapter_path=path)

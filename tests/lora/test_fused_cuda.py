@@ -8,9 +8,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from mlxserve.lora.fused import CudaFused, fused_ops
-from mlxserve.lora.layers import MultiLoRALinear, RowAdapters
-from mlxserve.platform.backend import is_cuda
+from mlxhost.lora.fused import CudaFused, fused_ops
+from mlxhost.lora.layers import MultiLoRALinear, RowAdapters
+from mlxhost.platform.backend import is_cuda
 
 pytestmark = pytest.mark.skipif(not is_cuda(), reason="the fused kernel runs on MLX-CUDA only")
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxserve.lora import manager
-from mlxserve.lora.adapters import adapter_id, read_adapter
-from mlxserve.lora.fused import CudaFused, fused_ops, kernel_source
-from mlxserve.lora.layers import MAX_FUSED_PER_ROW
-from mlxserve.lora.manager import AdapterSet
-from mlxserve.models.loader import load_model
+from mlxhost.lora import manager
+from mlxhost.lora.adapters import adapter_id, read_adapter
+from mlxhost.lora.fused import CudaFused, fused_ops, kernel_source
+from mlxhost.lora.layers import MAX_FUSED_PER_ROW
+from mlxhost.lora.manager import AdapterSet
+from mlxhost.models.loader import load_model
 
 
 class Counting:
@@ -54,20 +54,20 @@ def adapter_set(loaded, adapters):
 
 
 def test_layout_follows_the_backend_and_the_variable(monkeypatch):
-    monkeypatch.delenv("MLXSERVE_LORA_LAYOUT", raising=False)
-    monkeypatch.setattr("mlxserve.platform.backend.is_cuda", lambda: False)
+    monkeypatch.delenv("MLXHOST_LORA_LAYOUT", raising=False)
+    monkeypatch.setattr("mlxhost.platform.backend.is_cuda", lambda: False)
     assert manager._layout(None, None) == ("dense", None)
     # No CUDA: the fused layout has no kernel and falls back to the gathered ops, never calling CUDA.
     assert manager._layout("fused", None) == ("gather", None)
-    monkeypatch.setenv("MLXSERVE_LORA_LAYOUT", "gather")
+    monkeypatch.setenv("MLXHOST_LORA_LAYOUT", "gather")
     assert manager._layout(None, None) == ("gather", None)
     kernel = Counting()
     assert manager._layout("fused", kernel) == ("fused", kernel)
-    monkeypatch.setattr("mlxserve.platform.backend.is_cuda", lambda: True)
-    monkeypatch.delenv("MLXSERVE_LORA_LAYOUT")
+    monkeypatch.setattr("mlxhost.platform.backend.is_cuda", lambda: True)
+    monkeypatch.delenv("MLXHOST_LORA_LAYOUT")
     layout, fused = manager._layout(None, None)
     assert layout == "fused" and isinstance(fused, CudaFused)
-    monkeypatch.setenv("MLXSERVE_LORA_LAYOUT", "dense")
+    monkeypatch.setenv("MLXHOST_LORA_LAYOUT", "dense")
     assert manager._layout(None, None) == ("dense", None)
 
 
@@ -89,13 +89,13 @@ def _forward(model, lora, ids_per_row, tokens):
 def test_fused_rows_match_the_gathered_layout(loaded, adapter_set, positions, per_row, limit, monkeypatch):
     """Rows of three adapters and the base in one forward: the fused layout's logits are the gathered
     layout's, one launch per input group for up to MAX_FUSED_PER_ROW positions a row (every length by
-    default; `per_row` 8, as MLXSERVE_LORA_FUSED_POSITIONS=8 sets it, sends a 12-position input to the
+    default; `per_row` 8, as MLXHOST_LORA_FUSED_POSITIONS=8 sets it, sends a 12-position input to the
     gathered ops), none for one of more positions than a launch takes (`limit` lowers that: 8 rows x 12
     positions is over 50)."""
     if per_row is not None:
-        monkeypatch.setattr("mlxserve.lora.layers.MAX_FUSED_PER_ROW", per_row)
+        monkeypatch.setattr("mlxhost.lora.layers.MAX_FUSED_PER_ROW", per_row)
     if limit is not None:
-        monkeypatch.setattr("mlxserve.lora.layers.MAX_POSITIONS", limit)
+        monkeypatch.setattr("mlxhost.lora.layers.MAX_POSITIONS", limit)
     model = loaded.model
     tokens = mx.array([[(7 * r + 3 * i) % 500 + 3 for i in range(positions)] for r in range(8)])
     gathered, ids = adapter_set("gather")
@@ -169,10 +169,10 @@ def test_the_kernel_runs_only_on_the_batch_rows(loaded, adapter_set):
 
 
 def test_the_fused_positions_setting_is_a_whole_number_of_at_least_one():
-    from mlxserve.lora.layers import _fused_positions
+    from mlxhost.lora.layers import _fused_positions
 
-    assert _fused_positions({"MLXSERVE_LORA_FUSED_POSITIONS": "8"}) == 8
+    assert _fused_positions({"MLXHOST_LORA_FUSED_POSITIONS": "8"}) == 8
     assert _fused_positions({}) > 8  # prefill too by default
     for bad in ("0", "-3", "abc", ""):
-        with pytest.raises(ValueError, match="MLXSERVE_LORA_FUSED_POSITIONS"):
-            _fused_positions({"MLXSERVE_LORA_FUSED_POSITIONS": bad})
+        with pytest.raises(ValueError, match="MLXHOST_LORA_FUSED_POSITIONS"):
+            _fused_positions({"MLXHOST_LORA_FUSED_POSITIONS": bad})

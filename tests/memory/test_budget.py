@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from mlxserve.memory.budget import (
+from mlxhost.memory.budget import (
     BudgetConfig,
     MemoryBudget,
     MemoryBudgetError,
@@ -16,7 +16,7 @@ from mlxserve.memory.budget import (
     kv_tokens,
     shrink_for_pressure,
 )
-from mlxserve.memory.device import MemoryReadings
+from mlxhost.memory.device import MemoryReadings
 
 GIB = 1 << 30
 DESKTOP = BudgetConfig()

@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-from mlxserve.memory import device
-from mlxserve.memory.device import parse_meminfo, parse_status_rss, parse_vm_stat, read_memory
+from mlxhost.memory import device
+from mlxhost.memory.device import parse_meminfo, parse_status_rss, parse_vm_stat, read_memory
 
 MEMINFO = """\
 MemTotal:       24684096 kB

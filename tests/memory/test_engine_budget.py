@@ -8,13 +8,13 @@ from dataclasses import replace
 
 import pytest
 
-from mlxserve.server.cli import make_parser
-from mlxserve.server.serve_command import _engine_config
-from mlxserve.config import EngineConfig
-from mlxserve.engine.core import EngineCore
-from mlxserve.memory.budget import compute_ceiling
-from mlxserve.memory.device import read_memory
-from mlxserve.models.loader import load_model
+from mlxhost.server.cli import make_parser
+from mlxhost.server.serve_command import _engine_config
+from mlxhost.config import EngineConfig
+from mlxhost.engine.core import EngineCore
+from mlxhost.memory.budget import compute_ceiling
+from mlxhost.memory.device import read_memory
+from mlxhost.models.loader import load_model
 
 BS = 16
 

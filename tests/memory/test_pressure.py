@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from mlxserve.kv.prefix_cache import PrefixCacheManager
-from mlxserve.config import EngineConfig
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.engine.scheduler import Scheduler
-from mlxserve.memory.capacity import KVCapacity
-from mlxserve.memory.budget import BudgetConfig, compute_budget
-from mlxserve.memory.device import MemoryReadings
-from mlxserve.memory.pressure import MemoryGovernor, limits_for
+from mlxhost.kv.prefix_cache import PrefixCacheManager
+from mlxhost.config import EngineConfig
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.engine.scheduler import Scheduler
+from mlxhost.memory.capacity import KVCapacity
+from mlxhost.memory.budget import BudgetConfig, compute_budget
+from mlxhost.memory.device import MemoryReadings
+from mlxhost.memory.pressure import MemoryGovernor, limits_for
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -62,7 +62,7 @@ def cached(prefix: PrefixCacheManager, tokens) -> bool:
 
 
 def prefix_hashes(prefix, tokens):
-    from mlxserve.kv.hashing import block_hashes
+    from mlxhost.kv.hashing import block_hashes
 
     return block_hashes(list(tokens), BS, model_key=prefix.model_key)
 
@@ -179,7 +179,7 @@ def test_dedicated_mode_does_not_follow_free_memory():
 def test_the_vision_cache_gives_back_what_the_budget_takes():
     import mlx.core as mx
 
-    from mlxserve.multimodal.vision_cache import VisionCache, VisionCacheEntry
+    from mlxhost.multimodal.vision_cache import VisionCache, VisionCacheEntry
 
     cfg = BudgetConfig(vision_cache_bytes=256 * MIB)
     budget = compute_budget(START, 1 * GIB, 1 * GIB, cfg)
@@ -195,7 +195,7 @@ def test_the_vision_cache_gives_back_what_the_budget_takes():
 
 
 def test_snapshots_keep_their_share_of_the_prefix_memory_as_it_shrinks():
-    from mlxserve.kv.store.snapshots import SnapshotStore
+    from mlxhost.kv.store.snapshots import SnapshotStore
 
     budget, prefix, sched, gov, _ = make()
     snapshots = SnapshotStore(budget.prefix_cache // 4)  # the start-up share (kv/store/setup.py)
@@ -218,7 +218,7 @@ def test_snapshots_keep_their_share_of_the_prefix_memory_as_it_shrinks():
 
 def test_on_cuda_desktop_mode_keeps_the_start_up_budget(monkeypatch):
     """Free device memory on MLX-CUDA includes CUDA's pool of MLX's freed buffers: not followed there."""
-    import mlxserve.engine.core as core_module
+    import mlxhost.engine.core as core_module
 
     config = EngineConfig(memory_refresh_s=2.0)
     monkeypatch.setattr(core_module, "is_cuda", lambda: True)

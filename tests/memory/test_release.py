@@ -6,7 +6,7 @@ import weakref
 
 import pytest
 
-from mlxserve.memory.release import freeze_heap, give_back_memory
+from mlxhost.memory.release import freeze_heap, give_back_memory
 
 
 class Node:

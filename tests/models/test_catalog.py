@@ -1,12 +1,12 @@
-"""`mlxserve list` and `--model-dir` on fixture folders: sizes, quantization bits, family, servable."""
+"""`mlxhost list` and `--model-dir` on fixture folders: sizes, quantization bits, family, servable."""
 
 import json
 import shutil
 
 import pytest
 
-from mlxserve.models import catalog
-from mlxserve.server import cli, serve_command
+from mlxhost.models import catalog
+from mlxhost.server import cli, serve_command
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +37,9 @@ def test_can_serve_knows_remapped_types_and_vlms():
 
 
 def test_vlm_without_the_vision_extra_names_it(monkeypatch):
-    monkeypatch.setattr("mlxserve.models.extras.has_vision", lambda: False)
+    monkeypatch.setattr("mlxhost.models.extras.has_vision", lambda: False)
     ok, why = catalog.can_serve({"model_type": "qwen2_5_vl", "vision_config": {}})
-    assert not ok and 'pip install "mlxserve[vision]"' in why
+    assert not ok and 'pip install "mlxhost[vision]"' in why
 
 
 def test_hf_cache_layout_is_read(tmp_path, qwen3_4bit_model_dir):

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlxserve.models.gguf import GGUFConvertConfig, GGUFError, convert_gguf, find_gguf, gguf_folder, prepare_gguf
-from mlxserve.models.gguf.reader import read_header
+from mlxhost.models.gguf import GGUFConvertConfig, GGUFError, convert_gguf, find_gguf, gguf_folder, prepare_gguf
+from mlxhost.models.gguf.reader import read_header
 
 from tests.models.gguf_files import SPECIALS, byte_tokens, roundtrip, write_gguf
 
@@ -176,8 +176,8 @@ def test_prepare_converts_once_and_reconverts_a_changed_file(tmp_path):
 
 
 def test_gguf_folder_leaves_other_sources_alone(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLXSERVE_GGUF_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("MLXSERVE_GGUF_DTYPE", "float32")
+    monkeypatch.setenv("MLXHOST_GGUF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MLXHOST_GGUF_DTYPE", "float32")
     plain = tmp_path / "plain"
     plain.mkdir()
     (plain / "config.json").write_text("{}")

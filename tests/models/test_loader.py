@@ -3,9 +3,9 @@ import struct
 
 import pytest
 
-from mlxserve.server.cli import main
-from mlxserve.config import ServerConfig
-from mlxserve.models.loader import (
+from mlxhost.server.cli import main
+from mlxhost.config import ServerConfig
+from mlxhost.models.loader import (
     LOAD_STRATEGIES,
     ModelLoadError,
     choose_load_strategy,
@@ -103,7 +103,7 @@ def test_mmap_reader_keeps_bfloat16_bits(tmp_path):
 def test_auto_picks_by_total_weight_size():
     small, large = choose_load_strategy(300 << 20), choose_load_strategy(16 << 30)
     assert small in LOAD_STRATEGIES and large in LOAD_STRATEGIES
-    # What `mlxserve bench load` measured (see choose_load_strategy): mlx-lm's own load at both ends.
+    # What `mlxhost bench load` measured (see choose_load_strategy): mlx-lm's own load at both ends.
     assert small == large == "mlx-lm"
     # The rule is monotone in size: one switch point at most.
     picks = [choose_load_strategy(n << 20) for n in (1, 100, 1000, 4000, 8000, 16000, 64000)]
@@ -111,11 +111,11 @@ def test_auto_picks_by_total_weight_size():
 
 
 def test_auto_uses_the_rule(model_copy, caplog, monkeypatch):
-    import mlxserve.models.loader as loader
+    import mlxhost.models.loader as loader
 
     seen = []
     monkeypatch.setattr(loader, "choose_load_strategy", lambda n: seen.append(n) or "mmap")
-    with caplog.at_level("INFO", logger="mlxserve.models.loader"):
+    with caplog.at_level("INFO", logger="mlxhost.models.loader"):
         load_model(str(model_copy))
     assert seen == [(model_copy / "model.safetensors").stat().st_size]
     assert "(mmap)" in caplog.text

@@ -1,4 +1,4 @@
-"""`mlxserve pull` against a fake hub on 127.0.0.1 (tests/models/fake_hub.py): files land in the
+"""`mlxhost pull` against a fake hub on 127.0.0.1 (tests/models/fake_hub.py): files land in the
 Hugging Face cache layout (or --local-dir) and progress shows on stderr."""
 
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mlxserve.testing.demo import build_model_folder
+from mlxhost.testing.demo import build_model_folder
 from tests.models.fake_hub import COMMIT, FakeHub
 
 REPO = "tiny-org/tiny-qwen3"
@@ -24,7 +24,7 @@ def _pull(hub: FakeHub, hf_home, *args: str) -> subprocess.CompletedProcess:
            "HF_HUB_DISABLE_TELEMETRY": "1", "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}
     for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN"):
         env.pop(name, None)
-    return subprocess.run([sys.executable, "-m", "mlxserve.server.cli", "pull", REPO, *args], env=env,
+    return subprocess.run([sys.executable, "-m", "mlxhost.server.cli", "pull", REPO, *args], env=env,
                           capture_output=True, text=True, timeout=300)
 
 

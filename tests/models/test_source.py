@@ -1,4 +1,4 @@
-"""What `mlxserve serve MODEL` (and `convert`, `pull`) says when MODEL is a mistyped path, a folder that is no
+"""What `mlxhost serve MODEL` (and `convert`, `pull`) says when MODEL is a mistyped path, a folder that is no
 model, or a hub id the hub cannot give: one line naming the problem and the next step, never a hub-library
 message or a traceback; a hub id with no network fails once, without the download's retries."""
 
@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from mlxserve.server.cli import main
-from mlxserve.models.loader import ModelLoadError
-from mlxserve.models.source import looks_local, resolve_source
+from mlxhost.server.cli import main
+from mlxhost.models.loader import ModelLoadError
+from mlxhost.models.source import looks_local, resolve_source
 from tests.models.fake_hub import FakeHub
 
 REPO = "tiny-org/tiny-qwen3"
@@ -32,7 +32,7 @@ def _run(args: list[str], hf_home, endpoint: str, offline: bool, code: str | Non
            "no_proxy": "127.0.0.1"}
     for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN"):
         env.pop(name, None)
-    cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "mlxserve.server.cli", *args]
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "mlxhost.server.cli", *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=_BOUND_S)
 
 
@@ -51,23 +51,23 @@ def test_looks_local(text, local):
 def test_a_missing_path_is_no_such_folder(tmp_path, capsys):
     (tmp_path / "Qwen3-0.6B-4bit").mkdir()
     err = _serve_error(capsys, str(tmp_path / "Qwen3-0.6B"))
-    assert err == f"mlxserve serve: no such folder: {tmp_path / 'Qwen3-0.6B'} (did you mean Qwen3-0.6B-4bit?)"
+    assert err == f"mlxhost serve: no such folder: {tmp_path / 'Qwen3-0.6B'} (did you mean Qwen3-0.6B-4bit?)"
     for path in ("~/no-such-models/Qwen3-0.6B", "./no-such-folder"):
         err = _serve_error(capsys, path)
-        assert err == f"mlxserve serve: no such folder: {path}" and "Repo id" not in err
+        assert err == f"mlxhost serve: no such folder: {path}" and "Repo id" not in err
 
 
 def test_a_relative_path_under_a_folder_here_is_local(tmp_path, monkeypatch, capsys):
     (tmp_path / "models").mkdir()
     monkeypatch.chdir(tmp_path)
-    assert _serve_error(capsys, "models/qwen3") == "mlxserve serve: no such folder: models/qwen3"
+    assert _serve_error(capsys, "models/qwen3") == "mlxhost serve: no such folder: models/qwen3"
 
 
 def test_a_folder_without_config_says_what_is_missing(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert _serve_error(capsys, str(empty)) == (
-        f"mlxserve serve: {empty} is not a model folder: no config.json (expected a Hugging Face / MLX model"
+        f"mlxhost serve: {empty} is not a model folder: no config.json (expected a Hugging Face / MLX model"
         " folder, or a .gguf file)")
     (empty / "qwen3").mkdir()
     (empty / "qwen3" / "config.json").write_text("{}")
@@ -87,14 +87,14 @@ def test_gguf_paths_are_left_to_the_gguf_loader(tmp_path):
 
 def test_model_entries_and_draft_model_are_checked_at_start(tmp_path, capsys):
     err = _serve_error(capsys, "--model", f"a={tmp_path / 'missing'}")
-    assert err == f"mlxserve serve: no such folder: {tmp_path / 'missing'}"
+    assert err == f"mlxhost serve: no such folder: {tmp_path / 'missing'}"
     err = _serve_error(capsys, "--draft-model", str(tmp_path))
     assert "is not a model folder: no config.json" in err
 
 
 def test_an_invalid_hub_id_is_not_a_hub_library_message(capsys):
     err = _serve_error(capsys, "two words/x y")
-    assert err == "mlxserve serve: no such folder, and not a Hugging Face id (namespace/name): two words/x y"
+    assert err == "mlxhost serve: no such folder, and not a Hugging Face id (namespace/name): two words/x y"
 
 
 def test_an_unreachable_hub_fails_once_with_the_next_step(tmp_path):
@@ -102,9 +102,9 @@ def test_an_unreachable_hub_fails_once_with_the_next_step(tmp_path):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr  # no retry warnings, nothing printed twice
-    assert lines[0].startswith("mlxserve serve: cannot reach the Hugging Face hub (http://127.0.0.1:")
+    assert lines[0].startswith("mlxhost serve: cannot reach the Hugging Face hub (http://127.0.0.1:")
     assert "some-org/some-model is not in its cache" in lines[0]
-    assert "serve a local folder, run `mlxserve pull some-org/some-model` when online" in lines[0]
+    assert "serve a local folder, run `mlxhost pull some-org/some-model` when online" in lines[0]
     assert "HF_HUB_OFFLINE=1" in lines[0]
 
 
@@ -112,22 +112,22 @@ def test_hf_hub_offline_fails_at_once_with_the_next_step(tmp_path):
     result = _run(["serve", "some-org/some-model"], tmp_path / "hf", _closed_port_url(), offline=True)
     assert result.returncode == 2
     assert result.stderr.strip() == (
-        "mlxserve serve: some-org/some-model is not in the Hugging Face cache, and HF_HUB_OFFLINE is set: serve a"
-        " local folder, or unset HF_HUB_OFFLINE and run `mlxserve pull some-org/some-model`")
+        "mlxhost serve: some-org/some-model is not in the Hugging Face cache, and HF_HUB_OFFLINE is set: serve a"
+        " local folder, or unset HF_HUB_OFFLINE and run `mlxhost pull some-org/some-model`")
 
 
 def test_pull_and_convert_say_the_same(tmp_path):
     result = _run(["pull", "some-org/some-model"], tmp_path / "hf", _closed_port_url(), offline=False)
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].startswith("mlxserve pull: cannot reach the Hugging Face hub")
+    assert result.stderr.strip().splitlines()[-1].startswith("mlxhost pull: cannot reach the Hugging Face hub")
     assert result.stderr.strip().endswith(": check the network (or HTTPS_PROXY) and try again")
     result = _run(["pull", "some-org/some-model"], tmp_path / "hf", _closed_port_url(), offline=True)
-    assert result.stderr.strip().splitlines()[-1] == ("mlxserve pull: HF_HUB_OFFLINE is set: unset it to download"
+    assert result.stderr.strip().splitlines()[-1] == ("mlxhost pull: HF_HUB_OFFLINE is set: unset it to download"
                                                       " some-org/some-model")
     result = _run(["convert", str(tmp_path / "nope"), str(tmp_path / "out")], tmp_path / "hf", _closed_port_url(),
                   offline=True)
     assert result.returncode == 2
-    assert result.stderr.strip() == f"mlxserve convert: no such folder: {tmp_path / 'nope'}"
+    assert result.stderr.strip() == f"mlxhost convert: no such folder: {tmp_path / 'nope'}"
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def hub_repo(tmp_path_factory, qwen3_model_dir):
     return folder
 
 
-_LOAD = ("from mlxserve.models.loader import load_model; m = load_model({repo!r});"
+_LOAD = ("from mlxhost.models.loader import load_model; m = load_model({repo!r});"
          " print(m.source, m.config['model_type'])")
 
 
@@ -157,7 +157,7 @@ def test_an_unknown_hub_id_is_named(hub_repo, tmp_path):
     with FakeHub(REPO, hub_repo) as hub:
         result = _run(["serve", "someone/else"], tmp_path / "hf", hub.url, offline=False)
     assert result.returncode == 2
-    assert result.stderr.strip() == ("mlxserve serve: someone/else: not found on the Hugging Face hub (a private"
+    assert result.stderr.strip() == ("mlxhost serve: someone/else: not found on the Hugging Face hub (a private"
                                      " one needs `hf auth login` or HF_TOKEN)")
 
 

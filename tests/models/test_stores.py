@@ -11,9 +11,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxserve.models.catalog import model_dir_specs, run_list, scan_model_dir
-from mlxserve.models.loader import ModelLoadError, load_model
-from mlxserve.models.stores import resolve_ollama, scan_ollama
+from mlxhost.models.catalog import model_dir_specs, run_list, scan_model_dir
+from mlxhost.models.loader import ModelLoadError, load_model
+from mlxhost.models.stores import resolve_ollama, scan_ollama
 from tests.models.gguf_files import write_gguf
 from tests.models.test_gguf import _model
 
@@ -58,8 +58,8 @@ def store(tmp_path, tiny_gguf, monkeypatch):
     root = tmp_path / "ollama"
     _ollama_store(root, tiny_gguf[1].read_bytes())
     monkeypatch.setenv("OLLAMA_MODELS", str(root))
-    monkeypatch.setenv("MLXSERVE_GGUF_CACHE", str(tmp_path / "gguf-cache"))
-    monkeypatch.setenv("MLXSERVE_GGUF_DTYPE", "float32")
+    monkeypatch.setenv("MLXHOST_GGUF_CACHE", str(tmp_path / "gguf-cache"))
+    monkeypatch.setenv("MLXHOST_GGUF_DTYPE", "float32")
     return root
 
 

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from mlxserve.models.torch_free import TORCH_ENV, follow_parent, is_text_model, keep_torch_out
+from mlxhost.models.torch_free import TORCH_ENV, follow_parent, is_text_model, keep_torch_out
 
 
 def _folder(tmp_path, name, config):
@@ -42,14 +42,14 @@ def test_nothing_is_hidden_when_asked_to_keep_torch_or_once_transformers_is_in(m
 
 
 # A torch that says it is 2.11 (so transformers counts it as installed) and fails when imported: whoever imports
-# it shows up. `hide` runs keep_torch_out first, as `mlxserve serve` does for a text model.
+# it shows up. `hide` runs keep_torch_out first, as `mlxhost serve` does for a text model.
 _PROBE = textwrap.dedent("""
     import importlib.util, os, sys
     if sys.argv[1] == "hide":
-        from mlxserve.models.torch_free import keep_torch_out
+        from mlxhost.models.torch_free import keep_torch_out
         assert keep_torch_out()
-        assert importlib.util.find_spec("torch") is None and os.environ["MLXSERVE_IMPORT_TORCH"] == "0"
-    from mlxserve.models.loader import load_model
+        assert importlib.util.find_spec("torch") is None and os.environ["MLXHOST_IMPORT_TORCH"] == "0"
+    from mlxhost.models.loader import load_model
     loaded = load_model(sys.argv[2])
     print("loaded", len(loaded.tokenizer.encode("hello world")) > 0)
 """)
@@ -82,7 +82,7 @@ def test_a_text_model_loads_without_importing_an_installed_torch(tmp_path, qwen3
 def test_serve_keeps_torch_out_only_when_every_model_is_a_text_model(tmp_path):
     from argparse import Namespace
 
-    from mlxserve.server.serve_command import _text_models_only
+    from mlxhost.server.serve_command import _text_models_only
 
     text = _folder(tmp_path, "qwen3", {"model_type": "qwen3"})
     vlm = _folder(tmp_path, "vlm", {"model_type": "qwen2_vl", "vision_config": {"model_type": "qwen2_vl"}})

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mlxserve.config import MediaConfig
-from mlxserve.multimodal import fetch
-from mlxserve.multimodal.hashing import image_hash
-from mlxserve.multimodal.media import MediaError, load_image
+from mlxhost.config import MediaConfig
+from mlxhost.multimodal import fetch
+from mlxhost.multimodal.hashing import image_hash
+from mlxhost.multimodal.media import MediaError, load_image
 from tests.multimodal.conftest import jpeg_bytes, png_bytes, sample_image
 
 LOCAL = MediaConfig(allow_private_media_urls=True)
@@ -257,8 +257,8 @@ def test_compressed_bodies_are_refused(media_server, routes):
 
 
 def test_serve_flags_reach_the_media_config(tmp_path):
-    from mlxserve.server.cli import make_parser
-    from mlxserve.server.serve_command import _engine_config, _media_config
+    from mlxhost.server.cli import make_parser
+    from mlxhost.server.serve_command import _engine_config, _media_config
 
     args = make_parser().parse_args([
         "serve", "--allowed-local-media-path", str(tmp_path), "--allowed-local-media-path", "/srv/media",

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from mlxserve.multimodal import hashing
-from mlxserve.multimodal.hashing import image_hash, video_hash
-from mlxserve.multimodal.video import VideoFrames
+from mlxhost.multimodal import hashing
+from mlxhost.multimodal.hashing import image_hash, video_hash
+from mlxhost.multimodal.video import VideoFrames
 from tests.multimodal.conftest import sample_image
 
 

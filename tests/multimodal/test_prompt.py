@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mlxserve.config import MediaConfig
-from mlxserve.models.loader import load_model
-from mlxserve.multimodal.hashing import image_hash
-from mlxserve.multimodal.media import MediaError
-from mlxserve.multimodal.prompt import MediaPart, MultimodalPromptBuilder
-from mlxserve.multimodal.video import decode_video
+from mlxhost.config import MediaConfig
+from mlxhost.models.loader import load_model
+from mlxhost.multimodal.hashing import image_hash
+from mlxhost.multimodal.media import MediaError
+from mlxhost.multimodal.prompt import MediaPart, MultimodalPromptBuilder
+from mlxhost.multimodal.video import decode_video
 from tests.multimodal.test_video import make_mp4
 
 
@@ -145,10 +145,10 @@ def test_qwen3_video_has_one_run_per_frame_group_with_timestamps(qwen3, video_ur
 
 
 def test_too_many_media_parts_are_refused_before_any_fetch(qwen25vl_dir):
-    from mlxserve.config import MediaConfig
-    from mlxserve.models.loader import load_model
-    from mlxserve.multimodal.media import MediaError
-    from mlxserve.multimodal.prompt import MediaPart, MultimodalPromptBuilder
+    from mlxhost.config import MediaConfig
+    from mlxhost.models.loader import load_model
+    from mlxhost.multimodal.media import MediaError
+    from mlxhost.multimodal.prompt import MediaPart, MultimodalPromptBuilder
 
     loaded = load_model(str(qwen25vl_dir))
     builder = MultimodalPromptBuilder(loaded.model, loaded.tokenizer, MediaConfig(max_media_per_request=2))
@@ -164,10 +164,10 @@ def test_a_processor_refusal_is_a_media_error(qwen25vl_dir):
 
     from PIL import Image
 
-    from mlxserve.config import MediaConfig
-    from mlxserve.models.loader import load_model
-    from mlxserve.multimodal.media import MediaError
-    from mlxserve.multimodal.prompt import MediaPart, MultimodalPromptBuilder
+    from mlxhost.config import MediaConfig
+    from mlxhost.models.loader import load_model
+    from mlxhost.multimodal.media import MediaError
+    from mlxhost.multimodal.prompt import MediaPart, MultimodalPromptBuilder
 
     loaded = load_model(str(qwen25vl_dir))
     builder = MultimodalPromptBuilder(loaded.model, loaded.tokenizer, MediaConfig())

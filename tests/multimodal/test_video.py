@@ -9,9 +9,9 @@ import av
 import numpy as np
 import pytest
 
-from mlxserve.config import MediaConfig
-from mlxserve.multimodal.hashing import video_hash
-from mlxserve.multimodal.media import MediaError, load_video
+from mlxhost.config import MediaConfig
+from mlxhost.multimodal.hashing import video_hash
+from mlxhost.multimodal.media import MediaError, load_video
 from tests.multimodal.conftest import png_bytes, sample_image
 
 FPS, SECONDS, SIZE = 10, 3, 64

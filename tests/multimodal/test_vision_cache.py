@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxserve.multimodal.vision_cache import VisionCache, VisionCacheEntry
+from mlxhost.multimodal.vision_cache import VisionCache, VisionCacheEntry
 
 
 def entry(n: int, deepstack: int = 0) -> VisionCacheEntry:
@@ -71,7 +71,7 @@ def test_zero_bytes_disables_and_clear():
 def test_set_max_bytes_evicts_least_recent_down_to_the_new_size():
     import mlx.core as mx
 
-    from mlxserve.multimodal.vision_cache import VisionCache, VisionCacheEntry
+    from mlxhost.multimodal.vision_cache import VisionCache, VisionCacheEntry
 
     cache = VisionCache(1 << 20)
     for key in "abc":

@@ -1,10 +1,10 @@
-"""Backend-dependent defaults: the prefill step size `mlxserve serve` uses when none is given."""
+"""Backend-dependent defaults: the prefill step size `mlxhost serve` uses when none is given."""
 
 from __future__ import annotations
 
-import mlxserve.platform.backend as backend
-import mlxserve.server.cli as cli
-import mlxserve.server.serve_command as serve_command
+import mlxhost.platform.backend as backend
+import mlxhost.server.cli as cli
+import mlxhost.server.serve_command as serve_command
 
 
 def test_prefill_step_size_is_2048_on_cuda_and_512_elsewhere(monkeypatch):

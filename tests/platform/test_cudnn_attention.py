@@ -2,8 +2,8 @@
 
 import pytest
 
-from mlxserve.config import EngineConfig
-from mlxserve.platform.cudnn_attention import ENV, apply_cudnn_attention, wants_cudnn
+from mlxhost.config import EngineConfig
+from mlxhost.platform.cudnn_attention import ENV, apply_cudnn_attention, wants_cudnn
 
 
 def test_auto_turns_cudnn_off():

@@ -9,8 +9,8 @@ import json
 import mlx.core as mx
 import pytest
 
-from mlxserve.platform import kernel_primer
-from mlxserve.platform.kernel_primer import model_dtypes, module_name, modules
+from mlxhost.platform import kernel_primer
+from mlxhost.platform.kernel_primer import model_dtypes, module_name, modules
 
 
 def test_a_quantized_model_primes_the_packed_weights_gathers_and_the_uint32_ids_first(tmp_path):

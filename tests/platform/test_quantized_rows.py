@@ -8,19 +8,19 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-import mlxserve.platform.backend as backend
-from mlxserve.config import EngineConfig
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.models.loader import load_model
-from mlxserve.platform.quantized_rows import (RowsQuantizedEmbedding, RowsQuantizedLinear, fold_on_cuda,
+import mlxhost.platform.backend as backend
+from mlxhost.config import EngineConfig
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.models.loader import load_model
+from mlxhost.platform.quantized_rows import (RowsQuantizedEmbedding, RowsQuantizedLinear, fold_on_cuda,
                                             fold_quantized_rows, set_tiled_rows)
 
 
 @pytest.fixture(autouse=True)
 def _plain_loads(monkeypatch):
     # On an MLX-CUDA host load_model folds already; these tests fold by hand.
-    monkeypatch.setenv("MLXSERVE_FOLD_ROWS", "0")
+    monkeypatch.setenv("MLXHOST_FOLD_ROWS", "0")
 
 
 def _shapes(model):
@@ -122,7 +122,7 @@ def test_tensor_parallel_shards_dequantize_like_the_other_layers(monkeypatch, ro
     quantized kernel. Either way the output is the layer's own."""
     from mlx.nn.layers.distributed import shard_linear
 
-    from mlxserve.platform.quantized_rows import row_layers
+    from mlxhost.platform.quantized_rows import row_layers
 
     group = mx.distributed.init()
     # Two ranks' all-reduce of equal partial products: a bias added before the sum would show twice.
@@ -172,8 +172,8 @@ def test_a_folded_model_serves_the_same_greedy_tokens(qwen3_4bit_model_dir, dequ
 
 
 @pytest.mark.parametrize("cuda, env, folds, dequant_rows", [
-    (False, {}, False, None), (True, {}, True, 128), (True, {"MLXSERVE_FOLD_ROWS": "0"}, False, None),
-    (True, {"MLXSERVE_DEQUANT_ROWS": "0"}, True, 0), (True, {"MLXSERVE_DEQUANT_ROWS": "512"}, True, 512)])
+    (False, {}, False, None), (True, {}, True, 128), (True, {"MLXHOST_FOLD_ROWS": "0"}, False, None),
+    (True, {"MLXHOST_DEQUANT_ROWS": "0"}, True, 0), (True, {"MLXHOST_DEQUANT_ROWS": "512"}, True, 512)])
 def test_folding_applies_on_cuda_only_unless_turned_off(qwen3_4bit_model_dir, monkeypatch, cuda, env, folds,
                                                         dequant_rows):
     model = load_model(str(qwen3_4bit_model_dir)).model
@@ -189,12 +189,12 @@ def test_folding_applies_on_cuda_only_unless_turned_off(qwen3_4bit_model_dir, mo
 def test_a_bad_dequant_threshold_is_refused(qwen3_4bit_model_dir, monkeypatch, text):
     model = load_model(str(qwen3_4bit_model_dir)).model
     monkeypatch.setattr(backend, "is_cuda", lambda: True)
-    with pytest.raises(ValueError, match="MLXSERVE_DEQUANT_ROWS must be a whole number"):
-        fold_on_cuda(model, environ={"MLXSERVE_DEQUANT_ROWS": text})
+    with pytest.raises(ValueError, match="MLXHOST_DEQUANT_ROWS must be a whole number"):
+        fold_on_cuda(model, environ={"MLXHOST_DEQUANT_ROWS": text})
 
 
 def test_the_loader_folds_on_cuda(qwen3_4bit_model_dir, monkeypatch):
-    monkeypatch.delenv("MLXSERVE_FOLD_ROWS")
+    monkeypatch.delenv("MLXHOST_FOLD_ROWS")
     monkeypatch.setattr(backend, "is_cuda", lambda: True)
     model = load_model(str(qwen3_4bit_model_dir)).model
     assert type(model.model.layers[0].self_attn.o_proj) is RowsQuantizedLinear

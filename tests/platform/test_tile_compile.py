@@ -11,10 +11,10 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-import mlxserve.platform.backend as backend
-from mlxserve.platform import kernel_cache, tile_compile
-from mlxserve.platform.quantized_rows import ALL_TILED_ROWS, fold_quantized_rows, set_tiled_rows
-from mlxserve.platform.tile_compile import (TileCompiler, make_staging, publish, quantized_shapes, tile_checkpoints,
+import mlxhost.platform.backend as backend
+from mlxhost.platform import kernel_cache, tile_compile
+from mlxhost.platform.quantized_rows import ALL_TILED_ROWS, fold_quantized_rows, set_tiled_rows
+from mlxhost.platform.tile_compile import (TileCompiler, make_staging, publish, quantized_shapes, tile_checkpoints,
                                            tile_groups)
 
 
@@ -127,7 +127,7 @@ def test_the_kernel_cache_goes_to_the_user_cache_on_cuda_only(tmp_path, monkeypa
     assert kernel_cache.use_persistent_kernel_cache(env) is None and "MLX_PTX_CACHE_DIR" not in env
     monkeypatch.setattr(backend, "is_cuda", lambda: True)
     path = kernel_cache.use_persistent_kernel_cache(env)
-    assert path.is_dir() and path.parent == tmp_path / "mlxserve" / "mlx-kernels"
+    assert path.is_dir() and path.parent == tmp_path / "mlxhost" / "mlx-kernels"
     assert path.name.startswith(mx.__version__ + "-")  # one folder per MLX version and GPU architecture
     assert env["MLX_PTX_CACHE_DIR"] == str(path)
     named = {"MLX_PTX_CACHE_DIR": str(tmp_path / "mine")}
@@ -212,7 +212,7 @@ def test_listing_the_cache_survives_a_staging_folder_removed_meanwhile(tmp_path)
     lists the cache: the listing must neither enter it nor fail."""
     import threading
 
-    from mlxserve.platform.tile_compile import _files
+    from mlxhost.platform.tile_compile import _files
 
     (tmp_path / "a.ptx").write_text("a")
     stop = threading.Event()

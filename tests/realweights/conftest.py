@@ -1,4 +1,4 @@
-"""Real small models for the real_weights lane (fetched by `python -m mlxserve.testing.real_models fetch`).
+"""Real small models for the real_weights lane (fetched by `python -m mlxhost.testing.real_models fetch`).
 
 Missing models skip with that command as the reason; under CI=true they fail instead.
 
@@ -14,13 +14,13 @@ import os
 
 import pytest
 
-from mlxserve.models.gguf import GGUFConvertConfig, prepare_gguf
-from mlxserve.testing.real_models import require
+from mlxhost.models.gguf import GGUFConvertConfig, prepare_gguf
+from mlxhost.testing.real_models import require
 
 # Float32 weights everywhere: on a CPU with OpenBLAS preloaded a 32-token SmolLM2 prefill took 1.1 s
 # this way and 16-17 s with the GGUF's 4-bit weights kept (float16 activations: minutes); docs/gguf.md.
 TEST_CONFIG = GGUFConvertConfig(dtype="float32", dequantize=True)
-_SERVE_ENV = {"MLXSERVE_GGUF_DTYPE": "float32", "MLXSERVE_GGUF_DEQUANTIZE": "1"}
+_SERVE_ENV = {"MLXHOST_GGUF_DTYPE": "float32", "MLXHOST_GGUF_DEQUANTIZE": "1"}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -74,14 +74,14 @@ def qwen25_coder_dir(qwen25_coder_gguf):
 
 @pytest.fixture(scope="session")
 def smollm2_loaded(smollm2_dir):
-    from mlxserve.models.loader import load_model
+    from mlxhost.models.loader import load_model
 
     return load_model(str(smollm2_dir))
 
 
 @pytest.fixture(scope="session")
 def smollm2_server(smollm2_gguf):
-    """SmolLM2 served from the .gguf file itself, as `mlxserve serve FILE.gguf` does."""
+    """SmolLM2 served from the .gguf file itself, as `mlxhost serve FILE.gguf` does."""
     from tests.e2e.conftest import start_server
 
     # 16-token blocks: a short chat's first turn fills whole prefix-cache blocks.

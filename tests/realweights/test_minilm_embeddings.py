@@ -13,8 +13,8 @@ import pytest
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
-from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
-from mlxserve.server.app import build_app
+from mlxhost.config import EngineConfig, ModelSpec, ServerConfig
+from mlxhost.server.app import build_app
 
 TEXTS = ["A man is eating food.", "A man is eating a piece of bread.", "The stock market fell sharply today.",
          "Ein Mann isst Brot. 男は食べる 🍞"]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from mlxserve.config import EngineConfig, ServerConfig
-from mlxserve.server.app import build_app
+from mlxhost.config import EngineConfig, ServerConfig
+from mlxhost.server.app import build_app
 from tests.e2e.conftest import start_app
 
 QUERY = "What is the capital of France?"

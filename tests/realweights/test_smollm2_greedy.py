@@ -8,9 +8,9 @@ import openai
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from mlxserve.config import EngineConfig
-from mlxserve.engine.core import EngineCore
-from mlxserve.engine.request import Request, SamplingParams
+from mlxhost.config import EngineConfig
+from mlxhost.engine.core import EngineCore
+from mlxhost.engine.request import Request, SamplingParams
 
 QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?"]
 MAX_NEW = 8

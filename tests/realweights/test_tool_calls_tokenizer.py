@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from mlxserve.frontends.common.chat_output import OutputSpec, collect
-from mlxserve.engine.detokenizer import make_detokenizer_factory
-from mlxserve.structured.grammar import HERMES, tag_token_ids, tool_call_constraint
-from mlxserve.structured.matcher import GrammarCompiler, allocate_bitmask
+from mlxhost.frontends.common.chat_output import OutputSpec, collect
+from mlxhost.engine.detokenizer import make_detokenizer_factory
+from mlxhost.structured.grammar import HERMES, tag_token_ids, tool_call_constraint
+from mlxhost.structured.matcher import GrammarCompiler, allocate_bitmask
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
@@ -28,8 +28,8 @@ LOGITS_WIDTH = 151936  # Qwen2.5's embedding rows: wider than its 151,665 tokens
 def qwen25_tokenizer(qwen25_coder_gguf, tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from mlxserve.models.gguf.reader import read_header
-    from mlxserve.models.gguf.tokenizer import write_tokenizer
+    from mlxhost.models.gguf.reader import read_header
+    from mlxhost.models.gguf.tokenizer import write_tokenizer
 
     out = tmp_path_factory.mktemp("qwen25-tokenizer")
     write_tokenizer(read_header(qwen25_coder_gguf), out, 32768)

@@ -15,9 +15,9 @@ import numpy as np
 import openai
 import pytest
 
-from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
-from mlxserve.server.app import build_app
-from mlxserve.testing.real_models import require
+from mlxhost.config import EngineConfig, ModelSpec, ServerConfig
+from mlxhost.server.app import build_app
+from mlxhost.testing.real_models import require
 
 SENTENCES = ["the quick brown fox jumps over the lazy dog",
              "i would like a cup of coffee with milk please",
@@ -85,7 +85,7 @@ def test_audio_longer_than_one_window(client, tmp_path):
     """Three sentences 14 s apart (about 35 s in all): two windows, each sentence heard."""
     import av
 
-    from mlxserve.frontends.audio.media import decode_audio
+    from mlxhost.frontends.audio.media import decode_audio
 
     rate = 16000
     parts = []

@@ -1,4 +1,4 @@
-"""Every flag of every `mlxserve` command (and of `python -m mlxserve.bench.hardening`) has help text
+"""Every flag of every `mlxhost` command (and of `python -m mlxhost.bench.hardening`) has help text
 and shows its default in --help."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import argparse
 
 import pytest
 
-from mlxserve.server import cli
-from mlxserve.bench import hardening
-from mlxserve.server.settings import HelpFormatter
+from mlxhost.server import cli
+from mlxhost.bench import hardening
+from mlxhost.server.settings import HelpFormatter
 
 
 def _parsers(parser: argparse.ArgumentParser, path: str):
@@ -20,7 +20,7 @@ def _parsers(parser: argparse.ArgumentParser, path: str):
                 yield from _parsers(sub, f"{path} {name}")
 
 
-ALL = list(_parsers(cli.make_parser(), "mlxserve")) + list(_parsers(hardening.make_parser(), "hardening"))
+ALL = list(_parsers(cli.make_parser(), "mlxhost")) + list(_parsers(hardening.make_parser(), "hardening"))
 _SKIP = (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
 
 
@@ -39,7 +39,7 @@ def test_every_option_has_help_and_a_shown_default(path, parser):
 
 
 def test_bench_subcommands_are_all_walked():
-    assert {p for p, _ in ALL} >= {f"mlxserve bench {n}" for n in
+    assert {p for p, _ in ALL} >= {f"mlxhost bench {n}" for n in
                                    ("serve", "engine", "compare", "prefix", "memory", "load", "multimodal",
                                     "structured", "plot")}
 

@@ -1,19 +1,19 @@
-"""`mlxserve serve` flags people bring from vLLM, SGLang, mlx-lm, Ollama, llama.cpp: the same meaning maps to
+"""`mlxhost serve` flags people bring from vLLM, SGLang, mlx-lm, Ollama, llama.cpp: the same meaning maps to
 ours (noted in the log), another meaning is an error naming ours; an unknown flag gets the closest of ours and its
-value is never taken for the model; a bad value names its flag, on the command line, in MLXSERVE_* and in YAML."""
+value is never taken for the model; a bad value names its flag, on the command line, in MLXHOST_* and in YAML."""
 
 import logging
 import os
 
 import pytest
 
-from mlxserve.server import cli, serve_command
-from mlxserve.server.foreign_flags import FOREIGN, translate
+from mlxhost.server import cli, serve_command
+from mlxhost.server.foreign_flags import FOREIGN, translate
 
 
 def _serve_args(argv, monkeypatch, env=None):
     """The namespace main() would hand _serve (a stand-in keeps it instead of serving)."""
-    for name in [n for n in os.environ if n.startswith("MLXSERVE_")]:
+    for name in [n for n in os.environ if n.startswith("MLXHOST_")]:
         monkeypatch.delenv(name)
     for name, value in (env or {}).items():
         monkeypatch.setenv(name, value)
@@ -31,7 +31,7 @@ def _error(argv, monkeypatch, capsys, env=None) -> str:
 
 
 def test_vllm_memory_share_maps_to_ours_in_dedicated_mode(monkeypatch, caplog):
-    with caplog.at_level(logging.INFO, logger="mlxserve.server.cli"):
+    with caplog.at_level(logging.INFO, logger="mlxhost.server.cli"):
         args = _serve_args(["--gpu-memory-utilization", "0.8"], monkeypatch)
     assert (args.memory_utilization, args.memory_mode, args.model) == (0.8, "dedicated", None)  # 0.8 is no model
     assert "--gpu-memory-utilization is vLLM's name for --memory-utilization (with --memory-mode dedicated)" \
@@ -58,7 +58,7 @@ def test_same_meaning_maps(argv, dest, value, monkeypatch):
 
 
 def test_accepted_and_ignored(monkeypatch, caplog):
-    with caplog.at_level(logging.INFO, logger="mlxserve.server.cli"):
+    with caplog.at_level(logging.INFO, logger="mlxhost.server.cli"):
         args = _serve_args(["--trust-remote-code", "--enable-prefix-caching", "m"], monkeypatch)
     assert args.model == "m" and args.no_prefix_cache is False
     assert "--trust-remote-code (vLLM) is ignored" in caplog.text
@@ -73,20 +73,20 @@ def test_accepted_and_ignored(monkeypatch, caplog):
 ])
 def test_other_meaning_is_an_error_naming_ours(flag, says, monkeypatch, capsys):
     err = _error([flag, "8", "m"], monkeypatch, capsys)
-    assert err.startswith("mlxserve serve: error: " + says)
+    assert err.startswith("mlxhost serve: error: " + says)
 
 
 def test_unknown_flag_suggests_the_closest_and_keeps_its_value_from_the_model(monkeypatch, capsys):
     err = _error(["--max-modle-len", "4096"], monkeypatch, capsys)
-    assert err == "mlxserve serve: error: unknown flag --max-modle-len (did you mean --max-model-len?)"
-    assert _error(["--frobnicate", "0.9"], monkeypatch, capsys) == "mlxserve serve: error: unknown flag --frobnicate"
-    assert _error(["a", "b"], monkeypatch, capsys) == "mlxserve serve: error: unexpected argument b"
+    assert err == "mlxhost serve: error: unknown flag --max-modle-len (did you mean --max-model-len?)"
+    assert _error(["--frobnicate", "0.9"], monkeypatch, capsys) == "mlxhost serve: error: unknown flag --frobnicate"
+    assert _error(["a", "b"], monkeypatch, capsys) == "mlxhost serve: error: unexpected argument b"
 
 
 def test_bench_flags_get_suggestions_too(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "serve", "--url", "http://127.0.0.1:1", "--model", "m", "--concurency", "2"])
-    assert capsys.readouterr().err.splitlines()[0] == ("mlxserve bench serve: error: unknown flag --concurency"
+    assert capsys.readouterr().err.splitlines()[0] == ("mlxhost bench serve: error: unknown flag --concurency"
                                                        " (did you mean --concurrency?)")
 
 
@@ -99,7 +99,7 @@ def test_bench_flags_get_suggestions_too(capsys):
     (["--port", "http"], "--port: invalid int value: 'http'"),
 ])
 def test_a_bad_value_names_its_flag(argv, says, monkeypatch, capsys):
-    assert _error(argv, monkeypatch, capsys).startswith("mlxserve serve: error: " + says)
+    assert _error(argv, monkeypatch, capsys).startswith("mlxhost serve: error: " + says)
 
 
 def test_good_sizes_pass_as_typed(monkeypatch):
@@ -109,10 +109,10 @@ def test_good_sizes_pass_as_typed(monkeypatch):
 
 
 def test_env_and_yaml_values_name_their_source(monkeypatch, capsys, tmp_path):
-    err = _error([], monkeypatch, capsys, {"MLXSERVE_CACHE_MEMORY": "lots"})
-    assert "MLXSERVE_CACHE_MEMORY: could not read 'lots' as a size (e.g. 2GB, 512MiB, 20%)" in err
-    err = _error([], monkeypatch, capsys, {"MLXSERVE_PORT": "eighty"})
-    assert "MLXSERVE_PORT: expected a whole number, got 'eighty'" in err
+    err = _error([], monkeypatch, capsys, {"MLXHOST_CACHE_MEMORY": "lots"})
+    assert "MLXHOST_CACHE_MEMORY: could not read 'lots' as a size (e.g. 2GB, 512MiB, 20%)" in err
+    err = _error([], monkeypatch, capsys, {"MLXHOST_PORT": "eighty"})
+    assert "MLXHOST_PORT: expected a whole number, got 'eighty'" in err
     cfg = tmp_path / "c.yaml"
     cfg.write_text("max_num_seq: 8\n")
     err = _error(["--config", str(cfg)], monkeypatch, capsys)
@@ -125,7 +125,7 @@ def test_env_and_yaml_values_name_their_source(monkeypatch, capsys, tmp_path):
 def test_a_vllm_yaml_maps_like_its_flags(monkeypatch, tmp_path, caplog):
     cfg = tmp_path / "vllm.yaml"
     cfg.write_text("gpu_memory_utilization: 0.85\ntensor-parallel-size: 1\ntrust_remote_code: true\n")
-    with caplog.at_level(logging.INFO, logger="mlxserve.server.cli"):
+    with caplog.at_level(logging.INFO, logger="mlxhost.server.cli"):
         args = _serve_args(["--config", str(cfg)], monkeypatch)
     assert (args.memory_utilization, args.memory_mode, args.tensor_parallel) == (0.85, "dedicated", 1)
     assert f"--config {cfg}: gpu_memory_utilization is vLLM's name for memory_utilization" in caplog.text

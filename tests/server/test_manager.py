@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
-from mlxserve.server.manager import ModelManager, ModelState, ModelUnavailableError, UnknownModelError
-from mlxserve.models.specs import load_models_file, parse_model_flag, parse_ttl, with_source_aliases
+from mlxhost.config import EngineConfig, ModelSpec, ServerConfig
+from mlxhost.server.manager import ModelManager, ModelState, ModelUnavailableError, UnknownModelError
+from mlxhost.models.specs import load_models_file, parse_model_flag, parse_ttl, with_source_aliases
 
 MB = 10**6
 
@@ -401,8 +401,8 @@ def test_names_must_be_unique_and_paths_become_aliases():
 
 
 def test_cli_flags_and_file(tmp_path):
-    from mlxserve.server.cli import make_parser
-    from mlxserve.server.serve_command import _models_fields
+    from mlxhost.server.cli import make_parser
+    from mlxhost.server.serve_command import _models_fields
 
     path = tmp_path / "models.yaml"
     path.write_text("max_loaded_models: 3\nmodels:\n  - {name: a, path: /x/a, pinned: true}\n")
@@ -417,8 +417,8 @@ def test_cli_flags_and_file(tmp_path):
 
 
 def test_models_of_a_multi_model_server_share_the_memory_budget():
-    from mlxserve.config import EngineConfig, ModelSpec, ServerConfig
-    from mlxserve.server.app import shared_engine_config
+    from mlxhost.config import EngineConfig, ModelSpec, ServerConfig
+    from mlxhost.server.app import shared_engine_config
 
     engine = EngineConfig()
     assert shared_engine_config(engine, ServerConfig(model="x"), "x") is engine  # alone: the whole budget

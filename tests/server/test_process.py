@@ -2,7 +2,7 @@
 
 import pytest
 
-from mlxserve.server import cli, process
+from mlxhost.server import cli, process
 
 
 @pytest.mark.parametrize("value, seconds", [(None, None), ("", None), ("1", 0.001), ("0.5", 0.0005)])

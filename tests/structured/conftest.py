@@ -1,12 +1,12 @@
-"""The demo tokenizer with its tool and reasoning tags as single added tokens (`mlxserve.testing.tag_tokens`)."""
+"""The demo tokenizer with its tool and reasoning tags as single added tokens (`mlxhost.testing.tag_tokens`)."""
 
 import pytest
 
 
 @pytest.fixture(scope="session")
 def tagged_tokenizer_dir(tmp_path_factory):
-    from mlxserve.testing.demo import build_tokenizer
-    from mlxserve.testing.tag_tokens import add_tag_tokens
+    from mlxhost.testing.demo import build_tokenizer
+    from mlxhost.testing.tag_tokens import add_tag_tokens
 
     path = tmp_path_factory.mktemp("tagged-tokenizer")
     build_tokenizer(path)

@@ -8,8 +8,8 @@ import llguidance.hf
 import pytest
 from transformers import AutoTokenizer
 
-from mlxserve.testing.demo import build_tokenizer
-from mlxserve.structured.grammar import (
+from mlxhost.testing.demo import build_tokenizer
+from mlxhost.structured.grammar import (
     HERMES,
     LLAMA3_JSON,
     MISTRAL,

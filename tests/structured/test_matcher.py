@@ -7,14 +7,14 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from mlxserve.testing.demo import ensure_demo_model
-from mlxserve.structured.grammar import (
+from mlxhost.testing.demo import ensure_demo_model
+from mlxhost.structured.grammar import (
     Constraint,
     ConstraintError,
     json_schema_constraint,
     tool_call_constraint,
 )
-from mlxserve.structured.matcher import GrammarCompiler, allocate_bitmask, apply_bitmask
+from mlxhost.structured.matcher import GrammarCompiler, allocate_bitmask, apply_bitmask
 
 SCHEMA = {
     "type": "object",

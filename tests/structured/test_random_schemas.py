@@ -15,15 +15,15 @@ import mlx_lm
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxserve.testing.demo import ensure_demo_model
-from mlxserve.structured.grammar import (
+from mlxhost.testing.demo import ensure_demo_model
+from mlxhost.structured.grammar import (
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
     json_schema_constraint,
     tool_call_constraint,
 )
-from mlxserve.structured.matcher import GrammarCompiler, allocate_bitmask, apply_bitmask
+from mlxhost.structured.matcher import GrammarCompiler, allocate_bitmask, apply_bitmask
 
 MAX_TOKENS = 256
 NUM_SCHEMAS = 100

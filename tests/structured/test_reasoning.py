@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mlxserve.structured.reasoning import (
+from mlxhost.structured.reasoning import (
     StreamingReasoningParser,
     partial_tag_len,
     reasoning_tags_for,
@@ -95,7 +95,7 @@ def test_reasoning_tags_for_real_tokenizers(tmp_path):
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from transformers import AutoTokenizer
 
-    from mlxserve.testing.demo import build_tokenizer
+    from mlxhost.testing.demo import build_tokenizer
 
     build_tokenizer(tmp_path)
     hf = AutoTokenizer.from_pretrained(tmp_path)

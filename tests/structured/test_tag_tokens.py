@@ -8,7 +8,7 @@ import llguidance.hf
 import llguidance.numpy
 import pytest
 
-from mlxserve.structured.grammar import (
+from mlxhost.structured.grammar import (
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
@@ -17,7 +17,7 @@ from mlxserve.structured.grammar import (
     tool_call_constraint,
     with_reasoning_prefix,
 )
-from mlxserve.testing.tag_tokens import SPECIAL_TAGS, TEXT_TAGS
+from mlxhost.testing.tag_tokens import SPECIAL_TAGS, TEXT_TAGS
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False,
@@ -79,7 +79,7 @@ def test_tag_token_ids_finds_only_exact_single_tokens(tagged_tokenizer, ids):
 def test_plain_tokenizer_has_no_tag_tokens(tmp_path):
     from transformers import AutoTokenizer
 
-    from mlxserve.testing.demo import build_tokenizer
+    from mlxhost.testing.demo import build_tokenizer
 
     build_tokenizer(tmp_path)
     assert tag_token_ids(AutoTokenizer.from_pretrained(str(tmp_path)), TAGS) == {}
@@ -158,7 +158,7 @@ def test_reasoning_then_tool_call_all_tokens(ll, tagged_tokenizer, ids):
 def test_special_tool_tags_are_written_out_by_the_detokenizer(tagged_tokenizer):
     """`[TOOL_CALLS]` and `<|python_tag|>` are special tokens; the parsers need them in the text. Other
     special tokens (the end of turn) stay hidden."""
-    from mlxserve.engine.detokenizer import make_detokenizer_factory
+    from mlxhost.engine.detokenizer import make_detokenizer_factory
 
     text = 'a[TOOL_CALLS][{"name": "f"}]<|python_tag|>{}<|im_end|>'
     detok = make_detokenizer_factory(tagged_tokenizer)([])

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from mlxserve.structured.tool_formats import TOOL_PARSER_NAMES, choose_tool_parser, get_tool_parser
-from mlxserve.structured.tool_parsers import (
+from mlxhost.structured.tool_formats import TOOL_PARSER_NAMES, choose_tool_parser, get_tool_parser
+from mlxhost.structured.tool_parsers import (
     ContentDelta,
     StreamingToolParser,
     ToolCallArgsDelta,
@@ -215,8 +215,8 @@ def test_tags_match_mlx_lm_modules():
 
 
 def test_choose_tool_parser():
-    from mlxserve.testing.demo import CHAT_TEMPLATE
-    from mlxserve.structured.templates import AGENT_CHAT_TEMPLATE
+    from mlxhost.testing.demo import CHAT_TEMPLATE
+    from mlxhost.structured.templates import AGENT_CHAT_TEMPLATE
 
     qwen3_coder = "{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}"
     assert choose_tool_parser(qwen3_coder, "qwen3_moe", None) == "qwen3_coder"
@@ -235,7 +235,7 @@ def test_choose_tool_parser():
 
 def test_package_imports_no_mlx():
     code = (
-        "import sys, mlxserve.structured.tool_parsers, mlxserve.structured.reasoning, "
-        "mlxserve.structured.templates; assert not any(m.split('.')[0] in ('mlx', 'mlx_lm') for m in sys.modules)"
+        "import sys, mlxhost.structured.tool_parsers, mlxhost.structured.reasoning, "
+        "mlxhost.structured.templates; assert not any(m.split('.')[0] in ('mlx', 'mlx_lm') for m in sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -7,8 +7,8 @@ import llguidance
 import llguidance.hf
 import pytest
 
-from mlxserve.structured.grammar import QWEN3_XML, ConstraintError, tag_token_ids, tool_call_constraint
-from mlxserve.structured.tool_parsers import parse_complete
+from mlxhost.structured.grammar import QWEN3_XML, ConstraintError, tag_token_ids, tool_call_constraint
+from mlxhost.structured.tool_parsers import parse_complete
 
 SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
     "type": "object",

@@ -6,8 +6,8 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 from tokenizers import Tokenizer
 
-from mlxserve.testing import demo
-from mlxserve.testing.demo import (
+from mlxhost.testing import demo
+from mlxhost.testing.demo import (
     AGENT_CHAT_TEMPLATE,
     DemoModelConfig,
     build_model_folder,
@@ -146,7 +146,7 @@ def test_ensure_demo_model_is_idempotent(tmp_path, monkeypatch):
 def test_default_demo_model_dir():
     path = default_demo_model_dir()
     assert path.name == "demo-model-v3"
-    assert "mlxserve" in str(path)
+    assert "mlxhost" in str(path)
 
 
 def test_config_validation():

@@ -1,8 +1,8 @@
 """Building the demo model says what it is doing on stderr: `demo-model`, and a first `serve` with no model."""
 
-from mlxserve.server import cli
-from mlxserve.config import ServerConfig
-from mlxserve.server.app import model_specs
+from mlxhost.server import cli
+from mlxhost.config import ServerConfig
+from mlxhost.server.app import model_specs
 
 
 def test_demo_model_prints_stages(tmp_path, capsys):
@@ -15,7 +15,7 @@ def test_demo_model_prints_stages(tmp_path, capsys):
 
 
 def test_serve_without_a_model_shows_the_first_build(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("mlxserve.testing.demo.default_demo_model_dir", lambda: tmp_path / "demo")
+    monkeypatch.setattr("mlxhost.testing.demo.default_demo_model_dir", lambda: tmp_path / "demo")
     (spec,) = model_specs(ServerConfig())
     assert spec.source == str(tmp_path / "demo")
     assert "building the demo model (first run only): writing weights..." in capsys.readouterr().err

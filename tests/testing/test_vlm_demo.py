@@ -9,9 +9,9 @@ from mlx_vlm.prompt_utils import apply_chat_template
 from PIL import Image
 from tokenizers import Tokenizer
 
-from mlxserve.server.cli import main
-from mlxserve.testing import vlm_demo
-from mlxserve.testing.vlm_demo import VISION_TOKENS, make_hf_config, make_random_vlm, make_vlm_model, vlm_config_for
+from mlxhost.server.cli import main
+from mlxhost.testing import vlm_demo
+from mlxhost.testing.vlm_demo import VISION_TOKENS, make_hf_config, make_random_vlm, make_vlm_model, vlm_config_for
 
 FAMILY_FIXTURES = {"qwen2_5_vl": "qwen25vl_dir", "qwen3_vl": "qwen3vl_dir"}
 FAMILIES = list(FAMILY_FIXTURES)

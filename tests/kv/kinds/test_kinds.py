@@ -8,10 +8,10 @@ import pytest
 from mlx_lm.models.cache import (ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, ChunkedKVCache,
                                  ConcatenateKVCache, KVCache, QuantizedKVCache, RotatingKVCache)
 
-from mlxserve.kv.kinds import KINDS
-from mlxserve.kv.kinds.layout import KVLayout, read_layout
-from mlxserve.kv.kinds.quantized import BatchQuantizedKVCache, QuantizedRowKVCache
-from mlxserve.kv.kinds.registry import KV, OTHER, CacheKind, KindRegistry, LayerSpec
+from mlxhost.kv.kinds import KINDS
+from mlxhost.kv.kinds.layout import KVLayout, read_layout
+from mlxhost.kv.kinds.quantized import BatchQuantizedKVCache, QuantizedRowKVCache
+from mlxhost.kv.kinds.registry import KV, OTHER, CacheKind, KindRegistry, LayerSpec
 
 # class -> (kind, batches, can_pad, can_rewind, can_quantize, can_reserve once it holds keys)
 ANSWERS = [

@@ -4,7 +4,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from mlxserve.kv.kinds.probe import probe_kv
+from mlxhost.kv.kinds.probe import probe_kv
 
 
 @pytest.mark.parametrize("fixture", ["qwen3_model_dir", "qwen3_4bit_model_dir"])

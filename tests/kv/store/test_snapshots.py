@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlxserve.kv.store.snapshots import SnapshotStore
+from mlxhost.kv.store.snapshots import SnapshotStore
 
 
 def test_budget_evicts_least_recently_used_but_never_a_pinned_snapshot():

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlxserve.kv.hashing import disk_key, hash_block
-from mlxserve.kv.store.ssd_format import FORMAT_VERSION, BlockData, BlockMeta
-from mlxserve.kv.store.ssd_tier import SSDTier
+from mlxhost.kv.hashing import disk_key, hash_block
+from mlxhost.kv.store.ssd_format import FORMAT_VERSION, BlockData, BlockMeta
+from mlxhost.kv.store.ssd_tier import SSDTier
 
 BS = 4
 META = BlockMeta(model_key="test/model@cafe", block_size=BS, num_layers=2, dtype="bfloat16")
@@ -334,7 +334,7 @@ CHILD = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
 from test_ssd_tier import CRASH_SHAPE, META, make_block
-from mlxserve.kv.store.ssd_tier import SSDTier
+from mlxhost.kv.store.ssd_tier import SSDTier
 tier = SSDTier(sys.argv[1], 1 << 34, META, writer_queue_size=4)
 i = 0
 while True:

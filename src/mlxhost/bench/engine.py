@@ -1,0 +1,103 @@
+"""`mlxhost bench engine`: the same load as `bench serve`, in-process through the async engine.
+
+Comparing the two tables gives the HTTP layer's cost: same prompts, same metrics, no sockets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+import uuid
+
+from mlxhost.bench.report import format_table, write_json
+from mlxhost.bench.serve import TABLE_COLUMNS, ServeBenchConfig, add_load_arguments, default_json_path, summarize_level
+from mlxhost.bench.serve_request import RequestResult, make_prompt
+from mlxhost.config import EngineConfig
+from mlxhost.engine.request import Request, SamplingParams
+
+
+async def run_one(engine, tokenizer, cfg: ServeBenchConfig, prompt: str, eos,
+                  params: SamplingParams | None = None, adapter: str = "") -> RequestResult:
+    """One request through the async engine (under a LoRA adapter's id, if given), timed like `bench serve`
+    times one over HTTP."""
+    ids = tokenizer.encode(prompt)
+    params = params or SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=cfg.ignore_eos)
+    res = RequestResult(num_prompt_tokens=len(ids))
+    start = time.perf_counter()
+    first = last = None
+    async for out in engine.generate(Request(uuid.uuid4().hex, ids, params, eos, adapter=adapter)):
+        now = time.perf_counter()
+        if out.error:
+            res.error = out.error
+            return res
+        if first is None:
+            first = now
+            res.ttft_s = now - start
+        else:
+            res.itl_s.append(now - last)
+        last = now
+        res.num_chunks += 1
+        res.num_completion_tokens = out.num_output_tokens
+    res.e2e_s = time.perf_counter() - start
+    res.decode_s = (last - first) if first is not None else None
+    return res
+
+
+async def run_engine_bench(cfg: ServeBenchConfig, model_path: str | None, engine_config: EngineConfig) -> dict:
+    from mlxhost.testing.demo import ensure_demo_model
+    from mlxhost.models.loader import load_model
+    from mlxhost.server.app import make_engine, resolve_max_model_len
+
+    loaded = load_model(model_path or str(ensure_demo_model()))
+    engine = make_engine(loaded, engine_config, resolve_max_model_len(loaded, engine_config))
+    engine.start(asyncio.get_running_loop())
+    levels = []
+    try:
+        await run_one(engine, loaded.tokenizer, cfg, make_prompt(cfg.seed, "warmup", 0, cfg.prompt_tokens),
+                   loaded.eos_token_ids)
+        for pos, c in enumerate(cfg.concurrency):
+            tag = f"L{pos}c{c}"
+            n = cfg.num_requests_for(c)
+            prompts = [make_prompt(cfg.seed, tag, i, cfg.prompt_tokens) for i in range(n)]
+            results: list = [None] * n
+            pending = iter(range(n))
+
+            async def worker():
+                for i in pending:
+                    results[i] = await run_one(engine, loaded.tokenizer, cfg, prompts[i], loaded.eos_token_ids)
+
+            start = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(min(c, n))))
+            levels.append(summarize_level(cfg, c, results, time.perf_counter() - start))
+            print(f"level c={c}: {levels[-1]['agg_tok_s']:.1f} tok/s", flush=True)
+    finally:
+        engine.stop()
+    return {"config": {"model": model_path, **cfg.__dict__}, "levels": levels}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model folder or hub id (default: the demo model)")
+    add_load_arguments(parser, [1, 16])
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="the engine's --max-num-seqs (batch limit)")
+    parser.add_argument("--prefill-step-size", type=int, default=None,
+                        help="the engine's --prefill-step-size (prompt tokens per step; default: the server's, "
+                             "2048 on MLX-CUDA, 512 elsewhere)")
+    parser.add_argument("--label", default="engine", help="name shown in the table and the default JSON name")
+    parser.add_argument("--output-json", default=None,
+                        help="result file (default: bench-results/serve-<label>-<time>.json)")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = ServeBenchConfig(url="http://in-process", model=args.model or "demo", concurrency=args.concurrency,
+                           prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                           num_requests=args.num_requests, label=args.label, output_json=args.output_json)
+    from mlxhost.platform.backend import default_prefill_step_size
+
+    step = args.prefill_step_size if args.prefill_step_size is not None else default_prefill_step_size()
+    engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, prefill_step_size=step)
+    result = asyncio.run(run_engine_bench(cfg, args.model, engine_config))
+    print(format_table(result["levels"], TABLE_COLUMNS))
+    path = write_json(args.output_json or default_json_path(args.label), result)
+    print(f"wrote {path}")
+    return 0 if all(lv["num_errors"] == 0 for lv in result["levels"]) else 1

@@ -1,0 +1,347 @@
+"""One engine step: schedule -> run -> update, then turn new tokens into text outputs.
+
+Runs on the engine thread only; the asyncio side talks to it through `AsyncEngine`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxhost.config import EngineConfig
+from mlxhost.engine.runner.batch import can_batch
+from mlxhost.engine.runner.batch_prefill import why_not_batched
+from mlxhost.engine.grammar import GrammarSource
+from mlxhost.engine.detokenizer import StopStringMatcher, make_detokenizer_factory
+from mlxhost.engine.request import Request, RequestOutput
+from mlxhost.engine.runner.model_runner import ModelRunner
+from mlxhost.engine.runner.sampling import reseed_after_failure
+from mlxhost.engine.scheduler import Scheduler
+from mlxhost.kv.kinds.kv_quant import plan_kv_quant
+from mlxhost.kv.store.kv_store import KVBlockStore
+from mlxhost.engine.spec.setup import make_speculative, reserve_draft
+from mlxhost.kv.kinds.probe import probe_kv
+from mlxhost.kv.store.setup import make_prefix_cache
+from mlxhost.engine.status import cache_stats, describe_last_step, engine_status, spec_stats, vision_stats
+from mlxhost.engine.warmup import warm_up
+from mlxhost.memory.budget import reserve_state
+from mlxhost.memory.capacity import KVCapacity
+from mlxhost.memory.pressure import MemoryGovernor
+from mlxhost.memory.profile import budget_config, startup_budget
+from mlxhost.platform.backend import is_cuda
+from mlxhost.platform.cudnn_attention import apply_cudnn_attention
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _TextState:
+    detok: Any  # IncrementalDetokenizer or ByteLevelDetokenizer
+    stop: StopStringMatcher
+    has_text: bool = False
+
+
+class EngineCore:
+    # What builds the runner and the prefix cache's physical half; a distributed server's core
+    # (distributed/engine.py) puts its own in.
+    runner_cls = ModelRunner
+    store_cls = KVBlockStore
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        config: EngineConfig,
+        max_model_len: int,
+        buckets: list[int] | None = None,
+        model_key: str = "",
+    ) -> None:
+        # Before any forward of this process: MLX reads the switch at its first attention call.
+        self.cudnn_attention = apply_cudnn_attention(config.cudnn_attention)
+        self.tokenizer = tokenizer
+        self._make_detokenizer = make_detokenizer_factory(tokenizer)
+        self.config = config
+        # --kv-bits: which layers hold quantized KV (raises if the group size does not fit the model).
+        self.kv_quant = plan_kv_quant(model, config.kv_bits, config.kv_group_size, config.kv_quant_mode)
+        make_cache = self.kv_quant.make_cache if self.kv_quant is not None else make_prompt_cache
+        probe = probe_kv(model, make_cache)
+        self.probe = probe
+        if config.max_num_seqs > 1 and not can_batch(make_cache(model)):
+            log.warning("this model's caches (%s) have no batch version in mlx-lm: serving one request at a "
+                        "time", sorted(set(probe.layer_kinds)))
+            config = dataclasses.replace(config, max_num_seqs=1)
+            self.config = config
+        why_not = why_not_batched(model, make_cache)
+        if why_not is not None and config.max_num_prefill_rows > 1:
+            config = dataclasses.replace(config, max_num_prefill_rows=1)
+            self.config = config
+        if why_not is None and config.max_num_prefill_rows == 1:
+            why_not = "--max-num-prefill-rows 1"
+        log.info("prefill: %s", f"up to {config.max_num_prefill_rows} prompts per forward" if why_not is None
+                 else f"one prompt per forward ({why_not})")
+        prefix_on = config.enable_prefix_cache and config.cache_memory_bytes != 0 and probe.shareable
+        # The start-up budget; `self.governor.live` is the one in force (desktop mode follows free memory).
+        is_vlm = getattr(model, "is_vlm", False)
+        self.budget = self._startup_budget(model, config.prefill_step_size, budget_config(config, prefix_on, is_vlm),
+                                           make_cache)
+        if self.budget is not None and probe.bytes_per_seq:
+            self.budget = reserve_state(self.budget, probe.bytes_per_seq * config.max_num_seqs)
+        per_token = probe.budget_bytes_per_token
+        self.block_bytes = per_token * config.block_size
+        self.spec = make_speculative(model, config, probe.logits_width)
+        if self.spec is not None and self.spec.proposer.model is not None:
+            # A draft model's weights are fixed; its KV grows with every running token beside the target's.
+            self.budget, per_token = reserve_draft(self.budget, self.spec.proposer.model, per_token)
+        # The one holder of KV capacity (memory/capacity.py): the scheduler admits by it, the governor moves it.
+        self.kv_bytes_per_token = per_token  # a running request's KV per token (what the warm-up's helper needs)
+        self.kv_capacity = KVCapacity.at_startup(self.budget, per_token, config.kv_budget_tokens)
+        prefix_bytes = self.budget.prefix_cache if self.budget is not None and prefix_on else None
+        self.prefix, store = make_prefix_cache(model, config, model_key, probe, prefix_bytes, self.kv_quant,
+                                               self.store_cls)
+        # Recurrent state can be snapshotted only where a forward stops: chunks inside a prompt end on blocks.
+        self.scheduler = Scheduler(config, max_model_len, self.prefix, self.kv_capacity,
+                                   align_chunks=store is not None and store.wants_snapshots)
+        # Vision features by image hash (VLMs only): the budget's vision share, or the flag without one.
+        self.vision_cache = None
+        if is_vlm and config.vision_cache_bytes:
+            from mlxhost.multimodal.vision_cache import VisionCache
+
+            vision_bytes = self.budget.vision_cache if self.budget is not None else config.vision_cache_bytes
+            self.vision_cache = VisionCache(vision_bytes)
+            log.info("vision cache: %.0f MB", vision_bytes / 1e6)
+        self.grammar = GrammarSource(tokenizer, probe.logits_width, _eos_ids(tokenizer))
+        self.runner = self.runner_cls(model, buckets, store, config.block_size, self.vision_cache,
+                                      kv_prealloc_tokens=config.kv_prealloc_tokens, grammar=self.grammar,
+                                      make_cache=make_cache, spec=self.spec,
+                                      batch_prefill=self.config.max_num_prefill_rows > 1,
+                                      logits_width=probe.logits_width)
+        self.governor = None
+        if self.budget is not None:
+            self.governor = MemoryGovernor(self.budget, per_token, self.prefix, self.scheduler,
+                                           block_bytes=self.block_bytes,
+                                           kv_tokens_override=config.kv_budget_tokens, capacity=self.kv_capacity,
+                                           refresh_s=_memory_refresh_s(config, self.budget.mode))
+            self.governor.vision_cache = self.vision_cache
+            if store is not None and store.wants_snapshots:
+                self.governor.attach_snapshots(store.snapshots)
+        log.info("KV for running requests: %s tokens of %d bytes%s%s", self.kv_capacity_tokens, per_token,
+                 f" ({config.kv_bits}-bit KV in {len(self.kv_quant.layers)}/{probe.num_layers} layers"
+                 f"{', ' + self.kv_quant.attention if self.kv_quant.attention else ''})"
+                 if self.kv_quant is not None else "",
+                 f", {config.kv_prealloc_tokens} reserved per batch up front" if config.kv_prealloc_tokens else "")
+        self._requests: dict[str, Request] = {}
+        self._text: dict[str, _TextState] = {}
+        self.last_sched = None
+        self.last_execute_s = 0.0
+
+    def _startup_budget(self, model: Any, chunk_tokens: int, rules: Any, make_cache: Any = None):
+        # A distributed core overrides this: every rank must run the same profiling forwards.
+        return startup_budget(model, chunk_tokens, rules, make_cache)
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        return self.kv_capacity.tokens
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+        self._requests[request.request_id] = request
+        self._text[request.request_id] = _TextState(
+            self._make_detokenizer(request.prompt_token_ids),
+            StopStringMatcher(request.sampling.stop),
+        )
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self._forget(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        if self.governor is not None:
+            self.governor.maybe_refresh()  # desktop mode: a clock read, memory read every few seconds
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        self.last_sched = sched  # what the step ran, for the slow-step log line
+        started = time.perf_counter()
+        try:
+            step = self.runner.execute(sched, self._requests)
+        except Exception as exc:  # a failure the runner could not pin on requests: the last resort
+            log.exception("engine step failed")
+            return self._fail_all(f"engine step failed: {exc}")
+        self.last_execute_s = time.perf_counter() - started
+        if step.failed_block_ids:
+            self.prefix.discard_stores(step.failed_block_ids)
+        outputs = [self._fail(rid, why) for rid, why in step.failed.items() if rid in self._requests]
+        new: dict[str, list[int]] = {}  # a speculative step gives a request several tokens
+        for rid, token in zip(step.request_ids, step.token_ids):
+            new.setdefault(rid, []).append(token)
+        # What each request keeps of them: EOS, max_tokens or a stop string (found in the text) inside a
+        # speculative run cut the rest. The scheduler then appends them and finishes whom they end.
+        kept: dict[str, list[int]] = {}
+        texts: dict[str, str] = {}
+        stopped: set[str] = set()
+        for rid, tokens in new.items():
+            request = self.scheduler.running.get(rid)
+            if request is None:  # finished or aborted while its tokens were in flight
+                continue
+            if len(tokens) > 1:  # a lone token is always kept (it may end the request)
+                tokens = tokens[: self.scheduler.num_kept(request, tokens)]
+            try:
+                n, texts[rid], hit = self._text_of(rid, tokens)
+            except Exception as exc:  # e.g. a detokenizer error: this request only
+                log.exception("output of request %s failed", rid)
+                outputs.append(self._fail(rid, f"output failed: {exc}"))
+                continue
+            kept[rid] = tokens[:n]
+            if hit:
+                stopped.add(rid)
+        finished = {r.request_id for r in self.scheduler.update(kept, stopped)}
+        for rid, tokens in kept.items():
+            try:
+                out = self._make_output(self._requests[rid], tokens, texts[rid], rid in finished, rid in stopped)
+            except Exception as exc:
+                log.exception("output of request %s failed", rid)
+                outputs.append(self._fail(rid, f"output failed: {exc}"))
+                continue
+            if rid in step.logprobs:
+                out.logprobs = step.logprobs[rid][: len(out.new_token_ids)]
+            out.prompt_logprobs = step.prompt_logprobs.get(rid)
+            outputs.append(out)
+            if out.finished:
+                self._forget(rid)
+        return outputs
+
+    def _fail(self, request_id: str, message: str) -> RequestOutput:
+        request = self._requests[request_id]
+        self.scheduler.fail(request_id)
+        self._forget(request_id)
+        return RequestOutput(request_id, [], "", request.num_prompt_tokens, request.num_output_tokens, error=message)
+
+    def warmup(self, max_batch: int, prompt_len: int = 16, background: bool = False) -> None:
+        # `background` matters to a distributed core only (its ranks warm up in step before serving).
+        warm_up(self, max_batch, prompt_len)  # warmup.py
+
+    def describe_last_step(self) -> str:
+        return describe_last_step(self)
+
+    def _text_of(self, rid: str, tokens: list[int]) -> tuple[int, str, bool]:
+        """Feeds `tokens` to the request's detokenizer: (how many it keeps, their text, whether the last
+        kept one completed a stop string, which ends the output there, even inside a speculative run)."""
+        state = self._text[rid]
+        text, hit, n = "", False, 0
+        for n, token in enumerate(tokens, 1):
+            piece, hit = state.stop.feed(state.detok.add(token))
+            text += piece
+            if hit:
+                break
+        return n, text, hit
+
+    def _make_output(self, request: Request, tokens: list[int], text: str, finished: bool, hit: bool,
+                     ) -> RequestOutput:
+        state = self._text[request.request_id]
+        if finished and not hit:
+            tail, hit = state.stop.feed(state.detok.flush())
+            text += tail if hit else tail + state.stop.flush()
+        if text:
+            state.has_text = True
+        elif finished and not state.has_text:
+            # An empty reply is the model's own output (e.g. a random model repeating a special token,
+            # which replies skip as every server does); say so, or it looks like a lost stream.
+            log.info("request %s ended after %d tokens without any text: token ids %s decode to nothing",
+                     request.request_id, request.num_output_tokens, sorted(set(request.output_token_ids))[:8])
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=list(tokens),
+            text=text,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            # A stop string completed by the token that also reached max_tokens still cut the text: "stop".
+            finish_reason=("stop" if hit else request.finish_reason) if finished else None,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self._text.pop(request_id, None)
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        outputs = []
+        for rid, request in list(self._requests.items()):
+            self.scheduler.abort(rid)
+            outputs.append(
+                RequestOutput(rid, [], "", request.num_prompt_tokens, request.num_output_tokens, error=message)
+            )
+            self._forget(rid)
+        # Start the runner's state from scratch: its caches may be half-updated, and so may the
+        # prefix cache's planned blocks, so that starts empty too.
+        self.runner.reset()
+        self.scheduler.reset_after_failure()
+        reseed_after_failure()
+        return outputs
+
+    # What the status and cache endpoints read (status.py).
+    def cache_stats(self) -> dict:
+        return cache_stats(self)
+
+    def status(self) -> dict:
+        return engine_status(self)
+
+    def spec_stats(self) -> dict:
+        return spec_stats(self)
+
+    def vision_stats(self) -> dict | None:
+        return vision_stats(self)
+
+    def clear_cache(self) -> int:
+        """Both tiers (and the vision cache); blocks held by running requests stay until those finish."""
+        from mlxhost.memory.release import give_back_memory
+
+        if self.vision_cache is not None:
+            self.vision_cache.clear()
+        n = 0
+        if self.prefix is not None:
+            n = self.prefix.clear()
+            n += self.runner.store.clear_ssd()  # both tiers, blocks and snapshots
+        give_back_memory()  # on the engine thread, which owns the MLX stream whose buffers are cached
+        return n
+
+    def on_idle(self) -> None:
+        """Nothing to run: hand blocks still queued for the SSD tier to its writer now, so a crash
+        while idle loses nothing that was computed; desktop mode re-reads memory if it is time."""
+        if self.governor is not None:
+            self.governor.maybe_refresh()
+        if self.prefix is not None and self.runner.store.ssd is not None:
+            self.runner.store.spill_pending()
+
+    def close(self) -> None:
+        """Lets queued SSD writes reach the disk."""
+        if self.prefix is not None:
+            self.runner.store.close()
+
+
+def _eos_ids(tokenizer: Any) -> frozenset[int]:
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or ())
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def _memory_refresh_s(config: EngineConfig, mode: str) -> float:
+    """Seconds between desktop mode's reads of free memory; 0 (the start-up budget stays) on MLX-CUDA.
+    There free device memory cannot tell other processes' use from ours: MLX-CUDA hands freed buffers to
+    CUDA's memory pool, which keeps them beyond what MLX counts, so under load it read a fraction of what
+    was free and the governor evicted the prefix cache for nothing (docs/BENCHMARKS.md, "Memory readings
+    under CUDA's memory pool"). A discrete GPU is not the memory desktop apps draw on either."""
+    if mode == "desktop" and config.memory_refresh_s and is_cuda():
+        log.info("memory: on MLX-CUDA the budget stays as computed at start-up (free device memory counts "
+                 "CUDA's pool of MLX's freed buffers as used)")
+        return 0.0
+    return config.memory_refresh_s

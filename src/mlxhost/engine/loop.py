@@ -1,0 +1,318 @@
+"""The asyncio facade: handlers submit, stream and abort; one engine thread owns MLX.
+
+Commands go to the engine thread through a thread-safe queue; each step's outputs come back in one
+`call_soon_threadsafe` callback that fans them out to per-request asyncio queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from mlxhost.engine.request import Request, RequestOutput, merge_outputs
+from mlxhost.engine.scheduler import QueueFullError
+
+log = logging.getLogger(__name__)
+
+# A step this long stalls every stream; worth a log line (kernel compiles, a huge prefill chunk).
+_SLOW_STEP_S = 1.0
+# A file to write one line per engine step to (where a step's time goes under load, e.g. on a GPU).
+STEP_TRACE_ENV = "MLXHOST_STEP_TRACE"
+STEP_SYNC_ENV = "MLXHOST_STEP_SYNC"
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_cached_blocks: int = 0
+    kv_bytes_per_token: int = 0  # what one token's KV costs (smaller under --kv-bits)
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_max_batch: int = 0  # --spec-max-batch (0: speculation off)
+    spec_big_batch_steps: int = 0  # decode steps that did not speculate: the batch was over spec_max_batch
+
+
+class AsyncEngine:
+    def __init__(self, make_core: Callable[[], "EngineCore"], max_num_waiting: int) -> None:  # noqa: F821
+        # The core (and with it the model's MLX stream) is built on the engine thread itself.
+        self._make_core = make_core
+        self._max_num_waiting = max_num_waiting
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self.stats = EngineStats()
+        self._core = None  # the engine thread's core, once built: read here only for its KV capacity
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="mlxhost-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(("stop", None))
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        """The live KV capacity (memory/capacity.py; desktop mode lowers it under memory pressure): the
+        API's "can never fit" check. One int read across threads, never a copy."""
+        return self._core.kv_capacity_tokens if self._core is not None else None
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    # -- requests ------------------------------------------------------------------------------
+    def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Queues `request` and returns its output stream; raises QueueFullError at once when full.
+
+        Iterate the stream to the end or close it: leaving it early (a disconnect cancels the
+        handler) aborts the request, which frees its slot and KV in the next engine step.
+        """
+        # Everything not running is waiting (or on its way to the queue). The running count may lag a
+        # step behind, which only ever overstates the queue: the scheduler's own limit is never hit.
+        num_waiting = len(self._streams) - self.stats.num_running
+        if num_waiting >= self._max_num_waiting:
+            raise QueueFullError(
+                f"{num_waiting} requests are already waiting (limit {self._max_num_waiting}) behind "
+                f"{self.stats.num_running} running"
+            )
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = stream
+        self._inbox.put(("add", request))
+        return _OutputStream(self, request.request_id, stream)
+
+    async def _iterate(self, rid: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                ready = [await stream.get()]
+                while not ready[-1].finished and not stream.empty():
+                    ready.append(stream.get_nowait())
+                out = merge_outputs(ready)
+                finished = out.finished
+                yield out
+        finally:
+            if finished:
+                self._streams.pop(rid, None)
+            else:
+                self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        """A stream left early: its request is aborted (once, whoever gets here first)."""
+        if self._streams.pop(rid, None) is not None:
+            self._inbox.put(("abort", rid))
+
+    def end_all(self, error: str) -> int:
+        """Ends every open stream now (on the loop's thread): a last output with `error` and finish reason
+        "abort", and its request aborted. Shutdown's deadline: clients learn why their stream stopped."""
+        ended = list(self._streams.items())
+        for rid, stream in ended:
+            stream.put_nowait(RequestOutput(rid, [], "", 0, 0, finish_reason="abort", error=error))
+            self._forget(rid)
+        return len(ended)
+
+    async def call(self, fn: Callable[["EngineCore"], object]) -> object:  # noqa: F821
+        """Runs `fn(core)` on the engine thread between two steps (state the engine owns, e.g. the
+        prefix cache, is only touched there) and returns its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", (fn, future)))
+        return await asyncio.wrap_future(future)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    # -- engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        import mlx.core as mx
+
+        try:
+            self._serve()
+        finally:
+            # MLX 0.32 needs each thread that used it to clear its streams before it ends: left to
+            # process teardown, a finished thread's stream aborted the interpreter at exit now and then
+            # ("terminate called without an active exception", exit code 134; ml-explore/mlx#3395).
+            if hasattr(mx, "clear_streams"):
+                mx.synchronize()
+                mx.clear_streams()
+
+    def _read_stats(self, core) -> EngineStats:
+        prefix, spec = core.prefix, getattr(core, "spec", None)
+        return EngineStats(
+            core.scheduler.num_running,
+            core.scheduler.num_waiting,
+            *((prefix.num_queried_tokens, prefix.num_hit_tokens, prefix.pool.num_cached) if prefix else (0, 0, 0)),
+            kv_bytes_per_token=getattr(getattr(core, "probe", None), "bytes_per_token", 0),
+            spec_drafted_tokens=spec.stats.num_drafted if spec is not None else 0,
+            spec_accepted_tokens=spec.stats.num_accepted if spec is not None else 0,
+            spec_max_batch=spec.max_batch if spec is not None else 0,
+            spec_big_batch_steps=spec.stats.num_big_batch_steps if spec is not None else 0,
+        )
+
+    def _serve(self) -> None:
+        import mlx.core as mx
+
+        # The engine thread's own default stream, not `mx.new_stream`: on MLX's CUDA backend a new
+        # stream made every new prompt length stall for tens of seconds, the default one did not
+        # (docs/BENCHMARKS.md). The thread is the only one issuing MLX work, so it owns this stream all the same.
+        stream = mx.default_stream(mx.default_device())
+        with mx.stream(stream):
+            try:
+                core = self._make_core()
+            except BaseException as exc:  # reported to start()
+                self._startup_error = exc
+                self._ready.set()
+                return
+            self._core = core
+            self.stats = self._read_stats(core)
+            self._ready.set()
+            # Idle, the loop still wakes now and then: desktop mode re-reads free memory in on_idle().
+            idle_timeout = getattr(core.config, "memory_refresh_s", 0) or None
+            trace = _StepTrace.open(os.environ.get(STEP_TRACE_ENV))
+            if os.environ.get(STEP_SYNC_ENV) == "1":
+                core.runner.sync_phases = True
+            # Warm-up while serving (engine/warmup.py): its steps run while no request is in the engine.
+            warm = getattr(core, "background_warmup", None)
+            while True:
+                timeout = idle_timeout
+                if warm is not None:
+                    wait = warm.between_steps(core)
+                    timeout = min(wait, idle_timeout or wait) if wait else idle_timeout
+                    if warm.finished:
+                        warm = None
+                block = not core.has_work
+                if block:
+                    core.on_idle()
+                waited = time.perf_counter()
+                try:
+                    while True:
+                        cmd, arg = self._inbox.get(block=block, timeout=timeout if block else None)
+                        block = False
+                        if cmd == "stop":
+                            if warm is not None:
+                                warm.close()
+                            core.close()
+                            trace.close()
+                            return
+                        if cmd == "add":
+                            if warm is not None:
+                                warm.interrupt(core)  # no real step carries warm-up rows
+                            self._add(core, arg)
+                        elif cmd == "call":
+                            self._call(core, *arg)
+                        else:
+                            core.abort(arg)
+                except queue.Empty:
+                    pass
+                started = time.perf_counter()
+                outputs = core.step()
+                elapsed = time.perf_counter() - started
+                if elapsed > _SLOW_STEP_S:
+                    log.warning("slow engine step: %.2f s with %d running, %d waiting (%s)", elapsed,
+                                core.scheduler.num_running, core.scheduler.num_waiting, core.describe_last_step())
+                trace.write(core, waited, started, elapsed, len(outputs))
+                self.stats = self._read_stats(core)
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    @staticmethod
+    def _call(core, fn, future: concurrent.futures.Future) -> None:
+        try:
+            future.set_result(fn(core))
+        except Exception as exc:
+            future.set_exception(exc)
+
+    def _add(self, core, request: Request) -> None:
+        try:
+            core.add_request(request)
+        except Exception as exc:
+            out = RequestOutput(request.request_id, [], "", request.num_prompt_tokens, 0, error=str(exc))
+            self._loop.call_soon_threadsafe(self._dispatch, [out])
+
+
+class _OutputStream:
+    """One request's outputs. Leaving it early aborts the request, and so does never iterating it at
+    all: a client gone before the response started leaves an async generator whose `finally` never
+    runs, so without the finalizer here its request ran to max_tokens and its stream stayed counted
+    (the model looked busy for good and could never be unloaded)."""
+
+    def __init__(self, engine: AsyncEngine, rid: str, stream: asyncio.Queue) -> None:
+        self._outputs = engine._iterate(rid, stream)
+        weakref.finalize(self, engine._forget, rid)
+
+    def __aiter__(self) -> "_OutputStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return await self._outputs.__anext__()
+
+    async def aclose(self) -> None:
+        await self._outputs.aclose()
+
+
+class _StepTrace:
+    """`MLXHOST_STEP_TRACE=FILE`: one tab-separated line per engine step, for finding where time goes
+    under load: start (s), inbox ms (adding requests before the step), step ms, runner ms, prefill ms of
+    it, prefill chunks, prefill tokens, decoding rows, batch rows, outputs, running, waiting, then the runner's
+    block stores, joining the prefilled rows to the batch, and the decode (its graph and the wait for the
+    previous step's tokens), ms. Times are the host's: a prefill's device work shows in whichever column
+    first waits for it (a lone prompt's in join or decode, a batched prefill's in decode), unless
+    MLXHOST_STEP_SYNC=1 makes the runner wait for the device after each phase (diagnosis only: the host
+    no longer runs ahead of the device). Off by default; a step costs one formatted line when on."""
+
+    def __init__(self, f=None) -> None:
+        self._f = f
+        self._t0 = time.perf_counter()
+        self._last = None  # the schedule last written: a step that scheduled nothing leaves it in place
+
+    @classmethod
+    def open(cls, path: str | None) -> "_StepTrace":
+        if not path:
+            return cls()
+        f = open(path, "a", buffering=1)  # line by line: a crashed engine thread loses nothing
+        f.write("t_s\tinbox_ms\tstep_ms\trunner_ms\tprefill_ms\tchunks\tprefill_tokens\tdecoding\trows\t"
+                "outputs\trunning\twaiting\tstore_ms\tjoin_ms\tdecode_ms\n")
+        return cls(f)
+
+    def write(self, core, waited: float, started: float, elapsed: float, num_outputs: int) -> None:
+        if self._f is None:
+            return
+        sched = core.last_sched
+        if sched is None or sched is self._last:
+            return
+        self._last = sched
+        self._f.write(f"{started - self._t0:.4f}\t{(started - waited) * 1e3:.2f}\t{elapsed * 1e3:.2f}\t"
+                      f"{core.last_execute_s * 1e3:.2f}\t{core.runner.last_prefill_s * 1e3:.2f}\t"
+                      f"{len(sched.prefill_chunks)}\t{sum(c.num_tokens for c in sched.prefill_chunks)}\t"
+                      f"{len(sched.decode_request_ids)}\t{core.runner.num_rows}\t{num_outputs}\t"
+                      f"{core.scheduler.num_running}\t{core.scheduler.num_waiting}\t"
+                      f"{getattr(core.runner, 'last_store_s', 0) * 1e3:.2f}\t"
+                      f"{getattr(core.runner, 'last_join_s', 0) * 1e3:.2f}\t"
+                      f"{getattr(core.runner, 'last_decode_s', 0) * 1e3:.2f}\n")
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()

@@ -1,0 +1,328 @@
+"""All MLX work of a step: chunked prefill, the batched decode forward and sampling.
+
+The decode batch's `tokens` are the last sampled token of each row, still lazy. A step launches the
+next decode on them with `mx.async_eval` and only then reads them back, so Python's bookkeeping for
+step N overlaps the device computing step N+1 (the pipelining mlx-lm's `generate_step` uses). A
+request that finished at step N therefore costs one wasted row in step N+1, and is dropped at the
+start of the step after.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxhost.engine.grammar import GrammarSource
+from mlxhost.engine.request import Request, SamplingParams, TokenLogprob
+from mlxhost.engine.runner.batch import DecodeBatch
+from mlxhost.engine.runner.batch_prefill import pick_rows, why_not_batched
+from mlxhost.engine.runner.block_copy import copy_blocks
+from mlxhost.engine.runner.mm_prefill import MultimodalPrefill
+from mlxhost.engine.runner.prefill import PrefillSteps
+from mlxhost.engine.runner.sampling import (RowSampler, gather_logprobs, pending_arrays, prompt_entries,
+                                             reseed_after_failure, sample_batch, to_logprob)
+from mlxhost.engine.runner.state import RowTable
+from mlxhost.engine.scheduler import SchedulerOutput
+from mlxhost.kv.store.kv_store import KVBlockStore
+from mlxhost.lora.manager import AdapterSet
+from mlxhost.platform.backend import is_cuda
+
+log = logging.getLogger(__name__)
+
+# Filler rows of a bucketed batch sample greedily; their tokens are never read.
+_FILLER = RowSampler.make(SamplingParams(max_tokens=1, temperature=0.0), [])
+
+
+@dataclass
+class StepTokens:
+    """Tokens that became known this step, one per live decoding row, in row order."""
+
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    # A request may get several tokens in one step (speculative decoding): consecutive entries above,
+    # and one logprob per token here.
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # Requests this step failed for (request id -> why); the runner already dropped their state.
+    failed: dict[str, str] = field(default_factory=dict)
+    # Prefix-cache blocks planned this step whose copy failed: their hashes must not be found.
+    failed_block_ids: list[int] = field(default_factory=list)
+    # Prompts that asked for their own logprobs and got their first token this step: their entries.
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
+
+
+# On CUDA a last chunk whose logits (tokens x vocab) stay under this many runs as one forward, not two:
+# there a forward of a few tokens is bound by launching its kernels, so a prefix hit's suffix costs one
+# forward. Elsewhere, and for longer chunks, the last token runs alone so the LM head never runs over the
+# chunk, which there costs more than a second forward (docs/BENCHMARKS.md, "Prefill forwards and kernel
+# launches").
+_ONE_FORWARD_LOGITS = 1 << 25
+_PREFILL_PAD_TO = 32
+
+
+class ModelRunner(PrefillSteps):
+    def __init__(
+        self,
+        model: Any,
+        buckets: list[int] | None = None,
+        store: KVBlockStore | None = None,
+        block_size: int = 0,
+        vision_cache: Any = None,
+        kv_prealloc_tokens: int = 0,
+        grammar: "GrammarSource | None" = None,
+        make_cache: Callable[[Any], list[Any]] = make_prompt_cache,
+        spec: Any = None,
+        batch_prefill: bool = True,
+        logits_width: int = 0,
+        lora: AdapterSet | None = None,
+    ) -> None:
+        self.model = model
+        # LoRA adapters on this model (lora/): each forward runs inside `lora.rows(...)`, one id per row.
+        self.lora = lora if lora is not None else AdapterSet(model)
+        self.logits_width = logits_width  # the LM head's width (vocab); 0: unknown, taken as 1M
+        self.one_forward_logits = _ONE_FORWARD_LOGITS if is_cuda() else 0
+        # Batched prefill's first pass padded to a multiple of this many tokens on MLX-CUDA, so the server
+        # meets few distinct forward shapes: with `--cudnn-attention on` every new attention shape costs a
+        # graph (platform/cudnn_attention.py); its own effect was not measured apart (docs/BENCHMARKS.md,
+        # "cuDNN attention"). Elsewhere shapes cost nothing, padding would.
+        self.prefill_pad_to = _PREFILL_PAD_TO if is_cuda() else 1
+        self.make_cache = make_cache  # a request's fresh caches (quantized layers under --kv-bits)
+        self.grammar = grammar
+        self.spec = spec  # speculative decoding (spec/decoder.py SpeculativeDecoder); None: off
+        self.buckets = buckets
+        self.store = store
+        self.block_size = block_size
+        self.kv_prealloc_tokens = kv_prealloc_tokens
+        # Vision-language models: multimodal prefill, and decode positions carried per row.
+        self.mm = MultimodalPrefill(model, vision_cache) if getattr(model, "is_vlm", False) else None
+        # Prompts prefilled together in one forward where the model's caches take padding.
+        self._batch_prefill = batch_prefill and why_not_batched(model, make_cache) is None
+        # Where the last step's time went, for the slow-step log line and MLXHOST_STEP_TRACE.
+        self.last_prefill_s = self.last_store_s = self.last_join_s = self.last_decode_s = 0.0
+        # MLXHOST_STEP_SYNC (diagnosis only, slows every step): wait for the device after the stores, the
+        # prefill and the join, so those columns of the step trace hold their device time too.
+        self.sync_phases = False
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets every request and starts an empty decode batch: at start-up, and after a step failed
+        in a way no request could be blamed for (its caches may be half-written)."""
+        self.rows = RowTable()  # request id -> RowState: everything kept per request (state.py)
+        self.batch = DecodeBatch(self.buckets, self.kv_prealloc_tokens)
+        self._joined_last_step: list[str] = []
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.batch)
+
+    def execute(self, sched: SchedulerOutput, requests: dict[str, Request]) -> StepTokens:
+        """Runs one step. A failure that belongs to one request (its prefill, its blocks' copy) fails
+        only that request; a failed decode forward fails the rows of the decode batch, which share
+        it. Either way the other requests and the prefix cache carry on."""
+        out = StepTokens()
+        began = time.perf_counter()
+        if self.store is not None and self.store.ssd is not None:
+            self.store.spill_pending()
+        if sched.store_ops:
+            self._store_blocks(sched.store_ops, out)
+        self._sync_phase()
+        self.last_store_s = time.perf_counter() - began
+        # Prompts that joined last step had their blocks planned for this step (or all cached already):
+        # what their prefill captured is no longer needed.
+        for rid in self._joined_last_step:
+            row = self.rows.get(rid)
+            if row is not None:
+                row.captured = row.prefill_snap = None
+        self._free(sched.finished_request_ids)
+        joined: list[tuple[str, list[Any], mx.array]] = []
+        started = time.perf_counter()
+        together = [c for c in sched.prefill_chunks if self._can_prefill_together(requests[c.request_id])]
+        together = [together[i] for i in pick_rows([c.start + c.num_tokens for c in together])]
+        for chunk in sched.prefill_chunks:
+            done = None if chunk in together else self._prefill_or_fail(chunk, requests[chunk.request_id], out)
+            if done is not None:
+                joined.append(done)
+        if together:
+            joined.extend(self._prefill_together(together, requests, out))
+        if joined:
+            self._sync_phase(*(j[2] for j in joined))
+            joined = self._take_prompt_scores(joined, requests, out)
+        self.last_prefill_s = time.perf_counter() - started  # for the slow-step log line
+        self.last_join_s = 0.0
+        try:
+            self._joined_last_step = [j[0] for j in joined]
+            if joined:
+                self._join(joined, requests)
+            decoding = time.perf_counter()
+            self.last_join_s = decoding - started - self.last_prefill_s
+            with self.lora.rows(self.lora.rows_of(self.batch.row_ids, requests)):
+                if self.spec is None or not self.batch.num_live or not self.spec.step(self, requests, out):
+                    self._decode(out)
+            self.last_decode_s = time.perf_counter() - decoding
+        except Exception as exc:
+            log.exception("decode step failed")
+            rows = {rid for rid in self.batch.row_ids if rid is not None} | {j[0] for j in joined}
+            out.failed.update({rid: f"decode step failed: {exc}" for rid in rows})
+            # The batch caches may be half-written: start an empty batch before dropping the rest.
+            self.batch = DecodeBatch(self.buckets, self.kv_prealloc_tokens)
+            self._free(list(rows))
+            reseed_after_failure()
+            out.request_ids, out.token_ids, out.logprobs = [], [], {}
+        return out
+
+    def _take_prompt_scores(self, joined: list, requests: dict[str, Request], out: StepTokens) -> list:
+        """Scored prompts that finished: their entries read back now (a scoring request waits for its
+        prompt's forwards here; no other request asks for it). One whose read-back fails (its last forward
+        runs here) fails alone and does not join. Returns the prompts that join."""
+        kept = []
+        for done in joined:
+            rid = done[0]
+            row = self.rows[rid]
+            if row.prompt_scores is not None:
+                try:
+                    out.prompt_logprobs[rid] = prompt_entries(requests[rid].prompt_token_ids, row.prompt_scores)
+                except Exception as exc:
+                    self._fail_prefill(rid, exc, out)
+                    continue
+                row.prompt_scores = None
+            kept.append(done)
+        return kept
+
+    def _join(self, joined: list[tuple[str, list[Any], mx.array]], requests: dict[str, Request]) -> None:
+        """Prompts whose prefill finished join the decode batch with their first tokens."""
+        rids, caches, tokens = zip(*joined)
+        # The prefills start on the device now, while the host builds the decode step's graph: their
+        # first tokens, read back in `_decode`, come that much sooner (docs/BENCHMARKS.md).
+        mx.async_eval(*tokens)
+        positions = None
+        if self.mm is not None:
+            positions = mx.array([requests[r].num_prompt_tokens + self.rows[r].position_delta for r in rids])
+        beside = None  # a proposer's own caches (a draft model's), row for row beside the target's
+        if self.spec is not None and self.spec.proposer.keeps_cache:
+            beside = [self.spec.proposer.join(self.rows[r], requests[r]) for r in rids]
+        self.batch.join(list(rids), list(caches), mx.concatenate(tokens), positions, beside)
+        self._sync_phase(self.batch.tokens, [c.state for c in self.batch.cache])
+
+    def _sync_phase(self, *arrays) -> None:
+        if self.sync_phases:
+            mx.eval(*arrays)
+            mx.synchronize()
+
+    def _free(self, request_ids: list[str]) -> None:
+        """The one place a request's runner state goes (finished, aborted or failed): its row state and
+        its row of the decode batch."""
+        if request_ids:
+            self.rows.free(request_ids)
+            self.batch.drop(set(request_ids))
+
+    def _store_blocks(self, store_ops: dict, out: StepTokens) -> None:
+        """Copies planned blocks into the prefix cache: from a decoding row, or from a prompt's prefill cache
+        (the chunks it prefilled so far), before finished requests are dropped."""
+        new = []
+        for rid, ops in store_ops.items():
+            row = self.rows.get(rid)
+            batched, prefilling = rid in self.batch.row_ids, row is not None and row.prefill_cache is not None
+            if not (batched or prefilling):
+                out.failed_block_ids.extend(op.block_id for op in ops)  # nothing to copy them from
+                continue
+            try:
+                if batched:
+                    i = self.batch.row_ids.index(rid)
+                    captured, snap = row.captured or {}, row.prefill_snap
+                    row.captured = row.prefill_snap = None
+                    new.extend(copy_blocks(self.store, ops, self.batch.cache, i, self.batch.left_padding(i),
+                                           captured, snap))
+                else:  # the prefill goes on: what it captured may serve its later blocks too
+                    new.extend(copy_blocks(self.store, ops, row.prefill_cache, None, 0, row.captured or {},
+                                           row.prefill_snap))
+            except Exception:
+                # Only the cache loses these blocks; the request itself is fine.
+                log.exception("caching the blocks of request %s failed", rid)
+                for op in ops:
+                    self.store.drop(op.block_id)
+                out.failed_block_ids.extend(op.block_id for op in ops)
+        mx.async_eval(new)
+
+    # -- what speculative decoding (spec/decoder.py) steps through ---------------------------------
+    def samplers(self, rids: list[str | None]) -> list[RowSampler | None]:
+        """The rows' samplers, row for row (None: a filler row)."""
+        rows = self.rows
+        return [rows[rid].sampler if rid is not None else None for rid in rids]
+
+    def take_fed_logprobs(self, rids: list[str | None]) -> dict[str, tuple]:
+        """The pending logprobs of the tokens the rows are fed this step: taken, they are emitted now."""
+        taken = {}
+        for rid in rids:
+            row = self.rows.get(rid) if rid is not None else None
+            if row is not None and row.pending_logprob is not None:
+                taken[rid], row.pending_logprob = row.pending_logprob, None
+        return taken
+
+    def keep_logprobs(self, rids, samplers: list[RowSampler], tokens: mx.array, logprobs: mx.array) -> list:
+        """Lazily, the logprobs of `tokens` for the rows that asked: pending on each row until the token is
+        fed and emitted. Returns the arrays made (to launch with the step's)."""
+        wanted = [i for i, r in enumerate(samplers) if r.params.logprobs]
+        if not wanted:
+            return []
+        k = max(samplers[i].params.top_logprobs for i in wanted)
+        chosen, top_ids, top_vals = gather_logprobs(tokens, logprobs, k)
+        made = []
+        for i in wanted:
+            pending = (chosen[i], (top_ids[i], top_vals[i]) if top_ids is not None else None)
+            self.rows[rids[i]].pending_logprob = pending
+            made.extend(pending_arrays(pending))
+        return made
+
+    # -- decode --------------------------------------------------------------------------------
+    def _decode(self, out: StepTokens) -> None:
+        batch = self.batch
+        if not batch.num_live:
+            return
+        rids = list(batch.row_ids)
+        fed = batch.tokens
+        table, samplers, fed_lp = self.rows, [], {}
+        for rid in rids:
+            if rid is None:
+                samplers.append(_FILLER)
+                continue
+            row = table[rid]
+            samplers.append(row.sampler)
+            if row.pending_logprob is not None:
+                fed_lp[rid], row.pending_logprob = row.pending_logprob, None
+
+        if batch.positions is not None:
+            logits = self.model(fed[:, None], cache=batch.cache, positions=batch.positions[:, None])
+            batch.positions = batch.positions + 1
+        else:
+            logits = self.model(fed[:, None], cache=batch.cache)
+        logits = logits[:, -1, :]
+        constrained = [(i, s.matcher) for i, s in enumerate(samplers) if s.matcher is not None]
+        if constrained:
+            # The device runs the forward while the CPU advances each grammar by the token it is
+            # fed and computes the next mask; rows without a grammar pay nothing of this.
+            mx.async_eval(logits)
+            fed_ids = fed.tolist()
+            rejected = self.grammar.advance(constrained, fed_ids)
+            for i, why in rejected.items():
+                out.failed[rids[i]] = why
+            logits = self.grammar.mask(logits, [c for c in constrained if c[0] not in rejected])
+        else:
+            fed_ids = None
+        nxt, logprobs = sample_batch(logits, samplers)
+        kept = self.keep_logprobs(rids, samplers, nxt, logprobs)
+        batch.tokens = nxt
+        mx.async_eval(nxt, *kept)
+
+        for rid, token in zip(rids, fed_ids if fed_ids is not None else fed.tolist()):
+            if rid is not None and rid not in out.failed:
+                out.request_ids.append(rid)
+                out.token_ids.append(token)
+        for rid, pending in fed_lp.items():
+            if rid in out.failed:
+                continue
+            token = out.token_ids[out.request_ids.index(rid)]
+            out.logprobs[rid] = [to_logprob(token, pending, table[rid].sampler.params.top_logprobs)]

@@ -1,0 +1,372 @@
+"""Who runs this step: admission, prefill chunks, finishes and aborts. Imports no tensor library.
+
+The scheduler owns the waiting queue and the running set. Each call to `schedule()` admits waiting
+requests in FIFO order up to `max_num_seqs`, hands out at most `prefill_step_size` prompt tokens of
+prefill work (shared by several waiting prompts, whose chunks the runner runs as one forward; a long
+prompt is split across steps and never freezes the streams that are already decoding), and lists the
+requests whose state the runner must drop.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from mlxhost.kv.inflight import InflightBlocks
+from mlxhost.kv.prefix_cache import PrefixCacheManager, StoreOp
+from mlxhost.config import EngineConfig
+from mlxhost.engine.request import Request, RequestStatus
+from mlxhost.memory.capacity import KVCapacity
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at its limit; the API answers 429 with Retry-After."""
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    request_id: str
+    start: int  # first prompt position of this chunk
+    num_tokens: int
+    is_last: bool  # the chunk that ends the prompt: the runner samples the first token from it
+
+
+@dataclass
+class SchedulerOutput:
+    prefill_chunks: list[PrefillChunk] = field(default_factory=list)
+    # Requests already decoding (their prompt finished in an earlier step).
+    decode_request_ids: list[str] = field(default_factory=list)
+    # Requests that finished or were aborted since the last step: the runner frees their KV.
+    finished_request_ids: list[str] = field(default_factory=list)
+    # Before freeing, the runner copies these blocks of a finished request's KV into the prefix cache.
+    store_ops: dict[str, list[StoreOp]] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.prefill_chunks or self.decode_request_ids or self.finished_request_ids)
+
+
+def split_prefill_budget(num_left: list[int], budget: int, max_rows: int) -> list[int]:
+    """Prompt tokens each prefilling request (oldest first) gets this step.
+
+    `max_rows` 1: one prompt after another, oldest first; what one leaves of the budget goes to the next
+    (each chunk is its own forward). Otherwise the first `max_rows` prompts share it fairly, since their
+    chunks run as one forward padded to the longest: each gets at most budget // rows, so a burst of short
+    prompts finishes together in one step and the padded forward never exceeds `budget` tokens (the
+    bound the memory budget and the decode streams' step time rely on)."""
+    sizes = [0] * len(num_left)
+    if max_rows == 1:
+        for i, n in enumerate(num_left):
+            sizes[i] = min(n, budget)
+            budget -= sizes[i]
+            if budget == 0:
+                break
+        return sizes
+    rows = min(len(num_left), max_rows, budget)
+    if rows == 0:
+        return sizes
+    share = budget // rows
+    for i in range(rows):
+        sizes[i] = min(num_left[i], share)
+    return sizes
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        max_model_len: int,
+        prefix: PrefixCacheManager | None = None,
+        kv_capacity: KVCapacity | None = None,
+        align_chunks: bool = False,
+    ) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.prefix = prefix
+        # The KV tokens admission may hand out: memory/ owns the number (the governor moves it).
+        self.kv_capacity = kv_capacity if kv_capacity is not None else KVCapacity()
+        # Prompt blocks being prefilled, by hash: a request whose next block is one of them waits for it
+        # instead of computing it again beside its owner. Off: every request computes its own misses.
+        self.inflight = InflightBlocks()
+        self.wait_for_inflight = True
+        # Prefill chunks that end inside a prompt end on a block boundary, where the runner can snapshot
+        # recurrent state (a snapshot exists only where a forward stopped): set for such models.
+        self.align_chunks = align_chunks and prefix is not None
+        self._next_store_block: dict[str, int] = {}  # prefilling request -> its first block not planned
+        self.waiting: deque[Request] = deque()
+        # Insertion order is admission order: prefill work goes to the oldest request first.
+        self.running: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self._finished: list[Request] = []
+        self._at_boundary: list[Request] = []
+        self._num_steps = 0
+        self._arrived: dict[str, int] = {}  # waiting request id -> the step count when it arrived
+
+    # -- queue -------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if len(self.waiting) >= self.config.max_num_waiting:
+            raise QueueFullError(
+                f"{len(self.waiting)} requests are already waiting (limit {self.config.max_num_waiting})"
+            )
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        self._arrived[request.request_id] = self._num_steps
+
+    def abort(self, request_id: str) -> Request | None:
+        """Drops a request wherever it is; returns it, or None if it already finished."""
+        request = self.running.get(request_id)
+        if request is not None:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            return request
+        for request in self.waiting:
+            if request.request_id == request_id:
+                self.waiting.remove(request)
+                self._arrived.pop(request_id, None)
+                request.status = RequestStatus.FINISHED_ABORTED
+                return request
+        return None
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        return self.kv_capacity.tokens
+
+    @property
+    def num_committed_kv_tokens(self) -> int:
+        """KV tokens admission set aside for the running requests (the bound `can_admit` checks)."""
+        return self._kv_bound(list(self.running.values())) if self.running else 0
+
+    def _kv_bound(self, rows: list[Request]) -> int:
+        # mlx-lm's batch cache is rectangular: rows × the longest (a reserved row holds that much anyway).
+        longest = max(r.num_prompt_tokens + r.sampling.max_tokens for r in rows)
+        return len(rows) * max(longest, self.config.kv_prealloc_tokens)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._finished_ids)
+
+    # -- step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        if self.prefix is not None:
+            self._plan_stores(out)
+
+        # Requests whose prompt finished in an earlier step decode now.
+        out.decode_request_ids = [r.request_id for r in self.running.values() if r.is_prefill_done]
+
+        self._num_steps += 1
+        self._admit()
+
+        prefilling = [r for r in self.running.values() if not r.is_prefill_done]
+        sizes = split_prefill_budget([r.num_prompt_tokens_left for r in prefilling], self.config.prefill_step_size,
+                                     self.config.max_num_prefill_rows)
+        for request, n in zip(prefilling, sizes):
+            if n == 0:
+                continue
+            start = request.num_computed_tokens
+            if self.align_chunks and start + n < request.num_prompt_tokens:
+                bs = self.prefix.block_size
+                n = max((start + n) // bs * bs - start, 0) or n
+            request.num_computed_tokens += n
+            out.prefill_chunks.append(
+                PrefillChunk(request.request_id, start, n, is_last=request.is_prefill_done)
+            )
+        return out
+
+    def _admit(self) -> None:
+        """Admits waiting requests in order while slots and the KV budget allow. One whose next prompt block
+        another request is prefilling stays queued (its place kept) and the ones behind it go on."""
+        blocked: list[Request] = []
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if self._waits_for_inflight(request):
+                blocked.append(self.waiting.popleft())
+                continue
+            if not self.can_admit(request) or self._holds_back():
+                break
+            self.waiting.popleft()
+            del self._arrived[request.request_id]
+            request.status = RequestStatus.RUNNING
+            self.running[request.request_id] = request
+            if self.prefix is not None:
+                self._look_up(request)
+        self.waiting.extendleft(reversed(blocked))
+
+    def _look_up(self, request: Request) -> None:
+        rid, prefix = request.request_id, self.prefix
+        hashes = prefix.hashes(request.prompt_token_ids, request.block_key_spans, request.block_hashes)
+        # A scored prompt needs every position's logits: nothing comes from the cache (its blocks are stored).
+        request.cached_block_ids = ([] if request.sampling.prompt_logprobs is not None else
+                                    prefix.lookup(rid, request.prompt_token_ids, request.block_key_spans, hashes))
+        request.num_cached_tokens = len(request.cached_block_ids) * prefix.block_size
+        request.num_computed_tokens = request.num_cached_tokens
+        self._next_store_block[rid] = len(request.cached_block_ids)
+        self.inflight.claim(rid, [h for h in hashes[len(request.cached_block_ids):] if not prefix.is_cached(h)])
+
+    def _waits_for_inflight(self, request: Request) -> bool:
+        if not self.wait_for_inflight or self.prefix is None or not len(self.inflight):
+            return False
+        if request.sampling.prompt_logprobs is not None:  # it would not use the blocks it waited for
+            return False
+        hashes = self.prefix.hashes(request.prompt_token_ids, request.block_key_spans, request.block_hashes)
+        usable = hashes[: (request.num_prompt_tokens - 1) // self.prefix.block_size]  # as a lookup takes them
+        return self.inflight.waits_for(usable, self.prefix.is_cached) is not None
+
+    def _holds_back(self) -> bool:
+        """Whether new prompts wait this step for others to prefill with (`prefill_wait_steps`): only while
+        rows decode and no prompt is mid-prefill (whose forward they could join for free), until the oldest
+        has waited its steps or enough wait to fill a batched prefill."""
+        wait = self.config.prefill_wait_steps
+        if not wait or not self.running or len(self.waiting) >= self.config.max_num_prefill_rows:
+            return False
+        if any(not r.is_prefill_done for r in self.running.values()):
+            return False
+        return self._num_steps - self._arrived[self.waiting[0].request_id] <= wait
+
+    def can_admit(self, request: Request) -> bool:
+        """Whether the KV budget holds `request` next to the running ones at their longest.
+
+        mlx-lm's batch cache is rectangular (rows left-padded to the longest), so the bound is rows ×
+        the longest prompt + max_tokens, not a sum. With nothing running a request is always admitted
+        (the API already refused those that can never fit), so the queue cannot stall."""
+        if self.kv_capacity_tokens is None or not self.running:
+            return True
+        return self._kv_bound([*self.running.values(), request]) <= self.kv_capacity_tokens
+
+    def num_kept(self, request: Request, tokens: list[int]) -> int:
+        """How many of `tokens` (new for a running request) it keeps: up to the first that ends it (EOS, a
+        stop token, max_tokens, the model's length). Changes nothing; `update` appends them."""
+        for n, token in enumerate(tokens, 1):
+            if self._check_stop(request, token, request.num_output_tokens + n) is not None:
+                return n
+        return len(tokens)
+
+    def update(self, new_tokens: dict[str, int | list[int]], stopped: frozenset[str] | set[str] = frozenset(),
+               ) -> list[Request]:
+        """Appends each request's new tokens (one, or several from a speculative step); returns the
+        requests they finished. Tokens after the one that finished a request (EOS, max_tokens) are
+        dropped. `stopped`: requests whose last new token completed a stop string (found in their text,
+        outside the scheduler), which ends them there. The one place requests finish."""
+        finished = []
+        for request_id, tokens in new_tokens.items():
+            request = self.running.get(request_id)
+            if request is None:  # finished or aborted while its token was in flight
+                continue
+            status, start = None, request.num_tokens
+            for token in [tokens] if isinstance(tokens, int) else tokens:
+                request.output_token_ids.append(token)
+                status = self._check_stop(request, token, request.num_output_tokens)
+                if status is not None:
+                    break
+            if status is None and request_id in stopped:
+                status = RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                self._finish(request, status)
+                finished.append(request)
+            elif self.prefix is not None and (request.num_tokens // self.prefix.block_size
+                                              > start // self.prefix.block_size
+                                              or start == request.num_prompt_tokens):
+                # A block filled while decoding (by this step's token or tokens): cache it now, so a long
+                # generation is reusable (and survives an abort) without waiting for the request to end.
+                # The prompt's blocks are cached as soon as it is prefilled, so requests sharing it (n > 1,
+                # a burst with one system prompt) find them while this one still runs.
+                self._at_boundary.append(request)
+        return finished
+
+    def fail(self, request_id: str) -> None:
+        """Ends a request whose step failed: aborted, and none of its KV is cached (it may be bad)."""
+        request = self.running.get(request_id)
+        if request is None:
+            self.abort(request_id)
+            return
+        request.status = RequestStatus.FINISHED_ABORTED
+        del self.running[request_id]
+        self._finished_ids.append(request_id)
+        if request in self._at_boundary:
+            self._at_boundary.remove(request)
+        if self.prefix is not None:
+            self.prefix.release(request_id)
+            self.inflight.release(request_id)  # none of it will be stored: waiters compute it themselves
+            self._next_store_block.pop(request_id, None)
+
+    def _check_stop(self, request: Request, token: int, num_output_tokens: int) -> RequestStatus | None:
+        """Whether `token`, as the request's `num_output_tokens`-th output token, ends it."""
+        sp = request.sampling
+        if not sp.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in sp.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if num_output_tokens >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_prompt_tokens + num_output_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def reset_after_failure(self) -> None:
+        """After a failed step: every request was aborted; drop the bookkeeping for them."""
+        self._finished_ids = []
+        self._at_boundary = []
+        if self.prefix is not None:
+            for request in self._finished:
+                self.prefix.release(request.request_id)
+            self.prefix.finish_stores()
+            self.prefix.clear()
+        self._finished = []
+        self.inflight.clear()
+        self._next_store_block.clear()
+
+    def _plan_stores(self, out: SchedulerOutput) -> None:
+        self.prefix.finish_stores()  # the last step's planned copies were made
+        self.inflight.copied()
+        for request in self.running.values():
+            if not request.is_prefill_done:
+                # The chunks prefilled so far: their full blocks are stored now, not when the prompt ends,
+                # so an aborted or timed-out prefill still warms the retry (and waiters get them early).
+                self._keep(out, request, self._prefill_ops(request))
+        for request in self._at_boundary:
+            if request.status is RequestStatus.RUNNING:
+                self._keep(out, request, self._ops(request), prompt_done=True)
+        self._at_boundary = []
+        for request in self._finished:
+            # A request that got its first token has a decode row holding KV for its prompt and
+            # every output token (each emitted token was fed in the step that emitted it); one aborted
+            # in its prefill has the prefill cache of the chunks it computed.
+            ops = self._ops(request) if request.num_output_tokens > 0 else self._prefill_ops(request)
+            self._keep(out, request, ops, prompt_done=True)
+            self.prefix.release(request.request_id)
+        self._finished = []
+
+    def _ops(self, request: Request) -> list[StoreOp]:
+        return self.prefix.plan_store(request.prompt_token_ids + request.output_token_ids, request.block_key_spans,
+                                      request.block_hashes)
+
+    def _prefill_ops(self, request: Request) -> list[StoreOp]:
+        first = self._next_store_block.get(request.request_id, 0)
+        if request.num_computed_tokens // self.prefix.block_size <= first:
+            return []
+        ops, self._next_store_block[request.request_id] = self.prefix.plan_store_from(
+            request.prompt_token_ids[: request.num_computed_tokens], request.block_key_spans, request.block_hashes,
+            first)
+        return ops
+
+    def _keep(self, out: SchedulerOutput, request: Request, ops: list[StoreOp], prompt_done: bool = False) -> None:
+        if ops:
+            out.store_ops[request.request_id] = ops
+            self.inflight.planned(op.block_hash for op in ops)
+        if prompt_done:  # every prompt block it could store is planned: it computes no more of them
+            self.inflight.release(request.request_id)
+            self._next_store_block.pop(request.request_id, None)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        del self.running[request.request_id]
+        self._finished_ids.append(request.request_id)
+        self._finished.append(request)

@@ -1,0 +1,59 @@
+"""What a draft proposer is: the part of speculative decoding that says which tokens each row tries.
+
+The decoder (decoder.py) owns the step: which rows draft and how far (`DraftLength`), the one
+verification forward, acceptance, the target's rewind and logprobs. A proposer only proposes, and
+keeps its per-row state on the runner's row state (`RowState.proposal`), so a finished request's
+state goes with the rest of it. Drafts are point masses (copied tokens, a model's argmax): the
+verification (verify.py) keeps sampled rows' distribution exact for any of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlxhost.engine.request import Request
+
+
+@dataclass
+class DraftStep:
+    """What a proposer sees of one speculative step."""
+
+    batch: Any  # the runner's DecodeBatch: `tokens` (each row's token to feed, lazy), `draft_cache`
+    rids: list[str | None]  # its rows (None: a filler)
+    rows: list[Any]  # their RowState, row for row (None: a filler)
+    requests: dict[str, Request]
+    budget: dict[int, int]  # row index -> the most drafts it may propose (rows missing: none)
+
+
+class Proposer:
+    name = ""  # what `GET /v1/status` reports as the speculative mode
+    # A proposer with a model of its own: its caches join the decode batch beside the target's
+    # (`join`), and the memory budget counts `model`'s weights and KV.
+    keeps_cache = False
+    model: Any = None
+
+    def describe(self) -> str:
+        """For the start-up log line."""
+        return f"proposer {self.name!r}"
+
+    def join(self, row: Any, request: Request) -> list[Any] | None:
+        """A prompt joins the decode batch (`keeps_cache` only): its caches, row for row beside the target's."""
+        return None
+
+    def prepare(self, row: Any, request: Request) -> None:
+        """Before a step that may speculate: bring the row's state up to the request's known tokens."""
+
+    def can_draft(self, step: DraftStep) -> bool:
+        """Whether any row may draft, judged before the tokens to feed are read back (False: the step
+        decodes plainly, pipelined)."""
+        return True
+
+    def propose(self, step: DraftStep) -> tuple[Any, list[int]] | None:
+        """The verification forward's input [B, 1 + K] (each row's token to feed, then its drafts, padded
+        to the longest) and each row's number of drafts; None: nothing to verify this step."""
+        raise NotImplementedError
+
+    def accept(self, step: DraftStep, num_accepted: list[int], num_drop: list[int]) -> None:
+        """After verification: row i kept `num_accepted[i]` drafts and the target's KV dropped
+        `num_drop[i]` positions (rewind caches of its own alike)."""

@@ -1,0 +1,56 @@
+"""Whether speculative decoding can run for a model, and the decoder (with its registered proposer) if so."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxhost.config import EngineConfig
+from mlxhost.engine.spec.decoder import SpeculativeDecoder
+from mlxhost.engine.spec.registry import make_proposer
+from mlxhost.kv.kinds import KINDS
+
+log = logging.getLogger(__name__)
+
+
+def rewindable(model: Any) -> bool:
+    """Plain KV in every layer (MLA's wider keys included): a rejected draft can be cut off the end.
+    Rotating windows have overwritten what the draft displaced, recurrent state keeps no history."""
+    return KINDS.can_rewind(make_prompt_cache(model))
+
+
+def reserve_draft(budget: Any, draft: Any, per_token: int) -> tuple[Any, int]:
+    """The memory budget with the draft model's weights moved from KV to weights, and the KV bytes per
+    running token with the draft's own KV added (both models hold every running token)."""
+    import dataclasses
+
+    from mlx.utils import tree_flatten
+
+    from mlxhost.kv.kinds.probe import probe_kv
+
+    per_token += probe_kv(draft).budget_bytes_per_token
+    if budget is None:
+        return None, per_token
+    weights = min(sum(v.nbytes for _, v in tree_flatten(draft.parameters())), budget.kv)
+    return dataclasses.replace(budget, weights=budget.weights + weights, kv=budget.kv - weights), per_token
+
+
+def make_speculative(model: Any, config: EngineConfig, vocab_width: int) -> SpeculativeDecoder | None:
+    if config.speculative == "off":
+        return None
+    if config.kv_bits:
+        # The quantized batch cache has no per-row rewind yet: a rejected draft could not be taken back.
+        log.warning("speculative decoding is off: --kv-bits %d caches cannot be rewound past a rejected draft",
+                    config.kv_bits)
+        return None
+    if not rewindable(model):
+        kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)})
+        log.warning("speculative decoding is off: this model's caches (%s) cannot be rewound past a rejected "
+                    "draft (sliding-window and recurrent layers)", ", ".join(kinds))
+        return None
+    proposer = make_proposer(config.speculative, config, vocab_width)
+    log.info("speculative decoding: %s, up to %d draft tokens per row and step, while at most %d requests decode",
+             proposer.describe(), config.num_draft_tokens, config.spec_max_batch)
+    return SpeculativeDecoder(config.num_draft_tokens, proposer, config.spec_max_batch)

@@ -1,0 +1,348 @@
+"""Warm-up while serving: the shapes MLX-CUDA compiles at first use, run in small pieces between real steps.
+
+MLX's CUDA backend compiles kernels at first use, some per shape; with an empty kernel cache a warm-up before
+serving took minutes, most of it in a few tiled quantized-matmul kernels (docs/BENCHMARKS.md, "Compile stalls
+on MLX-CUDA"). The server answers once the model is loaded instead. The tiled kernels compile in a helper
+process (platform/tile_compile.py) while the layers dequantize the row counts not compiled yet; the rest of
+the warm-up runs on the engine thread, one engine step at a time, only while no request is in the engine. A
+request that arrives stops it: the warm-up's requests are aborted before the real one is added (the piece
+starts again once the engine is idle), so no real step carries warm-up rows and a request waits at most for
+the one warm-up step in flight. Pieces run in the order traffic needs them: a lone prompt and its decode, the
+decode batch sizes from small to large, prompts of unequal lengths joining a batch and split over steps,
+prefix hits, and as many prompts as one forward prefills.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from mlxhost.engine.request import Request, SamplingParams
+
+log = logging.getLogger(__name__)
+
+# With only the helper process left to hear from, how long the idle engine waits on its inbox between looks.
+HELPER_POLL_S = 0.5
+
+
+@dataclass
+class WarmupReport:
+    """What the warm-up did (the start-up log; tests)."""
+    pieces_done: list[str] = field(default_factory=list)
+    num_interrupted: int = 0  # pieces stopped by a request
+    num_steps: int = 0
+    longest_step_s: float = 0.0  # the longest a request could have waited behind the warm-up
+    engine_s: float = 0.0  # engine-thread time the warm-up's steps took
+    helper: str = "off"  # the tile helper: off, compiling, done, failed
+    tiled_rows: int = 0  # compiled row counts reported by the helper so far
+    piece_helper: str = "off"  # the piece helper (engine/warmup_helper.py): off, compiling, done, failed
+    events: list[str] = field(default_factory=list)  # "helper: PIECE", "start: PIECE", "done: PIECE" in order
+    finished_s: float | None = None  # seconds from the warm-up's start to its end
+
+
+@dataclass
+class _Piece:
+    name: str
+    make: Callable[[Any], Iterator[None]]  # core -> steps: adds warm-up requests, yields before each engine step
+
+
+class BackgroundWarmup:
+    """Owned by the engine thread. The loop (engine/loop.py) calls `between_steps` before each step and
+    `interrupt` before it adds a request; `run_to_end` runs it all at once (tests, benchmarks)."""
+
+    def __init__(self, max_batch: int, buckets: list[int] | None, prompt_len: int = 16,
+                 compiler: Any = None, model: Any = None, piece_helper: Any = None) -> None:
+        self.sizes = [b for b in buckets or range(1, max_batch + 1) if b <= max_batch]
+        self.prompt_len = prompt_len
+        self.report = WarmupReport()
+        self._pieces = [_Piece("lone prompt", self._lone), _Piece("decode batch sizes", self._batch_sizes),
+                        _Piece("unequal prompts joining", self._joins), _Piece("prefix hits", self._hits),
+                        _Piece("prompts prefilled together", self._together)]
+        self._current: Iterator[None] | None = None
+        self._rids: list[str] = []
+        self._owns_work = False
+        self._step_started: float | None = None
+        self._started = time.perf_counter()
+        self._real_seen = False
+        self._pieces_over = False
+        self._compiler, self._model = compiler, model
+        if compiler is not None:
+            from mlxhost.platform.quantized_rows import set_tiled_rows
+            from mlxhost.platform.tile_compile import MIN_TILED_ROWS
+
+            set_tiled_rows(model, MIN_TILED_ROWS - 1)  # dequantize from 8 rows on until the helper says otherwise
+            compiler.start()
+            self.report.helper = "compiling"
+        # Pieces the helper process ran first (their kernels are on disk); without one, every piece may run.
+        self._piece_helper = piece_helper
+        self._helped: set[str] = set()
+        if piece_helper is not None:
+            piece_helper.start()
+            self.report.piece_helper = "compiling"
+
+    @property
+    def finished(self) -> bool:
+        return self.report.finished_s is not None
+
+    @property
+    def num_pieces(self) -> int:
+        """Pieces not done yet."""
+        return len(self._pieces)
+
+    def between_steps(self, core: Any) -> float | None:
+        """Before an engine step: applies the helper's reports and, with no request in the engine, sets up the
+        next warm-up step. Returns 0 (step now), seconds the idle engine may wait on its inbox (only the helper
+        is left), or None (real requests run, or the warm-up is over)."""
+        self._apply_reports()
+        now = time.perf_counter()
+        if self._step_started is not None:
+            took = now - self._step_started
+            self._step_started = None
+            self.report.num_steps += 1
+            self.report.engine_s += took
+            self.report.longest_step_s = max(self.report.longest_step_s, took)
+        if self.finished or (core.has_work and not self._owns_work):
+            return None
+        while self._pieces:
+            if self._current is None:
+                name = self._pieces[0].name
+                if self.report.piece_helper == "compiling" and name not in self._helped:
+                    return HELPER_POLL_S  # its kernels are still being compiled in the helper process
+                self._current = self._pieces[0].make(core)
+                self.report.events.append(f"start: {name}")
+            try:
+                next(self._current)
+            except StopIteration:
+                self._current = None
+                self._rids.clear()
+                self.report.pieces_done.append(self._pieces.pop(0).name)
+                self.report.events.append(f"done: {self.report.pieces_done[-1]}")
+                continue
+            self._owns_work = True
+            self._step_started = time.perf_counter()
+            return 0.0
+        if not self._pieces_over:
+            self._pieces_over = True
+            self._owns_work = False
+            self._after_pieces(core)
+        if "compiling" in (self.report.helper, self.report.piece_helper):
+            return HELPER_POLL_S
+        self._finish()
+        return None
+
+    def interrupt(self, core: Any) -> None:
+        """A request is about to be added: the warm-up's requests are aborted; their piece starts over later."""
+        self._real_seen = True
+        if not self._owns_work or self._current is None:
+            return
+        for rid in self._rids:
+            core.abort(rid)
+        self._rids.clear()
+        self._current = None
+        self._owns_work = False
+        self._step_started = None  # the step about to run is the request's, not the warm-up's
+        self.report.num_interrupted += 1
+
+    def run_to_end(self, core: Any, helpers: bool = True) -> None:
+        """Every piece now, nothing else running meanwhile, and the helpers' compiles waited for; with
+        `helpers=False` only the pieces: the helpers' reports go on applying in `between_steps` (a distributed
+        engine's ranks warm up in step before serving, and compile no tiled kernel meanwhile)."""
+        while not self.finished:
+            wait = self.between_steps(core)
+            if not helpers and self._pieces_over:
+                return
+            if wait:
+                time.sleep(wait)
+            elif core.has_work:
+                core.step()
+
+    def close(self) -> None:
+        for helper in (self._compiler, self._piece_helper):
+            if helper is not None:
+                helper.close()
+
+    # -- the pieces -------------------------------------------------------------------------------------
+    def _add(self, core: Any, rid: str, prompt: list[int], max_tokens: int) -> None:
+        self._rids.append(rid)
+        core.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
+
+    def _lone(self, core: Any) -> Iterator[None]:
+        """What the first request takes: one prompt a little over a block, then its decode alone."""
+        longest = max(core.scheduler.max_model_len - 8, self.prompt_len)  # a small model's positions run out
+        self._add(core, "warmup-lone", [i % 5 + 1 for i in range(min(core.config.block_size + 9, longest))], 4)
+        while core.has_work:
+            yield
+
+    def _batch_sizes(self, core: Any) -> Iterator[None]:
+        """The decode batch through each size it can take (its buckets, else every size up to max_batch), small
+        to large: requests join one step at a time, each staying until the largest size has run."""
+        prompt = [i % 7 + 1 for i in range(self.prompt_len)]
+        joined = 0
+        for size in self.sizes:
+            while joined < size:
+                self._add(core, f"warmup-{joined}", prompt, len(self.sizes) + 2)
+                joined += 1
+            yield
+        while core.has_work:
+            yield
+
+    def _lengths(self, core: Any) -> list[int]:
+        block, longest = core.config.block_size, max(core.scheduler.max_model_len - 8, self.prompt_len)
+        return [min(n, longest) for n in (block + 5, self.prompt_len, 2 * block + 17,
+                                          core.config.prefill_step_size + 40, block // 2 + 3, 3 * block // 2)]
+
+    def _joins(self, core: Any) -> Iterator[None]:
+        """Prompts of unequal lengths joining a decoding batch in one step, one split over steps, blocks stored
+        from a lone row and from a padded batch: on MLX-CUDA the first burst of such joins after a warm-up of
+        sizes alone stalled for seconds (docs/BENCHMARKS.md)."""
+        longest = max(core.scheduler.max_model_len - 8, self.prompt_len)
+        self._add(core, "warmup-joined", [i % 5 + 1 for i in range(min(core.config.block_size + 9, longest))], 4)
+        yield
+        for i, n in enumerate(self._lengths(core)):
+            self._add(core, f"warmup-burst-{i}", [(i + j) % 7 + 1 for j in range(n)], 4)
+        while core.has_work:
+            yield
+
+    def _hits(self, core: Any) -> Iterator[None]:
+        """The joined prompts again, longer: prefix hits resume mid-prompt (a chunk after restored blocks)."""
+        for i, n in enumerate(self._lengths(core)[:3]):
+            self._add(core, f"warmup-hit-{i}", [(i + j) % 7 + 1 for j in range(n)] + [9, 9], 4)
+        while core.has_work:
+            yield
+
+    def _together(self, core: Any) -> Iterator[None]:
+        """Chat turns of similar length arriving together, as many as one forward prefills (rows of unequal
+        lengths above are not all taken together): on MLX-CUDA the first such forward took over a second."""
+        rows = min(core.config.max_num_prefill_rows, core.config.max_num_seqs)
+        longest = max(core.scheduler.max_model_len - 8, self.prompt_len)
+        n = min(core.config.block_size + 40, longest)
+        for i in range(rows if rows > 1 else 0):
+            # Ids 10-22, unlike the prompts above: no prefix hit makes one row longer than the rest.
+            self._add(core, f"warmup-wide-{i}", [(11 * i + j) % 13 + 10 for j in range(n - i)], 4)
+        while core.has_work:
+            yield
+
+    # -- bookkeeping ------------------------------------------------------------------------------------
+    def _apply_reports(self) -> None:
+        if self._piece_helper is not None:
+            for kind, name, seconds in self._piece_helper.poll():
+                if kind == "piece":
+                    self._helped.add(name)
+                    self.report.events.append(f"helper: {name}")
+                    log.info("warm-up: the helper process ran '%s' (%.1f s after it started)", name, seconds)
+                elif kind in ("done", "failed"):
+                    self.report.piece_helper = kind
+                    if kind == "failed":
+                        log.warning("warm-up: the piece helper process stopped; the pieces left compile here")
+        if self._compiler is None:
+            return
+        from mlxhost.platform.quantized_rows import ALL_TILED_ROWS, set_tiled_rows
+
+        for kind, rows, seconds in self._compiler.poll():
+            if kind == "ready":
+                set_tiled_rows(self._model, rows)
+                self.report.tiled_rows = rows
+                log.info("warm-up: tiled quantized kernels ready up to %d rows (%.1f s in the helper process)",
+                         rows, seconds)
+            elif kind == "done":
+                set_tiled_rows(self._model, ALL_TILED_ROWS)
+                self.report.helper = "done"
+                log.info("warm-up: the helper process compiled the tiled quantized kernels in %.1f s", seconds)
+            else:
+                self.report.helper = "failed"
+                log.warning("warm-up: the tiled-kernel helper process stopped; rows above %d keep dequantizing "
+                            "(correct, slower at 8-127 rows)", self.report.tiled_rows)
+
+    def _after_pieces(self, core: Any) -> None:
+        import mlx.core as mx
+
+        if core.prefix is not None and not self._real_seen:
+            # Warm-up's blocks are no one's prefix, its hits no one's (an SSD tier may keep the few it wrote:
+            # no real prompt is made of token ids 1-22 repeated). Once real requests came, their blocks stay.
+            core.prefix.clear()
+            core.prefix.reset_stats()
+        mx.synchronize()
+        mx.clear_cache()  # buffers that fit warm-up's shapes, which traffic may never use
+        r = self.report
+        log.info("warm-up: %d pieces in %d engine steps, %.1f s of engine time (longest step %.2f s), %d "
+                 "interrupted by requests; sizes %s; MLX memory %.2f GiB active, peak %.2f GiB", len(r.pieces_done),
+                 r.num_steps, r.engine_s, r.longest_step_s, r.num_interrupted,
+                 self.sizes if len(self.sizes) < 16 else f"1..{self.sizes[-1]}", mx.get_active_memory() / 2**30,
+                 mx.get_peak_memory() / 2**30)
+        mx.reset_peak_memory()
+
+    def _finish(self) -> None:
+        self.close()
+        self.report.finished_s = time.perf_counter() - self._started
+        log.info("warm-up finished %.1f s after it started (tiled-kernel helper: %s, piece helper: %s)",
+                 self.report.finished_s, self.report.helper, self.report.piece_helper)
+
+
+def tile_compiler(core: Any) -> Any:
+    """The helper processes that compile the model's tiled quantized kernels (platform/tile_compile.py), not
+    started; None where the model has none worth compiling."""
+    from mlxhost.platform.kernel_cache import count_modules, kernel_dir
+    from mlxhost.platform.tile_compile import (TileCompiler, quantized_shapes, tile_checkpoints, tile_groups,
+                                               tiled_row_limit)
+
+    model = core.runner.model
+    shapes = quantized_shapes(model)
+    rows = tile_checkpoints(core.runner.buckets, tiled_row_limit(model))
+    if not (shapes and rows):
+        return None
+    cache = kernel_dir()
+    log.info("warm-up: tiled quantized kernels for %d matmul shapes at rows %s compile in %d helper "
+             "processes, one per tile (kernel cache %s, %d modules); until each is ready those rows dequantize",
+             len(shapes), rows, len(tile_groups(rows)), cache, count_modules(cache))
+    return TileCompiler(shapes, rows, cache)
+
+
+def piece_helper_fits(core: Any) -> bool:
+    """Whether the piece helper (engine/warmup_helper.py), which loads the model a second time with a small KV
+    budget, fits beside the server in the memory its budget leaves to other processes. A 32B bf16 model on one
+    140-GiB GPU does not: the helper's load took the memory the server's own steps then failed to get. A server
+    without a budget keeps the helper. (A draft model's share of the budget is counted too, though the helper
+    runs without one: the estimate errs towards no helper.)"""
+    from mlxhost.engine.warmup_helper import KV_TOKENS, PREFIX_BYTES
+
+    budget = getattr(core, "budget", None)
+    if budget is None:
+        return True
+    need = budget.weights + budget.activations + KV_TOKENS * core.kv_bytes_per_token + PREFIX_BYTES
+    if need <= budget.free_for_others:
+        return True
+    log.info("warm-up: no piece helper process (it would hold %.1f GiB beside the server, %.1f GiB are left to "
+             "other processes); the pieces compile here, between requests", need / 2**30,
+             max(budget.free_for_others, 0) / 2**30)
+    return False
+
+
+def make_warmup(core: Any, max_batch: int, compile_tiles: bool, source: str | None = None) -> BackgroundWarmup:
+    """The warm-up a server runs while it serves. `compile_tiles` (MLX-CUDA): the model's tiled quantized kernels
+    compile in a helper process meanwhile, into the kernel cache MLX uses (platform/kernel_cache.py); with the
+    model's `source` too, another helper process runs each piece first (engine/warmup_helper.py)."""
+    import dataclasses
+
+    model = core.runner.model
+    compiler = piece_helper = None
+    if compile_tiles and source is not None and not piece_helper_fits(core):
+        source = None  # the pieces compile here, between requests
+    if compile_tiles and source is not None:
+        from mlxhost.platform.kernel_cache import kernel_dir
+        from mlxhost.platform.tile_compile import TileCompiler
+
+        spec = {"cache_dir": str(kernel_dir()), "source": source, "config": dataclasses.asdict(core.config),
+                "max_model_len": core.scheduler.max_model_len, "buckets": core.runner.buckets, "max_batch": max_batch}
+        piece_helper = TileCompiler([], [], kernel_dir(), module="mlxhost.engine.warmup_helper", spec=spec)
+    if compile_tiles:
+        compiler = tile_compiler(core)
+    warm = BackgroundWarmup(max_batch, core.runner.buckets, compiler=compiler, model=model, piece_helper=piece_helper)
+    log.info("warm-up runs while serving: %d pieces between requests on the engine thread", warm.num_pieces)
+    return warm
+
+
+def warm_up(core: Any, max_batch: int, prompt_len: int = 16) -> None:
+    """The whole warm-up before anything else runs (`--warmup on`)."""
+    BackgroundWarmup(max_batch, core.runner.buckets, prompt_len).run_to_end(core)

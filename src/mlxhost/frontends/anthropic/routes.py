@@ -1,0 +1,32 @@
+"""Anthropic Messages (`POST /v1/messages`, `/v1/messages/count_tokens`) as a front door: the body is
+translated into the one internal request (`translate`), opened through the one `Gateway`, and the reply
+rendered by `render`. Errors on these paths come in Anthropic's shape (`errors`). Imports no MLX."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+
+from mlxhost.frontends.anthropic.errors import install_anthropic_errors
+from mlxhost.frontends.anthropic.protocol import CountTokensRequest, MessagesRequest
+from mlxhost.frontends.anthropic.render import MessageBuilder, stream_message
+from mlxhost.frontends.anthropic.translate import to_chat_request
+from mlxhost.frontends.common.gateway import Gateway
+
+
+def add_anthropic_routes(app: FastAPI, gateway: Gateway) -> None:
+    install_anthropic_errors(app)
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, raw: Request):
+        opened = await gateway.open(to_chat_request(body))
+        builder = MessageBuilder(body.model, opened, tuple(body.stop_sequences or ()))
+        return await gateway.reply(opened.outputs, raw, body.stream,
+                                   lambda outputs, timer: stream_message(builder, outputs, timer), builder.message)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest):
+        # The prompt exactly as /v1/messages would build it (template, tools), never generated from. No
+        # completion budget: a prompt too long for the max_tokens it would ask for still counts.
+        body.max_tokens = None
+        opened = await gateway.open(to_chat_request(body), generate=False)
+        return {"input_tokens": opened.prepared.request.num_prompt_tokens}

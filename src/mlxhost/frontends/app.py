@@ -1,0 +1,98 @@
+"""The FastAPI app: every dialect's routes over the served models' engines, each reaching them through the
+one `Gateway` (common/gateway.py). Imports no MLX."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+
+from fastapi import FastAPI
+
+from mlxhost.frontends.admin.docs import install_docs
+from mlxhost.frontends.admin.models import add_load_routes, add_model_errors
+from mlxhost.frontends.admin.openapi import install_openapi
+from mlxhost.frontends.admin.routes import add_admin_routes
+from mlxhost.frontends.anthropic.routes import add_anthropic_routes
+from mlxhost.frontends.audio import add_audio_routes
+from mlxhost.frontends.common.errors import install_error_handlers
+from mlxhost.frontends.common.gateway import Gateway
+from mlxhost.frontends.common.metrics import CountRequests, Metrics
+from mlxhost.frontends.common.prompt_bound import PrepPool
+from mlxhost.frontends.embeddings.routes import add_embeddings_route
+from mlxhost.frontends.ollama import add_ollama_routes
+from mlxhost.frontends.openai.routes import add_model_list_route, add_openai_routes
+from mlxhost.frontends.rerank import add_rerank_routes
+from mlxhost.frontends.responses.routes import add_responses_routes
+from mlxhost.server.manager import ModelManager
+
+log = logging.getLogger(__name__)
+
+
+class _HeadAsGet:
+    """HEAD is answered as GET on every GET route (the server sends the headers, not the body), and
+    `HEAD /` is a 200 even with the web page off: Claude Code sends it before every run."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            if scope["path"] == "/":
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                await send({"type": "http.response.body", "body": b""})
+                return
+            scope = {**scope, "method": "GET"}
+        await self.app(scope, receive, send)
+
+
+def create_app(models: ModelManager) -> FastAPI:
+    """The routes over `models`: requests go to the model their `model` field names."""
+    metrics = Metrics(models.loaded_engines)
+    prep = PrepPool()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        models.start(asyncio.get_running_loop())
+        # Everything loaded so far (model code, tokenizer, FastAPI) lives as long as the server: move it
+        # out of the collector's sight, or each full collection walks it all and stalls the streams.
+        gc.collect()
+        gc.freeze()
+        on_ready = getattr(app.state, "on_ready", None)  # the start-up banner (server/cli.py, server/banner.py)
+        if on_ready is not None:
+            await on_ready()
+        try:
+            yield
+        finally:
+            prep.close()
+            models.close()
+
+    # /docs serves Swagger UI's files itself (admin/docs.py): FastAPI's default page loads them from a CDN.
+    app = FastAPI(title="mlxhost", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_docs(app)
+    install_error_handlers(app)
+    install_openapi(app)
+    # What a graceful shutdown (server/process.py) needs, without importing the server: end the streams
+    # still running at the deadline, and stop the engines (flushing the SSD tier) when the lifespan is skipped.
+    app.state.end_streams = lambda reason: sum(e.end_all(reason) for e in models.loaded_engines())
+    app.state.close_models = models.close
+    add_model_errors(app)
+
+    app.add_middleware(CountRequests, metrics=metrics)
+    app.add_middleware(_HeadAsGet)
+    # Every dialect translates into the same requests and goes through the same gateway.
+    gateway = Gateway(models, metrics, prep)
+    add_embeddings_route(app, gateway)
+    add_audio_routes(app, models)  # speech to text, text to speech (frontends/audio/)
+    add_anthropic_routes(app, gateway)
+    add_responses_routes(app, gateway)
+    add_ollama_routes(app, gateway)
+    add_rerank_routes(app, gateway)
+    add_admin_routes(app, models, metrics)
+    # Registered in this order on purpose: a 405's `Allow` names the first route whose path matches, and
+    # /openapi.json lists the paths as they were added.
+    add_model_list_route(app, models)
+    add_load_routes(app, models)
+    add_openai_routes(app, gateway)
+    return app

@@ -1,0 +1,14 @@
+"""OpenAI's audio endpoints: transcriptions and translations (speech to text), speech and voices
+(text to speech). HTTP only, no MLX: the models and their jobs live in mlxhost/audio/."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+
+def add_audio_routes(app: FastAPI, models) -> None:
+    from mlxhost.frontends.audio.speech import add_speech_routes
+    from mlxhost.frontends.audio.transcriptions import add_transcription_routes
+
+    add_transcription_routes(app, models)
+    add_speech_routes(app, models)

@@ -1,0 +1,181 @@
+"""The one way into an engine for every API dialect: lease → prepare → admission → generate, and back.
+
+Each dialect (openai/, anthropic/, responses/, ollama/, rerank/) translates its body into the one internal
+request, an OpenAI `ChatCompletionRequest`/`CompletionRequest` (common/schemas.py), opens it here, and
+ends its handler with `Gateway.reply`: its own frames streamed, or the whole reply rendered once collected.
+Embedding work goes through here too (`Gateway.embed`). Imports no MLX.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from mlxhost.engine.request import RequestOutput
+from mlxhost.engine.scheduler import QueueFullError
+from mlxhost.frontends.common.embedding import embed_token_lists
+from mlxhost.frontends.common.errors import APIError
+from mlxhost.frontends.common.metrics import Metrics, RequestTimer
+from mlxhost.frontends.common.prompt_bound import PrepPool
+from mlxhost.frontends.common.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from mlxhost.frontends.common.serving import Prepared, ServedModel, prepare
+from mlxhost.frontends.common.sse import EVENT_STREAM, client_gone, event_stream
+from mlxhost.structured.grammar import GrammarFailure
+
+RETRY_AFTER_S = "1"
+# A stream with nothing to send for this long (a long prompt prefilling, a queue) sends its dialect's
+# heartbeat frame: agents give up on a silent stream (Claude Code after 300 s of a 54k-token prefill).
+HEARTBEAT_S = 5.0
+
+
+@dataclass
+class Opened:
+    model: ServedModel
+    prepared: Prepared
+    outputs: AsyncIterator[RequestOutput] | None  # None when only prepared (token counting)
+
+
+@dataclass
+class Whole:
+    """A non-streamed request's outputs, joined."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[Any]
+    last: RequestOutput
+    prompt_logprobs: list[Any] | None = None  # an echoed prompt's (SamplingParams.prompt_logprobs)
+
+
+def chat_request(fields: dict) -> ChatCompletionRequest:
+    """A dialect's body translated into OpenAI chat fields, checked by the OpenAI schema: whatever it
+    still rejects is the client's 400 (the dialects' own schemas catch most of it first)."""
+    return _internal(ChatCompletionRequest, fields)
+
+
+def completion_request(fields: dict) -> CompletionRequest:
+    """As `chat_request`, for a prompt without a chat template (a text completion)."""
+    return _internal(CompletionRequest, fields)
+
+
+def _internal(kind: type, fields: dict):
+    try:
+        return kind.model_validate(fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err.get("loc", ()) if "[" not in str(p)) or None
+        message = err.get("msg", "invalid request")
+        raise APIError(400, f"{param}: {message}" if param else message, param) from None
+
+
+class Gateway:
+    """The dialects' one client of the served models' engines (vLLM's EngineClient in spirit): requests
+    opened, outputs collected or streamed, embeddings computed; the models leased through `models`."""
+
+    def __init__(self, models: Any, metrics: Metrics, prep: PrepPool | None = None,
+                 heartbeat_s: float | None = None) -> None:
+        self.models, self.metrics = models, metrics
+        self.heartbeat_s = heartbeat_s  # None: HEARTBEAT_S
+        # Tokenizing, chat templates and media run here, off the event loop: one request's 5 MB prompt
+        # must not stall /health and every running stream while it is processed.
+        self.prep = prep or PrepPool()
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self.metrics, self.heartbeat_s if self.heartbeat_s is not None else HEARTBEAT_S)
+
+    async def open(self, body: SamplingFields, generate: bool = True) -> Opened:
+        """Prepares `body` for its model and, with `generate`, queues it on that model's engine.
+        The lease loads the model on first use and keeps it loaded until generate() has queued the
+        request; from then on the request's stream keeps it busy (never unloaded) until it ends."""
+        async with self.models.lease(body.model) as (model, engine):
+            if model.embedding_only:
+                raise APIError(400, f"`{model.name}` is an embedding model: it serves /v1/embeddings only", "model")
+            if model.audio is not None:
+                raise APIError(400, f"`{model.name}` is an audio model: it serves /v1/audio/* only", "model")
+            prepared = await self.prep.run(prepare, model, body)
+            if not generate:
+                return Opened(model, prepared, None)
+            request = prepared.request
+            need, cap = request.num_prompt_tokens + request.sampling.max_tokens, engine.kv_capacity_tokens
+            if cap is not None and need > cap:
+                raise APIError(429, f"this request needs KV for {request.num_prompt_tokens} prompt + "
+                               f"{request.sampling.max_tokens} completion tokens = {need}; the memory budget holds "
+                               f"{cap} tokens: lower max_tokens or the prompt", "max_tokens", "kv_budget_exceeded",
+                               headers={"Retry-After": RETRY_AFTER_S})
+            try:
+                outputs = engine.generate(request)
+            except QueueFullError as exc:
+                # Too many requests for the slots and the memory budget right now: come back shortly.
+                raise APIError(429, str(exc), code="server_busy", headers={"Retry-After": RETRY_AFTER_S}) from exc
+        return Opened(model, prepared, outputs)
+
+    async def open_copies(self, body: SamplingFields, prepared: Prepared, count: int) -> list[AsyncIterator[RequestOutput]]:
+        """Queues choices 1..count of an n > 1 request. Called once choice 0 produced its first token:
+        its prompt's blocks are in the prefix cache by then, so the copies prefill only what is left."""
+        async with self.models.lease(body.model) as (_, engine):
+            try:
+                return [engine.generate(prepared.copy(i)) for i in range(1, count + 1)]
+            except QueueFullError as exc:  # copies already queued abort when their streams are dropped
+                raise APIError(429, str(exc), code="server_busy", headers={"Retry-After": RETRY_AFTER_S}) from exc
+
+    async def collect(self, outputs: AsyncIterator[RequestOutput], timer: RequestTimer, raw: Request) -> Whole | None:
+        """All of a request's outputs; None if the client left first (its slot is freed at once)."""
+
+        async def gather() -> Whole:
+            parts, ids, lps, last, prompt_lps = [], [], [], None, None
+            async for out in outputs:
+                if out.error:
+                    if out.finish_reason:  # ended by the server (shutdown, a lost rank): a 503, as when streamed
+                        raise APIError(503, out.error, code="server_shutting_down")
+                    if isinstance(out.error, GrammarFailure):  # the request's own tools or format: no retry helps
+                        raise APIError(400, out.error, code="grammar_failed")
+                    raise RuntimeError(out.error)
+                timer.on_output(out)
+                parts.append(out.text)
+                ids.extend(out.new_token_ids)
+                if out.logprobs:
+                    lps.extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    prompt_lps = out.prompt_logprobs
+                last = out
+            return Whole("".join(parts), ids, lps, last, prompt_lps)
+
+        # Nothing is streamed, so watch the connection ourselves: a client that gives up must not keep
+        # its slot busy until max_tokens.
+        task = asyncio.ensure_future(gather())
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                break
+            if await raw.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return None
+        whole = task.result()
+        timer.done(whole.last)
+        return whole
+
+    async def embed(self, model: ServedModel, engine: Any, token_lists: list[list[int]], dimensions: int | None = None,
+                    is_gone: Callable | None = None, max_batch_tokens: int | None = None):
+        """Unit-norm vectors (numpy, [N, D]) of `token_lists` on a model leased from `models`; None when
+        `is_gone()` says the client left between chunks."""
+        return await embed_token_lists(model, engine, token_lists, dimensions, is_gone, max_batch_tokens)
+
+    async def reply(self, outputs: AsyncIterator[RequestOutput], raw: Request, stream: bool,
+                    frames: Callable[[AsyncIterator[RequestOutput], RequestTimer], AsyncIterator[str]],
+                    render: Callable[[Whole], dict], media_type: str = EVENT_STREAM) -> Response:
+        """The end of every dialect's handler: `frames(outputs, timer)` streamed, or the outputs collected
+        and `render(whole)` answered as JSON; a client that left before the end gets its 499."""
+        timer = self.timer()
+        if stream:
+            return event_stream(frames(outputs, timer), media_type)
+        whole = await self.collect(outputs, timer, raw)
+        if whole is None:
+            return client_gone()
+        return JSONResponse(render(whole))

@@ -1,0 +1,88 @@
+"""OpenAI chat and text completions (`POST /v1/chat/completions`, `/v1/completions`) and the model list
+(`GET /v1/models`, `/v1/models/{id}`). The bodies are the one internal request as they come: opened
+through the gateway, rendered by `render.CompletionBuilder`; n > 1 runs in `choices`. Imports no MLX."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+
+from mlxhost.engine.request import RequestOutput
+from mlxhost.frontends.common.errors import error_body, failed_request_body
+from mlxhost.frontends.common.gateway import Gateway
+from mlxhost.frontends.common.metrics import RequestTimer
+from mlxhost.frontends.common.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from mlxhost.frontends.common.sse import SSE_DONE, heartbeats, sse
+from mlxhost.frontends.openai.choices import complete_choices
+from mlxhost.frontends.openai.render import CompletionBuilder, echo_text
+
+
+def add_model_list_route(app: FastAPI, models) -> None:
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": models.cards()}
+
+
+def add_openai_routes(app: FastAPI, gateway: Gateway) -> None:
+    models = gateway.models
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        # The openai client's models.retrieve; ids may hold a slash (hub ids), hence :path. A model's or a
+        # LoRA adapter's entry; unknown: UnknownModelError -> 404.
+        return models.card(model_id)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, raw: Request):
+        return await _complete(body, raw, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        return await _complete(body, raw, chat=False)
+
+    async def _complete(body: SamplingFields, raw: Request, chat: bool):
+        opened = await gateway.open(body)
+        if body.n > 1:
+            return await complete_choices(gateway, body, raw, chat, opened)
+        builder = CompletionBuilder(opened.prepared.request.request_id, body.model, chat, opened.model.tokenizer,
+                                    opened.prepared.output, echo=echo_text(body, opened.model.tokenizer))
+
+        def frames(outputs, timer):
+            return stream_chunks(builder, outputs, body.include_usage, timer)
+
+        def render(whole):
+            last = whole.last
+            return builder.full(whole.text, last.finish_reason, last.num_prompt_tokens, last.num_output_tokens,
+                                whole.logprobs or None, last.num_cached_tokens, whole.prompt_logprobs)
+
+        return await gateway.reply(opened.outputs, raw, body.stream, frames, render)
+
+
+async def stream_chunks(builder: CompletionBuilder, outputs: AsyncIterator[RequestOutput], include_usage: bool,
+                        timer: RequestTimer):
+    first = builder.first_chunk()
+    if first:
+        yield first
+    last = None
+    async for out in heartbeats(outputs, timer.heartbeat_s):
+        if out is None:  # prefilling: an SSE comment, which clients skip, keeps idle timers from firing
+            yield ": ping\n\n"
+            continue
+        if out.error:
+            if out.finish_reason:  # ended by the server (shutdown): the choice's end, then why
+                chunk = builder.chunk(out)
+                if chunk:
+                    yield chunk
+            yield sse(error_body(503, out.error, code="server_shutting_down") if out.finish_reason
+                      else failed_request_body(out.error))
+            break
+        timer.on_output(out)
+        last = out
+        chunk = builder.chunk(out)
+        if chunk:
+            yield chunk
+    timer.done(last)
+    if include_usage and last is not None:
+        yield builder.usage_chunk(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+    yield SSE_DONE

@@ -1,0 +1,142 @@
+"""MLX-CUDA's indexing kernels compiled at launch, beside the model's load, instead of inside the first requests.
+
+MLX-CUDA compiles its gather, take-along-axis and scatter kernels with NVRTC at first use: one module per
+pair of dtypes (`gather_bfloat16_uint32_1`, `scatter_int32_int32_Assign_1`, ...), 2-3 s each on an H200
+host, however small the arrays. A server's start-up forwards feed int32 token ids, so with an empty kernel
+cache a request still met new pairs: its first decode step (sampled ids are uint32: 5.3 s), the first
+prompts prefilled together (`gather_axis_bfloat16_int32` and `gather_int32_int32_1`: 7.9 s), the first
+batch of 32 (two scatters) (docs/BENCHMARKS.md, "Start-up on MLX-CUDA", D). These processes run each pair once
+on tiny arrays while the server loads its model, and publish the modules into the kernel cache through a
+staging folder (platform/tile_compile.py), where the server's MLX finds them at first use.
+
+Started by server/app.py on MLX-CUDA only; a module already in the cache is not compiled again, so a warm
+restart starts no process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# Three processes, so the pair each first decode step needs lands first in two of them (the count was not
+# measured against others; four warm-up processes side by side slowed each other, BENCHMARKS.md D).
+PROCESSES = 3
+
+
+def modules(act: str, quantized: bool) -> list[tuple[str, str, str]]:
+    """(kind, array dtype, index dtype) of each module a cold server was seen to compile on the request path
+    (BENCHMARKS.md D) or a sampling filter's graph holds, those the first requests meet first."""
+    src = [act, "uint32"] if quantized else [act]  # quantized embeddings gather packed uint32 rows
+    first = [("gather", s, "uint32") for s in src]  # a decode step's ids: sampled, uint32
+    first += [("gather_axis", act, "int32"), ("gather", "int32", "int32")]  # prompts prefilled together
+    first += [("scatter", "int32", "int32"), ("scatter", "uint32", "int32")]  # batches of 32
+    # Top-k sampling (mlx-lm's apply_top_k: put_along_axis at argpartition's uint32 indices), read off its graph
+    # on the CPU; top-p's take_along_axis is the int32 pair above. Their fused (mx.compile) kernels are not primed.
+    first += [("scatter_axis", act, "uint32")]
+    # Prompt ids: the server's own start-up forwards compile these too; they come last, to be skipped once there.
+    return first + [("gather", s, "int32") for s in src]
+
+
+def module_name(kind: str, dtype: str, index: str) -> str:
+    """MLX-CUDA's name of the module (mlx/backend/cuda/indexing.cpp), one index array."""
+    return {"gather": f"gather_{dtype}_{index}_1", "gather_axis": f"gather_axis_{dtype}_{index}",
+            "scatter": f"scatter_{dtype}_{index}_Assign_1",
+            "scatter_axis": f"scatter_axis_{dtype}_{index}_Assign"}[kind]
+
+
+def model_dtypes(source: str | None) -> tuple[str, bool]:
+    """The activations' dtype and whether the weights are quantized, from a local folder's config.json
+    (bfloat16 and quantized when there is none to read: MLX's usual serving format)."""
+    try:
+        config = json.loads((Path(source) / "config.json").read_text()) if source else None
+    except (OSError, ValueError):
+        config = None
+    if not isinstance(config, dict):
+        return "bfloat16", True
+    text = config.get("text_config")
+    text = text if isinstance(text, dict) else config
+    # transformers writes "dtype" now, "torch_dtype" before; a VLM's text model may name it in either place.
+    dtype = next((d for d in (text.get("dtype"), text.get("torch_dtype"), config.get("dtype"),
+                              config.get("torch_dtype")) if isinstance(d, str)), "bfloat16")
+    act = dtype if dtype in ("bfloat16", "float16", "float32") else "bfloat16"
+    return act, bool(config.get("quantization") or config.get("quantization_config"))
+
+
+def start(source: str | None, cache: Path) -> list[subprocess.Popen]:
+    """The processes compiling what `cache` lacks (none when it has every module). Each is waited for by a
+    thread of its own, which logs a failure: nothing else needs their result."""
+    act, quantized = model_dtypes(source)
+    todo = [m for m in modules(act, quantized) if not (cache / f"{module_name(*m)}.ptx").exists()]
+    if not todo:
+        return []
+    groups = [todo[i::PROCESSES] for i in range(min(PROCESSES, len(todo)))]
+    log.info("MLX kernel cache: %d indexing modules compile in %d processes beside the model's load",
+             len(todo), len(groups))
+    procs = [subprocess.Popen([sys.executable, "-m", __name__, json.dumps({"cache_dir": str(cache), "modules": g})],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+             for g in groups]
+    for proc in procs:
+        threading.Thread(target=_reap, args=(proc,), name="mlxhost-kernel-primer", daemon=True).start()
+    return procs
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    if proc.wait() not in (0, -15):  # -15: stopped with the server (stop)
+        log.warning("MLX kernel cache: a process compiling indexing kernels exited with %d; requests compile "
+                    "what it did not", proc.returncode)
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """Ends the processes still running (a server that failed to start)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+
+
+def run(kind: str, dtype: str, index: str):
+    """The op that makes MLX compile the module, on tiny arrays."""
+    import mlx.core as mx
+
+    src = mx.zeros((4, 8), dtype=getattr(mx, dtype))
+    if kind == "gather":
+        return mx.take(src, mx.array([1, 2], dtype=getattr(mx, index)), axis=0)
+    if kind == "gather_axis":
+        return mx.take_along_axis(src, mx.zeros((4, 2), dtype=getattr(mx, index)), axis=1)
+    if kind == "scatter_axis":
+        return mx.put_along_axis(src, mx.zeros((4, 2), dtype=getattr(mx, index)), mx.array(1, dtype=src.dtype), axis=1)
+    src[mx.array([1, 2], dtype=getattr(mx, index))] = mx.ones((2, 8), dtype=src.dtype)
+    return src
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mlxhost.platform.tile_compile import publish, start_staged
+
+    spec, cache, staging, linked = start_staged(argv)  # before MLX's first compile, which reads the folder
+    import mlx.core as mx
+
+    failed = 0
+    try:
+        for kind, dtype, index in spec["modules"]:
+            if (cache / f"{module_name(kind, dtype, index)}.ptx").exists():  # the server or another process's
+                continue
+            try:
+                mx.eval(run(kind, dtype, index))
+            except Exception as exc:  # one pair MLX refuses does not hold back the others
+                print(f"kernel primer: {kind} {dtype} {index}: {exc}", file=sys.stderr)
+                failed += 1
+            # Now, not at the end: the server finds each module at first use while the others compile.
+            publish(staging, cache, linked)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

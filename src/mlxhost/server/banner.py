@@ -1,0 +1,126 @@
+"""The start-up banner: where the server listens, what it serves, its memory budget, its endpoints and
+a request to paste, printed once the models are up (the app's lifespan calls `app.state.on_ready`)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ENDPOINTS = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "POST /v1/messages",
+             "POST /v1/embeddings", "GET /v1/models", "GET /v1/status", "GET /health", "GET /metrics",
+             "GET /docs")
+
+
+# A reply of a few tokens: enough to see the server answer, and the demo model's random text stays short.
+TRY_MAX_TOKENS = 32
+REAL_MODEL_HINT = ("mlxhost serve mlx-community/Qwen3-0.6B-4bit (a hub id), or a local model folder or .gguf"
+                   " file")
+
+
+@dataclass(frozen=True)
+class BannerModel:
+    name: str
+    source: str
+    status: str  # the manager's card status: loaded, not_loaded, ...
+
+
+def is_demo_source(source: str) -> bool:
+    """The built-in demo model (`mlxhost serve` with no model): tiny, random weights."""
+    from mlxhost.testing.demo import default_demo_model_dir
+
+    try:
+        return Path(source).expanduser().resolve() == default_demo_model_dir().resolve()
+    except OSError:
+        return False
+
+
+def display_url(host: str, port: int) -> str:
+    # 0.0.0.0 / :: listen everywhere but cannot be dialled: show the loopback address to paste.
+    shown = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, host)
+    if ":" in shown and not shown.startswith("["):
+        shown = f"[{shown}]"
+    return f"http://{shown}:{port}"
+
+
+def try_lines(url: str, model: str, needs_key: bool) -> list[str]:
+    """A curl line and a Python line that need nothing beyond Python itself (the openai package is no
+    dependency of the plain install): each asks `model` for a short reply."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": TRY_MAX_TOKENS}
+    auth = ' -H "Authorization: Bearer $MLXHOST_API_KEY"' if needs_key else ""
+    headers = '{"Content-Type": "application/json"' + (
+        ', "Authorization": "Bearer " + os.environ["MLXHOST_API_KEY"]}' if needs_key else "}")
+    code = (f"import json,{' os,' if needs_key else ''} urllib.request as u; "
+            f"r = u.Request({json.dumps(url + '/v1/chat/completions')}, data=json.dumps({json.dumps(body)}).encode(),"
+            f" headers={headers}); "
+            'print(json.load(u.urlopen(r))["choices"][0]["message"]["content"])')
+    curl = f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth}"
+    return [f"{curl} -d {shlex.quote(json.dumps(body))}", f"python3 -c {shlex.quote(code)}"]
+
+
+def format_banner(version: str, url: str, models: list[BannerModel], memory: str, needs_key: bool,
+                  all_interfaces: bool = False, demo: bool = False) -> str:
+    first = models[0].name
+    where = " (all interfaces)" if all_interfaces else ""
+    if len(models) == 1:
+        model_line = f"  model      {first}  ({models[0].source})"
+    else:
+        loaded = [m.name for m in models if m.status == "loaded"]
+        lazy = [m.name for m in models if m.status != "loaded"]
+        model_line = f"  models     {len(models)}: " + ", ".join(loaded + lazy)
+        if lazy:
+            model_line += f"  ({len(lazy)} load on first use)"
+    lines = [f"mlxhost {version} ready on {url}{where}", model_line]
+    if demo:
+        lines += ["  note       the demo model has random weights: its replies are gibberish by design",
+                  f"  real model {REAL_MODEL_HINT}"]
+    lines += [f"  memory     {memory}",
+              "  endpoints  " + ", ".join(e.split()[1] for e in ENDPOINTS),
+              "  try it:"]
+    lines += ["    " + line for line in try_lines(url, first, needs_key)]
+    lines.append(f"    or any OpenAI client with base_url={url}/v1")
+    return "\n".join(lines)
+
+
+def memory_line(budget, kv_tokens: int | None) -> str:
+    """One line from an engine's MemoryBudget (memory/budget.py): the ceiling and where it goes."""
+    if budget is None:
+        return "no budget (the device reports no memory figures): KV grows on demand"
+    gib = 1 << 30
+    kv = f"KV {budget.kv / gib:.2f} GiB" + (f" ({kv_tokens:,} tokens)" if kv_tokens else "")
+    return (f"{budget.mode} budget {budget.ceiling / gib:.2f} GiB = weights {budget.weights / gib:.2f}"
+            f" + {kv} + prefix cache {budget.prefix_cache / gib:.2f} + activations {budget.activations / gib:.2f}"
+            f" GiB")
+
+
+def ceiling_line(mode: str, utilization: float) -> str:
+    """Before any model is loaded (all lazy): the process ceiling the budget would start from."""
+    from mlxhost.memory.budget import BudgetConfig, compute_ceiling
+    from mlxhost.memory.device import read_memory
+
+    ceiling = compute_ceiling(read_memory(), BudgetConfig(mode=mode, memory_utilization=utilization))
+    return f"{mode} ceiling {ceiling / (1 << 30):.2f} GiB for all models (each budgets its KV when it loads)"
+
+
+def make_ready_hook(config, manager, specs, port: int, out=None):
+    """The coroutine the app's lifespan awaits once the models' engines run: prints the banner."""
+    from mlxhost import __version__
+
+    async def on_ready() -> None:
+        cards = manager.cards()
+        models = [BannerModel(c["id"], spec.source, c["status"]) for c, spec in zip(cards, specs)]
+        engines = manager.loaded_engines()
+        if engines:
+            budget, kv_tokens = await engines[0].call(lambda core: (core.budget, core.kv_capacity_tokens))
+            memory = memory_line(budget, kv_tokens)
+        else:
+            memory = ceiling_line(config.engine.memory_mode, config.engine.memory_utilization)
+        text = format_banner(__version__, display_url(config.host, port), models, memory,
+                             needs_key=bool(config.security.api_keys),
+                             all_interfaces=config.host in ("0.0.0.0", "::", ""),
+                             demo=any(is_demo_source(spec.source) for spec in specs))
+        print(text, file=out or sys.stderr, flush=True)
+
+    return on_ready

@@ -1,0 +1,154 @@
+"""The serving process's life: the port taken before the model loads, signals honoured in every phase,
+and a shutdown with a deadline.
+
+- Start-up: `bind` takes the port first, so a port in use is reported in a second, not after minutes
+  of loading. Until uvicorn runs, Python's own handlers stand (SIGTERM's default ends the process at
+  once, SIGINT raises KeyboardInterrupt); once uvicorn has installed its handlers but the app is still
+  starting (the engine thread profiles memory while the loop waits for it), a signal ends the process
+  the default way: there is nothing to drain yet, and uvicorn would only notice after start-up.
+- Shutdown: the first SIGTERM/SIGINT stops accepting connections and lets running streams finish
+  until `shutdown_timeout_s`; then each stream still open ends with an error event (finish reason
+  "abort"). A second signal ends them at once. On every path the engines are stopped, which writes the
+  SSD tier's queued blocks to disk (engine_core.close()).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+import uvicorn
+
+log = logging.getLogger(__name__)
+
+# After the deadline the ended streams need a moment to send their error events and close.
+_CLOSE_GRACE_S = 5.0
+# A second signal: the ended streams' error events leave before the loop stops, up to this long (a loaded
+# machine may need more than a moment to run their last chunks).
+_FORCE_FLUSH_S = 2.0
+
+
+class PortInUseError(OSError):
+    pass
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening-ready socket on (host, port), bound now; PortInUseError when taken."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    # SO_REUSEADDR as uvicorn sets it: a restart may bind while old connections sit in TIME_WAIT.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise PortInUseError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server with mlxhost's shutdown: a deadline for running streams and an SSD flush on
+    every path (uvicorn skips the app's lifespan shutdown after a second signal)."""
+
+    def __init__(self, config: uvicorn.Config, shutdown_timeout_s: float) -> None:
+        super().__init__(config)
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self._deadline_handle: Any = None
+        self._loop: Any = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.started:
+            # Still starting (the app's lifespan blocks the loop while the engine starts): end now.
+            log.warning("signal %d during start-up: exiting", sig)
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+            return
+        first = not self.should_exit
+        self.should_exit = True
+        # Signal handlers run between two bytecodes of the loop's own thread: schedule, do not act here.
+        if first:
+            log.info("shutting down: running streams have %.0f s to finish (a second signal ends them now)",
+                     self.shutdown_timeout_s)
+            self._loop.call_soon_threadsafe(self._arm_deadline)
+        else:
+            self._loop.call_soon_threadsafe(self._force)
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        import asyncio
+
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def _arm_deadline(self) -> None:
+        self._deadline_handle = self._loop.call_later(self.shutdown_timeout_s, self._end_streams,
+                                                      "the server is shutting down: this stream was ended at its "
+                                                      "shutdown deadline")
+
+    def _end_streams(self, reason: str) -> None:
+        ended = self.config.app.state.end_streams(reason)  # the FastAPI app (create_app)
+        if ended:
+            log.warning("ended %d running stream(s): %s", ended, reason)
+
+    def _force(self) -> None:
+        if self._deadline_handle is not None:
+            self._deadline_handle.cancel()
+        self._end_streams("the server is shutting down now (second signal)")
+        self._force_when_sent(self._loop.time() + _FORCE_FLUSH_S)
+
+    def _force_when_sent(self, deadline: float) -> None:
+        # The request tasks end once their responses are written: the error events have left.
+        if not self.server_state.tasks or self._loop.time() >= deadline:
+            self.force_exit = True
+        else:
+            self._loop.call_later(0.02, self._force_when_sent, deadline)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        if self.force_exit:
+            # uvicorn skipped the lifespan's shutdown, which stops the engines: do it here, so the SSD
+            # tier's queued blocks still reach the disk.
+            self.config.app.state.close_models()
+        # A graceful stop is a normal exit (0), not a death by the signal uvicorn would re-raise.
+        self._captured_signals.clear()
+
+
+# The HTTP thread and the engine thread share one GIL. Python makes a thread that wants it wait up to the
+# switch interval (5 ms by default) before the holder must let go, and under load the HTTP thread holds it
+# for long runs of SSE chunks while the engine thread's step waits to build its next graph. A shorter interval
+# measured no different from the default (docs/BENCHMARKS.md), so Python's stays; this is for A/B runs.
+SWITCH_INTERVAL_ENV = "MLXHOST_SWITCH_INTERVAL_MS"
+
+
+def switch_interval_s(environ=os.environ) -> float | None:
+    """The GIL switch interval the serving process sets, in seconds; None keeps Python's."""
+    value = environ.get(SWITCH_INTERVAL_ENV)
+    if not value:
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = 0.0
+    if not 0 < ms < math.inf:
+        raise ValueError(f"{SWITCH_INTERVAL_ENV} must be a number of milliseconds above 0, got {value!r}")
+    return ms / 1000
+
+
+def run(app: Any, sock: socket.socket, log_level: str, shutdown_timeout_s: float,
+        switch_interval: float | None = None) -> None:
+    """Serves `app` on the already bound `sock` until a signal, then shuts down gracefully.
+    `switch_interval`: the GIL switch interval in seconds (switch_interval_s), None keeps Python's."""
+    if switch_interval is not None:
+        sys.setswitchinterval(switch_interval)
+    config = uvicorn.Config(app, log_level=log_level,
+                            # uvicorn's own bound, behind ours: streams are ended at the deadline already.
+                            timeout_graceful_shutdown=shutdown_timeout_s + _CLOSE_GRACE_S)
+    GracefulServer(config, shutdown_timeout_s).run(sockets=[sock])

@@ -1,0 +1,398 @@
+// mlxhost's web page: a chat over /v1/chat/completions and a dashboard over /v1/models, /v1/status,
+// /v1/cache/stats and /metrics. No framework, no build step; model output is only ever set as text.
+"use strict";
+
+const $ = (sel) => document.querySelector(sel);
+const KEY_STORE = "mlxhost.apiKey";
+const POLL_MS = 2000;
+const BUDGET_PARTS = [  // /v1/status `budget` fields, in bar order
+  ["weights", "weights"], ["activations", "activations"], ["kv", "KV cache"],
+  ["prefix_cache", "prefix cache"], ["vision_cache", "vision cache"], ["free_for_others", "free"],
+];
+
+const state = { history: [], image: null, controller: null, poll: null, lastTokens: null };
+
+// ---- HTTP ---------------------------------------------------------------------------------------
+function authHeaders() {
+  const key = localStorage.getItem(KEY_STORE);
+  return key ? { Authorization: "Bearer " + key } : {};
+}
+
+async function api(path, opts = {}) {
+  const headers = { ...authHeaders(), ...(opts.body ? { "Content-Type": "application/json" } : {}) };
+  const r = await fetch(path, { ...opts, headers });
+  if (r.status === 401) {
+    notice("This server needs an API key: type it at the top right and press Save.");
+    $("#key").focus();
+  }
+  if (!r.ok) {
+    let message = `${r.status} ${r.statusText}`;
+    try {
+      const body = await r.json();
+      message = body.error?.message || body.detail || message;
+    } catch { /* not JSON */ }
+    throw new Error(message);
+  }
+  return r;
+}
+
+const getJSON = async (path) => (await api(path)).json();
+
+function notice(text) {
+  const el = $("#notice");
+  el.textContent = text || "";
+  el.hidden = !text;
+}
+
+// Server-sent events of a fetch body: yields each `data:` payload parsed, stops at [DONE].
+async function* sseData(body) {
+  const reader = body.pipeThrough(new TextDecoderStream()).getReader();
+  let buf = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buf += value.replace(/\r/g, "");
+    let end;
+    while ((end = buf.indexOf("\n\n")) >= 0) {
+      const event = buf.slice(0, end);
+      buf = buf.slice(end + 2);
+      const data = event.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trim()).join("\n");
+      if (data === "[DONE]") return;
+      if (data) yield JSON.parse(data);
+    }
+  }
+}
+
+// ---- small DOM helpers --------------------------------------------------------------------------
+function el(tag, props = {}, ...children) {
+  const node = Object.assign(document.createElement(tag), props);
+  for (const c of children) if (c != null) node.append(c);
+  return node;
+}
+
+function fmtBytes(n) {
+  if (n == null) return "–";
+  const units = ["B", "KB", "MB", "GB", "TB"];
+  let i = 0;
+  while (Math.abs(n) >= 1000 && i < units.length - 1) { n /= 1000; i++; }
+  return `${n.toFixed(i && n < 10 ? 1 : 0)} ${units[i]}`;
+}
+
+const pct = (x) => (x == null || isNaN(x) ? "–" : `${(100 * x).toFixed(1)}%`);
+
+// ---- tabs ---------------------------------------------------------------------------------------
+function showTab(name) {
+  for (const [tab, panel] of [["#tab-chat", "#chat"], ["#tab-dash", "#dash"]]) {
+    const on = panel === "#" + name;
+    $(tab).setAttribute("aria-selected", String(on));
+    $(tab).tabIndex = on ? 0 : -1;
+    $(panel).hidden = !on;
+  }
+  clearInterval(state.poll);
+  state.poll = null;
+  if (name === "dash") {
+    refreshDashboard();
+    state.poll = setInterval(() => { if (!document.hidden) refreshDashboard(); }, POLL_MS);
+  }
+}
+
+// ---- chat ---------------------------------------------------------------------------------------
+async function loadModels() {
+  const select = $("#model");
+  const previous = select.value;
+  try {
+    const { data } = await getJSON("/v1/models");
+    select.replaceChildren(...data.map((m) => el("option", { value: m.id, textContent: `${m.id} (${m.status || "loaded"})` })));
+    if (data.some((m) => m.id === previous)) select.value = previous;
+    notice("");
+  } catch (e) {
+    select.replaceChildren(el("option", { value: "", textContent: "no models (" + e.message + ")" }));
+  }
+}
+
+function addMessage(role, text, image) {
+  const content = el("div", { className: "content", textContent: text });
+  const msg = el("div", { className: `msg ${role}` }, el("div", { className: "role", textContent: role }),
+    image ? el("img", { src: image, alt: "attached image", className: "thumb" }) : null, content);
+  $("#log").append(msg);
+  msg.scrollIntoView({ block: "end" });
+  return msg;
+}
+
+// The assistant's reply as it streams: reasoning (collapsed), text or JSON, tool calls, then stats.
+function replyView() {
+  const msg = addMessage("assistant", "");
+  const reasoning = el("details", { className: "reasoning", hidden: true },
+    el("summary", { textContent: "Reasoning" }), el("div", { className: "reasoning-text" }));
+  const tools = el("div", { className: "tool-calls" });
+  const stats = el("div", { className: "stats" });
+  msg.querySelector(".content").before(reasoning);
+  msg.append(tools, stats);
+  return {
+    update(reply) {
+      reasoning.hidden = !reply.reasoning;
+      reasoning.querySelector(".reasoning-text").textContent = reply.reasoning;
+      msg.querySelector(".content").textContent = reply.content;
+      tools.replaceChildren(...reply.toolCalls.map((c) => el("div", { className: "tool-call" },
+        el("span", { className: "badge", textContent: "tool call" }), " ",
+        el("code", { textContent: c.name || "…" }), el("pre", { textContent: c.arguments }))));
+      msg.scrollIntoView({ block: "end" });
+    },
+    asJSON(text) {
+      const content = msg.querySelector(".content");
+      let shown = text, valid = true;
+      try { shown = JSON.stringify(JSON.parse(text), null, 2); } catch { valid = false; }
+      content.replaceWith(el("div", { className: "content" },
+        el("span", { className: "badge" + (valid ? "" : " bad"), textContent: valid ? "JSON" : "JSON (incomplete)" }),
+        el("pre", { className: "json", textContent: shown })));
+    },
+    error(text) { msg.append(el("div", { className: "error", textContent: text })); },
+    stats(text) { stats.textContent = text; },
+  };
+}
+
+function requestBody() {
+  const system = $("#system").value.trim();
+  const body = {
+    model: $("#model").value,
+    messages: [...(system ? [{ role: "system", content: system }] : []), ...state.history],
+    stream: true,
+    stream_options: { include_usage: true },
+    max_tokens: parseInt($("#max-tokens").value, 10) || undefined,
+    temperature: parseFloat($("#temperature").value),
+  };
+  if (isNaN(body.temperature)) delete body.temperature;
+  if ($("#json-mode").checked) body.response_format = { type: "json_object" };
+  const tools = $("#tools").value.trim();
+  if (tools) body.tools = JSON.parse(tools);  // a parse error is shown by send()
+  return body;
+}
+
+async function send(ev) {
+  ev.preventDefault();
+  const text = $("#prompt").value.trim();
+  if ((!text && !state.image) || state.controller) return;
+  let body;
+  const content = state.image ? [{ type: "text", text }, { type: "image_url", image_url: { url: state.image } }] : text;
+  state.history.push({ role: "user", content });
+  try { body = requestBody(); } catch (e) {
+    state.history.pop();
+    notice("Tools must be a JSON array: " + e.message);
+    return;
+  }
+  addMessage("user", text, state.image);
+  $("#prompt").value = "";
+  setImage(null);
+
+  const view = replyView();
+  const reply = { content: "", reasoning: "", toolCalls: [] };
+  const controller = (state.controller = new AbortController());
+  setBusy(true);
+  const t0 = performance.now();
+  let tFirst = null, usage = null, finish = null;
+  try {
+    const r = await api("/v1/chat/completions", { method: "POST", body: JSON.stringify(body), signal: controller.signal });
+    for await (const chunk of sseData(r.body)) {
+      if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.usage) usage = chunk.usage;
+      for (const choice of chunk.choices || []) {
+        const d = choice.delta || {};
+        if (d.content || d.reasoning_content || d.tool_calls) tFirst ??= performance.now();
+        reply.content += d.content || "";
+        reply.reasoning += d.reasoning_content || "";
+        for (const tc of d.tool_calls || []) {
+          const call = (reply.toolCalls[tc.index ?? 0] ??= { id: "", name: "", arguments: "" });
+          call.id = tc.id || call.id;
+          call.name += tc.function?.name || "";
+          call.arguments += tc.function?.arguments || "";
+        }
+        finish = choice.finish_reason || finish;
+      }
+      view.update(reply);
+    }
+  } catch (e) {
+    if (e.name === "AbortError") finish = "stopped";
+    else view.error(e.message);
+  } finally {
+    state.controller = null;
+    setBusy(false);
+  }
+  if (body.response_format && reply.content) view.asJSON(reply.content);
+  const tEnd = performance.now();
+  const n = usage?.completion_tokens;
+  const parts = [];
+  if (tFirst != null) parts.push(`TTFT ${Math.round(tFirst - t0)} ms`);
+  if (n > 1 && tEnd > tFirst) parts.push(`${((n - 1) / ((tEnd - tFirst) / 1000)).toFixed(1)} tok/s`);
+  if (n != null) parts.push(`${n} tokens`);
+  if (usage?.prompt_tokens_details?.cached_tokens) parts.push(`${usage.prompt_tokens_details.cached_tokens} prompt tokens cached`);
+  if (finish) parts.push(finish);
+  view.stats(parts.join(" · "));
+  const message = { role: "assistant", content: reply.content };
+  if (reply.toolCalls.length) {
+    message.tool_calls = reply.toolCalls.map((c) => ({ id: c.id, type: "function", function: { name: c.name, arguments: c.arguments } }));
+  }
+  state.history.push(message);
+}
+
+function setBusy(busy) {
+  $("#send").disabled = busy;
+  $("#stop").disabled = !busy;
+}
+
+function setImage(dataURL) {
+  state.image = dataURL;
+  $("#attachment").hidden = !dataURL;
+  $("#attachment-img").src = dataURL || "";
+  if (!dataURL) $("#image").value = "";
+}
+
+// ---- dashboard ----------------------------------------------------------------------------------
+// /v1/status and /v1/cache/stats answer one model's object, or {models: {name: object}} for several.
+function perModel(answer, names) {
+  if (answer && answer.models && typeof answer.models === "object" && !Array.isArray(answer.models)) return answer.models;
+  return { [answer?.model || names[0] || "model"]: answer };
+}
+
+function parseMetrics(text) {
+  const out = {};
+  for (const line of text.split("\n")) {
+    const m = /^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$/.exec(line);
+    if (m) out[m[1]] = (out[m[1]] || 0) + parseFloat(m[3]);  // labelled series summed
+  }
+  return out;
+}
+
+async function refreshDashboard() {
+  const [models, status, cache, metrics] = await Promise.allSettled([
+    getJSON("/v1/models"), getJSON("/v1/status"), getJSON("/v1/cache/stats"), api("/metrics").then((r) => r.text()),
+  ]);
+  const list = models.status === "fulfilled" ? models.value.data : [];
+  const names = list.map((m) => m.id);
+  renderModels(list);
+  if (status.status === "fulfilled") renderBudgets(perModel(status.value, names));
+  if (cache.status === "fulfilled") renderCaches(perModel(cache.value, names));
+  if (metrics.status === "fulfilled") renderLive(parseMetrics(metrics.value));
+  const failed = [models, status, cache, metrics].find((r) => r.status === "rejected");
+  notice(failed ? "Dashboard: " + failed.reason.message : "");
+}
+
+function renderModels(list) {
+  $("#models-table tbody").replaceChildren(...list.map((m) => {
+    const action = m.status === "loaded" ? "unload" : m.status === "not_loaded" ? "load" : null;
+    const button = el("button", { type: "button", textContent: action ? action[0].toUpperCase() + action.slice(1) : "…",
+      disabled: !action, onclick: () => modelAction(m.id, action) });
+    button.setAttribute("aria-label", `${action || "busy"} ${m.id}`);
+    return el("tr", {},
+      el("td", {}, el("strong", { textContent: m.id }), m.pinned ? el("small", { textContent: " pinned" }) : null),
+      el("td", {}, el("span", { className: `state ${m.status}`, textContent: m.status.replace("_", " ") }),
+        m.error ? el("div", { className: "error", textContent: m.error }) : null),
+      el("td", { textContent: fmtBytes(m.weight_bytes) }),
+      el("td", { textContent: m.max_model_len ? `${m.max_model_len} tokens` : "–" }),
+      el("td", {}, button));
+  }));
+}
+
+async function modelAction(name, action) {
+  try {
+    await api(`/v1/models/${encodeURIComponent(name)}/${action}`, { method: "POST", body: "{}" });
+  } catch (e) {
+    notice(`${action} ${name}: ${e.message}`);
+  }
+  refreshDashboard();
+  loadModels();
+}
+
+function renderBudgets(byModel) {
+  $("#budgets").replaceChildren(...Object.entries(byModel).map(([name, s]) => {
+    const b = s?.budget;
+    const title = el("h3", { textContent: name });
+    if (!b) return el("div", { className: "budget" }, title, el("p", { className: "muted", textContent: s?.status ? `not loaded (${s.status.replace("_", " ")})` : "no memory budget (none could be computed)" }));
+    const total = BUDGET_PARTS.reduce((sum, [k]) => sum + (b[k] || 0), 0) || 1;
+    const bar = el("div", { className: "bar" });
+    bar.setAttribute("role", "img");
+    bar.setAttribute("aria-label", BUDGET_PARTS.map(([k, label]) => `${label} ${fmtBytes(b[k] || 0)}`).join(", "));
+    const legend = el("ul", { className: "legend" });
+    for (const [k, label] of BUDGET_PARTS) {
+      const seg = el("div", { className: `seg ${k}`, title: `${label}: ${fmtBytes(b[k] || 0)}` });
+      seg.style.width = `${(100 * (b[k] || 0)) / total}%`;
+      bar.append(seg);
+      legend.append(el("li", {}, el("span", { className: `swatch ${k}` }), `${label} ${fmtBytes(b[k] || 0)}`));
+    }
+    const mem = s.memory || {};
+    const note = el("p", { className: "muted", textContent: `ceiling ${fmtBytes(b.ceiling)} (${s.memory_mode || ""}) · KV capacity ${s.kv_capacity_tokens?.toLocaleString() ?? "–"} tokens · process RSS ${fmtBytes(mem.process_rss)} · MLX active ${fmtBytes(mem.mlx_active)}` });
+    return el("div", { className: "budget" }, title, bar, legend, note);
+  }));
+}
+
+function renderCaches(byModel) {
+  $("#caches").replaceChildren(...Object.entries(byModel).map(([name, c]) => {
+    const rows = [];
+    if (c?.enabled) {
+      rows.push(["prefix hit rate", pct(c.hit_tokens / (c.queried_tokens || NaN))],
+        ["prefix blocks", `${c.num_cached_blocks} of ${c.max_cached_blocks}`],
+        ["prefix memory", `${fmtBytes(c.memory_bytes)} of ${fmtBytes(c.budget_bytes)}`]);
+      if (c.ssd) rows.push(["SSD tier", fmtBytes(c.ssd.bytes ?? c.ssd.size_bytes)]);
+    } else rows.push(["prefix cache", c?.status ? "model not loaded" : "off"]);
+    if (c?.vision) {
+      const v = c.vision;
+      rows.push(["vision hit rate", pct(v.hits / (v.hits + v.misses || NaN))], ["vision memory", `${fmtBytes(v.bytes)} of ${fmtBytes(v.max_bytes)}`]);
+    }
+    return el("div", {}, el("h3", { textContent: name }), statsList(rows));
+  }));
+}
+
+function statsList(rows) {
+  const dl = el("dl", { className: "stats-grid" });
+  for (const [k, v] of rows) dl.append(el("dt", { textContent: k }), el("dd", { textContent: v }));
+  return dl;
+}
+
+function renderLive(m) {
+  const now = performance.now(), tokens = m.mlxhost_completion_tokens_total ?? 0;
+  let rate = "–";
+  if (state.lastTokens) rate = ((tokens - state.lastTokens.tokens) / ((now - state.lastTokens.t) / 1000)).toFixed(1);
+  state.lastTokens = { tokens, t: now };
+  $("#live").replaceChildren(...statsList([
+    ["running", m.mlxhost_num_requests_running ?? "–"], ["waiting", m.mlxhost_num_requests_waiting ?? "–"],
+    ["tok/s now", rate], ["tokens generated", tokens], ["prompt tokens", m.mlxhost_prompt_tokens_total ?? "–"],
+  ]).childNodes);
+}
+
+// ---- wiring -------------------------------------------------------------------------------------
+function init() {
+  $("#key").value = localStorage.getItem(KEY_STORE) || "";
+  $("#key-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    const key = $("#key").value.trim();
+    if (key) localStorage.setItem(KEY_STORE, key); else localStorage.removeItem(KEY_STORE);
+    notice("");
+    loadModels();
+  });
+  $("#tab-chat").addEventListener("click", () => showTab("chat"));
+  $("#tab-dash").addEventListener("click", () => showTab("dash"));
+  $("nav").addEventListener("keydown", (ev) => {  // arrow keys move between tabs (WAI-ARIA tabs pattern)
+    if (ev.key !== "ArrowLeft" && ev.key !== "ArrowRight") return;
+    const next = $("#tab-chat").getAttribute("aria-selected") === "true" ? "dash" : "chat";
+    showTab(next);
+    $(next === "dash" ? "#tab-dash" : "#tab-chat").focus();
+  });
+  $("#composer").addEventListener("submit", send);
+  $("#prompt").addEventListener("keydown", (ev) => {
+    if (ev.key !== "Enter" || ev.shiftKey || ev.isComposing) return;
+    ev.preventDefault();
+    $("#composer").requestSubmit();
+  });
+  $("#stop").addEventListener("click", () => state.controller?.abort());
+  $("#clear").addEventListener("click", () => { state.history = []; $("#log").replaceChildren(); });
+  $("#image").addEventListener("change", () => {
+    const file = $("#image").files[0];
+    if (!file) return;
+    const reader = new FileReader();
+    reader.onload = () => setImage(reader.result);
+    reader.readAsDataURL(file);
+  });
+  $("#attachment-remove").addEventListener("click", () => setImage(null));
+  loadModels();
+}
+
+init();
