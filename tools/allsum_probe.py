@@ -147,7 +147,8 @@ def worker(args) -> None:
 
 def rank_parser(doc: str) -> argparse.ArgumentParser:
     """The arguments every probe that starts its own ranks (`launch`) takes."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--backend", default="nccl", choices=["nccl", "ring"])
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are stopped")

@@ -38,7 +38,7 @@ def _gpu_state() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("model")
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=128)

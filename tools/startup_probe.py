@@ -171,7 +171,7 @@ def _report(args, out: dict) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("model", nargs="?", default=None)
     p.add_argument("--label", required=True)
     p.add_argument("--kernel-dir", default=None)

@@ -51,3 +51,8 @@ def test_defaults_read_as_typed(capsys):
     assert "(default: 1,2,4,8,16)" in text  # a list as typed on the command line, not [1, 2, 4, 8, 16]
     assert "--url URL base URL, e.g. http://127.0.0.1:8000[/v1] --model" in text  # required: no default
     assert "fields) (default: not set)" in text  # --no-ignore-eos: a switch, not "True"
+
+
+@pytest.mark.parametrize("path,parser", ALL, ids=[path for path, _ in ALL])
+def test_no_parser_takes_abbreviated_flags(path, parser):
+    assert parser.allow_abbrev is False, path

@@ -119,9 +119,10 @@ def startup(args) -> dict:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from mlxhost.server.settings import HelpFormatter
+    from mlxhost.server.settings import ArgumentParser, HelpFormatter
 
-    p = argparse.ArgumentParser(prog="python -m mlxhost.bench.hardening", formatter_class=HelpFormatter)
+    # Its subcommands' parsers are of this class too: no abbreviated flags, the same one-line errors.
+    p = ArgumentParser(prog="python -m mlxhost.bench.hardening", formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     s = sub.add_parser("stall", formatter_class=HelpFormatter,
                        help="streams' worst inter-token gap, quiet and while big request bodies arrive")

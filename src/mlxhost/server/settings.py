@@ -37,7 +37,21 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 class ArgumentParser(argparse.ArgumentParser):
     """Errors as one line that names the flag first, then where the flags are listed: serve's usage alone is
-    forty lines, and the error under it went unread."""
+    forty lines, and the error under it went unread. No abbreviations: a prefix (`--max-num-seq`) would be
+    taken silently for a flag, and a later flag sharing that prefix would change what it means."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def _check_value(self, action: argparse.Action, value) -> None:
+        # argparse's only hook for a bad choice; a mistyped command gets the closest one.
+        if isinstance(action, argparse._SubParsersAction) and value not in action.choices:
+            close = difflib.get_close_matches(value, list(action.choices), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else "the commands: " + ", ".join(action.choices)
+            self.exit(2, f"{self.prog}: error: unknown command {value!r}; {hint}\n"
+                         f"(`{self.prog} --help` lists the commands)\n")
+        super()._check_value(action, value)
 
     def error(self, message: str):
         message = re.sub(r"^argument ([^:]+): ", r"\1: ", message)

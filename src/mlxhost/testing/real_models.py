@@ -210,14 +210,14 @@ def require(name: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlxhost.testing.real_models", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     sub = parser.add_subparsers(dest="cmd", required=True)
     for cmd in ("fetch", "verify"):
-        p = sub.add_parser(cmd)
+        p = sub.add_parser(cmd, allow_abbrev=False)
         p.add_argument("--cache", type=Path, default=None, help=f"cache folder (default: ${ENV_CACHE} or "
                                                                 "the user cache dir)")
         p.add_argument("--only", action="append", choices=sorted(MODELS), help="only these models")
-    p = sub.add_parser("path")
+    p = sub.add_parser("path", allow_abbrev=False)
     p.add_argument("name", choices=sorted(MODELS))
     p.add_argument("--cache", type=Path, default=None)
     args = parser.parse_args(argv)
