@@ -9,9 +9,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ENDPOINTS = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "POST /v1/messages",
-             "POST /v1/embeddings", "GET /v1/models", "GET /v1/status", "GET /health", "GET /metrics",
-             "GET /docs")
+# One line per front door: the paths a client is pointed at, not every route (/docs lists them all).
+ENDPOINTS = (("OpenAI", "/v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, /v1/models"),
+             ("Anthropic", "/v1/messages"),
+             ("Ollama", "/api/* (chat, generate, embed, tags, show, ps, pull, version)"),
+             ("server", "/v1/status, /health, /metrics, /version"),
+             ("API docs", "/docs, /redoc"))
 
 
 # A reply of a few tokens: enough to see the server answer, and the demo model's random text stays short.
@@ -60,8 +63,15 @@ def try_lines(url: str, model: str, needs_key: bool) -> list[str]:
     return [f"{curl} -d {shlex.quote(json.dumps(body))}", f"python3 -c {shlex.quote(code)}"]
 
 
+def endpoint_lines(url: str, web_ui: bool = True) -> list[str]:
+    width = max(len(name) for name, _ in ENDPOINTS) + 2
+    lines = [f"  web page   {url}/  (chat and dashboard)"] if web_ui else []
+    return lines + [f"  {'endpoints' if i == 0 else '':<11}{name:<{width}}{paths}"
+                    for i, (name, paths) in enumerate(ENDPOINTS)]
+
+
 def format_banner(version: str, url: str, models: list[BannerModel], memory: str, needs_key: bool,
-                  all_interfaces: bool = False, demo: bool = False) -> str:
+                  all_interfaces: bool = False, demo: bool = False, web_ui: bool = True) -> str:
     first = models[0].name
     where = " (all interfaces)" if all_interfaces else ""
     if len(models) == 1:
@@ -76,9 +86,9 @@ def format_banner(version: str, url: str, models: list[BannerModel], memory: str
     if demo:
         lines += ["  note       the demo model has random weights: its replies are gibberish by design",
                   f"  real model {REAL_MODEL_HINT}"]
-    lines += [f"  memory     {memory}",
-              "  endpoints  " + ", ".join(e.split()[1] for e in ENDPOINTS),
-              "  try it:"]
+    lines.append(f"  memory     {memory}")
+    lines += endpoint_lines(url, web_ui)
+    lines.append("  try it:")
     lines += ["    " + line for line in try_lines(url, first, needs_key)]
     lines.append(f"    or any OpenAI client with base_url={url}/v1")
     return "\n".join(lines)
@@ -120,7 +130,7 @@ def make_ready_hook(config, manager, specs, port: int, out=None):
         text = format_banner(__version__, display_url(config.host, port), models, memory,
                              needs_key=bool(config.security.api_keys),
                              all_interfaces=config.host in ("0.0.0.0", "::", ""),
-                             demo=any(is_demo_source(spec.source) for spec in specs))
+                             demo=any(is_demo_source(spec.source) for spec in specs), web_ui=config.web_ui)
         print(text, file=out or sys.stderr, flush=True)
 
     return on_ready
