@@ -47,3 +47,50 @@ def test_flag_choices():
         main(["convert", "a", "b", "--group-size", "48"])
     with pytest.raises(SystemExit):
         main(["convert", "a", "b", "--bits", "7"])
+
+
+def _tiny_gguf(path, qtype: str):
+    """A two-layer qwen2 GGUF with random weights, its matrices stored as `qtype`."""
+    import numpy as np
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen2
+
+    from tests.models.gguf_files import byte_tokens, write_gguf
+
+    fields = dict(model_type="qwen2", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=len(byte_tokens()),
+                  rope_theta=10000.0, tie_word_embeddings=True)
+    model = qwen2.Model(qwen2.ModelArgs.from_dict(fields))
+    rng = np.random.default_rng(0)
+    weights = {k: (rng.standard_normal(v.shape) * 0.1).astype(np.float32) for k, v in tree_flatten(model.parameters())}
+    write_gguf(path, "qwen2", weights, {"block_count": 2, "embedding_length": 64, "feed_forward_length": 128,
+                                        "head_count": 4, "head_count_kv": 2}, qtype=qtype)
+    return path
+
+
+@pytest.mark.parametrize("qtype,says", [("Q4_1", ", float16)"), ("Q5_0", ", float16, Q5_0 as 4-bit)")])
+def test_a_gguf_names_the_bits_only_for_types_it_requantized(qtype, says, tmp_path, capsys):
+    pytest.importorskip("gguf")
+    src = _tiny_gguf(tmp_path / f"m.{qtype}.gguf", qtype)
+    assert main(["convert", str(src), str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(str(tmp_path / "out")) and out.endswith(says), out
+    bits = json.loads((tmp_path / "out" / "config.json").read_text())["quantization"]["bits"]
+    assert bits == 4  # Q4_1 keeps its own 4 bits; Q5_0 is dequantized, then quantized to --bits
+
+
+def test_requantized_types_are_the_ones_mlx_cannot_read():
+    from mlxhost.models.convert import requantized_types
+    from mlxhost.models.gguf import GGUFConvertConfig
+
+    cfg = GGUFConvertConfig(bits=4)
+    assert requantized_types({"Q4_K", "Q6_K", "F32"}, cfg) == "Q4_K/Q6_K"
+    assert requantized_types({"Q4_1", "Q8_0", "F16"}, cfg) == ""
+    assert requantized_types({"Q4_K", "F32"}, GGUFConvertConfig()) == ""  # no --bits: kept float
+
+
+def test_help_names_gguf(capsys):
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "GGUF" in text and ".gguf file" in text and "K-quants" in text

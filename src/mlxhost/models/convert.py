@@ -131,17 +131,29 @@ def run(args) -> int:
 def _run_gguf(args, src: Path) -> int:
     """A GGUF into an MLX folder (models/gguf/): natively read quantized tensors stay as they are;
     --bits quantizes the ones that had to be dequantized (K-quants), else they stay float."""
-    from mlxhost.models.gguf import GGUFConvertConfig, GGUFError, convert_gguf
+    from mlxhost.models.gguf import GGUFConvertConfig, GGUFError, convert_gguf, find_gguf
+    from mlxhost.models.gguf.reader import read_header
 
     before = folder_size(src) if src.is_dir() else src.stat().st_size
     try:
         cfg = GGUFConvertConfig(dtype=args.dtype or "float16", bits=args.bits,
                                 group_size=args.group_size)
+        requantized = requantized_types(read_header(find_gguf(src)).tensor_types, cfg)
         with _Progress() as progress, contextlib.redirect_stdout(progress):
             out = convert_gguf(src, args.out, cfg)
     except (FileExistsError, ValueError, GGUFError) as e:
         print(f"mlxhost convert: {e}", file=sys.stderr)
         return 2
     print(f"{out} ({format_size(before)} -> {format_size(folder_size(out))}, {cfg.dtype}"
-          f"{f', K-quants as {cfg.bits}-bit' if cfg.bits else ''})")
+          f"{f', {requantized} as {cfg.bits}-bit' if requantized else ''})")
     return 0
+
+
+def requantized_types(tensor_types: set[str], cfg) -> str:
+    """The GGUF tensor types `cfg.bits` applies to ("Q4_K/Q6_K"), "" when there are none: a file MLX reads as
+    it is (Q4_0, Q4_1, Q8_0, floats) keeps its own bits."""
+    from mlxhost.models.gguf.weights import NATIVE_BITS, NATIVE_FLOATS
+
+    if not cfg.bits or tensor_types <= NATIVE_FLOATS | set(NATIVE_BITS):
+        return ""
+    return "/".join(sorted(tensor_types - NATIVE_FLOATS - set(NATIVE_BITS)))

@@ -118,14 +118,22 @@ def make_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     launch.add_arguments(launch_cmd)
     launch_cmd.set_defaults(func=launch.run)
 
-    conv = sub.add_parser("convert", help="quantize a Hugging Face model folder (block-wise, via mlx-lm)")
-    conv.add_argument("hf_path", metavar="HF_FOLDER", help="Hugging Face model folder or hub id")
+    conv = sub.add_parser("convert", help="quantize a Hugging Face model (block-wise, via mlx-lm), or turn a GGUF"
+                                          " file into an MLX model folder",
+                          description="Quantize a Hugging Face model folder or hub id block-wise (via mlx-lm), or"
+                                      " turn a GGUF file (llama.cpp, Ollama, LM Studio) into an MLX model folder:"
+                                      " Q4_0, Q4_1 and Q8_0 tensors stay quantized as they are, other types"
+                                      " (K-quants, Q5_0, IQ*) are dequantized, then quantized to --bits.")
+    conv.add_argument("hf_path", metavar="SOURCE",
+                      help="Hugging Face model folder or hub id, or a .gguf file (or a folder holding one)")
     conv.add_argument("out", metavar="OUT", help="output folder (must not exist, or be empty)")
-    conv.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8], help="bits per weight")
+    conv.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8],
+                      help="bits per weight; a GGUF takes 4 or 8, for the tensors that had to be dequantized")
     conv.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128],
                       help="weights sharing one scale and bias")
     conv.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
-                      help="dtype of the unquantized weights (default: the model's)")
+                      help="dtype of the unquantized weights and of the scales (default: the model's; float16 for"
+                           " a GGUF)")
     conv.set_defaults(func=_convert)
 
     from mlxhost.export import coreml as coreml_export  # no coremltools/torch import until it runs
