@@ -59,6 +59,19 @@ FAST = "fast"
 LANE_NAMES = frozenset(marker for _, marker in LANES) | {FAST}
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "needs(*names): something beyond the test extra (mlxhost.testing.needs); "
+                                       "skipped with its install line when missing")
+
+
+@pytest.hookimpl(tryfirst=True)  # before the fixtures: a server or a model built for a test that then skips
+def pytest_runtest_setup(item):
+    from mlxhost.testing.needs import need
+
+    for mark in item.iter_markers("needs"):
+        need(*mark.args)
+
+
 def _lanes(where: str) -> set[str]:
     return {marker for prefix, marker in LANES if where.startswith(prefix)}
 

@@ -11,7 +11,7 @@ from mlxhost.platform import backend
 from mlxhost.testing.audio_fixtures import build_tiny_kokoro, build_tiny_whisper, build_tiny_whisper_ct2
 
 
-@pytest.mark.parametrize("layout", ["mlx", "ct2", "kokoro"])
+@pytest.mark.parametrize("layout", ["mlx", "ct2", pytest.param("kokoro", marks=pytest.mark.needs("espeak-ng"))])
 def test_audio_folders_load_with_the_cuda_branch_taken(layout, tmp_path, monkeypatch):
     monkeypatch.setattr(backend, "is_cuda", lambda: True)
     monkeypatch.delenv("MLXHOST_FOLD_ROWS", raising=False)

@@ -14,6 +14,7 @@ from mlxhost.server import cli
 from mlxhost.server.banner import TRY_MAX_TOKENS, BannerModel, format_banner, is_demo_source, try_lines
 from mlxhost.config import EngineConfig, SecurityConfig, ServerConfig
 from mlxhost.server.app import build_app
+from mlxhost.testing.needs import find
 from tests.e2e.conftest import SERVED_NAME, start_app
 
 _BOUND_S = 120  # a bound for each subprocess, not a timing check
@@ -37,7 +38,7 @@ def _plain_python(line: str) -> str:
     return f"{shlex.quote(sys.executable)} -S" + line[len("python3"):]
 
 
-@pytest.mark.skipif(shutil.which("curl") is None, reason="no curl on this machine")
+@pytest.mark.needs("curl")
 def test_the_curl_line_runs_and_asks_for_a_few_tokens(server):
     curl, _ = _banner_lines(server.url, needs_key=False)
     result = _run(curl)
@@ -70,7 +71,7 @@ def test_with_an_api_key_both_lines_read_it_from_the_environment(keyed_server):
     env = {"MLXHOST_API_KEY": "sk-first-contact"}
     result = _run(_plain_python(python), env)
     assert result.returncode == 0, result.stderr
-    if shutil.which("curl"):
+    if find("curl"):  # optional here: the python line above is checked on every machine
         result = _run(curl, env)
         assert "choices" in json.loads(result.stdout), result.stdout
     assert "401" in _run(_plain_python(python), {"MLXHOST_API_KEY": "wrong"}).stderr

@@ -2,14 +2,13 @@
 WebDriver protocol) against the real server with an API key. The page asks for the key, streams a
 reply, stops one, and the dashboard shows the models, the memory budget bars and the live counters.
 
-Screenshots are written under the test's tmp_path (printed; `pytest -s` shows the path). Skipped only
-when no Chromium is installed; .ci/run installs Debian's `chromium` and `chromium-driver`.
+Screenshots are written under the test's tmp_path (printed; `pytest -s` shows the path). The browser tests
+skip without Chromium and its driver (`apt-get install chromium chromium-driver`; .ci/run installs them).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 
 import httpx
 import pytest
@@ -18,12 +17,13 @@ from PIL import Image
 
 from mlxhost.config import EngineConfig, SecurityConfig, ServerConfig
 from mlxhost.server.app import build_app
+from mlxhost.testing.needs import need
 
 SERVED_NAME = "tiny"  # the name tests/e2e/conftest.py serves under
 KEY = "sk-web-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 WAIT_S = 120  # a bound for each wait, not a timing check
-CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome", "chrome"))), None)
+IN_CHROMIUM = pytest.mark.needs("chromium", "chromedriver")  # checked before the server starts
 
 
 def web_config(model_dir, **kw) -> ServerConfig:
@@ -51,15 +51,12 @@ def live(qwen3_model_dir, serve_module_app):
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    if CHROMIUM is None:
-        pytest.skip("no Chromium binary found (apt-get install chromium chromium-driver; .ci/run does)")
+    chromium, driver_path = need("chromium"), need("chromedriver")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
-    driver_path = shutil.which("chromedriver")
-    assert driver_path, f"Chromium is at {CHROMIUM} but chromedriver is missing: apt-get install chromium-driver"
     options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
+    options.binary_location = chromium
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
                 "--window-size=1280,860", "--disable-extensions", "--no-first-run",
                 f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
@@ -103,6 +100,7 @@ def text_of(driver, selector: str) -> str:
     return found[-1].text if found else ""
 
 
+@IN_CHROMIUM
 def test_chat_and_dashboard_in_chromium(live, browser, tmp_path):
     from selenium.webdriver.common.by import By
 
@@ -206,6 +204,7 @@ def test_chat_and_dashboard_in_chromium(live, browser, tmp_path):
     print("\nweb page screenshots:", *shots, sep="\n  ")
 
 
+@IN_CHROMIUM
 def test_docs_render_offline_in_chromium(qwen3_model_dir, serve_module_app, browser, tmp_path):
     """`/docs` draws Swagger UI's operations from the server's own files (this machine has no internet), and
     `/redoc` draws ReDoc's. No key is set here: the docs pages are behind it like the API."""

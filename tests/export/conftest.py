@@ -1,6 +1,6 @@
 """Tiny random Llama and Qwen3 checkpoints saved the Hugging Face way (transformers' save_pretrained,
 float32) with the demo tokenizer, their Core ML exports, and reference logits from transformers and MLX.
-Test modules that need torch / coremltools skip without the coreml extra (`requires_coreml`)."""
+Test modules that need torch and coremltools skip without them (`need("torch", "coremltools")` at their top)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,7 @@ import json
 import numpy as np
 import pytest
 
-COREML_REASON = 'the Core ML export needs torch and coremltools: pip install -e ".[coreml]"'
-
-
-def requires_coreml() -> None:
-    """Call at the top of a test module: skips it, with the reason, when the extra is missing."""
-    pytest.importorskip("torch", reason=COREML_REASON)
-    pytest.importorskip("coremltools", reason=COREML_REASON)
-
+from mlxhost.testing.needs import need
 
 CONTEXT = 64  # prompt (8) + 20 extend steps fit; the ranged dims go up to it
 PROMPT_LEN, EXTEND_STEPS = 8, 20
@@ -32,7 +25,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": SHAPE["rope_theta"], "factor
 
 def build_hf_folder(out, arch: str, seed: int):
     """arch: llama, llama3 (llama3 rope scaling), qwen2 (q/k/v biases), qwen3 (q/k norms)."""
-    requires_coreml()
+    need("torch", "coremltools")
     import torch
     import transformers
     from tokenizers import Tokenizer
@@ -81,7 +74,7 @@ def hf_dir(request):
 @pytest.fixture(scope="session")
 def int4_package(hf_dir, tmp_path_factory):
     """`mlxhost export coreml MODEL OUT --quantize int4 --block-size 32` of each fixture."""
-    requires_coreml()
+    need("torch", "coremltools")
     from mlxhost.server.cli import main
 
     out = tmp_path_factory.mktemp("coreml") / "model.mlpackage"

@@ -23,6 +23,7 @@ def test_other_systems_get_a_clear_message_and_a_non_zero_exit(tmp_path, capsys)
     assert "needs macOS" in err and "export coreml" in err
 
 
+@pytest.mark.needs("torch", "coremltools")
 def test_package_limits_read_from_the_spec(int4_package):
     import coremltools as ct
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.export.conftest import CONTEXT, requires_coreml
+from mlxhost.testing.needs import need
+from tests.export.conftest import CONTEXT
 
-requires_coreml()
+need("torch", "coremltools")  # at collection: every test here converts or runs through them
 
 from mlxhost.server.cli import main  # noqa: E402
 from mlxhost.export.package_info import BLOCKWISE_OP, dequantized_weights, summarize  # noqa: E402

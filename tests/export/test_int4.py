@@ -8,9 +8,10 @@ import re
 import numpy as np
 import pytest
 
-from tests.export.conftest import CONTEXT, PROMPT_LEN, requires_coreml
+from mlxhost.testing.needs import need
+from tests.export.conftest import CONTEXT, PROMPT_LEN
 
-requires_coreml()
+need("torch", "coremltools")  # at collection: every test here converts or runs through them
 
 from mlxhost.export.package_info import dequantized_weights  # noqa: E402
 from mlxhost.export.wrapper import StatefulCausalLM, load_hf_model, stateful_logits  # noqa: E402

@@ -8,12 +8,13 @@ import sys
 import numpy as np
 import pytest
 
-from tests.export.conftest import CONTEXT, PROMPT_LEN, requires_coreml
+from mlxhost.testing.needs import need
+from tests.export.conftest import CONTEXT, PROMPT_LEN
 
 if sys.platform != "darwin":
     pytest.skip("Core ML runs packages only on macOS (coremltools on Linux converts but cannot predict)",
                 allow_module_level=True)
-requires_coreml()
+need("torch", "coremltools")  # at collection: every test here converts or runs through them
 
 from mlxhost.server.cli import main  # noqa: E402
 from mlxhost.export.wrapper import StatefulCausalLM, load_hf_model, make_causal_mask, stateful_logits  # noqa: E402

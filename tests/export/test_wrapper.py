@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.export.conftest import (CONTEXT, EXTEND_STEPS, PROMPT_LEN, mlx_logits, requires_coreml,
+from mlxhost.testing.needs import need
+from tests.export.conftest import (CONTEXT, EXTEND_STEPS, PROMPT_LEN, mlx_logits,
                                    transformers_logits)
 
-requires_coreml()
+need("torch", "coremltools")  # at collection: every test here converts or runs through them
 
 from mlxhost.export import UnsupportedModelError  # noqa: E402
 from mlxhost.export.wrapper import (StatefulCausalLM, check_supported, load_hf_model,  # noqa: E402

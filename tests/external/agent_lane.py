@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from mlxhost.agents.launch import agent_clis_prefix
+from mlxhost.testing.needs import find, need
 
 CLIENTS_FILE = pathlib.Path(__file__).with_name("clients.txt")
 # Answers are cut at this many tokens by the server when a client names no limit (Codex, aider, llm), and by
@@ -36,26 +36,12 @@ def pinned_clients() -> dict[str, tuple[str, str, str]]:
 
 
 def find_cli(command: str) -> str:
-    """The pinned install first, then PATH; skips (fails under CI) when neither has it."""
-    installed = agent_clis_prefix() / "bin" / command
-    if installed.exists():
-        return str(installed)
-    import shutil
-
-    found = shutil.which(command)
-    if found:
-        return found
-    message = f"{command} is not installed: run tools/install-agent-clis.sh"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(message)
-    pytest.skip(message)
+    """The pinned install first, then PATH (mlxhost.testing.needs); skips (fails under CI) when neither has it."""
+    return need(command)
 
 
 # uvicorn's access log line: 127.0.0.1:5000 - "POST /v1/messages?beta=true HTTP/1.1" 200 OK
 _ACCESS = re.compile(r'"([A-Z]+) (\S+) HTTP/[\d.]+" (\d{3})')
-# MLX's CPU wheel multiplies matrices with a slow reference BLAS; Debian's OpenBLAS, preloaded, makes the
-# demo model's long agent prompts prefill about 3x faster here (libopenblas0-pthread, which .ci/run installs).
-OPENBLAS = pathlib.Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
 
 
 @dataclass
@@ -93,8 +79,11 @@ def start_demo_server(log_path: pathlib.Path, default_max_tokens: int = MAX_OUTP
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ)
-    if OPENBLAS.exists() and "LD_PRELOAD" not in env:
-        env["LD_PRELOAD"] = str(OPENBLAS)
+    # MLX's CPU wheel multiplies matrices with a slow reference BLAS; Debian's OpenBLAS, preloaded, makes the
+    # demo model's long agent prompts prefill about 3x faster here. Taken when present, never needed.
+    openblas = find("openblas")
+    if openblas and "LD_PRELOAD" not in env:
+        env["LD_PRELOAD"] = openblas
     cmd = [sys.executable, "-m", "mlxhost.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--default-max-tokens", str(default_max_tokens), "--no-web-ui"]
     with open(log_path, "wb") as log:

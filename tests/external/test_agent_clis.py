@@ -14,7 +14,7 @@ from agent_lane import MAX_OUTPUT_TOKENS, RESULTS, DemoServer, Turn, find_cli, p
 from mlxhost.agents import AGENTS, Target
 from mlxhost.agents.base import default_max_output_tokens
 
-pytestmark = pytest.mark.external
+pytestmark = pytest.mark.external  # each test also marks its CLI (`needs`): a missing one skips before the server starts
 
 FIRST = "Say hello in one short sentence."
 SECOND = "Now say goodbye in one short sentence."
@@ -58,6 +58,7 @@ def _launch_env(server: DemoServer, agent: str, base_env: dict, folder: pathlib.
     return {**base_env, **setup.env}, list(setup.args)
 
 
+@pytest.mark.needs("claude")
 def test_claude_code(demo_server, isolated_env):
     claude = find_cli("claude")
     base, home, project = isolated_env
@@ -77,6 +78,7 @@ def test_claude_code(demo_server, isolated_env):
         assert result["type"] == "result" and result["is_error"] is False, result
 
 
+@pytest.mark.needs("codex")
 def test_codex(long_answer_server, isolated_env):
     codex = find_cli("codex")
     base, home, project = isolated_env
@@ -86,6 +88,7 @@ def test_codex(long_answer_server, isolated_env):
     _two_turns(long_answer_server, "codex", [*run, FIRST], [*run, "resume", "--last", SECOND], env, project)
 
 
+@pytest.mark.needs("opencode")
 def test_opencode(demo_server, isolated_env):
     opencode = find_cli("opencode")
     base, home, project = isolated_env
@@ -94,6 +97,7 @@ def test_opencode(demo_server, isolated_env):
                env, project)
 
 
+@pytest.mark.needs("qwen")
 def test_qwen_code(demo_server, isolated_env):
     qwen = find_cli("qwen")
     base, home, project = isolated_env
@@ -102,6 +106,7 @@ def test_qwen_code(demo_server, isolated_env):
                project)
 
 
+@pytest.mark.needs("aider")
 def test_aider(demo_server, isolated_env):
     aider = find_cli("aider")
     base, home, project = isolated_env
@@ -125,6 +130,7 @@ def test_aider(demo_server, isolated_env):
 
 
 
+@pytest.mark.needs("llm")
 def test_llm(demo_server, isolated_env):
     llm = find_cli("llm")
     base, home, project = isolated_env

@@ -10,9 +10,8 @@ import pytest
 
 from mlxhost.lora.fused import CudaFused, fused_ops
 from mlxhost.lora.layers import MultiLoRALinear, RowAdapters
-from mlxhost.platform.backend import is_cuda
 
-pytestmark = pytest.mark.skipif(not is_cuda(), reason="the fused kernel runs on MLX-CUDA only")
+pytestmark = pytest.mark.needs("cuda")  # the fused kernel runs on MLX-CUDA only
 
 # (in, outs of the members) of a Qwen3-0.6B block's input groups: q/k/v, o, gate/up, down.
 QWEN3_06B_GROUPS = [(1024, [2048, 1024, 1024]), (2048, [1024]), (1024, [3072, 3072]), (3072, [1024])]

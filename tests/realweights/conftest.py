@@ -1,6 +1,7 @@
 """Real small models for the real_weights lane (fetched by `python -m mlxhost.testing.real_models fetch`).
 
-Missing models skip with that command as the reason; under CI=true they fail instead.
+A missing model skips with that command as the reason (mlxhost.testing.needs); under CI=true it fails instead.
+Each module marks the models it needs (`pytestmark`), so a missing one skips before any fixture is built.
 
 Session fixtures: `smollm2_gguf`, `qwen25_coder_gguf`, `gemma3_gguf` (the GGUF files), `smollm2_dir`,
 `qwen25_coder_dir`, `gemma3_dir` (their converted MLX folders, cached in the GGUF cache between runs),
@@ -15,7 +16,7 @@ import os
 import pytest
 
 from mlxhost.models.gguf import GGUFConvertConfig, prepare_gguf
-from mlxhost.testing.real_models import require
+from mlxhost.testing.needs import need
 
 # Float32 weights everywhere: on a CPU with OpenBLAS preloaded a 32-token SmolLM2 prefill took 1.1 s
 # this way and 16-17 s with the GGUF's 4-bit weights kept (float16 activations: minutes); docs/gguf.md.
@@ -38,17 +39,17 @@ def _serve_gguf_as_tests_do():
 
 @pytest.fixture(scope="session")
 def smollm2_gguf():
-    return require("smollm2")
+    return need("smollm2")
 
 
 @pytest.fixture(scope="session")
 def qwen25_coder_gguf():
-    return require("qwen25-coder")
+    return need("qwen25-coder")
 
 
 @pytest.fixture(scope="session")
 def gemma3_gguf():
-    return require("gemma3-270m")
+    return need("gemma3-270m")
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +59,7 @@ def gemma3_dir(gemma3_gguf):
 
 @pytest.fixture(scope="session")
 def minilm_dir():
-    return require("minilm")
+    return need("minilm")
 
 
 @pytest.fixture(scope="session")

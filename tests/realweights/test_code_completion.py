@@ -12,6 +12,8 @@ from transformers import AutoTokenizer
 
 from tests.e2e.conftest import SERVED_NAME, start_server
 
+pytestmark = pytest.mark.needs("qwen25-coder")
+
 PREFIX = "def add(a, b):\n    "
 SUFFIX = "\n\nprint(add(1, 2))\n"
 

@@ -9,6 +9,8 @@ import openai
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
+pytestmark = pytest.mark.needs("gemma3-270m")
+
 MAX_NEW = 4
 TEXT = ("The river ran past the old mill, under the stone bridge and into the valley where the farmers grew "
         "wheat, barley and apples. Every autumn the village held a market on the square by the church. ")

@@ -16,6 +16,8 @@ from tokenizers import Tokenizer
 from mlxhost.config import EngineConfig, ModelSpec, ServerConfig
 from mlxhost.server.app import build_app
 
+pytestmark = pytest.mark.needs("minilm")
+
 TEXTS = ["A man is eating food.", "A man is eating a piece of bread.", "The stock market fell sharply today.",
          "Ein Mann isst Brot. 男は食べる 🍞"]
 TOL = 1e-3

@@ -11,6 +11,8 @@ from mlxhost.config import EngineConfig, ServerConfig
 from mlxhost.server.app import build_app
 from tests.e2e.conftest import start_app
 
+pytestmark = pytest.mark.needs("minilm")
+
 QUERY = "What is the capital of France?"
 ANSWER = "Paris is the capital of France."
 DOCS = ["The Eiffel Tower was finished in 1889.", "Berlin is the capital of Germany.", ANSWER,

@@ -12,6 +12,8 @@ from mlxhost.config import EngineConfig
 from mlxhost.engine.core import EngineCore
 from mlxhost.engine.request import Request, SamplingParams
 
+pytestmark = pytest.mark.needs("smollm2")
+
 QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?"]
 MAX_NEW = 8
 

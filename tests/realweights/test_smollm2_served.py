@@ -9,6 +9,8 @@ import jsonschema
 import openai
 import pytest
 
+pytestmark = pytest.mark.needs("smollm2")
+
 MULTIBYTE = "Café naïve, 東京タワー, 你好, 🎉👍🏽"
 FORCED = "né 東京 🎉👍🏽"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},

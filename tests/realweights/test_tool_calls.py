@@ -12,6 +12,8 @@ import pytest
 
 from tests.e2e.conftest import start_server
 
+pytestmark = pytest.mark.needs("qwen25-coder")
+
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "description": "The city name"}},
            "required": ["city"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city",

@@ -14,6 +14,8 @@ from mlxhost.engine.detokenizer import make_detokenizer_factory
 from mlxhost.structured.grammar import HERMES, tag_token_ids, tool_call_constraint
 from mlxhost.structured.matcher import GrammarCompiler, allocate_bitmask
 
+pytestmark = pytest.mark.needs("qwen25-coder")
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
     "required": ["city"], "additionalProperties": False}}}

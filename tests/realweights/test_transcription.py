@@ -6,9 +6,7 @@ and a file longer than one 30-second window transcribed whole."""
 from __future__ import annotations
 
 import io
-import os
 import re
-import shutil
 import subprocess
 
 import numpy as np
@@ -17,7 +15,9 @@ import pytest
 
 from mlxhost.config import EngineConfig, ModelSpec, ServerConfig
 from mlxhost.server.app import build_app
-from mlxhost.testing.real_models import require
+from mlxhost.testing.needs import need
+
+pytestmark = pytest.mark.needs("whisper-tiny-en", "espeak-ng")  # the model hears espeak-ng's speech
 
 SENTENCES = ["the quick brown fox jumps over the lazy dog",
              "i would like a cup of coffee with milk please",
@@ -42,9 +42,6 @@ def word_errors(reference: str, hypothesis: str) -> int:
 
 def speak(text: str, path) -> bytes:
     """espeak-ng's default US English voice saying `text`, as a WAV file's bytes."""
-    if shutil.which("espeak-ng") is None:
-        why = "espeak-ng is not installed (apt-get install espeak-ng)"
-        pytest.fail(why) if os.environ.get("CI", "").lower() == "true" else pytest.skip(why)
     subprocess.run(["espeak-ng", "-v", "en-us", "-w", str(path), text], check=True, capture_output=True)
     return path.read_bytes()
 
@@ -53,7 +50,7 @@ def speak(text: str, path) -> bytes:
 def client():
     from tests.e2e.conftest import start_app
 
-    folder = require("whisper-tiny-en")
+    folder = need("whisper-tiny-en")
     live = start_app(build_app(ServerConfig(models=(ModelSpec("whisper-tiny.en", str(folder), pinned=True),),
                                             engine=EngineConfig())))
     with openai.OpenAI(base_url=live.base_url, api_key="x", max_retries=0, timeout=1200) as c:
