@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import gc
 import threading
 import time
 from types import SimpleNamespace
 
-from mlxhost.engine.loop import AsyncEngine
+from mlxhost.engine.loop import AsyncEngine, EngineClosedError
 from mlxhost.engine.request import Request, RequestOutput, SamplingParams
 
 
@@ -45,6 +46,12 @@ class _Core:
 
     def close(self) -> None:
         pass
+
+    def status(self) -> dict:
+        return {"num_running": len(self.requests), "prefix_cache": self.cache_stats()}
+
+    def cache_stats(self) -> dict:
+        return {"enabled": False}
 
 
 def _request(rid: str) -> Request:
@@ -138,3 +145,67 @@ def test_step_trace_writes_a_line_per_step(tmp_path, monkeypatch):
     fields = lines[0].split("\t")
     assert len(fields) == len(header.split("\t"))
     assert fields[5:10] == ["2", "14", "1", "3", "1"]  # chunks, prefill tokens, decoding, rows, outputs
+
+
+def _held(engine: AsyncEngine) -> threading.Event:
+    """Holds the engine thread inside a call (as a long step would) until the returned event is set."""
+    inside, release = threading.Event(), threading.Event()
+
+    def hold(core) -> None:
+        inside.set()
+        release.wait(60)
+
+    engine._inbox.put(("call", (hold, concurrent.futures.Future())))
+    assert inside.wait(60)
+    return release
+
+
+def test_reads_come_from_the_snapshot_while_the_engine_thread_is_busy():
+    core = _Core()
+    engine = AsyncEngine(lambda: core, max_num_waiting=10)
+
+    async def main():
+        engine.start(asyncio.get_running_loop())
+        assert engine.snapshot.status == {"num_running": 0, "prefix_cache": {"enabled": False}}
+        release = _held(engine)
+        try:
+            assert engine.busy_s is not None
+            assert engine.snapshot.cache_stats == {"enabled": False}  # no wait for the engine thread
+            waiting = asyncio.ensure_future(engine.call(lambda core: 1))
+            await asyncio.sleep(0.05)
+            assert not waiting.done()  # a call does wait: only the snapshot is free
+        finally:
+            release.set()
+        assert await waiting == 1
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+
+
+def test_the_shutdown_deadline_answers_calls_and_gives_up_on_a_busy_engine():
+    core = _Core()
+    engine = AsyncEngine(lambda: core, max_num_waiting=10)
+    release = None
+
+    async def main():
+        nonlocal release
+        engine.start(asyncio.get_running_loop())
+        release = _held(engine)
+        waiting = asyncio.ensure_future(engine.call(lambda core: 1))
+        await asyncio.sleep(0)
+        assert engine.end_all("shutting down") == []
+        try:
+            await waiting
+        except EngineClosedError as exc:
+            assert str(exc) == "shutting down"
+        else:
+            raise AssertionError("the call was not answered at the deadline")
+        assert engine.stop(lambda: 0.0) is False  # the deadline is long past and the engine is still busy
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        assert engine.stop() is True  # once the call ends, the thread stops (the skipped call never runs)

@@ -25,8 +25,9 @@ class FakeEngine:
     def start(self, loop) -> None:
         self.started = True
 
-    def stop(self) -> None:
+    def stop(self, until=lambda: None) -> bool:
         self.stopped = True
+        return True
 
 
 @dataclass

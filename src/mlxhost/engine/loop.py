@@ -1,7 +1,8 @@
 """The asyncio facade: handlers submit, stream and abort; one engine thread owns MLX.
 
 Commands go to the engine thread through a thread-safe queue; each step's outputs come back in one
-`call_soon_threadsafe` callback that fans them out to per-request asyncio queues.
+`call_soon_threadsafe` callback that fans them out to per-request asyncio queues. What the status routes
+show comes from a snapshot the engine thread publishes (status.py), so no read waits behind a step.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import AsyncIterator, Callable
 
 from mlxhost.engine.request import Request, RequestOutput, merge_outputs
 from mlxhost.engine.scheduler import QueueFullError
+from mlxhost.engine.status import StatusSnapshot, take_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,18 @@ _SLOW_STEP_S = 1.0
 # A file to write one line per engine step to (where a step's time goes under load, e.g. on a GPU).
 STEP_TRACE_ENV = "MLXHOST_STEP_TRACE"
 STEP_SYNC_ENV = "MLXHOST_STEP_SYNC"
+# The status snapshot is rebuilt after a step at most this often (it reads memory: ~0.6 ms on a CPU, a
+# tiny model's whole step), and always after a step that finished a request, after a call and on idle.
+_SNAPSHOT_EVERY_S = 0.1
+# Idle, the engine wakes at least this often, so the snapshot's memory readings stay this fresh.
+_IDLE_WAKE_S = 5.0
+# stop() waits this long for the engine thread to close its core (the SSD tier's queued writes).
+_STOP_JOIN_S = 30.0
+_JOIN_SLICE_S = 0.05
+
+
+class EngineClosedError(Exception):
+    """A call the engine never got to (or never finished) before the server's shutdown deadline."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,14 @@ class AsyncEngine:
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self.stats = EngineStats()
+        # What /v1/status and /v1/cache/stats show: built on the engine thread, swapped whole, read anywhere.
+        self.snapshot: StatusSnapshot | None = None
+        self._snapshot_at = 0.0  # engine thread only
+        self._snapshot_failed = False  # engine thread only: a failure is logged once
+        # When the engine thread entered the step (or call) it is in; None between them. Written there only.
+        self._busy_since: float | None = None
+        self._calls: dict[concurrent.futures.Future, asyncio.Future] = {}  # loop thread only
+        self._stop_sent = False
         self._core = None  # the engine thread's core, once built: read here only for its KV capacity
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -66,11 +88,31 @@ class AsyncEngine:
         if self._startup_error is not None:
             raise self._startup_error
 
-    def stop(self) -> None:
-        if self._thread is not None:
+    def stop(self, until: Callable[[], float | None] = lambda: None) -> bool:
+        """Stops the engine thread, which closes its core first. `until()` (time.monotonic(), read while
+        waiting: a second signal brings it forward) bounds the wait for a step or call still running;
+        False when the thread was still inside one then: left running (a daemon), the process may exit."""
+        thread = self._thread
+        if thread is None:
+            return True
+        if not self._stop_sent:
             self._inbox.put(("stop", None))
-            self._thread.join(timeout=30)
-            self._thread = None
+            self._stop_sent = True
+        give_up = time.monotonic() + _STOP_JOIN_S
+        while thread.is_alive() and time.monotonic() < give_up:
+            thread.join(timeout=_JOIN_SLICE_S)  # in slices: a signal handler runs between them
+            deadline = until()
+            if thread.is_alive() and deadline is not None and time.monotonic() >= deadline \
+                    and self._busy_since is not None:
+                return False
+        self._thread = None
+        return True
+
+    @property
+    def busy_s(self) -> float | None:
+        """How long the engine thread has been inside its current step or call (None: between them)."""
+        since = self._busy_since
+        return time.perf_counter() - since if since is not None else None
 
     @property
     def kv_capacity_tokens(self) -> int | None:
@@ -123,21 +165,36 @@ class AsyncEngine:
         if self._streams.pop(rid, None) is not None:
             self._inbox.put(("abort", rid))
 
-    def end_all(self, error: str) -> int:
+    def end_all(self, error: str) -> list[str]:
         """Ends every open stream now (on the loop's thread): a last output with `error` and finish reason
-        "abort", and its request aborted. Shutdown's deadline: clients learn why their stream stopped."""
+        "abort", and its request aborted. Shutdown's deadline: clients learn why their stream stopped.
+        Calls still waiting for the engine thread (or running on it) raise EngineClosedError. Returns the
+        ended streams' request ids."""
         ended = list(self._streams.items())
         for rid, stream in ended:
             stream.put_nowait(RequestOutput(rid, [], "", 0, 0, finish_reason="abort", error=error))
             self._forget(rid)
-        return len(ended)
+        for future, waiter in list(self._calls.items()):
+            future.cancel()  # only one the engine thread has not started: it skips it
+            if not waiter.done():
+                waiter.set_exception(EngineClosedError(error))
+        return [rid for rid, _ in ended]
 
     async def call(self, fn: Callable[["EngineCore"], object]) -> object:  # noqa: F821
         """Runs `fn(core)` on the engine thread between two steps (state the engine owns, e.g. the
         prefix cache, is only touched there) and returns its result."""
         future: concurrent.futures.Future = concurrent.futures.Future()
+        # Our own loop future, not asyncio.wrap_future's: end_all() can settle it while the engine thread
+        # is stuck, and a result arriving after that is dropped instead of raising in the loop.
+        waiter = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda f: waiter.get_loop().call_soon_threadsafe(_settle, waiter, f))
+        self._calls[future] = waiter
         self._inbox.put(("call", (fn, future)))
-        return await asyncio.wrap_future(future)
+        try:
+            return await waiter
+        finally:
+            self._calls.pop(future, None)
+            future.cancel()  # a caller gone first: the engine thread skips it if it has not started it
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -188,9 +245,11 @@ class AsyncEngine:
                 return
             self._core = core
             self.stats = self._read_stats(core)
+            self._publish(core)
             self._ready.set()
-            # Idle, the loop still wakes now and then: desktop mode re-reads free memory in on_idle().
-            idle_timeout = getattr(core.config, "memory_refresh_s", 0) or None
+            # Idle, the loop still wakes now and then: desktop mode re-reads free memory in on_idle(), and
+            # the status snapshot's memory readings are renewed.
+            idle_timeout = min(getattr(core.config, "memory_refresh_s", 0) or _IDLE_WAKE_S, _IDLE_WAKE_S)
             trace = _StepTrace.open(os.environ.get(STEP_TRACE_ENV))
             if os.environ.get(STEP_SYNC_ENV) == "1":
                 core.runner.sync_phases = True
@@ -199,13 +258,16 @@ class AsyncEngine:
             while True:
                 timeout = idle_timeout
                 if warm is not None:
+                    self._busy_since = time.perf_counter()  # a warm-up forward is a step too (a compile)
                     wait = warm.between_steps(core)
+                    self._busy_since = None
                     timeout = min(wait, idle_timeout or wait) if wait else idle_timeout
                     if warm.finished:
                         warm = None
                 block = not core.has_work
                 if block:
                     core.on_idle()
+                    self._publish(core)
                 waited = time.perf_counter()
                 try:
                     while True:
@@ -227,23 +289,45 @@ class AsyncEngine:
                             core.abort(arg)
                 except queue.Empty:
                     pass
-                started = time.perf_counter()
+                started = self._busy_since = time.perf_counter()
                 outputs = core.step()
+                self._busy_since = None
                 elapsed = time.perf_counter() - started
                 if elapsed > _SLOW_STEP_S:
                     log.warning("slow engine step: %.2f s with %d running, %d waiting (%s)", elapsed,
                                 core.scheduler.num_running, core.scheduler.num_waiting, core.describe_last_step())
                 trace.write(core, waited, started, elapsed, len(outputs))
                 self.stats = self._read_stats(core)
+                # Before the outputs leave: a client that saw its request end reads a status that shows it.
+                if any(out.finished for out in outputs) or started - self._snapshot_at >= _SNAPSHOT_EVERY_S:
+                    self._publish(core)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
-    @staticmethod
-    def _call(core, fn, future: concurrent.futures.Future) -> None:
+    def _publish(self, core) -> None:
+        """Builds the status snapshot (engine thread) and swaps it in: one reference write."""
+        self._snapshot_at = time.perf_counter()
         try:
-            future.set_result(fn(core))
+            self.snapshot = take_snapshot(core)
+        except Exception:  # the status is not worth an engine: the last good snapshot stays
+            if not self._snapshot_failed:
+                log.exception("building the status snapshot failed")
+            self._snapshot_failed = True
+
+    def _call(self, core, fn, future: concurrent.futures.Future) -> None:
+        if not future.set_running_or_notify_cancel():  # its caller left, or the shutdown deadline passed
+            return
+        self._busy_since = time.perf_counter()
+        try:
+            result = fn(core)
         except Exception as exc:
+            self._busy_since = None
+            self._publish(core)
             future.set_exception(exc)
+        else:
+            self._busy_since = None
+            self._publish(core)  # before the caller resumes: a read after a change (DELETE /v1/cache) sees it
+            future.set_result(result)
 
     def _add(self, core, request: Request) -> None:
         try:
@@ -251,6 +335,17 @@ class AsyncEngine:
         except Exception as exc:
             out = RequestOutput(request.request_id, [], "", request.num_prompt_tokens, 0, error=str(exc))
             self._loop.call_soon_threadsafe(self._dispatch, [out])
+
+
+def _settle(waiter: asyncio.Future, future: concurrent.futures.Future) -> None:
+    """On the loop: a call's result to its caller, unless the caller left or end_all() answered first."""
+    if waiter.done() or future.cancelled():
+        return
+    exc = future.exception()
+    if exc is not None:
+        waiter.set_exception(exc)
+    else:
+        waiter.set_result(future.result())
 
 
 class _OutputStream:

@@ -3,7 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class StatusSnapshot:
+    """An engine's status and cache stats as of its last step (or idle wake-up, or call), built on the
+    engine thread and swapped in whole (engine/loop.py): the HTTP side reads it without waiting for a
+    step. Its dicts are never changed once built; a reader that wants to edit one copies it."""
+
+    status: dict
+    cache_stats: dict
+
+
+def take_snapshot(core: Any) -> StatusSnapshot:
+    return StatusSnapshot(core.status(), core.cache_stats())
 
 
 def engine_status(core: Any) -> dict:

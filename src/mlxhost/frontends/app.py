@@ -66,7 +66,7 @@ def create_app(models: ModelManager) -> FastAPI:
             yield
         finally:
             prep.close()
-            models.close()
+            models.close(lambda: app.state.stop_deadline)
 
     # /docs serves Swagger UI's files itself (admin/docs.py): FastAPI's default page loads them from a CDN.
     app = FastAPI(title="mlxhost", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -74,9 +74,11 @@ def create_app(models: ModelManager) -> FastAPI:
     install_error_handlers(app)
     install_openapi(app)
     # What a graceful shutdown (server/process.py) needs, without importing the server: end the streams
-    # still running at the deadline, and stop the engines (flushing the SSD tier) when the lifespan is skipped.
-    app.state.end_streams = lambda reason: sum(e.end_all(reason) for e in models.loaded_engines())
+    # still running at the deadline (their request ids), stop the engines (flushing the SSD tier) when the
+    # lifespan is skipped, and the deadline (time.monotonic()) past which a step still running is not waited for.
+    app.state.end_streams = lambda reason: [rid for e in models.loaded_engines() for rid in e.end_all(reason)]
     app.state.close_models = models.close
+    app.state.stop_deadline = None
     add_model_errors(app)
 
     app.add_middleware(CountRequests, metrics=metrics)

@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 # queueing forever; a model's requests usually end well within it.
 _BUSY_WAIT_S = 300.0
 _POLL_S = 0.05
-# An unload asked for over HTTP waits this long for status and cache reads of the model to end (they wait
-# for the engine thread between two steps: a busy engine's may take a while).
+# An unload asked for over HTTP waits this long for cache clears of the model to end (DELETE /v1/cache waits
+# for the engine thread between two steps: a busy engine's may take a while; status reads never wait).
 _HOLDS_WAIT_S = 30.0
 # How often the ttl watcher looks when a client's keep_alive (not the config) started it.
 _KEEP_ALIVE_POLL_S = 0.5
@@ -106,13 +106,20 @@ class ModelManager:
         if ttls:
             self._expiry = loop.create_task(self._expire_forever(min(max(min(ttls) / 4, _POLL_S), 5.0)))
 
-    def close(self) -> None:
-        """Stops every engine; a load under way finishes first (its engine is stopped too)."""
+    def close(self, until: Callable[[], float | None] = lambda: None) -> int:
+        """Stops every engine; a load under way finishes first (its engine is stopped too). `until()`: the
+        shutdown's deadline (time.monotonic()), past which an engine still inside a step is not waited for
+        (AsyncEngine.stop). Returns how many were left so; a later close() looks at them again."""
         if self._expiry is not None:
             self._expiry.cancel()
         self._executor.shutdown(wait=True, cancel_futures=True)
+        stuck = []
         while self._started:
-            self._started.pop().stop()
+            engine = self._started.pop()
+            if not engine.stop(until):
+                stuck.append(engine)
+        self._started.extend(stuck)
+        return len(stuck)
 
     # -- requests ------------------------------------------------------------------------------
     @contextlib.asynccontextmanager

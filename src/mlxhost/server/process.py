@@ -8,8 +8,10 @@ and a shutdown with a deadline.
   the default way: there is nothing to drain yet, and uvicorn would only notice after start-up.
 - Shutdown: the first SIGTERM/SIGINT stops accepting connections and lets running streams finish
   until `shutdown_timeout_s`; then each stream still open ends with an error event (finish reason
-  "abort"). A second signal ends them at once. On every path the engines are stopped, which writes the
-  SSD tier's queued blocks to disk (engine_core.close()).
+  "abort"), and one log line names each. A second signal ends them at once. On every path the engines are
+  stopped, which writes the SSD tier's queued blocks to disk (engine_core.close()) — unless an engine is
+  still inside a step (or call) a moment past the deadline: then the process exits without it (os._exit,
+  after flushing the logs), since a step may run for minutes on a slow machine and nothing can interrupt it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from typing import Any
 
 import uvicorn
@@ -31,6 +34,9 @@ _CLOSE_GRACE_S = 5.0
 # A second signal: the ended streams' error events leave before the loop stops, up to this long (a loaded
 # machine may need more than a moment to run their last chunks).
 _FORCE_FLUSH_S = 2.0
+# Past the deadline, a step still running gets this long to end (a normal one takes milliseconds); then
+# the process exits without its engine.
+_STEP_GRACE_S = 1.0
 
 
 class PortInUseError(OSError):
@@ -74,12 +80,16 @@ class GracefulServer(uvicorn.Server):
             return
         first = not self.should_exit
         self.should_exit = True
-        # Signal handlers run between two bytecodes of the loop's own thread: schedule, do not act here.
+        # Signal handlers run between two bytecodes of the loop's own thread: schedule, do not act here
+        # (but the deadline is read while the engines are waited for, which blocks the loop: set it now).
+        state = self.config.app.state
         if first:
             log.info("shutting down: running streams have %.0f s to finish (a second signal ends them now)",
                      self.shutdown_timeout_s)
+            state.stop_deadline = time.monotonic() + self.shutdown_timeout_s + _STEP_GRACE_S
             self._loop.call_soon_threadsafe(self._arm_deadline)
         else:
+            state.stop_deadline = min(state.stop_deadline, time.monotonic() + _FORCE_FLUSH_S + _STEP_GRACE_S)
             self._loop.call_soon_threadsafe(self._force)
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
@@ -94,9 +104,8 @@ class GracefulServer(uvicorn.Server):
                                                       "shutdown deadline")
 
     def _end_streams(self, reason: str) -> None:
-        ended = self.config.app.state.end_streams(reason)  # the FastAPI app (create_app)
-        if ended:
-            log.warning("ended %d running stream(s): %s", ended, reason)
+        for request_id in self.config.app.state.end_streams(reason):  # the FastAPI app (create_app)
+            log.warning("request %s ended: %s", request_id, reason)
 
     def _force(self) -> None:
         if self._deadline_handle is not None:
@@ -113,12 +122,24 @@ class GracefulServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         await super().shutdown(sockets)
-        if self.force_exit:
-            # uvicorn skipped the lifespan's shutdown, which stops the engines: do it here, so the SSD
-            # tier's queued blocks still reach the disk.
-            self.config.app.state.close_models()
+        # After a second signal uvicorn skipped the lifespan's shutdown, which stops the engines: done here,
+        # so the SSD tier's queued blocks still reach the disk. Otherwise only engines left inside a step.
+        state = self.config.app.state
+        num_stuck = state.close_models(lambda: state.stop_deadline)
+        if num_stuck:
+            log.warning("exiting with %d engine(s) still inside a step at the shutdown deadline", num_stuck)
+            _exit_now()
         # A graceful stop is a normal exit (0), not a death by the signal uvicorn would re-raise.
         self._captured_signals.clear()
+
+
+def _exit_now() -> None:
+    """Ends the process without waiting for a thread stuck inside a step: a normal exit would run
+    interpreter and MLX teardown under it. The log lines written so far reach the console first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # a graceful stop, as uvicorn's own path ends (the signal is not re-raised)
 
 
 # The HTTP thread and the engine thread share one GIL. Python makes a thread that wants it wait up to the

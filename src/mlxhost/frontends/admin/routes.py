@@ -1,5 +1,9 @@
 """Operating the server over HTTP: `/health`, `/version`, `/metrics` (Prometheus), `/v1/status` and the prefix cache's
-`/v1/cache/stats` and `DELETE /v1/cache`, per model or for every model. Imports no MLX."""
+`/v1/cache/stats` and `DELETE /v1/cache`, per model or for every model. Imports no MLX.
+
+Reads answer from each engine's latest snapshot (engine/status.py), never by waiting for the engine thread:
+a step that takes minutes must not hold a dashboard's poll. Only DELETE /v1/cache, which changes the cache,
+is a call on the engine thread."""
 
 from __future__ import annotations
 
@@ -11,12 +15,23 @@ from mlxhost.frontends.common.metrics import Metrics
 
 def add_admin_routes(app: FastAPI, models, metrics: Metrics) -> None:
     async def per_model(requested: str | None, fn) -> dict[str, object]:
-        """`fn(core)` on each named (or every) model's engine; None for a model not loaded."""
+        """`fn(core)` on each named (or every) model's engine thread; None for a model not loaded."""
         out = {}
-        for name in [models.resolve(requested)] if requested is not None else models.names:
+        for name in names(requested):
             with models.hold(name) as engine:  # keeps it loaded until the call returns
                 out[name] = await engine.call(fn) if engine is not None else None
         return out
+
+    def snapshots(requested: str | None, read) -> dict[str, object]:
+        """`read(snapshot)` of each named (or every) model's latest status snapshot; None for a model not loaded."""
+        out = {}
+        for name in names(requested):
+            with models.hold(name) as engine:
+                out[name] = read(engine.snapshot) if engine is not None else None
+        return out
+
+    def names(requested: str | None) -> list[str]:
+        return [models.resolve(requested)] if requested is not None else models.names
 
     def one_or_all(requested: str | None, results: dict) -> dict:
         # One model (named, or the only one): its own answer, as a single-model server gives it.
@@ -44,11 +59,11 @@ def add_admin_routes(app: FastAPI, models, metrics: Metrics) -> None:
 
     @app.get("/v1/status")
     async def status(model: str | None = None):
-        return one_or_all(model, await per_model(model, lambda core: core.status()))
+        return one_or_all(model, snapshots(model, lambda snap: snap.status))
 
     @app.get("/v1/cache/stats")
     async def cache_stats(model: str | None = None):
-        return one_or_all(model, await per_model(model, lambda core: core.cache_stats()))
+        return one_or_all(model, snapshots(model, lambda snap: snap.cache_stats))
 
     @app.delete("/v1/cache")
     async def clear_cache(model: str | None = None):

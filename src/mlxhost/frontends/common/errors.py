@@ -14,6 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mlxhost.engine.loop import EngineClosedError
+
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}
@@ -123,6 +125,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException):
         # Keeps the exception's headers: a 405 must say which methods the path takes (`Allow`).
         return error_response(APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(EngineClosedError)
+    async def _engine_closed(_: Request, exc: EngineClosedError):
+        # A call on the engine thread cut off by the shutdown deadline (a step may never end): the client
+        # learns why, as a stream ended then does.
+        return error_response(APIError(503, str(exc), code="server_shutting_down"))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):
