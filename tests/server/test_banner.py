@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from fastapi.testclient import TestClient
+
 from mlxhost.frontends.admin.web import add_web_routes
 from mlxhost.frontends.app import create_app
 from mlxhost.server.banner import ENDPOINTS, BannerModel, format_banner

@@ -28,15 +28,16 @@ class LaunchError(Exception):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("agent", choices=sorted(AGENTS), help="the coding agent to run")
-    p.add_argument("model", nargs="?", default=None,
+    p.add_argument("agent", choices=sorted(AGENTS), metavar="AGENT",
+                   help="the coding agent to run: " + ", ".join(sorted(AGENTS)))
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="model to serve: a folder or hub id, or the name a running server knows it by (default: "
                         "the running server's model, or the demo model)")
     p.add_argument("--host", default="127.0.0.1", help="where the server listens (or is started)")
     p.add_argument("--port", type=int, default=8000, help="the server's port")
-    p.add_argument("--api-key", default=None,
+    p.add_argument("--api-key", default=None, metavar="KEY",
                    help="key the agent sends (default: the first of MLXHOST_API_KEY, else a placeholder)")
-    p.add_argument("--max-output-tokens", type=int, default=None,
+    p.add_argument("--max-output-tokens", type=int, default=None, metavar="N",
                    help="most tokens per answer the agent asks for (default: a quarter of the context, at most 32000)")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="passed to a started `mlxhost serve` (repeatable; --serve-arg=--max-num-seqs=8)")

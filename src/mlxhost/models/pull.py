@@ -118,8 +118,8 @@ def run(args) -> int:
 
 def add_arguments(p) -> None:
     p.add_argument("repo_id", metavar="HF_ID", help="Hugging Face model id, e.g. mlx-community/Qwen3-0.6B-4bit")
-    p.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
-    p.add_argument("--local-dir", default=None,
+    p.add_argument("--revision", default=None, metavar="REV", help="branch, tag or commit (default: main)")
+    p.add_argument("--local-dir", default=None, metavar="DIR",
                    help="download into this folder instead of the Hugging Face cache (default: the cache,"
                         " HF_HUB_CACHE)")
     p.add_argument("--include", action="append", default=[], metavar="PATTERN",

@@ -13,104 +13,130 @@ from mlxhost.server.settings import fraction, size
 
 
 def add_serve_command(sub) -> argparse.ArgumentParser:
-    """The `serve` subcommand on the parser's subcommands `sub`."""
+    """The `serve` subcommand on the parser's subcommands `sub`. Its argument groups are --help's sections and
+    docs/flags.md's tables (server/flags_doc.py)."""
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
-    serve.add_argument("model", nargs="?", default=None,
-                       help="local model folder or Hugging Face id (default: the built-in demo model)")
+    serve.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                       help="local model folder, .gguf file or Hugging Face id (default: the built-in demo model)")
     serve.add_argument("--config", default=None, metavar="YAML",
                        help="settings file: any flag below as a key (dashes or underscores); environment variables"
                             " MLXHOST_<FLAG> override it, flags override both (default: MLXHOST_CONFIG)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
-    serve.add_argument("--served-model-name", default=None, help="name clients use (default: folder name or id)")
-    serve.add_argument("--model", dest="extra_models", action="append", default=[], metavar="[NAME=]PATH",
-                       help="serve several models, each loaded on first use (repeatable; instead of MODEL)")
-    serve.add_argument("--model-dir", action="append", default=[], metavar="DIR",
-                       help="serve every model folder inside DIR, named after its folder, each loaded on first use"
-                            " (repeatable)")
-    serve.add_argument("--models-config", default=None, metavar="YAML",
-                       help="models to serve: name, path, pinned, ttl, aliases, engine settings (models/specs.py)")
-    serve.add_argument("--lora", action="append", default=[], metavar="[BASE:]NAME=PATH",
-                       help="serve the LoRA adapter at PATH (mlx-lm's or PEFT's format) as model NAME on the base "
-                            "model, batched with it (repeatable; docs/lora.md)")
-    serve.add_argument("--max-loaded-models", type=int, default=None,
-                       help="most models loaded at once; the least recently used idle unpinned one is unloaded")
-    serve.add_argument("--max-loaded-memory", type=size, default=None,
-                       help="most weight bytes loaded at once (8GB, 50%%); default: what the memory budget leaves")
+    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the `model` clients send (default: folder name or id)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="log verbosity")
     serve.add_argument("--no-web-ui", action="store_true", help="no chat page and dashboard at /")
     serve.add_argument("--shutdown-timeout", type=float, default=ServerConfig().shutdown_timeout_s, metavar="SECONDS",
                        help="on SIGTERM/SIGINT, how long running streams may finish before they end with an error"
-                            " event (a second signal ends them at once)")
+                            " event (a second signal ends them at once: their error events get up to 2 s to leave)")
     from mlxhost.models.loader import LOAD_STRATEGIES
 
     serve.add_argument("--load-strategy", default="auto", choices=("auto",) + LOAD_STRATEGIES,
-                       help="how weights are read (auto: by total weight size, see models/loader.py)")
+                       help="how weights are read: mlx-lm (its own load), chunked (a few hundred MB at a time), mmap"
+                            " (memory-mapped, copied tensor by tensor); auto: by total weight size (models/loader.py)")
     from mlxhost.structured.tool_formats import TOOL_PARSER_NAMES
 
     serve.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSER_NAMES,
                        help="how the model writes tool calls (default: read off its chat template / model type)")
     serve.add_argument("--fim", default="auto", choices=("auto", "on", "off"),
-                       help="fill-in-the-middle (`suffix`) for models with its marker tokens: auto (those named as "
-                            "code models), on (any), off")
+                       help="fill-in-the-middle (`suffix` on /v1/completions and /api/generate) for models with its"
+                            " marker tokens: auto (those named as code models), on (any), off (docs/api.md)")
+    _add_models_flags(serve.add_argument_group("several models"))
     _add_engine_flags(serve)
     from mlxhost.distributed.config import add_distributed_flags
 
-    add_distributed_flags(serve)
-    _add_media_flags(serve)
-    _add_security_flags(serve)
+    add_distributed_flags(serve.add_argument_group("distributed (docs/distributed.md)"))
+    _add_media_flags(serve.add_argument_group("images and video in requests"))
+    _add_security_flags(serve.add_argument_group("security (docs/security.md)"))
     serve.set_defaults(func=_serve, settings_parser=serve)  # main() fills its defaults from env and --config
     return serve
 
 
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+def _add_models_flags(p) -> None:
+    p.add_argument("--model", dest="extra_models", action="append", default=[], metavar="[NAME=]PATH",
+                   help="serve several models, each loaded on first use (repeatable; instead of MODEL)")
+    p.add_argument("--model-dir", action="append", default=[], metavar="DIR",
+                   help="serve every model folder inside DIR, named after its folder, each loaded on first use"
+                        " (repeatable)")
+    p.add_argument("--models-config", default=None, metavar="YAML",
+                   help="models to serve: name, path, pinned, ttl, aliases, engine settings (format in"
+                        " models/specs.py; docs/serving.md)")
+    p.add_argument("--lora", action="append", default=[], metavar="[BASE:]NAME=PATH",
+                   help="serve the LoRA adapter at PATH (mlx-lm's or PEFT's format) as model NAME on the base "
+                        "model, batched with it (repeatable; docs/lora.md)")
+    p.add_argument("--max-loaded-models", type=int, default=None, metavar="N",
+                   help="most models loaded at once; the least recently used idle unpinned one is unloaded"
+                        " (default: no limit)")
+    p.add_argument("--max-loaded-memory", type=size, default=None, metavar="SIZE",
+                   help="most weight bytes loaded at once (8GB, 50%%) (default: what the memory budget leaves)")
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences decoded together")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--prefill-step-size", type=int, default=None,
-                   help=f"prompt tokens per engine step; longer prompts are chunked (default: 2048 on MLX-CUDA, "
-                        f"{d.prefill_step_size} elsewhere)")
-    p.add_argument("--max-num-prefill-rows", type=int, default=d.max_num_prefill_rows,
-                   help="prompts prefilled together in one forward, sharing the step's tokens fairly (1: one "
-                        "prompt at a time, oldest first)")
-    p.add_argument("--prefill-wait-steps", type=int, default=d.prefill_wait_steps,
+    p = parser.add_argument_group("batching and scheduling")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, metavar="N",
+                   help="requests decoded together; more wait in a FIFO queue")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                   help="context length; a prompt + max_tokens beyond it is a 400 (default: the model's"
+                        " max_position_embeddings)")
+    p.add_argument("--prefill-step-size", type=int, default=None, metavar="TOKENS",
+                   help=f"prompt tokens per engine step; longer prompts are split so running streams keep flowing "
+                        f"(default: 2048 on MLX-CUDA, {d.prefill_step_size} elsewhere)")
+    p.add_argument("--max-num-prefill-rows", type=int, default=d.max_num_prefill_rows, metavar="N",
+                   help="prompts prefilled together in one forward, sharing the step's tokens fairly (plain-KV"
+                        " families; sliding-window, recurrent-state and vision models prefill one prompt at a time);"
+                        " 1: one prompt at a time, oldest first")
+    p.add_argument("--prefill-wait-steps", type=int, default=d.prefill_wait_steps, metavar="N",
                    help="while rows decode, let a new prompt wait up to N engine steps for others, so several "
                         "prefill in one forward (fewer, fuller prefill steps; TTFT up by at most N decode steps); "
-                        "0: at once")
-    p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
-                   help="max_tokens when a request names none")
+                        "never while nothing decodes, no longer once --max-num-prefill-rows prompts wait; 0: at once")
+    p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens, metavar="N",
+                   help="max_tokens when a request names none (capped by the context left)")
     p.add_argument("--warmup", choices=["auto", "background", "on", "off"], default=d.warmup,
                    help="run the decode batch sizes and traffic's paths once: background (while serving, between "
                         "requests), on (before serving); auto: background on CUDA, which compiles per shape, else off")
-    p.add_argument("--kv-budget-tokens", type=int, default=None,
-                   help="KV tokens running requests may hold at once (default: from the memory budget)")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="prefix-cache block size in tokens")
-    p.add_argument("--cache-memory", type=size, default=None,
-                   help="prefix-cache memory: bytes (2GB, 512MiB) or a percent of RAM (20%%); default: the memory"
-                        " budget's prefix share, a quarter of what weights and activations leave (512MiB when no"
-                        " budget can be computed); desktop mode shrinks it first under memory pressure")
+    p.add_argument("--decode-buckets", choices=["auto", "on", "off"], default=d.decode_buckets,
+                   help="pad the decode batch to a few fixed sizes (auto: on for CUDA, which compiles per shape, so"
+                        " warm-up covers ~10 sizes)")
+    p.add_argument("--cudnn-attention", choices=["auto", "on", "off"], default=d.cudnn_attention,
+                   help="MLX-CUDA: multi-token attention through cuDNN, which builds a graph per new shape (40-80 ms)"
+                        "; auto: off (served prompts rarely repeat a shape), on: MLX's default."
+                        " MLX_CUDA_USE_CUDNN_SDPA in the environment wins")
+    p = parser.add_argument_group("memory and caches (docs/caching.md)")
     p.add_argument("--memory-mode", choices=["desktop", "dedicated"], default=d.memory_mode,
                    help="desktop: leave room for other apps, follow free memory while running; dedicated: a"
                         " server box, take --memory-utilization of the GPU working set (RAM on CPU)")
-    p.add_argument("--memory-utilization", type=fraction, default=d.memory_utilization,
-                   help="dedicated mode: share of the memory capacity this server may use")
+    p.add_argument("--memory-utilization", type=fraction, default=d.memory_utilization, metavar="SHARE",
+                   help="dedicated mode: share of the GPU working set (RAM on CPU) this server may use")
+    p.add_argument("--kv-budget-tokens", type=int, default=None, metavar="TOKENS",
+                   help="KV tokens running requests may hold at once; more wait (default: from the memory budget)")
     p.add_argument("--kv-prealloc", type=int, default=d.kv_prealloc_tokens, metavar="TOKENS",
                    help="reserve KV for this many positions per decode batch up front, so memory stays flat while"
                         " sequences grow (0: off; past it the cache grows in 256-token steps)")
     p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None,
                    help="quantize the KV cache to 8 or 4 bits (decode batch, prefills, prefix cache and SSD tier):"
-                        " about 1.9x / 3.5x the tokens of bf16 KV in the same memory; default: the model's float")
+                        " about 1.9x / 3.5x the tokens of bf16 KV in the same memory (default: the model's float)")
     p.add_argument("--kv-quant-mode", choices=["auto", "quantized", "dequantized"], default=d.kv_quant_mode,
                    help="how attention reads --kv-bits KV: quantized (MLX's quantized kernels, Metal/CPU), dequantized"
                         " (stored quantized, dequantized per layer: MLX-CUDA); auto: the first that works")
     p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=d.kv_group_size,
                    help="values per quantization group of --kv-bits (must divide the attention head dim)")
-    p.add_argument("--ssd-cache-dir", default=None, help="SSD tier of the prefix cache (survives restarts)")
-    p.add_argument("--ssd-cache-max-size", type=size, default="50GB", help="size cap of the SSD tier")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
-    p.add_argument("--decode-buckets", choices=["auto", "on", "off"], default=d.decode_buckets,
-                   help="pad the decode batch to a few fixed sizes (auto: on for CUDA, which compiles per shape)")
+    p.add_argument("--block-size", type=int, default=d.block_size, metavar="TOKENS",
+                   help="prefix-cache block size in tokens")
+    p.add_argument("--cache-memory", type=size, default=None, metavar="SIZE",
+                   help="prefix-cache memory: bytes (2GB, 512MiB) or a percent of RAM (20%%); desktop mode shrinks"
+                        " it first under memory pressure (default: the memory budget's prefix share, a quarter of"
+                        " what weights and activations leave; 512MiB when no budget can be computed)")
+    p.add_argument("--ssd-cache-dir", default=None, metavar="DIR",
+                   help="folder of the prefix cache's SSD tier: cached blocks survive restarts (default: off)")
+    p.add_argument("--ssd-cache-max-size", type=size, default="50GB", metavar="SIZE",
+                   help="size cap of the SSD tier; the least recently used blocks go first")
+    p.add_argument("--vision-cache-memory", type=size, default="512MB", metavar="SIZE",
+                   help="vision-language models: encoder outputs kept by image hash (bytes or %% of RAM)")
+    p = parser.add_argument_group("speculative decoding (docs/speculative.md)")
     p.add_argument("--speculative", choices=["off", *proposer_names()], default=d.speculative,
                    help="speculative decoding in the decode batch: ngram (prompt lookup, no extra model) or draft"
                         " (--draft-model); greedy output is unchanged, sampled output keeps its distribution")
@@ -118,31 +144,29 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="small model with the target's tokenizer that drafts tokens (turns --speculative draft on)")
     p.add_argument("--num-draft-tokens", type=int, default=d.num_draft_tokens, metavar="K",
                    help="most tokens a row drafts per step (each row adapts below it from its acceptance)")
-    p.add_argument("--cudnn-attention", choices=["auto", "on", "off"], default=d.cudnn_attention,
-                   help="MLX-CUDA: multi-token attention through cuDNN, which builds a graph per new shape (40-80 ms)"
-                        "; auto: off (served prompts rarely repeat a shape), on: MLX's default. MLX_CUDA_USE_CUDNN_SDPA in the "
-                        "environment wins")
     p.add_argument("--spec-max-batch", type=int, default=d.spec_max_batch, metavar="N",
                    help="speculate only while at most N requests decode; larger batches decode plainly, where "
                         "verifying drafts costs more than it saves")
-    p.add_argument("--vision-cache-memory", type=size, default="512MB",
-                   help="vision-language models: encoder outputs kept by image hash (bytes or %% of RAM)")
 
 
-def _add_media_flags(p: argparse.ArgumentParser) -> None:
+def _add_media_flags(p) -> None:
     d = MediaConfig()
     p.add_argument("--allowed-local-media-path", action="append", default=[], metavar="DIR",
-                   help="allow image/video parts to name local files (paths, file://) under DIR; repeatable")
+                   help="allow image/video parts to name local files (paths, file://) under DIR; repeatable"
+                        " (default: none)")
     p.add_argument("--allow-private-media-urls", action="store_true",
                    help="allow media URLs on private, loopback and link-local addresses (off: SSRF guard)")
     p.add_argument("--media-fetch-timeout", type=float, default=d.fetch_timeout_s, metavar="SECONDS",
-                   help="connect/read timeout of a media download")
-    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
-                   help="refuse images above this many pixels (checked before decoding)")
-    p.add_argument("--max-media-per-request", type=int, default=d.max_media_per_request,
+                   help="how long an image or video URL's download may wait to connect, and for each read (the"
+                        " whole download gets %g s)" % d.fetch_deadline_s)
+    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels, metavar="N",
+                   help="refuse (400) an image or video frame above this many pixels, read from its header before"
+                        " decoding")
+    p.add_argument("--max-media-per-request", type=int, default=d.max_media_per_request, metavar="N",
                    help="images + videos one request may carry (checked before fetching any)")
-    p.add_argument("--video-max-frames-cap", type=int, default=d.video_max_frames_cap,
-                   help="most frames a video part may ask for (max_frames default %d)" % d.video_max_frames)
+    p.add_argument("--video-max-frames-cap", type=int, default=d.video_max_frames_cap, metavar="N",
+                   help="most frames a video part may ask for with max_frames (which defaults to %d)"
+                        % d.video_max_frames)
 
 
 def _media_config(args) -> MediaConfig:
@@ -153,13 +177,14 @@ def _media_config(args) -> MediaConfig:
                        max_media_per_request=args.max_media_per_request)
 
 
-def _add_security_flags(p: argparse.ArgumentParser) -> None:
+def _add_security_flags(p) -> None:
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require this key as `Authorization: Bearer KEY` or `x-api-key: KEY` (repeatable; default:"
                         " MLXHOST_API_KEY, comma-separated); /health stays open")
     p.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key")
     p.add_argument("--allowed-origins", default="", metavar="ORIGIN,...",
-                   help="CORS: browser origins allowed to call the API (e.g. http://localhost:3000, or *); default off")
+                   help="CORS: browser origins allowed to call the API (e.g. http://localhost:3000, or *)"
+                        " (default: off)")
     p.add_argument("--max-request-body-bytes", type=size, default="64MiB", metavar="SIZE",
                    help="largest request body (64MiB, 10MB, bytes); a larger one is a 413")
     p.add_argument("--max-tokens-cap", type=int, default=None, metavar="N",
