@@ -240,6 +240,9 @@ class ServerConfig:
     media: MediaConfig = field(default_factory=MediaConfig)  # images and videos in requests (VLMs)
     # How weights are read: "auto" (models/loader.py's measured rule by size) or a strategy name.
     load_strategy: str = "auto"
+    # Text model weights on MLX's CPU backend: "auto" float32 when it fits, "float32" always, "keep" as loaded
+    # (platform/cpu_weights.py); other backends keep them as loaded.
+    cpu_weights: str = "auto"
     # How replies carry tool calls (a structured.tool_formats name); None: read off the chat template.
     tool_call_parser: str | None = None
     # Fill-in-the-middle (`suffix`): "auto" for models with its marker tokens named as code models, "on" for any
@@ -258,6 +261,8 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.cpu_weights not in ("auto", "float32", "keep"):
+            raise ValueError(f"cpu_weights must be auto, float32 or keep, got {self.cpu_weights!r}")
         if self.fim not in ("auto", "on", "off"):
             raise ValueError(f"fim must be auto, on or off, got {self.fim!r}")
         if self.load_strategy != "auto" and self.load_strategy not in LOAD_STRATEGIES:

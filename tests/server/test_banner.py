@@ -54,3 +54,14 @@ def test_every_named_path_is_a_route():
     for path in sorted(_named_paths()) + ["/"]:
         assert client.get(path).status_code != 404, path  # a POST route answers GET with 405
     assert client.get("/no-such-path").status_code == 404
+
+
+def test_a_cpu_user_without_openblas_is_told_how_to_get_it():
+    from mlxhost.platform.blas import INSTALL_HINT, BlasChoice
+    from mlxhost.server.banner import blas_hint
+
+    slow = BlasChoice(None, "no OpenBLAS on this machine")
+    assert INSTALL_HINT in _banner(speed_hint=blas_hint(slow))
+    for fine in (None, BlasChoice("/lib/libopenblas.so.0", "system OpenBLAS"), BlasChoice(None, "not Linux")):
+        assert blas_hint(fine) is None
+    assert "speed" not in _banner()

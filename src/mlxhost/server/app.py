@@ -152,6 +152,10 @@ def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | Non
         from mlxhost.audio.engine import audio_served
 
         return audio_served(spec, config, loaded)
+    if not loaded.is_vlm:  # text models: on MLX's CPU backend float32 weights are the fast layout
+        from mlxhost.platform.cpu_weights import serve_layout
+
+        serve_layout(loaded.model, config.cpu_weights)
     engine_config = shared_engine_config(spec.engine or config.engine, config, spec.name)
     max_model_len = resolve_max_model_len(loaded, engine_config)
     vocab = read_vocab(loaded.tokenizer)  # once: the length bound and the fill-in-the-middle markers read it

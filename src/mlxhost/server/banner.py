@@ -71,7 +71,8 @@ def endpoint_lines(url: str, web_ui: bool = True) -> list[str]:
 
 
 def format_banner(version: str, url: str, models: list[BannerModel], memory: str, needs_key: bool,
-                  all_interfaces: bool = False, demo: bool = False, web_ui: bool = True) -> str:
+                  all_interfaces: bool = False, demo: bool = False, web_ui: bool = True,
+                  speed_hint: str | None = None) -> str:
     first = models[0].name
     where = " (all interfaces)" if all_interfaces else ""
     if len(models) == 1:
@@ -87,6 +88,8 @@ def format_banner(version: str, url: str, models: list[BannerModel], memory: str
         lines += ["  note       the demo model has random weights: its replies are gibberish by design",
                   f"  real model {REAL_MODEL_HINT}"]
     lines.append(f"  memory     {memory}")
+    if speed_hint:
+        lines.append(f"  speed      {speed_hint}")
     lines += endpoint_lines(url, web_ui)
     lines.append("  try it:")
     lines += ["    " + line for line in try_lines(url, first, needs_key)]
@@ -114,7 +117,17 @@ def ceiling_line(mode: str, utilization: float) -> str:
     return f"{mode} ceiling {ceiling / (1 << 30):.2f} GiB for all models (each budgets its KV when it loads)"
 
 
-def make_ready_hook(config, manager, specs, port: int, out=None):
+def blas_hint(blas) -> str | None:
+    """A line for a CPU user whose MLX multiplies with its slow reference BLAS (platform/blas.py)."""
+    from mlxhost.platform.blas import INSTALL_HINT
+
+    if blas is None or not blas.slow:
+        return None
+    return (f"MLX's CPU matmul here is the slow reference BLAS: `{INSTALL_HINT}` and restart"
+            " (mlxhost loads OpenBLAS by itself; float32 matmul ~10x faster)")
+
+
+def make_ready_hook(config, manager, specs, port: int, out=None, speed_hint: str | None = None):
     """The coroutine the app's lifespan awaits once the models' engines run: prints the banner."""
     from mlxhost import __version__
 
@@ -130,7 +143,8 @@ def make_ready_hook(config, manager, specs, port: int, out=None):
         text = format_banner(__version__, display_url(config.host, port), models, memory,
                              needs_key=bool(config.security.api_keys),
                              all_interfaces=config.host in ("0.0.0.0", "::", ""),
-                             demo=any(is_demo_source(spec.source) for spec in specs), web_ui=config.web_ui)
+                             demo=any(is_demo_source(spec.source) for spec in specs), web_ui=config.web_ui,
+                             speed_hint=speed_hint)
         print(text, file=out or sys.stderr, flush=True)
 
     return on_ready

@@ -193,6 +193,10 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # First, before anything imports mlx.core: MLX's CPU wheel then multiplies with the system's OpenBLAS.
+    from mlxhost.platform.blas import use_system_blas
+
+    blas = use_system_blas()
     from mlxhost.agents.launch import split_agent_args
 
     argv, agent_args = split_agent_args(argv)  # `launch ... -- ARGS`: ARGS reach the agent untouched
@@ -216,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for note in notes:
         log.info(note)
+    args.blas = blas  # serve's banner tells a CPU user without OpenBLAS how to get it
+    log.log(logging.WARNING if blas.slow else logging.INFO if blas.loaded else logging.DEBUG, "BLAS for MLX's CPU backend: %s%s", blas.reason,
+            f" ({blas.loaded})" if blas.loaded else "")
     if args.log_level == "info":  # HTTP clients log a line per request (hub look-ups, downloads): debug only
         for name in ("httpx", "httpx2"):
             logging.getLogger(name).setLevel(logging.WARNING)

@@ -36,6 +36,10 @@ def add_serve_command(sub) -> argparse.ArgumentParser:
     serve.add_argument("--load-strategy", default="auto", choices=("auto",) + LOAD_STRATEGIES,
                        help="how weights are read: mlx-lm (its own load), chunked (a few hundred MB at a time), mmap"
                             " (memory-mapped, copied tensor by tensor); auto: by total weight size (models/loader.py)")
+    serve.add_argument("--cpu-weights", default="auto", choices=("auto", "float32", "keep"),
+                       help="text model weights on MLX's CPU backend: auto serves them as float32 (dequantized) when"
+                            " that takes at most a quarter of RAM, MLX's fastest CPU layout; keep: as loaded."
+                            " Metal and CUDA always keep them")
     from mlxhost.structured.tool_formats import TOOL_PARSER_NAMES
 
     serve.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSER_NAMES,
@@ -286,7 +290,7 @@ def _serve(args) -> int:
     try:
         config = ServerConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
                               port=args.port, log_level=args.log_level, engine=_engine_config(args),
-                              load_strategy=args.load_strategy, media=_media_config(args),
+                              load_strategy=args.load_strategy, cpu_weights=args.cpu_weights, media=_media_config(args),
                               tool_call_parser=args.tool_call_parser, fim=args.fim,
                               shutdown_timeout_s=args.shutdown_timeout,
                               web_ui=not args.no_web_ui,
@@ -307,10 +311,11 @@ def _serve(args) -> int:
         sock = process.bind(config.host, config.port)
         # build_app loads every pinned model (a single one always) with config.load_strategy.
         app = build_app(config)
-        from mlxhost.server.banner import make_ready_hook
+        from mlxhost.server.banner import blas_hint, make_ready_hook
 
         app.state.on_ready = make_ready_hook(config, app.state.models, app.state.model_specs,
-                                             sock.getsockname()[1] if sock is not None else config.port)
+                                             sock.getsockname()[1] if sock is not None else config.port,
+                                             speed_hint=blas_hint(getattr(args, "blas", None)))
     except (ModelLoadError, ValueError, OSError) as e:
         if sock is not None:
             sock.close()
