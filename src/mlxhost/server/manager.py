@@ -66,6 +66,7 @@ class ModelManager:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._expiry: asyncio.Task | None = None
         self._started: list = []  # engines started and not stopped (touched by the worker, then close())
+        self._stuck: list = []  # engines close() left inside a step
         self._created = int(time.time())
 
     # -- names ---------------------------------------------------------------------------------
@@ -117,8 +118,13 @@ class ModelManager:
         while self._started:
             engine = self._started.pop()
             if not engine.stop(until):
+                busy_s = engine.busy_s
+                if engine not in self._stuck:  # a later close() looks again, without a second line
+                    log.warning("an engine is still inside a step%s: not waited for",
+                                f" after {busy_s:.0f} s" if busy_s is not None else "")
                 stuck.append(engine)
         self._started.extend(stuck)
+        self._stuck = stuck
         return len(stuck)
 
     # -- requests ------------------------------------------------------------------------------

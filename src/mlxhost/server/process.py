@@ -127,7 +127,7 @@ class GracefulServer(uvicorn.Server):
         state = self.config.app.state
         num_stuck = state.close_models(lambda: state.stop_deadline)
         if num_stuck:
-            log.warning("exiting with %d engine(s) still inside a step at the shutdown deadline", num_stuck)
+            log.warning("exiting at the shutdown deadline without %d engine(s) still inside a step", num_stuck)
             _exit_now()
         # A graceful stop is a normal exit (0), not a death by the signal uvicorn would re-raise.
         self._captured_signals.clear()
