@@ -110,6 +110,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     # The LoRA adapter it runs under (lora/adapters.py `adapter_id`: name and digest); '' for the base model.
     adapter: str = ""
+    # Scheduling class: lower runs first.
+    priority: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
