@@ -54,9 +54,10 @@ class LiveServer:
         assert not self.thread.is_alive(), "the test server did not stop"  # what follows reads its files
 
 
-def start_server(model_dir, media: MediaConfig | None = None, **engine_kwargs) -> LiveServer:
+def start_server(model_dir, media: MediaConfig | None = None, cpu_weights: str = "auto",
+                 **engine_kwargs) -> LiveServer:
     config = ServerConfig(model=str(model_dir), served_model_name=SERVED_NAME, engine=EngineConfig(**engine_kwargs),
-                          media=media or MediaConfig())
+                          media=media or MediaConfig(), cpu_weights=cpu_weights)
     return start_app(build_app(config))
 
 

@@ -26,7 +26,8 @@ def bf16_dir(tmp_path_factory):
 def test_status_and_metrics_show_the_larger_capacity(make_server, bf16_dir, mode, attention):
     statuses, gauges = {}, {}
     for bits in (None, 8, 4):
-        live = make_server(bf16_dir, memory_mode="dedicated", kv_bits=bits, kv_quant_mode=mode)
+        # Weights as loaded: served as float32 (the CPU default) the baseline's KV would be float32 too.
+        live = make_server(bf16_dir, memory_mode="dedicated", kv_bits=bits, kv_quant_mode=mode, cpu_weights="keep")
         statuses[bits] = httpx.get(live.base_url + "/status", timeout=30).json()
         gauges[bits] = live.metrics()
         if bits == 4:
