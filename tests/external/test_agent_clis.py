@@ -14,7 +14,8 @@ from agent_lane import MAX_OUTPUT_TOKENS, RESULTS, DemoServer, Turn, find_cli, p
 from mlxhost.agents import AGENTS, Target
 from mlxhost.agents.base import default_max_output_tokens
 
-pytestmark = pytest.mark.external  # each test also marks its CLI (`needs`): a missing one skips before the server starts
+# Each test also marks its CLI (`needs`): a missing one skips before the demo server starts.
+pytestmark = pytest.mark.external
 
 FIRST = "Say hello in one short sentence."
 SECOND = "Now say goodbye in one short sentence."

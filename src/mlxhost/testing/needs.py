@@ -75,8 +75,11 @@ OPTIONAL: dict[str, Prerequisite] = {
     "curl": Prerequisite(_program("curl"), "apt-get install curl"),
     # The CPU build: PyPI's default on Linux brings CUDA libraries (gigabytes) the export never uses.
     "torch": Prerequisite(_module("torch"), "pip install torch --index-url https://download.pytorch.org/whl/cpu"),
-    "coremltools": Prerequisite(_module("coremltools"), 'pip install "coremltools>=8.0" (or pip install -e ".[coreml]")'),
-    "openblas": Prerequisite(lambda: str(OPENBLAS) if OPENBLAS.is_file() else None, "apt-get install libopenblas0-pthread"),
+    "coremltools": Prerequisite(_module("coremltools"),
+                                'pip install "coremltools>=8.0" (or pip install -e ".[coreml]")'),
+    # is_file: a library hidden under /dev/null (.ci/bare) still exists.
+    "openblas": Prerequisite(lambda: str(OPENBLAS) if OPENBLAS.is_file() else None,
+                             "apt-get install libopenblas0-pthread"),
     "cuda": Prerequisite(_cuda, 'an NVIDIA GPU and pip install -e ".[cuda]"', ci_installs=False),
     **{command: Prerequisite(_agent_cli(command), f"{_AGENT_CLIS_INSTALL} {command}")
        for command in ("claude", "codex", "opencode", "qwen", "aider", "llm")},
