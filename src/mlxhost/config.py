@@ -22,6 +22,9 @@ class EngineConfig:
     # same for one prompt as for eight. It waits no longer once `max_num_prefill_rows` prompts wait,
     # and never when nothing decodes or a prompt is mid-prefill. 0: admitted at once.
     prefill_wait_steps: int = 0
+    # A waiting request's priority improves by one class per this many engine steps, so no class starves
+    # under a steady stream of better ones (engine/scheduler.py). 0: no aging.
+    priority_aging_steps: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     default_max_tokens: int = 2048
     # Requests allowed to wait for a slot; beyond this the server answers 429 instead of queueing forever.
@@ -103,6 +106,8 @@ class EngineConfig:
             raise ValueError("prefill_step_size must be >= 1")
         if self.prefill_wait_steps < 0:
             raise ValueError("prefill_wait_steps must be >= 0")
+        if self.priority_aging_steps < 0:
+            raise ValueError("priority_aging_steps must be >= 0")
         if self.max_num_prefill_rows < 1:
             raise ValueError("max_num_prefill_rows must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:

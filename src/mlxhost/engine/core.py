@@ -265,7 +265,8 @@ class EngineCore:
             num_output_tokens=request.num_output_tokens,
             # A stop string completed by the token that also reached max_tokens still cut the text: "stop".
             finish_reason=("stop" if hit else request.finish_reason) if finished else None,
-            num_cached_tokens=request.num_cached_tokens,
+            # After a preemption its last prefill's hit, which covers its output so far too: the prompt's part.
+            num_cached_tokens=min(request.num_cached_tokens, request.num_prompt_tokens),
         )
 
     def _forget(self, request_id: str) -> None:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxhost.kv.hashing import adapter_span
+from mlxhost.kv.hashing import adapter_span, group_span
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,14 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     # The LoRA adapter it runs under (lora/adapters.py `adapter_id`: name and digest); '' for the base model.
     adapter: str = ""
+    # Admission order (vLLM's): lower is served first; the scheduler ages it while the request waits.
+    priority: int = 0
+    # The prefix-cache partition it reads and writes (`--cache-isolation`); '' shares with every request.
+    cache_group: str = ""
+    # A preempted request's output tokens that its next prefill computes again (after the prompt), and how
+    # often it was preempted.
+    num_replayed_tokens: int = 0
+    num_preemptions: int = 0
     # Scheduling class: lower runs first.
     priority: int = 0
 
@@ -128,23 +136,37 @@ class Request:
 
     @property
     def block_key_spans(self) -> tuple[tuple[int, int, str], ...]:
-        """`media_spans`, and the adapter as a key of every block: KV computed under one adapter is never
-        another's, nor the base model's."""
-        if not self.adapter:
-            return self.media_spans
-        return (adapter_span(self.adapter), *self.media_spans)
+        """`media_spans`, and the adapter and the cache group as keys of every block: KV computed under one
+        adapter (or for one group) is never another's, nor the base model's (nor the shared cache's)."""
+        spans = self.media_spans
+        if self.adapter:
+            spans = (adapter_span(self.adapter), *spans)
+        if self.cache_group:
+            spans = (group_span(self.cache_group), *spans)
+        return spans
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def prefill_token_ids(self) -> list[int]:
+        """What its prefill computes: the prompt, and after a preemption the output tokens it had."""
+        if not self.num_replayed_tokens:
+            return self.prompt_token_ids
+        return self.prompt_token_ids + self.output_token_ids[: self.num_replayed_tokens]
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_replayed_tokens
+
+    @property
     def is_prefill_done(self) -> bool:
-        return self.num_computed_tokens >= self.num_prompt_tokens
+        return self.num_computed_tokens >= self.num_prefill_tokens
 
     @property
     def num_prompt_tokens_left(self) -> int:
-        return self.num_prompt_tokens - self.num_computed_tokens
+        return self.num_prefill_tokens - self.num_computed_tokens
 
     @property
     def finish_reason(self) -> str | None:

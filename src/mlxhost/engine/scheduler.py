@@ -1,14 +1,20 @@
 """Who runs this step: admission, prefill chunks, finishes and aborts. Imports no tensor library.
 
 The scheduler owns the waiting queue and the running set. Each call to `schedule()` admits waiting
-requests in FIFO order up to `max_num_seqs`, hands out at most `prefill_step_size` prompt tokens of
-prefill work (shared by several waiting prompts, whose chunks the runner runs as one forward; a long
-prompt is split across steps and never freezes the streams that are already decoding), and lists the
-requests whose state the runner must drop.
+requests up to `max_num_seqs`, in order of priority (lower first, as vLLM's; aged while waiting, so none
+starves) and then arrival, hands out at most `prefill_step_size` prompt tokens of prefill work (shared by
+several waiting prompts, whose chunks the runner runs as one forward; a long prompt is split across steps
+and never freezes the streams that are already decoding), and lists the requests whose state the runner
+must drop.
+
+A request of a better priority class that finds no slot or no KV preempts running requests of worse
+classes: their full blocks go to the prefix cache and they wait again, to recompute prompt and output so
+far (mostly cache hits) when they are admitted next.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -40,6 +46,9 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     # Before freeing, the runner copies these blocks of a finished request's KV into the prefix cache.
     store_ops: dict[str, list[StoreOp]] = field(default_factory=dict)
+    # Requests sent back to the queue to make room for better-priority ones (also in finished_request_ids:
+    # the runner drops their state the same way; the engine core keeps them).
+    preempted_request_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -100,7 +109,13 @@ class Scheduler:
         self._finished: list[Request] = []
         self._at_boundary: list[Request] = []
         self._num_steps = 0
-        self._arrived: dict[str, int] = {}  # waiting request id -> the step count when it arrived
+        # Request id (waiting or running) -> the step count when it first arrived: aging counts from there.
+        self._arrived: dict[str, int] = {}
+        self._order: dict[str, int] = {}  # request id -> arrival number: the tie-break within a class
+        self._arrivals = itertools.count()
+        # Running request id -> its effective priority when admitted: what a newcomer must beat to preempt it.
+        self._admitted_rank: dict[str, int] = {}
+        self.num_preemptions = 0
 
     # -- queue -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -111,6 +126,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
         self._arrived[request.request_id] = self._num_steps
+        self._order[request.request_id] = next(self._arrivals)
 
     def abort(self, request_id: str) -> Request | None:
         """Drops a request wherever it is; returns it, or None if it already finished."""
@@ -121,7 +137,7 @@ class Scheduler:
         for request in self.waiting:
             if request.request_id == request_id:
                 self.waiting.remove(request)
-                self._arrived.pop(request_id, None)
+                self._forget(request_id)
                 request.status = RequestStatus.FINISHED_ABORTED
                 return request
         return None
@@ -163,9 +179,11 @@ class Scheduler:
         out.decode_request_ids = [r.request_id for r in self.running.values() if r.is_prefill_done]
 
         self._num_steps += 1
-        self._admit()
+        self._admit(out)
 
         prefilling = [r for r in self.running.values() if not r.is_prefill_done]
+        if len(prefilling) > 1:  # stable: within a class, the oldest admitted first
+            prefilling.sort(key=lambda r: self._admitted_rank[r.request_id])
         sizes = split_prefill_budget([r.num_prompt_tokens_left for r in prefilling], self.config.prefill_step_size,
                                      self.config.max_num_prefill_rows)
         for request, n in zip(prefilling, sizes):
@@ -181,31 +199,107 @@ class Scheduler:
             )
         return out
 
-    def _admit(self) -> None:
-        """Admits waiting requests in order while slots and the KV budget allow. One whose next prompt block
-        another request is prefilling stays queued (its place kept) and the ones behind it go on."""
+    def _admit(self, out: SchedulerOutput) -> None:
+        """Admits waiting requests in order while slots and the KV budget allow, preempting worse classes
+        for a better one. One whose next prompt block another request is prefilling stays queued (its
+        place kept) and the ones behind it go on."""
+        self._sort_waiting()
         blocked: list[Request] = []
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        while self.waiting:
             request = self.waiting[0]
             if self._waits_for_inflight(request):
                 blocked.append(self.waiting.popleft())
                 continue
-            if not self.can_admit(request) or self._holds_back():
+            if self._holds_back():
+                break
+            fits = len(self.running) < self.config.max_num_seqs and self.can_admit(request)
+            if not fits and not self._preempt_for(request, out):
                 break
             self.waiting.popleft()
-            del self._arrived[request.request_id]
+            self._admitted_rank[request.request_id] = self._rank(request)
             request.status = RequestStatus.RUNNING
             self.running[request.request_id] = request
             if self.prefix is not None:
                 self._look_up(request)
         self.waiting.extendleft(reversed(blocked))
 
+    # -- priority ------------------------------------------------------------------------------
+    def _rank(self, request: Request) -> int:
+        """Its effective priority: one class better for every `priority_aging_steps` steps it has waited
+        since it arrived, so a low class under a steady stream of better ones still gets its turn."""
+        aging = self.config.priority_aging_steps
+        if not aging:
+            return request.priority
+        return request.priority - (self._num_steps - self._arrived[request.request_id]) // aging
+
+    def _sort_waiting(self) -> None:
+        # Arrival order is the queue's own order while every request is of one class and none was preempted.
+        if len(self.waiting) > 1 and any(r.priority != self.waiting[0].priority or r.num_preemptions
+                                         for r in self.waiting):
+            order = self._order
+            self.waiting = deque(sorted(self.waiting, key=lambda r: (self._rank(r), order[r.request_id])))
+
+    def can_preempt(self, victim: Request, request: Request) -> bool:
+        """Whether `request` (waiting) may preempt `victim` (running): a strictly better class than the
+        victim's, both as asked and as aged, and a victim whose output a recompute reproduces (no grammar,
+        penalties or seeded sampling, whose state the runner rebuilds from the prompt alone)."""
+        sp = victim.sampling
+        return (request.priority < victim.priority
+                and self._rank(request) < self._admitted_rank[victim.request_id]
+                and self.config.speculative == "off"
+                and sp.constraint is None and sp.prompt_logprobs is None and not sp.needs_processors
+                and (sp.seed is None or sp.is_greedy) and not victim.media)
+
+    def _preempt_for(self, request: Request, out: SchedulerOutput) -> bool:
+        """Preempts the fewest running requests of the worst classes (the latest arrivals first) that make
+        room for `request`; none if even all of them would not."""
+        victims = sorted((r for r in self.running.values() if self.can_preempt(r, request)),
+                         key=lambda r: (self._admitted_rank[r.request_id], self._order[r.request_id]),
+                         reverse=True)
+        cap, left, chosen = self.kv_capacity_tokens, dict(self.running), []
+        for victim in victims:
+            del left[victim.request_id]
+            chosen.append(victim)
+            if len(left) < self.config.max_num_seqs and (
+                    cap is None or not left or self._kv_bound([*left.values(), request]) <= cap):
+                break
+        else:
+            return False
+        for victim in chosen:
+            self._preempt(victim, out)
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        rid = request.request_id
+        if self.prefix is not None:
+            # Its blocks go to the prefix cache (copied before the runner drops its state), so its
+            # resumption hits them and recomputes only the tail.
+            ops = self._ops(request) if request.is_prefill_done else self._prefill_ops(request)
+            self._keep(out, request, ops, prompt_done=True)
+            self.prefix.release(rid)
+        if request in self._at_boundary:
+            self._at_boundary.remove(request)
+        del self.running[rid]
+        del self._admitted_rank[rid]
+        if rid in out.decode_request_ids:
+            out.decode_request_ids.remove(rid)
+        out.finished_request_ids.append(rid)
+        out.preempted_request_ids.append(rid)
+        # The token it sampled last is dropped with its row: the recompute samples it again.
+        request.num_replayed_tokens = request.num_output_tokens
+        request.num_computed_tokens = 0
+        request.cached_block_ids = []
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        self.num_preemptions += 1
+
     def _look_up(self, request: Request) -> None:
-        rid, prefix = request.request_id, self.prefix
-        hashes = prefix.hashes(request.prompt_token_ids, request.block_key_spans, request.block_hashes)
+        rid, prefix, tokens = request.request_id, self.prefix, request.prefill_token_ids
+        hashes = prefix.hashes(tokens, request.block_key_spans, request.block_hashes)
         # A scored prompt needs every position's logits: nothing comes from the cache (its blocks are stored).
         request.cached_block_ids = ([] if request.sampling.prompt_logprobs is not None else
-                                    prefix.lookup(rid, request.prompt_token_ids, request.block_key_spans, hashes))
+                                    prefix.lookup(rid, tokens, request.block_key_spans, hashes))
         request.num_cached_tokens = len(request.cached_block_ids) * prefix.block_size
         request.num_computed_tokens = request.num_cached_tokens
         self._next_store_block[rid] = len(request.cached_block_ids)
@@ -216,8 +310,8 @@ class Scheduler:
             return False
         if request.sampling.prompt_logprobs is not None:  # it would not use the blocks it waited for
             return False
-        hashes = self.prefix.hashes(request.prompt_token_ids, request.block_key_spans, request.block_hashes)
-        usable = hashes[: (request.num_prompt_tokens - 1) // self.prefix.block_size]  # as a lookup takes them
+        hashes = self.prefix.hashes(request.prefill_token_ids, request.block_key_spans, request.block_hashes)
+        usable = hashes[: (request.num_prefill_tokens - 1) // self.prefix.block_size]  # as a lookup takes them
         return self.inflight.waits_for(usable, self.prefix.is_cached) is not None
 
     def _holds_back(self) -> bool:
@@ -273,7 +367,7 @@ class Scheduler:
                 finished.append(request)
             elif self.prefix is not None and (request.num_tokens // self.prefix.block_size
                                               > start // self.prefix.block_size
-                                              or start == request.num_prompt_tokens):
+                                              or start == request.num_prefill_tokens):
                 # A block filled while decoding (by this step's token or tokens): cache it now, so a long
                 # generation is reusable (and survives an abort) without waiting for the request to end.
                 # The prompt's blocks are cached as soon as it is prefilled, so requests sharing it (n > 1,
@@ -289,6 +383,7 @@ class Scheduler:
             return
         request.status = RequestStatus.FINISHED_ABORTED
         del self.running[request_id]
+        self._forget(request_id)
         self._finished_ids.append(request_id)
         if request in self._at_boundary:
             self._at_boundary.remove(request)
@@ -353,20 +448,26 @@ class Scheduler:
         if request.num_computed_tokens // self.prefix.block_size <= first:
             return []
         ops, self._next_store_block[request.request_id] = self.prefix.plan_store_from(
-            request.prompt_token_ids[: request.num_computed_tokens], request.block_key_spans, request.block_hashes,
+            request.prefill_token_ids[: request.num_computed_tokens], request.block_key_spans, request.block_hashes,
             first)
         return ops
 
     def _keep(self, out: SchedulerOutput, request: Request, ops: list[StoreOp], prompt_done: bool = False) -> None:
-        if ops:
-            out.store_ops[request.request_id] = ops
+        if ops:  # added to what this step planned for it already (a block filled while decoding)
+            out.store_ops.setdefault(request.request_id, []).extend(ops)
             self.inflight.planned(op.block_hash for op in ops)
         if prompt_done:  # every prompt block it could store is planned: it computes no more of them
             self.inflight.release(request.request_id)
             self._next_store_block.pop(request.request_id, None)
 
+    def _forget(self, request_id: str) -> None:
+        self._arrived.pop(request_id, None)
+        self._order.pop(request_id, None)
+        self._admitted_rank.pop(request_id, None)
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         del self.running[request.request_id]
+        self._forget(request.request_id)
         self._finished_ids.append(request.request_id)
         self._finished.append(request)

@@ -79,6 +79,13 @@ def adapter_span(adapter: str) -> tuple[int, int, str]:
     return (0, _EVERY_POSITION, "lora:" + adapter)
 
 
+def group_span(group: str) -> tuple[int, int, str]:
+    """A cache-isolation group as a span over the whole sequence: no block, in memory or on the SSD tier,
+    is found by a request of another group, so the time to the first token says nothing across groups.
+    Requests without a group add nothing, so their hashes stay what they were."""
+    return (0, _EVERY_POSITION, "group:" + group)
+
+
 def block_extra_keys(model_key: str, extra_keys: tuple = ()) -> tuple:
     """Extra keys mixed into every block; an empty model key adds nothing."""
     return (model_key, *extra_keys) if model_key else tuple(extra_keys)

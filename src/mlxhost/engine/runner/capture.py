@@ -26,7 +26,7 @@ def start_captures(row: RowState, request: Request, store: Any, block_size: int)
     if store.wants_snapshots:
         # The deepest boundary a later lookup of this prompt can resume at (one token is always
         # left to compute); deeper ones are snapshotted while decoding.
-        at = (request.num_prompt_tokens - 1) // block_size * block_size
+        at = (request.num_prefill_tokens - 1) // block_size * block_size
         if at > request.num_cached_tokens:
             row.snap_at = at
 

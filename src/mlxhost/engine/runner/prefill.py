@@ -55,7 +55,7 @@ class PrefillSteps:
                 return self.mm.forward(request, row.media, start, end, cache)
         else:
             def forward(start: int, end: int):
-                return self.model(mx.array(request.prompt_token_ids[start:end])[None], cache=cache)
+                return self.model(mx.array(request.prefill_token_ids[start:end])[None], cache=cache)
         scoring = row.prompt_scores is not None
         if row.captured is not None:
             model_forward = forward
@@ -132,7 +132,7 @@ class PrefillSteps:
         try:
             with self.lora.rows([requests[c.request_id].adapter for c, _ in rows]):
                 logits, grown = prefill_rows(self.model, [cache for _, cache in rows], [
-                    requests[c.request_id].prompt_token_ids[c.start : c.start + c.num_tokens] for c, _ in rows],
+                    requests[c.request_id].prefill_token_ids[c.start : c.start + c.num_tokens] for c, _ in rows],
                     bound=self._bound, pad_to=self.prefill_pad_to, joining=[c.is_last for c, _ in rows])
             going_on = [layers for (c, _), layers in zip(rows, grown) if not c.is_last]
             if going_on:  # bound the lazy graph, as `_prefill` does between chunks
