@@ -258,6 +258,8 @@ class ServerConfig:
     shutdown_timeout_s: float = 30.0
     web_ui: bool = True  # the chat page and dashboard at / (frontends/admin/web.py)
     loras: tuple[LoraSpec, ...] = ()  # --lora adapters, put on their base model's spec by server.model_specs
+    batch_dir: str | None = None  # the Batch API's folder (frontends/batch/); None: no Batch API
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry traces sent here (tracing.py); None: off
 
     def __post_init__(self) -> None:
         from mlxhost.models.loader import LOAD_STRATEGIES

@@ -85,6 +85,7 @@ def create_app(models: ModelManager) -> FastAPI:
     app.add_middleware(_HeadAsGet)
     # Every dialect translates into the same requests and goes through the same gateway.
     gateway = Gateway(models, metrics, prep)
+    app.state.gateway = gateway  # for what the server adds on top (tracing)
     add_embeddings_route(app, gateway)
     add_audio_routes(app, models)  # speech to text, text to speech (frontends/audio/)
     add_anthropic_routes(app, gateway)

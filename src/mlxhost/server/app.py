@@ -117,6 +117,14 @@ def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAP
     app = create_app(manager)
     app.state.models, app.state.model_specs = manager, specs  # for the start-up banner (cli.py)
     add_web_routes(app, enabled=config.web_ui)
+    if config.batch_dir is not None:
+        from mlxhost.frontends.batch.routes import install_batch_api
+
+        install_batch_api(app, config.batch_dir)
+    if config.otlp_traces_endpoint is not None:  # imports the optional OpenTelemetry SDK only when asked for
+        from mlxhost.tracing import install_tracing
+
+        install_tracing(app, config.otlp_traces_endpoint)
     install_security(app, config.security, config.host, web_page=config.web_ui)
     return app
 

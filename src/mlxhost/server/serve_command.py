@@ -54,6 +54,7 @@ def add_serve_command(sub) -> argparse.ArgumentParser:
     add_distributed_flags(serve.add_argument_group("distributed (docs/distributed.md)"))
     _add_media_flags(serve.add_argument_group("images and video in requests"))
     _add_security_flags(serve.add_argument_group("security (docs/security.md)"))
+    _add_team_flags(serve.add_argument_group("batches and tracing (docs/batch.md, docs/tracing.md)"))
     serve.set_defaults(func=_serve, settings_parser=serve)  # main() fills its defaults from env and --config
     return serve
 
@@ -199,6 +200,25 @@ def _add_security_flags(p) -> None:
                         " any name otherwise")
 
 
+def _add_team_flags(p) -> None:
+    p.add_argument("--batch-dir", default="auto", metavar="DIR",
+                   help="folder of the OpenAI Batch API's files and batches (/v1/files, /v1/batches): a restart "
+                        "resumes the batches in it; auto: the user data folder's mlxhost/batches; off: no Batch API")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry spans of every request to this OTLP collector: http(s)://HOST:4318"
+                        "/v1/traces over HTTP, grpc://HOST:4317 over gRPC (needs the `otel` extra; default: off)")
+
+
+def _batch_dir(args) -> str | None:
+    if args.batch_dir == "off":
+        return None
+    if args.batch_dir == "auto":
+        from mlxhost.batch.store import default_batch_dir
+
+        return str(default_batch_dir())
+    return args.batch_dir
+
+
 def _security_config(args) -> SecurityConfig:
     from mlxhost.memory.device import total_ram
 
@@ -293,7 +313,8 @@ def _serve(args) -> int:
                               load_strategy=args.load_strategy, cpu_weights=args.cpu_weights, media=_media_config(args),
                               tool_call_parser=args.tool_call_parser, fim=args.fim,
                               shutdown_timeout_s=args.shutdown_timeout,
-                              web_ui=not args.no_web_ui,
+                              web_ui=not args.no_web_ui, batch_dir=_batch_dir(args),
+                              otlp_traces_endpoint=args.otlp_traces_endpoint,
                               security=_security_config(args), **_models_fields(args))
         from mlxhost.distributed.config import distributed_config
 

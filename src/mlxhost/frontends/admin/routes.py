@@ -59,7 +59,9 @@ def add_admin_routes(app: FastAPI, models, metrics: Metrics) -> None:
 
     @app.get("/v1/status")
     async def status(model: str | None = None):
-        return one_or_all(model, snapshots(model, lambda snap: snap.status))
+        out = one_or_all(model, snapshots(model, lambda snap: snap.status))
+        batches = getattr(app.state, "batch_runner", None)  # the Batch API's progress (frontends/batch/), when on
+        return {**out, "batches": batches.status()} if batches is not None else out
 
     @app.get("/v1/cache/stats")
     async def cache_stats(model: str | None = None):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
@@ -32,6 +33,9 @@ RETRY_AFTER_S = "1"
 # A stream with nothing to send for this long (a long prompt prefilling, a queue) sends its dialect's
 # heartbeat frame: agents give up on a silent stream (Claude Code after 300 s of a 54k-token prefill).
 HEARTBEAT_S = 5.0
+# The scheduling class (engine Request.priority; lower runs first) of requests opened in this context; None: the
+# request's own. The Batch API's runner sets it around each line, which then translates exactly as a live request.
+priority_class: ContextVar[int | None] = ContextVar("priority_class", default=None)
 
 
 @dataclass
@@ -80,6 +84,8 @@ class Gateway:
     def __init__(self, models: Any, metrics: Metrics, prep: PrepPool | None = None,
                  heartbeat_s: float | None = None) -> None:
         self.models, self.metrics = models, metrics
+        # Builds each request's trace spans from its outputs (tracing.py); None: tracing off, nothing is wrapped.
+        self.tracer: Any = None
         self.heartbeat_s = heartbeat_s  # None: HEARTBEAT_S
         # Tokenizing, chat templates and media run here, off the event loop: one request's 5 MB prompt
         # must not stall /health and every running stream while it is processed.
@@ -101,6 +107,8 @@ class Gateway:
             if not generate:
                 return Opened(model, prepared, None)
             request = prepared.request
+            if (priority := priority_class.get()) is not None:
+                request.priority = priority
             need, cap = request.num_prompt_tokens + request.sampling.max_tokens, engine.kv_capacity_tokens
             if cap is not None and need > cap:
                 raise APIError(429, f"this request needs KV for {request.num_prompt_tokens} prompt + "
@@ -112,6 +120,8 @@ class Gateway:
             except QueueFullError as exc:
                 # Too many requests for the slots and the memory budget right now: come back shortly.
                 raise APIError(429, str(exc), code="server_busy", headers={"Retry-After": RETRY_AFTER_S}) from exc
+            if self.tracer is not None:
+                outputs = self.tracer.watch(model, prepared, outputs)
         return Opened(model, prepared, outputs)
 
     async def open_copies(self, body: SamplingFields, prepared: Prepared, count: int) -> list[AsyncIterator[RequestOutput]]:
@@ -119,7 +129,10 @@ class Gateway:
         its prompt's blocks are in the prefix cache by then, so the copies prefill only what is left."""
         async with self.models.lease(body.model) as (_, engine):
             try:
-                return [engine.generate(prepared.copy(i)) for i in range(1, count + 1)]
+                copies = [prepared.copy(i) for i in range(1, count + 1)]
+                for copy in copies:
+                    copy.priority = prepared.request.priority
+                return [engine.generate(copy) for copy in copies]
             except QueueFullError as exc:  # copies already queued abort when their streams are dropped
                 raise APIError(429, str(exc), code="server_busy", headers={"Retry-After": RETRY_AFTER_S}) from exc
 

@@ -1,0 +1,186 @@
+"""The batch runner over a store in a temporary folder and a fake dispatch: validation, resuming after a restart
+without running answered lines again, busy answers retried, cancel and expiry, and the result files' shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from mlxhost.batch.runner import BatchRunner
+from mlxhost.batch.store import BatchStore, FolderInUseError
+
+URL = "/v1/chat/completions"
+_BOUND_S = 30  # a hang bound, not a timing check
+
+
+def input_file(n: int, url: str = URL) -> bytes:
+    return "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": url,
+                               "body": {"model": "m", "messages": [{"role": "user", "content": str(i)}]}}) + "\n"
+                   for i in range(n)).encode()
+
+
+def new_batch(store: BatchStore, data: bytes, expires_in: int = 3600) -> str:
+    file_id = store.add_file(data, "in.jsonl", "batch")["id"]
+    now = int(time.time())
+    batch_id = f"batch_{file_id}"
+    store.add_batch({"id": batch_id, "object": "batch", "endpoint": URL, "errors": None, "input_file_id": file_id,
+                     "completion_window": "24h", "status": "validating", "output_file_id": None,
+                     "error_file_id": None, "created_at": now, "expires_at": now + expires_in,
+                     "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": None})
+    return batch_id
+
+
+class Answers:
+    """Answers each line with its content echoed; line "3" once with a busy 429, line "4" with a 400."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.busy_once = True
+        self.release: asyncio.Event | None = None  # set: lines wait for it
+
+    async def __call__(self, url: str, body: dict) -> tuple[int, dict]:
+        content = body["messages"][0]["content"]
+        self.calls.append(content)
+        if self.release is not None:
+            await self.release.wait()
+        if content == "3" and self.busy_once:
+            self.busy_once = False
+            return 429, {"error": {"message": "busy", "code": "server_busy"}}
+        if content == "4":
+            return 400, {"error": {"message": "bad", "type": "invalid_request_error", "param": None, "code": None}}
+        return 200, {"id": f"chatcmpl-{content}", "object": "chat.completion", "text": content}
+
+
+async def run_until(store: BatchStore, runner: BatchRunner, batch_id: str, statuses: set[str]) -> dict:
+    runner.start()
+    try:
+        deadline = time.monotonic() + _BOUND_S
+        while store.batch(batch_id)["status"] not in statuses:
+            assert time.monotonic() < deadline, store.batch(batch_id)
+            await asyncio.sleep(0.01)
+        return store.batch(batch_id)
+    finally:
+        await runner.stop()
+
+
+def read_lines(store: BatchStore, file_id: str) -> list[dict]:
+    return [json.loads(line) for line in store.read_file(file_id).decode().splitlines()]
+
+
+def test_a_batch_runs_to_completed_with_output_and_error_files(tmp_path):
+    async def main():
+        store = BatchStore(tmp_path)
+        answers = Answers()
+        batch_id = new_batch(store, input_file(6))
+        batch = await run_until(store, BatchRunner(store, answers, max_num_running=2), batch_id, {"completed"})
+        assert batch["request_counts"] == {"total": 6, "completed": 5, "failed": 1}
+        assert all(batch[k] for k in ("in_progress_at", "finalizing_at", "completed_at"))
+        out = read_lines(store, batch["output_file_id"])
+        assert [o["custom_id"] for o in out] == ["r0", "r1", "r2", "r3", "r5"]
+        first = out[0]
+        assert set(first) == {"id", "custom_id", "response", "error"} and first["error"] is None
+        assert first["response"]["status_code"] == 200 and first["response"]["body"]["text"] == "0"
+        assert first["response"]["request_id"]
+        (err,) = read_lines(store, batch["error_file_id"])
+        assert err["custom_id"] == "r4" and err["response"]["status_code"] == 400
+        assert sorted(answers.calls) == sorted(["0", "1", "2", "3", "3", "4", "5"])  # the busy one asked again
+        assert store.file(batch["output_file_id"])["purpose"] == "batch_output"
+        store.close()
+
+    asyncio.run(main())
+
+
+def test_a_restart_runs_only_the_lines_not_answered(tmp_path):
+    async def main():
+        store = BatchStore(tmp_path)
+        batch_id = new_batch(store, input_file(10))
+        answers = Answers()
+        answers.release = asyncio.Event()
+        runner = BatchRunner(store, answers, max_num_running=3)
+        runner.start()
+        deadline = time.monotonic() + _BOUND_S
+        while len(answers.calls) < 3:  # three lines in flight, none answered
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        await runner.stop()  # the server stops: those three are dropped unanswered
+        assert store.batch(batch_id)["request_counts"]["completed"] == 0
+        # Two lines answered before the "crash" are on disk; the store is reopened as a new server would.
+        from mlxhost.batch.lines import answer_line
+
+        store.add_result(batch_id, 0, True, answer_line("r0", 200, {"text": "0"}))
+        store.add_result(batch_id, 7, True, answer_line("r7", 200, {"text": "7"}))
+        store.close()
+        store = BatchStore(tmp_path)
+        again = Answers()
+        batch = await run_until(store, BatchRunner(store, again), batch_id, {"completed"})
+        assert sorted(again.calls, key=int) == ["1", "2", "3", "3", "4", "5", "6", "8", "9"]
+        assert batch["request_counts"] == {"total": 10, "completed": 9, "failed": 1}
+        assert [o["custom_id"] for o in read_lines(store, batch["output_file_id"])] == [
+            f"r{i}" for i in range(10) if i != 4]
+        store.close()
+
+    asyncio.run(main())
+
+
+def test_cancel_ends_a_running_batch_after_its_lines_in_flight(tmp_path):
+    async def main():
+        store = BatchStore(tmp_path)
+        batch_id = new_batch(store, input_file(20))
+        queued_id = new_batch(store, input_file(5))
+        answers = Answers()
+        answers.release = asyncio.Event()
+        runner = BatchRunner(store, answers, max_num_running=2)
+        runner.start()
+        deadline = time.monotonic() + _BOUND_S
+        while len(answers.calls) < 2:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert runner.cancel(store.batch(queued_id))["status"] == "cancelled"  # not running: at once
+        assert runner.cancel(store.batch(batch_id))["status"] == "cancelling"
+        answers.release.set()
+        batch = await run_until(store, runner, batch_id, {"cancelled"})
+        assert batch["cancelling_at"] and batch["cancelled_at"]
+        assert batch["request_counts"]["completed"] == 2 == len(answers.calls)
+        assert len(read_lines(store, batch["output_file_id"])) == 2
+        store.close()
+
+    asyncio.run(main())
+
+
+def test_bad_input_fails_validation_with_line_numbers(tmp_path):
+    async def main():
+        store = BatchStore(tmp_path)
+        data = input_file(2) + b"not json\n" + input_file(1, url="/v1/embeddings")
+        batch_id = new_batch(store, data)
+        batch = await run_until(store, BatchRunner(store, Answers()), batch_id, {"failed"})
+        errors = batch["errors"]["data"]
+        assert [(e["code"], e["line"]) for e in errors] == [("invalid_json_line", 3), ("duplicate_custom_id", 4),
+                                                            ("invalid_url", 4)]
+        assert batch["failed_at"]
+        store.close()
+
+    asyncio.run(main())
+
+
+def test_an_expired_batch_writes_the_rest_as_expired(tmp_path):
+    async def main():
+        store = BatchStore(tmp_path)
+        batch_id = new_batch(store, input_file(3), expires_in=-1)
+        batch = await run_until(store, BatchRunner(store, Answers()), batch_id, {"expired"})
+        errors = read_lines(store, batch["error_file_id"])
+        assert [e["error"]["code"] for e in errors] == ["batch_expired"] * 3 and errors[0]["response"] is None
+        assert batch["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
+        store.close()
+
+    asyncio.run(main())
+
+
+def test_one_server_per_folder(tmp_path):
+    store = BatchStore(tmp_path)
+    with pytest.raises(FolderInUseError):
+        BatchStore(tmp_path)
+    store.close()
+    BatchStore(tmp_path).close()

@@ -1,0 +1,119 @@
+"""The Files and Batch APIs through the official `openai` client over the real app and a fake model: upload, list,
+retrieve, content, delete; a batch over chat, completions and responses lines run through the server's own routes
+in the lowest scheduling class; refusals in OpenAI's error shape; progress in /v1/status."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import time
+from types import SimpleNamespace
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from mlxhost.frontends.app import create_app
+from mlxhost.frontends.batch.dispatch import BATCH_PRIORITY
+from mlxhost.frontends.batch.routes import install_batch_api
+from tests.frontends.fake_models import NAME, REPLY, FakeModels
+
+_BOUND_S = 30  # a hang bound, not a timing check
+
+
+class Models(FakeModels):
+    def close(self, *_) -> None:  # the app's lifespan passes the shutdown deadline
+        pass
+
+    @contextlib.contextmanager
+    def hold(self, name: str):  # /v1/status reads the engine's snapshot
+        yield SimpleNamespace(snapshot=SimpleNamespace(status={"model": NAME}))
+
+
+@pytest.fixture
+def served(tmp_path):
+    models = Models()
+    app = create_app(models)
+    install_batch_api(app, tmp_path / "batches")
+    with TestClient(app) as http:
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0), models, http
+
+
+def jsonl(url: str, bodies: list[dict]) -> io.BytesIO:
+    text = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": url, "body": b}) + "\n"
+                   for i, b in enumerate(bodies))
+    return io.BytesIO(text.encode())
+
+
+def wait_done(client: openai.OpenAI, batch_id: str):
+    deadline = time.monotonic() + _BOUND_S
+    while (batch := client.batches.retrieve(batch_id)).status not in ("completed", "failed", "cancelled", "expired"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.02)
+    return batch
+
+
+def test_files_upload_list_retrieve_content_delete(served):
+    client, _, _ = served
+    data = jsonl("/v1/chat/completions", [{"model": NAME, "messages": []}])
+    made = client.files.create(file=("in.jsonl", data), purpose="batch")
+    assert made.purpose == "batch" and made.filename == "in.jsonl" and made.bytes == len(data.getvalue())
+    assert client.files.retrieve(made.id).id == made.id
+    assert [f.id for f in client.files.list(purpose="batch")] == [made.id]
+    assert client.files.content(made.id).read() == data.getvalue()
+    assert client.files.delete(made.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(made.id)
+
+
+@pytest.mark.parametrize("url, body, read", [
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5},
+     lambda b: b["choices"][0]["message"]["content"]),
+    ("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 5}, lambda b: b["choices"][0]["text"]),
+    ("/v1/responses", {"model": NAME, "input": "hi", "max_output_tokens": 5}, lambda b: b["output_text"]
+     if "output_text" in b else b["output"][0]["content"][0]["text"]),
+])
+def test_a_batch_runs_each_line_through_the_route_in_the_lowest_class(served, url, body, read):
+    client, models, http = served
+    bodies = [body, {**body, "model": "tiny"}, {**body, "max_tokens": -1} if "max_tokens" in body
+              else {**body, "max_output_tokens": -1}]
+    source = client.files.create(file=("in.jsonl", jsonl(url, bodies)), purpose="batch")
+    batch = client.batches.create(input_file_id=source.id, endpoint=url, completion_window="24h",
+                                  metadata={"job": "nightly"})
+    assert batch.status in ("validating", "in_progress") and batch.metadata == {"job": "nightly"}
+    batch = wait_done(client, batch.id)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (3, 2, 1)
+    out = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+    assert [o["custom_id"] for o in out] == ["c0", "c1"]
+    assert all(o["response"]["status_code"] == 200 and read(o["response"]["body"]) == REPLY for o in out)
+    (err,) = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+    assert err["custom_id"] == "c2" and err["response"]["status_code"] == 400
+    assert err["response"]["body"]["error"]["message"]  # the error body a live request gets
+    assert models.engine.requests and all(r.priority == BATCH_PRIORITY for r in models.engine.requests)
+    # A live request after it runs in its own class.
+    http.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "x"}]})
+    assert models.engine.requests[-1].priority == 0
+    assert [b.id for b in client.batches.list()] == [batch.id]
+    status = http.get("/v1/status").json()["batches"]
+    assert status["num_active"] == 0 and status["num_lines_run"] == 3
+
+
+def test_refusals(served):
+    client, _, _ = served
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
+    source = client.files.create(file=("in.jsonl", jsonl("/v1/chat/completions", [{}])), purpose="user_data")
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(input_file_id=source.id, endpoint="/v1/images", completion_window="24h")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.cancel("batch_nope")
+    source = client.files.create(file=("in.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
+    batch = wait_done(client, client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h").id)
+    assert batch.status == "failed" and batch.errors.data[0].line == 1
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)
