@@ -184,8 +184,9 @@ class TrustedHostMiddleware:
 
 
 _JSON_TYPES = (b"application/json",)
-# OpenAI's audio uploads are multipart forms by protocol (frontends/audio/); no other route takes a form.
-_FORM_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
+# OpenAI's audio and file uploads are multipart forms by protocol (frontends/audio/, frontends/batch/); no other
+# route takes a form.
+_FORM_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations", "/v1/files")
 
 
 class JSONContentTypeMiddleware:
