@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mlxhost.mcp.config import McpConfig
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -260,6 +262,7 @@ class ServerConfig:
     loras: tuple[LoraSpec, ...] = ()  # --lora adapters, put on their base model's spec by server.model_specs
     batch_dir: str | None = None  # the Batch API's folder (frontends/batch/); None: no Batch API
     otlp_traces_endpoint: str | None = None  # OpenTelemetry traces sent here (tracing.py); None: off
+    mcp: McpConfig | None = None  # MCP servers whose tools requests may use (mcp/, docs/mcp.md); None: no MCP
 
     def __post_init__(self) -> None:
         from mlxhost.models.loader import LOAD_STRATEGIES

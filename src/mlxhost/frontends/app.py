@@ -21,6 +21,7 @@ from mlxhost.frontends.common.gateway import Gateway
 from mlxhost.frontends.common.metrics import CountRequests, Metrics
 from mlxhost.frontends.common.prompt_bound import PrepPool
 from mlxhost.frontends.embeddings.routes import add_embeddings_route
+from mlxhost.frontends.mcp.routes import add_mcp_routes
 from mlxhost.frontends.ollama import add_ollama_routes
 from mlxhost.frontends.openai.routes import add_model_list_route, add_openai_routes
 from mlxhost.frontends.rerank import add_rerank_routes
@@ -47,8 +48,9 @@ class _HeadAsGet:
         await self.app(scope, receive, send)
 
 
-def create_app(models: ModelManager) -> FastAPI:
-    """The routes over `models`: requests go to the model their `model` field names."""
+def create_app(models: ModelManager, mcp=None) -> FastAPI:
+    """The routes over `models`: requests go to the model their `model` field names. `mcp`: the MCP
+    servers' manager (mlxhost.mcp.client.McpManager), started and stopped with the app; None: no MCP."""
     metrics = Metrics(models.loaded_engines)
     prep = PrepPool()
 
@@ -59,12 +61,16 @@ def create_app(models: ModelManager) -> FastAPI:
         # out of the collector's sight, or each full collection walks it all and stalls the streams.
         gc.collect()
         gc.freeze()
+        if mcp is not None:
+            await mcp.start()
         on_ready = getattr(app.state, "on_ready", None)  # the start-up banner (server/cli.py, server/banner.py)
         if on_ready is not None:
             await on_ready()
         try:
             yield
         finally:
+            if mcp is not None:
+                await mcp.close()
             prep.close()
             models.close(lambda: app.state.stop_deadline)
 
@@ -84,7 +90,7 @@ def create_app(models: ModelManager) -> FastAPI:
     app.add_middleware(CountRequests, metrics=metrics)
     app.add_middleware(_HeadAsGet)
     # Every dialect translates into the same requests and goes through the same gateway.
-    gateway = Gateway(models, metrics, prep)
+    gateway = Gateway(models, metrics, prep, mcp=mcp)
     app.state.gateway = gateway  # for what the server adds on top (tracing)
     add_embeddings_route(app, gateway)
     add_audio_routes(app, models)  # speech to text, text to speech (frontends/audio/)
@@ -92,6 +98,7 @@ def create_app(models: ModelManager) -> FastAPI:
     add_responses_routes(app, gateway)
     add_ollama_routes(app, gateway)
     add_rerank_routes(app, gateway)
+    add_mcp_routes(app, gateway)
     add_admin_routes(app, models, metrics)
     # Registered in this order on purpose: a 405's `Allow` names the first route whose path matches, and
     # /openapi.json lists the paths as they were added.

@@ -114,7 +114,12 @@ def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAP
 
             stop(primers)
         raise
-    app = create_app(manager)
+    mcp = None
+    if config.mcp is not None:
+        from mlxhost.mcp.client import McpManager
+
+        mcp = McpManager(config.mcp)
+    app = create_app(manager, mcp)
     app.state.models, app.state.model_specs = manager, specs  # for the start-up banner (cli.py)
     add_web_routes(app, enabled=config.web_ui)
     if config.batch_dir is not None:

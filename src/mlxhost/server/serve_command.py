@@ -54,6 +54,7 @@ def add_serve_command(sub) -> argparse.ArgumentParser:
     add_distributed_flags(serve.add_argument_group("distributed (docs/distributed.md)"))
     _add_media_flags(serve.add_argument_group("images and video in requests"))
     _add_security_flags(serve.add_argument_group("security (docs/security.md)"))
+    _add_mcp_flags(serve.add_argument_group("MCP tools (docs/mcp.md)"))
     _add_team_flags(serve.add_argument_group("batches and tracing (docs/batch.md, docs/tracing.md)"))
     serve.set_defaults(func=_serve, settings_parser=serve)  # main() fills its defaults from env and --config
     return serve
@@ -180,6 +181,32 @@ def _media_config(args) -> MediaConfig:
                        fetch_timeout_s=args.media_fetch_timeout, max_image_pixels=args.max_image_pixels,
                        video_max_frames_cap=args.video_max_frames_cap,
                        max_media_per_request=args.max_media_per_request)
+
+
+def _add_mcp_flags(p) -> None:
+    from mlxhost.mcp.config import McpConfig
+
+    d = McpConfig()
+    p.add_argument("--mcp-config", default=None, metavar="JSON",
+                   help="MCP servers whose tools requests may use, in the `mcpServers` format of desktop agents"
+                        " (stdio command/args/env, streamable-HTTP url/headers); started with the server")
+    p.add_argument("--mcp-allow-remote", action="store_true",
+                   help="let requests name MCP server URLs of their own (Responses server_url); private and local"
+                        " addresses stay refused (off: configured servers only)")
+    p.add_argument("--mcp-call-timeout", type=float, default=d.call_timeout_s, metavar="SECONDS",
+                   help="one MCP tool call; a call past it is cut and reported to the model as a tool error")
+    p.add_argument("--mcp-max-rounds", type=int, default=d.max_num_rounds, metavar="N",
+                   help="model rounds per request when MCP tools are called in between (the last must answer)")
+
+
+def _mcp_config(args):
+    from mlxhost.mcp.config import McpConfig, read_mcp_servers
+
+    if args.mcp_config is None and not args.mcp_allow_remote:
+        return None
+    servers = read_mcp_servers(args.mcp_config) if args.mcp_config else ()
+    return McpConfig(servers=servers, allow_remote=args.mcp_allow_remote, call_timeout_s=args.mcp_call_timeout,
+                     max_num_rounds=args.mcp_max_rounds)
 
 
 def _add_security_flags(p) -> None:
@@ -315,7 +342,7 @@ def _serve(args) -> int:
                               shutdown_timeout_s=args.shutdown_timeout,
                               web_ui=not args.no_web_ui, batch_dir=_batch_dir(args),
                               otlp_traces_endpoint=args.otlp_traces_endpoint,
-                              security=_security_config(args), **_models_fields(args))
+                              security=_security_config(args), mcp=_mcp_config(args), **_models_fields(args))
         from mlxhost.distributed.config import distributed_config
 
         dist = distributed_config(args)

@@ -82,8 +82,9 @@ class Gateway:
     opened, outputs collected or streamed, embeddings computed; the models leased through `models`."""
 
     def __init__(self, models: Any, metrics: Metrics, prep: PrepPool | None = None,
-                 heartbeat_s: float | None = None) -> None:
+                 heartbeat_s: float | None = None, mcp: Any = None) -> None:
         self.models, self.metrics = models, metrics
+        self.mcp = mcp  # the MCP servers' manager (mlxhost.mcp.client.McpManager); None without --mcp-config
         # Builds each request's trace spans from its outputs (tracing.py); None: tracing off, nothing is wrapped.
         self.tracer: Any = None
         self.heartbeat_s = heartbeat_s  # None: HEARTBEAT_S
