@@ -170,6 +170,10 @@ class EngineCore:
         if sched.is_empty:
             return []
         self.last_sched = sched  # what the step ran, for the slow-step log line
+        for chunk in sched.prefill_chunks:  # a prompt's first chunk ends its wait in the queue
+            request = self._requests.get(chunk.request_id)
+            if request is not None and request.scheduled_time is None:
+                request.scheduled_time = time.monotonic()
         started = time.perf_counter()
         try:
             step = self.runner.execute(sched, self._requests)

@@ -118,8 +118,9 @@ class Request:
     # often it was preempted.
     num_replayed_tokens: int = 0
     num_preemptions: int = 0
-    # Scheduling class: lower runs first.
-    priority: int = 0
+    # time.monotonic() of the first engine step that ran it (its first prefill chunk); None until then. Written by
+    # the engine thread before its first output, read by the HTTP side after it (tracing: queue wait vs prefill).
+    scheduled_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
