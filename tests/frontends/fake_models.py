@@ -72,8 +72,8 @@ class FakeModels:
     def start(self, loop) -> None:
         pass
 
-    def close(self) -> None:
-        pass
+    def close(self, until=lambda: None) -> int:  # the manager's signature: nothing to stop here
+        return 0
 
     def loaded_engines(self) -> list:
         return []
