@@ -37,7 +37,7 @@ def gateway_ask(gateway: Gateway, raw: Request, fields: dict, functions: list[di
         return RoundReply(parsed.content, parsed.reasoning,
                           [ToolCall(c.id, c.name, c.arguments) for c in parsed.tool_calls], last.finish_reason,
                           last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens,
-                          raw=(whole, opened.prepared.output))
+                          raw=(whole, opened))
 
     return ask
 
@@ -81,3 +81,17 @@ def labels_as_choices(labels: list, param: str) -> list[ServerChoice]:
             raise APIError(400, "an MCP server is a configured label or an object with `name` (and `url`)",
                            f"{param}.{i}")
     return choices
+
+
+def unapproved(result) -> list[dict]:
+    """Calls the loop stopped at because their server wants each approved: only the Responses API asks
+    the client; here they are reported as not run."""
+    return [{"id": a.call.id, "server": a.server, "name": a.call.name, "arguments": a.call.arguments,
+             "output": None, "error": "this tool needs approval for each call: use the Responses API's mcp tool"}
+            for a in result.approvals]
+
+
+def loop_fields(body, exclude: set[str]) -> dict:
+    """A validated body's fields for the loop's rounds, without those each round sets itself."""
+    return body.model_dump(exclude_none=True, exclude={"messages", "tools", "tool_choice", "stream", "n",
+                                                       "mcp_servers", *exclude})

@@ -243,7 +243,9 @@ class SamplingFields(StrictModel):
     service_tier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     safety_identifier: Optional[str] = None
-    priority: Optional[int] = None  # a scheduling hint (vLLM's): served in arrival order
+    # The scheduling class (vLLM's): lower is admitted first and may preempt higher; an API key's class
+    # (--api-keys) is the best its requests get.
+    priority: Optional[Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]] = None
     # vLLM's and others' output-changing extensions this server does not implement.
     min_tokens: Annotated[Any, refusing("min_tokens is not supported", (None, 0))] = None
     best_of: Annotated[Any, refusing("best_of is not supported (use n)", (None, 1))] = None
@@ -306,6 +308,8 @@ class ChatCompletionRequest(SamplingFields):
     verbosity: Optional[str] = None
     # A hosted web search the client offers, not forces: skipped with a warning (docs/compat.md).
     web_search_options: Optional[dict] = None
+    # Configured MCP servers (labels) whose tools this server runs for the request (docs/mcp.md).
+    mcp_servers: Optional[list[Union[str, dict]]] = None
     functions: Annotated[Any, refusing("legacy function calling is not supported: send `tools`", _EMPTY)] = None
     function_call: Annotated[Any, refusing("legacy function calling is not supported: send `tool_choice`",
                                            (None, "none", "auto"))] = None

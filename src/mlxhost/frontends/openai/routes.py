@@ -15,6 +15,7 @@ from mlxhost.frontends.common.metrics import RequestTimer
 from mlxhost.frontends.common.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mlxhost.frontends.common.sse import SSE_DONE, heartbeats, sse
 from mlxhost.frontends.openai.choices import complete_choices
+from mlxhost.frontends.openai.mcp import chat_with_mcp
 from mlxhost.frontends.openai.render import CompletionBuilder, echo_text
 
 
@@ -35,6 +36,8 @@ def add_openai_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
+        if body.mcp_servers:  # MCP tools run here, in the shared tool-call loop (openai/mcp.py)
+            return await chat_with_mcp(gateway, body, raw)
         return await _complete(body, raw, chat=True)
 
     @app.post("/v1/completions")
