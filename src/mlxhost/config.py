@@ -176,6 +176,11 @@ class SecurityConfig:
 
     # Any one of these, as `Authorization: Bearer KEY` or `x-api-key: KEY`; empty: no key needed.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # Keys with policies (frontends/common/keys.py): models, limits, priority, cache group; None: none.
+    api_key_file: str | None = None
+    # Prefix-cache blocks shared by every request ("none"), by a key's requests only ("key"), or by the keys
+    # of one `cache_group` ("group"; a key without one is its own group).
+    cache_isolation: str = "none"
     metrics_public: bool = False  # /metrics without a key (/health is always open)
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers (browsers refuse cross-origin)
     # Sized for a few large base64 images; checked from Content-Length first, then while streaming.
@@ -190,6 +195,8 @@ class SecurityConfig:
             raise ValueError("API keys must be non-empty, without surrounding whitespace")
         if self.max_request_body_bytes < 1:
             raise ValueError("max_request_body_bytes must be >= 1")
+        if self.cache_isolation not in ("none", "key", "group"):
+            raise ValueError("cache_isolation must be none, key or group")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise ValueError("max_tokens_cap must be >= 1")
         if self.allowed_hosts is not None and not all(h and h == h.strip() for h in self.allowed_hosts):

@@ -87,6 +87,7 @@ def create_app(models: ModelManager, mcp=None) -> FastAPI:
     app.state.stop_deadline = None
     add_model_errors(app)
 
+    app.state.metrics = metrics  # the key gate counts by key name (common/security.py)
     app.add_middleware(CountRequests, metrics=metrics)
     app.add_middleware(_HeadAsGet)
     # Every dialect translates into the same requests and goes through the same gateway.

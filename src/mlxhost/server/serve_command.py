@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from mlxhost.engine.spec.registry import proposer_names
@@ -98,6 +99,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                    help="while rows decode, let a new prompt wait up to N engine steps for others, so several "
                         "prefill in one forward (fewer, fuller prefill steps; TTFT up by at most N decode steps); "
                         "never while nothing decodes, no longer once --max-num-prefill-rows prompts wait; 0: at once")
+    p.add_argument("--priority-aging-steps", type=int, default=d.priority_aging_steps, metavar="N",
+                   help="a waiting request's priority class (the `priority` field, an API key's class) improves by "
+                        "one every N engine steps, so no class starves; 0: no aging")
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens, metavar="N",
                    help="max_tokens when a request names none (capped by the context left)")
     p.add_argument("--warmup", choices=["auto", "background", "on", "off"], default=d.warmup,
@@ -213,6 +217,13 @@ def _add_security_flags(p) -> None:
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require this key as `Authorization: Bearer KEY` or `x-api-key: KEY` (repeatable; default:"
                         " MLXHOST_API_KEY, comma-separated); /health stays open")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="API keys with policies, YAML or JSON (models, mcp_servers, priority, requests_per_minute,"
+                        " tokens_per_minute, max_concurrent, cache_group per key; docs/security.md); read again when"
+                        " it changes or on SIGHUP; --api-key keys stay, unlimited")
+    p.add_argument("--cache-isolation", choices=("none", "key", "group"), default="none",
+                   help="prefix-cache hits only between requests of one API key (key) or one key file"
+                        " cache_group (group), so timing reveals nothing across them; none: shared by all")
     p.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key")
     p.add_argument("--allowed-origins", default="", metavar="ORIGIN,...",
                    help="CORS: browser origins allowed to call the API (e.g. http://localhost:3000, or *)"
@@ -246,12 +257,20 @@ def _batch_dir(args) -> str | None:
     return args.batch_dir
 
 
+def _reload_keys_on_sighup(app) -> None:
+    ring = getattr(app.state, "key_ring", None)  # only with API keys (common/security.py)
+    if ring is not None and hasattr(signal, "SIGHUP"):
+        # The handler only marks the file stale: the next request reads it (on the event loop, which owns it).
+        signal.signal(signal.SIGHUP, lambda *_: ring.reload_soon())
+
+
 def _security_config(args) -> SecurityConfig:
     from mlxhost.memory.device import total_ram
 
     # Flags win over the environment, so a one-off key on the command line replaces a shell-wide one.
     keys = args.api_key or os.environ.get("MLXHOST_API_KEY", "").split(",")
     return SecurityConfig(api_keys=tuple(dict.fromkeys(k.strip() for k in keys if k.strip())),
+                          api_key_file=args.api_keys, cache_isolation=args.cache_isolation,
                           metrics_public=args.metrics_public,
                           allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
                           max_request_body_bytes=parse_memory(args.max_request_body_bytes, total_ram()),
@@ -276,7 +295,7 @@ def _engine_config(args) -> EngineConfig:
                         prefill_step_size=(args.prefill_step_size if args.prefill_step_size is not None
                                            else default_prefill_step_size()),
                         max_num_prefill_rows=args.max_num_prefill_rows,
-                        prefill_wait_steps=args.prefill_wait_steps,
+                        prefill_wait_steps=args.prefill_wait_steps, priority_aging_steps=args.priority_aging_steps,
                         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
                         warmup=args.warmup, decode_buckets=args.decode_buckets,
                         speculative=args.speculative, draft_model=args.draft_model,
@@ -359,6 +378,7 @@ def _serve(args) -> int:
         sock = process.bind(config.host, config.port)
         # build_app loads every pinned model (a single one always) with config.load_strategy.
         app = build_app(config)
+        _reload_keys_on_sighup(app)
         from mlxhost.server.banner import blas_hint, make_ready_hook
 
         app.state.on_ready = make_ready_hook(config, app.state.models, app.state.model_specs,

@@ -22,6 +22,7 @@ from mlxhost.engine.request import RequestOutput
 from mlxhost.engine.scheduler import QueueFullError
 from mlxhost.frontends.common.embedding import embed_token_lists
 from mlxhost.frontends.common.errors import APIError
+from mlxhost.frontends.common.keys import current_grant
 from mlxhost.frontends.common.metrics import Metrics, RequestTimer
 from mlxhost.frontends.common.prompt_bound import PrepPool
 from mlxhost.frontends.common.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -99,6 +100,9 @@ class Gateway:
         """Prepares `body` for its model and, with `generate`, queues it on that model's engine.
         The lease loads the model on first use and keeps it loaded until generate() has queued the
         request; from then on the request's stream keeps it busy (never unloaded) until it ends."""
+        grant = current_grant.get()  # the API key's policy (keys.py), checked before a model is loaded for it
+        if grant is not None:
+            grant.check_model(body.model, self.models.resolve)
         async with self.models.lease(body.model) as (model, engine):
             if model.embedding_only:
                 raise APIError(400, f"`{model.name}` is an embedding model: it serves /v1/embeddings only", "model")
@@ -108,6 +112,8 @@ class Gateway:
             if not generate:
                 return Opened(model, prepared, None)
             request = prepared.request
+            if grant is not None:
+                request.priority, request.cache_group = grant.request_priority(body.priority), grant.cache_group
             if (priority := priority_class.get()) is not None:
                 request.priority = priority
             need, cap = request.num_prompt_tokens + request.sampling.max_tokens, engine.kv_capacity_tokens
@@ -121,6 +127,8 @@ class Gateway:
             except QueueFullError as exc:
                 # Too many requests for the slots and the memory budget right now: come back shortly.
                 raise APIError(429, str(exc), code="server_busy", headers={"Retry-After": RETRY_AFTER_S}) from exc
+            if grant is not None:
+                outputs = grant.count_tokens(outputs, self.metrics)
             if self.tracer is not None:
                 outputs = self.tracer.watch(model, prepared, outputs)
         return Opened(model, prepared, outputs)
@@ -133,7 +141,9 @@ class Gateway:
                 copies = [prepared.copy(i) for i in range(1, count + 1)]
                 for copy in copies:
                     copy.priority = prepared.request.priority
-                return [engine.generate(copy) for copy in copies]
+                streams = [engine.generate(copy) for copy in copies]
+                grant = current_grant.get()
+                return streams if grant is None else [grant.count_tokens(s, self.metrics) for s in streams]
             except QueueFullError as exc:  # copies already queued abort when their streams are dropped
                 raise APIError(429, str(exc), code="server_busy", headers={"Retry-After": RETRY_AFTER_S}) from exc
 
@@ -179,6 +189,9 @@ class Gateway:
                     is_gone: Callable | None = None, max_batch_tokens: int | None = None):
         """Unit-norm vectors (numpy, [N, D]) of `token_lists` on a model leased from `models`; None when
         `is_gone()` says the client left between chunks."""
+        grant = current_grant.get()
+        if grant is not None:
+            grant.check_model(model.name)
         return await embed_token_lists(model, engine, token_lists, dimensions, is_gone, max_batch_tokens)
 
     async def reply(self, outputs: AsyncIterator[RequestOutput], raw: Request, stream: bool,

@@ -79,6 +79,12 @@ class Metrics:
         self.ttft = Histogram("mlxhost_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("mlxhost_inter_token_latency_seconds", "Time between output tokens", buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("mlxhost_request_latency_seconds", "End-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r)
+        # By API key name (--api-keys), never by the key itself.
+        self.key_requests = Counter("mlxhost_key_requests", "HTTP requests by API key name and status", ["key", "status"],
+                                    registry=r)
+        self.key_tokens = Counter("mlxhost_key_tokens", "Prompt + completion tokens by API key name", ["key"], registry=r)
+        self.key_refusals = Counter("mlxhost_key_rate_limited", "Requests refused by a key's limits, by key name and limit",
+                                    ["key", "limit"], registry=r)
         r.register(_EngineGauges(engines))
 
     def render(self) -> bytes:

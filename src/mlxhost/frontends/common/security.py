@@ -7,13 +7,12 @@ Refusals come in the shape a dialect registered for the path (errors.py: `regist
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import ipaddress
 import json
 import logging
 
 from mlxhost.frontends.common.errors import ErrorShapes, error_shapes
+from mlxhost.frontends.common.keys import KeyRing, current_grant
 from mlxhost.config import SecurityConfig
 
 log = logging.getLogger(__name__)
@@ -38,23 +37,26 @@ async def send_json(send, status: int, body: dict, headers: tuple[tuple[bytes, b
     await send({"type": "http.response.body", "body": payload})
 
 
-def _digest(value: bytes) -> bytes:
-    # Hashing first makes every comparison the same length, so timing leaks neither bytes nor length.
-    return hashlib.sha256(value).digest()
-
-
 class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer KEY` or `x-api-key: KEY` carries one of `keys`."""
+    """401 unless `Authorization: Bearer KEY` or `x-api-key: KEY` carries one of `keys` (or of `ring`'s, the
+    keys with policies, keys.py); 429 when the key's limits refuse the request. The matched key's policy is
+    `request.state.api_key` for the handlers, and its grant `keys.current_grant` for the gateway."""
 
-    def __init__(self, app, keys: tuple[str, ...], metrics_public: bool = False, web_page: bool = False,
-                 shapes: ErrorShapes | None = None) -> None:
+    def __init__(self, app, keys: tuple[str, ...] = (), metrics_public: bool = False, web_page: bool = False,
+                 shapes: ErrorShapes | None = None, ring: KeyRing | None = None, metrics=None) -> None:
         self.app, self._web_page = app, web_page
         self.shapes = shapes or ErrorShapes()
-        self._key_digests = tuple(_digest(k.encode()) for k in keys)
+        self.ring = ring if ring is not None else KeyRing(plain_keys=keys)
+        self.metrics = metrics  # common/metrics.py `Metrics`: counts by key name; None: not counted
         self._open = _OPEN_PATHS | ({"/metrics"} if metrics_public else set())
 
     def is_authorized(self, headers: list[tuple[bytes, bytes]]) -> bool | None:
         """True/False for a right/wrong key; None when the request carries none."""
+        verdict = self._match(headers)
+        return verdict if verdict is None or verdict is False else True
+
+    def _match(self, headers: list[tuple[bytes, bytes]]):
+        """The matched key's policy; False for a wrong key, None when the request carries none."""
         candidates = []
         for name, value in headers:
             if name == b"authorization":
@@ -65,23 +67,53 @@ class APIKeyMiddleware:
                 candidates.append(value.strip())
         if not candidates:
             return None
-        ok = False
-        for candidate in candidates:
-            digest = _digest(candidate)
-            for key in self._key_digests:
-                ok |= hmac.compare_digest(digest, key)  # no early exit: every key is compared
-        return ok
+        self.ring.reload_if_changed()
+        policy = self.ring.match(candidates)
+        return policy if policy is not None else False
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in self._open or (self._web_page and _is_web_page(scope)):
             return await self.app(scope, receive, send)
-        verdict = self.is_authorized(scope["headers"])
+        verdict = self._match(scope["headers"])
         if verdict:
-            return await self.app(scope, receive, send)
+            return await self._serve(verdict, scope, receive, send)
         message = ("Incorrect API key provided." if verdict is False else
                    "Missing API key: send `Authorization: Bearer KEY` or `x-api-key: KEY`.")
         body = self.shapes.body(scope["path"], 401, message, code="invalid_api_key", gate=True)
         await send_json(send, 401, body, ((b"www-authenticate", b"Bearer"),))
+
+    async def _serve(self, policy, scope, receive, send) -> None:
+        grant = self.ring.grant(policy)
+        shape = self.shapes.find(scope["path"], gate=True)
+        anthropic = shape is not None and shape.name == "anthropic"
+        refusal = grant.usage.admit(policy)
+        if refusal is not None:
+            if self.metrics is not None:
+                self.metrics.key_refusals.labels(policy.name, refusal.limit).inc()
+                self.metrics.key_requests.labels(policy.name, "429").inc()
+            body = self.shapes.body(scope["path"], 429, refusal.message, code="rate_limit_exceeded", gate=True)
+            headers = ((b"retry-after", str(refusal.retry_after_s).encode()),
+                       *grant.usage.rate_headers(policy, anthropic))
+            return await send_json(send, 429, body, headers)
+        scope.setdefault("state", {})["api_key"] = policy
+        status = "500"
+
+        async def send_with_limits(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  *grant.usage.rate_headers(policy, anthropic)]}
+            await send(message)
+
+        token = current_grant.set(grant)
+        try:
+            await self.app(scope, receive, send_with_limits)
+        finally:
+            current_grant.reset(token)
+            grant.usage.release()
+            if self.metrics is not None:
+                self.metrics.key_requests.labels(policy.name, status).inc()
 
 
 class _BodyTooLarge(Exception):
@@ -239,9 +271,14 @@ def install_security(app, config: SecurityConfig, host: str, web_page: bool = Fa
     shapes = error_shapes(app)  # read per refusal: dialects registered later count too
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes, shapes=shapes)
     app.add_middleware(JSONContentTypeMiddleware, routes=app.router.routes, shapes=shapes)
-    if config.api_keys:
-        app.add_middleware(APIKeyMiddleware, keys=config.api_keys, metrics_public=config.metrics_public,
-                           web_page=web_page, shapes=shapes)  # the page's own files load without a key
+    if config.api_keys or config.api_key_file:
+        # Kept on the app: the server reloads the file on SIGHUP (serve_command.py).
+        ring = app.state.key_ring = KeyRing(config.api_key_file, config.api_keys, config.cache_isolation)
+        app.add_middleware(APIKeyMiddleware, ring=ring, metrics_public=config.metrics_public,
+                           web_page=web_page, shapes=shapes,  # the page's own files load without a key
+                           metrics=getattr(app.state, "metrics", None))  # a bare app (tests) has none
+    elif config.cache_isolation != "none":
+        log.warning("--cache-isolation %s without API keys: every request is in one group", config.cache_isolation)
     elif not _is_loopback(host):
         log.warning("listening on %s without an API key: anyone who can reach this address can use the "
                     "models; pass --api-key (or set MLXHOST_API_KEY)", host)

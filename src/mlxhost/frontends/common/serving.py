@@ -237,7 +237,8 @@ class Prepared:
         r, sp = self.request, self.request.sampling
         seed = (sp.seed + i) % 2**64 if sp.seed is not None else None
         return Request(f"{r.request_id}-{i}", list(r.prompt_token_ids), replace(sp, seed=seed, prompt_logprobs=None),
-                       r.eos_token_ids, media=r.media, adapter=r.adapter)
+                       r.eos_token_ids, media=r.media, adapter=r.adapter, priority=r.priority,
+                       cache_group=r.cache_group)
 
 
 def make_request(model: ServedModel, body: SamplingFields) -> Request:
@@ -298,5 +299,6 @@ def prepare(model: ServedModel, body: SamplingFields) -> Prepared:
     eos = model.eos_token_ids
     if isinstance(body, CompletionRequest) and body.suffix:
         eos = eos | model.fim.stop_ids  # an instruct model's end of turn is not how a middle ends
-    request = Request(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, eos, media=media, adapter=model.adapter)
+    request = Request(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, eos, media=media, adapter=model.adapter,
+                      priority=body.priority or 0)
     return Prepared(request, output)
