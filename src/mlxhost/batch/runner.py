@@ -8,8 +8,8 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 from mlxhost.batch.lines import InputError, Line, answer_line, expired_line, parse_lines
 from mlxhost.batch.store import BatchStore
