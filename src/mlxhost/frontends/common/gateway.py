@@ -200,9 +200,18 @@ class Gateway:
         """The end of every dialect's handler: `frames(outputs, timer)` streamed, or the outputs collected
         and `render(whole)` answered as JSON; a client that left before the end gets its 499."""
         timer = self.timer()
+        # Traced (tracing.py): the request opened last in this handler; its reply's parsing is a span.
+        trace = self.tracer.current() if self.tracer is not None else None
+        if trace is not None:
+            trace.hold()
         if stream:
-            return event_stream(frames(outputs, timer), media_type)
+            body = frames(outputs, timer)
+            return event_stream(trace.frames(body) if trace is not None else body, media_type)
         whole = await self.collect(outputs, timer, raw)
         if whole is None:
             return client_gone()
-        return JSONResponse(render(whole))
+        if trace is None:
+            return JSONResponse(render(whole))
+        with trace.parsing():
+            rendered = render(whole)
+        return JSONResponse(rendered)
