@@ -61,6 +61,25 @@ class ReasoningItem(_Echoed):
     content: Optional[list[dict]] = None
 
 
+class McpCallItem(_Echoed):
+    """A call this server ran for an earlier response (Responses `mcp` tools): the model sees it as its
+    own call and the tool's result."""
+
+    type: Literal["mcp_call"]
+    id: str
+    server_label: str
+    name: str
+    arguments: str
+    output: Optional[str] = None
+    error: Optional[Any] = None
+
+
+class McpOtherItem(_Echoed):
+    """mcp_list_tools, mcp_approval_request and mcp_approval_response: what the loop reads, not the model."""
+
+    type: Literal["mcp_list_tools", "mcp_approval_request", "mcp_approval_response"]
+
+
 def _item_type(value: Any) -> str:
     # A message may leave out its type ({"role": "user", "content": "hi"}).
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
@@ -69,7 +88,10 @@ def _item_type(value: Any) -> str:
 
 InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
                             Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-                            Annotated[ReasoningItem, Tag("reasoning")]], Discriminator(_item_type)]
+                            Annotated[ReasoningItem, Tag("reasoning")], Annotated[McpCallItem, Tag("mcp_call")],
+                            Annotated[McpOtherItem, Tag("mcp_list_tools")],
+                            Annotated[McpOtherItem, Tag("mcp_approval_request")],
+                            Annotated[McpOtherItem, Tag("mcp_approval_response")]], Discriminator(_item_type)]
 INPUT_ITEMS = TypeAdapter(list[InputItem])
 
 

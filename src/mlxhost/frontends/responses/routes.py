@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import Gateway
+from mlxhost.frontends.responses.mcp import respond_with_mcp, uses_mcp
 from mlxhost.frontends.responses.protocol import ResponsesRequest
 from mlxhost.frontends.responses.render import stream_response
 from mlxhost.frontends.responses.store import ResponseStore
@@ -26,12 +27,15 @@ def add_responses_routes(app: FastAPI, gateway: Gateway, max_num_responses: int 
 
     @app.post("/v1/responses")
     async def create(body: ResponsesRequest, raw: Request):
-        items = input_items(body)
+        items = new_items = input_items(body)
         if body.previous_response_id is not None:
             previous = store.get(body.previous_response_id)
             if previous is None:
                 raise _not_found(body.previous_response_id, "previous_response_id")
             items = previous.conversation + items
+        if uses_mcp(body, new_items):  # this server runs the MCP calls (responses/mcp.py)
+            return await respond_with_mcp(gateway, body, raw, items, new_items,
+                                          lambda response: store.put(response, items) if body.store else None)
         tools = served_tools(body.tools)
         opened = await gateway.open(to_chat_request(body, items, tools))
         renderer = NamespacedRenderer(envelope(body, tools), opened.prepared.output, tools.namespaces)

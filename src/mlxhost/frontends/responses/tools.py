@@ -48,6 +48,29 @@ class OtherTool(StrictModel):
         return f"{self.type} {self.name}" if self.name else self.type
 
 
+class McpTool(StrictModel):
+    """OpenAI's `mcp` tool: a configured server's label, or (with --mcp-allow-remote) a `server_url`;
+    run by this server (responses/mcp.py), never given to the client to run."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["mcp"]
+    server_label: Annotated[str, Field(min_length=1)]
+    server_url: Optional[str] = None
+    server_description: Optional[str] = None
+    allowed_tools: Optional[Union[list[str], dict]] = None
+    require_approval: Optional[Union[Literal["always", "never"], dict]] = None
+    headers: Optional[dict[str, str]] = None
+    authorization: Optional[str] = None
+
+    @property
+    def allowed(self) -> Optional[tuple[str, ...]]:
+        tools = self.allowed_tools
+        if isinstance(tools, dict):
+            tools = tools.get("tool_names")
+        return tuple(tools) if tools is not None else None
+
+
 def _inner_kind(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     return "function" if kind == "function" else "other"
@@ -68,11 +91,12 @@ class NamespaceTool(StrictModel):
 
 def _tool_kind(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return kind if kind in ("function", "namespace") else "other"
+    return kind if kind in ("function", "namespace", "mcp") else "other"
 
 
 AnyTool = Annotated[Union[Annotated[FunctionTool, Tag("function")], Annotated[NamespaceTool, Tag("namespace")],
-                          Annotated[OtherTool, Tag("other")]], Discriminator(_tool_kind)]
+                          Annotated[McpTool, Tag("mcp")], Annotated[OtherTool, Tag("other")]],
+                    Discriminator(_tool_kind)]
 
 
 class FunctionChoice(StrictModel):
@@ -145,6 +169,8 @@ def served_tools(tools: Optional[list]) -> ServedTools:
                     served.add(inner, tool.name)
                 else:
                     served.skipped.append(f"{tool.name}.{inner.name or inner.type}")
+        elif isinstance(tool, McpTool):
+            continue  # served by responses/mcp.py, with the tools its server lists
         else:
             served.skipped.append(tool.label)
     if served.skipped:

@@ -23,6 +23,8 @@ from mlxhost.frontends.responses.protocol import (
     FunctionCallOutputItem,
     InputImage,
     InputText,
+    McpCallItem,
+    McpOtherItem,
     MessageItem,
     ResponsesRequest,
 )
@@ -85,6 +87,13 @@ def chat_messages(items: list[dict]) -> list[dict]:
                 prev.setdefault("tool_calls", []).append(call)
             else:
                 assistant({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif isinstance(item, McpCallItem):  # a call this server ran: the model's call, then its result
+            assistant({"role": "assistant", "content": "", "tool_calls": [
+                {"id": item.id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}]})
+            out.append({"role": "tool", "tool_call_id": item.id, "content": item.output if item.error is None
+                        else f"Error: {item.error}"})
+        elif isinstance(item, McpOtherItem):
+            continue  # listings and approvals: the loop's bookkeeping, resolved into mcp_call items
         elif isinstance(item, FunctionCallOutputItem):
             out.append({"role": "tool", "tool_call_id": item.call_id,
                         "content": _content(item.output, f"{where}.output")})
