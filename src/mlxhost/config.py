@@ -57,6 +57,9 @@ class EngineConfig:
     kv_prealloc_tokens: int = 0
     # Quantized KV (`--kv-bits`): 8 or 4 bits in groups of `kv_group_size` values (mlx-lm's
     # QuantizedKVCache format) for the decode batch, prefills and the prefix cache; None: float KV.
+    # Where start-up measurements (a prefill chunk's activation peak) are kept per model shape, backend and MLX
+    # version, so a later start skips their forwards (memory/profile.py); None: measured at every start.
+    measurements_dir: str | None = None
     kv_bits: int | None = None
     kv_group_size: int = 64
     # How attention reads quantized KV: "quantized" (MLX's quantized matmuls), "dequantized" (a float copy

@@ -141,7 +141,7 @@ class EngineCore:
 
     def _startup_budget(self, model: Any, chunk_tokens: int, rules: Any, make_cache: Any = None):
         # A distributed core overrides this: every rank must run the same profiling forwards.
-        return startup_budget(model, chunk_tokens, rules, make_cache)
+        return startup_budget(model, chunk_tokens, rules, make_cache, remember=self.config.measurements_dir)
 
     @property
     def kv_capacity_tokens(self) -> int | None:

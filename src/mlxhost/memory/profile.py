@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import tempfile
+from pathlib import Path
 from typing import Any, Callable
 
 from mlxhost.memory.budget import BudgetConfig, MemoryBudget, MemoryBudgetError, compute_budget, format_budget
@@ -87,11 +92,16 @@ def budget_config(config: Any, prefix_cache: bool, vision_cache: bool = False) -
 
 def startup_budget(model: Any, chunk_tokens: int, cfg: BudgetConfig | None = None,
                    make_cache: Callable[[Any], list] | None = None,
-                   agree: Callable[[bool], bool] | None = None) -> MemoryBudget | None:
+                   agree: Callable[[bool], bool] | None = None,
+                   remember: str | None = None) -> MemoryBudget | None:
     """The budget from real readings, logged; None (and a warning) when the weights cannot fit, since
-    nothing enforces the budget yet."""
+    nothing enforces the budget yet. `remember`: a folder where the activation measurement is kept per
+    model shape, backend and MLX version, so a later start of the same model skips its forwards."""
     weights = weights_bytes(model)
-    activations = activation_bytes(model, chunk_tokens, make_cache, agree)
+    if remember and agree is None:  # ranks must all run the same forwards: a distributed core measures
+        activations = remembered_activation_bytes(model, chunk_tokens, make_cache, Path(remember))
+    else:
+        activations = activation_bytes(model, chunk_tokens, make_cache, agree)
     try:
         budget = compute_budget(read_memory(), weights, activations, cfg or BudgetConfig())
     except MemoryBudgetError as exc:
@@ -99,3 +109,66 @@ def startup_budget(model: Any, chunk_tokens: int, cfg: BudgetConfig | None = Non
         return None
     log.info("%s", format_budget(budget))
     return budget
+
+
+def measurement_key(model: Any, chunk_tokens: int, make_cache: Callable[[Any], list] | None = None) -> str | None:
+    """What decides a prefill chunk's activation peak: every parameter's name, shape and dtype (not its
+    values), the layer classes, the chunk, the cache layout, MLX's version and the device. None where the
+    cache layout has no stable description (then nothing is remembered)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if make_cache is None or make_cache is make_prompt_cache:
+        layout = "plain"
+    else:
+        plan = getattr(make_cache, "__self__", None)  # the --kv-bits plan: a frozen dataclass, its repr its fields
+        params = getattr(plan, "__dataclass_params__", None)
+        if params is None or not params.frozen or " at 0x" in repr(plan):
+            return None
+        layout = f"{make_cache.__name__}:{plan!r}"
+    digest = hashlib.sha256(f"{mx.__version__}|{mx.default_device()}|{_device_name()}|{chunk_tokens}|{layout}".encode())
+    for name, value in tree_flatten(model.parameters()):
+        digest.update(f"{name}:{tuple(value.shape)}:{value.dtype}".encode())
+    if hasattr(model, "named_modules"):
+        digest.update(",".join(type(m).__name__ for _, m in model.named_modules()).encode())
+    return digest.hexdigest()[:24]
+
+
+def remembered_activation_bytes(model: Any, chunk_tokens: int, make_cache: Callable[[Any], list] | None,
+                                folder: Path) -> int:
+    """`activation_bytes`, read from `folder` when this model shape was measured on this device and MLX
+    before (a start-up forward of a whole chunk: seconds on a cold GPU), else measured and written there.
+    A missing, unreadable or foreign file is a fresh measurement, never an error."""
+    key = measurement_key(model, chunk_tokens, make_cache)
+    path = folder / f"activations-{key}.json" if key is not None else None
+    if path is not None:
+        try:
+            known = json.loads(path.read_text())
+            if known.get("key") == key and isinstance(known.get("activation_bytes"), int):
+                log.info("memory profile: the %d-token chunk's activations as measured at an earlier start "
+                         "(%.1f MiB, %s)", chunk_tokens, known["activation_bytes"] / (1 << 20), path)
+                return known["activation_bytes"]
+        except (OSError, ValueError):
+            pass
+    measured = activation_bytes(model, chunk_tokens, make_cache)
+    if path is not None:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".activations-")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"key": key, "activation_bytes": int(measured), "chunk_tokens": chunk_tokens}, f)
+            os.replace(tmp, path)  # whole or absent: a start that dies mid-write leaves no half file
+        except OSError as exc:
+            log.debug("memory profile: could not remember the measurement in %s: %s", folder, exc)
+    return measured
+
+
+def _device_name() -> str:
+    import mlx.core as mx
+
+    try:
+        info = mx.device_info()
+    except Exception:  # older MLX, or a backend without the call: the device kind alone
+        return ""
+    return str(info.get("device_name") or info.get("architecture") or "")

@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 
 from mlxhost.engine.spec.registry import proposer_names
 from mlxhost.platform.backend import default_prefill_step_size
@@ -279,6 +280,15 @@ def _security_config(args) -> SecurityConfig:
                                          if args.allowed_hosts is not None else None))
 
 
+def _measurements_dir() -> str | None:
+    """Start-up measurements kept between starts, beside the other caches; MLXHOST_MEASUREMENTS=0: none."""
+    if os.environ.get("MLXHOST_MEASUREMENTS", "") == "0":
+        return None
+    import platformdirs
+
+    return str(Path(platformdirs.user_cache_dir("mlxhost")) / "measurements")
+
+
 def _engine_config(args) -> EngineConfig:
     from mlxhost.memory.device import total_ram
 
@@ -290,6 +300,7 @@ def _engine_config(args) -> EngineConfig:
                         kv_prealloc_tokens=args.kv_prealloc,
                         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_quant_mode=args.kv_quant_mode,
                         ssd_cache_dir=args.ssd_cache_dir,
+                        measurements_dir=_measurements_dir(),
                         ssd_cache_max_bytes=parse_memory(args.ssd_cache_max_size, total_ram()),
                         max_num_seqs=args.max_num_seqs,
                         prefill_step_size=(args.prefill_step_size if args.prefill_step_size is not None
