@@ -208,8 +208,9 @@ class MessagesRequest(StrictModel):
     stream: bool = False
     output_config: Optional[OutputConfig] = None
     output_format: Optional[OutputFormat] = None  # the structured-outputs beta's first spelling
-    # Remote MCP servers Anthropic would call: their tools are skipped, as server tools are.
-    mcp_servers: Optional[list[dict]] = None
+    # MCP servers: labels of this server's --mcp-config (strings, or objects whose `name` is one) run here
+    # (anthropic/mcp.py); Anthropic's remote URL servers too with --mcp-allow-remote, else they are skipped.
+    mcp_servers: Optional[list[Union[str, dict]]] = None
     # Bookkeeping that changes nothing about the output: accepted and not used. Context editing only
     # trims what Anthropic keeps of long histories; here the whole history is the prompt.
     metadata: Optional[dict] = None

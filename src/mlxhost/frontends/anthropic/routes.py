@@ -7,6 +7,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 
 from mlxhost.frontends.anthropic.errors import install_anthropic_errors
+from mlxhost.frontends.anthropic.mcp import messages_with_mcp, runs_mcp
 from mlxhost.frontends.anthropic.protocol import CountTokensRequest, MessagesRequest
 from mlxhost.frontends.anthropic.render import MessageBuilder, stream_message
 from mlxhost.frontends.anthropic.translate import to_chat_request
@@ -18,6 +19,8 @@ def add_anthropic_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, raw: Request):
+        if runs_mcp(gateway, body):  # MCP tools run here, in the shared tool-call loop (anthropic/mcp.py)
+            return await messages_with_mcp(gateway, body, raw)
         opened = await gateway.open(to_chat_request(body))
         builder = MessageBuilder(body.model, opened, tuple(body.stop_sequences or ()))
         return await gateway.reply(opened.outputs, raw, body.stream,
