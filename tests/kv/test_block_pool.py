@@ -221,3 +221,86 @@ def test_invalid_sizes():
         BlockPool(0, BS)
     with pytest.raises(ValueError):
         BlockPool(4, 0)
+
+
+# -- keep hints (cache breakpoints) ----------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _cached_free(pool, n, first_token=0):
+    """n blocks cached and freed in this order (so LRU order is this order)."""
+    blocks = pool.allocate(n)
+    for i, b in enumerate(blocks):
+        cache(pool, b, [first_token + i] * BS)
+    pool.free(blocks)
+    return blocks
+
+
+def test_kept_blocks_survive_eviction_of_unmarked_blocks_of_the_same_age():
+    clock = FakeClock()
+    pool = BlockPool(6, BS, clock=clock)
+    blocks = _cached_free(pool, 6)  # one request's blocks, all freed in the same step
+    marked = blocks[:3]  # the part under a breakpoint: the oldest in LRU order, so plain LRU evicts them first
+    for b in marked:
+        pool.keep(b, clock.now + 300)
+    assert pool.num_kept == 3 and pool.num_free == 6
+    assert pool.evict_unreferenced(3) == 3
+    assert all(b.is_cached for b in marked)
+    assert not any(b.is_cached for b in blocks[3:])
+    # An allocation takes the emptied blocks first; the kept ones stay hits.
+    pool.allocate(3)
+    assert all(pool.lookup(b.block_hash, b.token_ids) is b for b in marked)
+
+
+def test_kept_blocks_are_evicted_last_not_never():
+    clock = FakeClock()
+    pool = BlockPool(3, BS, clock=clock)
+    blocks = _cached_free(pool, 3)
+    pool.keep(blocks[0], clock.now + 300)
+    got = pool.allocate(3)  # a hint, not a guarantee: memory still goes to running requests
+    assert got[-1] is blocks[0] and pool.num_kept == 0 and not blocks[0].is_cached
+
+
+def test_expired_keep_is_plain_lru_again():
+    clock = FakeClock()
+    pool = BlockPool(4, BS, clock=clock)
+    blocks = _cached_free(pool, 4)
+    pool.keep(blocks[0], clock.now + 300)
+    pool.keep(blocks[1], clock.now + 3600)  # "ttl": "1h"
+    clock.now += 301
+    assert pool.evict_unreferenced(2) == 2  # the unmarked ones go first, even now
+    assert pool.evict_unreferenced(1) == 1
+    assert not blocks[0].is_cached and blocks[1].is_cached  # then the expired one, before the live keep
+
+
+def test_keep_renews_and_survives_use():
+    clock = FakeClock()
+    pool = BlockPool(3, BS, clock=clock)
+    blocks = _cached_free(pool, 3)
+    pool.keep(blocks[0], clock.now + 300)
+    pool.keep(blocks[0], clock.now + 100)  # never shortened
+    assert blocks[0].keep_until == clock.now + 300
+    pool.touch([blocks[0]])  # a hit takes it out of the kept queue
+    assert pool.num_kept == 0
+    pool.free([blocks[0]])
+    assert pool.num_kept == 1  # back under its hint
+    clock.now += 400
+    pool.touch([blocks[0]])
+    pool.free([blocks[0]])  # its time ran out while in use: plain LRU, at the back
+    assert pool.num_kept == 0 and list(pool.free_queue)[-1] is blocks[0]
+
+
+def test_reset_and_drop_clear_the_keep():
+    clock = FakeClock()
+    pool = BlockPool(2, BS, clock=clock)
+    blocks = _cached_free(pool, 2)
+    pool.keep(blocks[0], clock.now + 300)
+    assert pool.reset() and pool.num_cached == 0 and pool.num_kept == 0
+    assert blocks[0].keep_until == 0.0 and pool.num_free == 2

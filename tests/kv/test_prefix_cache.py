@@ -321,3 +321,24 @@ def test_a_hit_stops_at_the_deepest_depth_the_physical_half_can_resume():
     assert resume.released == ["r"] and mgr.pool.num_used == 0
     resume.depths = set()
     assert mgr.lookup("q", tokens) == [] and mgr.pool.num_used == 0
+
+
+def test_blocks_under_a_cache_breakpoint_outlive_unmarked_blocks_of_the_same_age():
+    now = [0.0]
+    mgr, evicted = make(num_blocks=4, clock=lambda: now[0])
+    marked, plain = toks(1, 2 * BS), toks(2, 2 * BS)
+    # Two requests stored in one step: the same age. Their blocks are freed in reverse planning order, so
+    # plain LRU would evict the marked request's blocks first.
+    plain_ops = mgr.plan_store(plain)
+    marked_ops = mgr.plan_store(marked)
+    mgr.finish_stores()
+    assert list(mgr.pool.free_queue)[0].block_id == marked_ops[-1].block_id
+    assert mgr.keep(mgr.hashes(marked), 300) == 2
+    store(mgr, toks(3, 2 * BS))  # needs two blocks: the unmarked ones go
+    assert {h for h, _ in evicted} == {op.block_hash for op in plain_ops}
+    assert mgr.lookup("r", marked + [7]) == [op.block_id for op in marked_ops]
+    mgr.release("r")  # a hit renews the keep, and the blocks go back under it
+    assert mgr.stats()["num_kept_blocks"] == 2
+    now[0] = 301.0  # the TTL ran out: plain LRU again
+    store(mgr, toks(4, 4 * BS))
+    assert mgr.lookup("s", marked + [7]) == []

@@ -3,17 +3,23 @@
 No arrays live here; the runner's physical half maps a block id to its slice of the KV
 buffers. The pool is the single owner of every `Block` and of the two free queues.
 
-Free blocks sit in one of two queues:
+Free blocks sit in one of three queues:
   * `empty_queue`: free blocks that hold nothing worth keeping (no hash). Order does not
     matter; they are handed out first because reusing them costs no cached prefix.
   * `free_queue`: free blocks that still hold a cached full block, in LRU order (front =
     evicted first). Their hash stays in `cached` until the block is reallocated (lazy
     eviction), so a freed prefix remains a hit until memory is actually needed.
-Invariant: a free block is in `free_queue` iff it has a hash, else in `empty_queue`.
+  * `kept_queue`: free cached blocks a client asked to keep (a cache breakpoint, a prompt cache
+    key) until `keep_until`, in LRU order. They are evicted only when `free_queue` is empty: a
+    hint, not a guarantee, so an allocation never fails while a kept block could serve it. Expired
+    ones move to `free_queue` when it runs dry, before any kept block is taken.
+Invariant: a free block is in `empty_queue` if it has no hash, else in `kept_queue` iff its
+`keep_until` is set, else in `free_queue`.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -31,6 +37,8 @@ class Block:
     block_hash: bytes | None = None
     # Tokens of a cached full block: a hash hit is only trusted if these match.
     token_ids: tuple[int, ...] | None = None
+    # Clock time until which a client asked to keep it ahead of LRU eviction; 0: no such hint.
+    keep_until: float = 0.0
     prev_free: Block | None = field(default=None, repr=False)
     next_free: Block | None = field(default=None, repr=False)
 
@@ -118,7 +126,8 @@ class BlockPool:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, on_evict: EvictCallback | None = None
+        self, num_blocks: int, block_size: int, on_evict: EvictCallback | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks/block_size, got {num_blocks}/{block_size}")
@@ -128,6 +137,10 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.empty_queue = FreeBlockQueue(self.blocks)
         self.free_queue = FreeBlockQueue()
+        self.kept_queue = FreeBlockQueue()
+        self.clock = clock
+        # No kept block expires before this: the scan for expired ones is skipped until then.
+        self._next_expiry = float("inf")
         self.cached: dict[bytes, Block] = {}
         self.num_hits = 0
         self.num_misses = 0
@@ -138,7 +151,7 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self.empty_queue) + len(self.free_queue)
+        return len(self.empty_queue) + len(self.free_queue) + len(self.kept_queue)
 
     @property
     def num_used(self) -> int:
@@ -157,6 +170,12 @@ class BlockPool:
         """Free blocks in the order `allocate` hands them out."""
         yield from self.empty_queue
         yield from self.free_queue
+        yield from self.kept_queue
+
+    @property
+    def num_kept(self) -> int:
+        """Free cached blocks under a keep hint (referenced ones are not evictable anyway)."""
+        return len(self.kept_queue)
 
     # -- allocation ----------------------------------------------------------
 
@@ -171,7 +190,7 @@ class BlockPool:
             if self.empty_queue:
                 block = self.empty_queue.popleft()
             else:
-                block = self.free_queue.popleft()
+                block = self._pop_cached()
                 self._drop_hash(block)  # lazy eviction: only now is the content lost
                 self.num_evictions += 1
             block.ref_count = 1
@@ -196,6 +215,8 @@ class BlockPool:
                 raise ValueError(f"block {block.block_id} freed more often than referenced")
             block.ref_count -= 1
             if block.ref_count == 0:
+                if block.keep_until and block.keep_until <= self.clock():
+                    block.keep_until = 0.0  # expired while in use: plain LRU from now on
                 self._queue_of(block).append(block)
 
     def copy_on_write(self, block: Block) -> CowResult:
@@ -255,6 +276,17 @@ class BlockPool:
         self.cached[block_hash] = block
         return block
 
+    def keep(self, block: Block, until: float) -> None:
+        """Keeps a cached block ahead of LRU eviction until clock time `until` (a later hint extends
+        an earlier one, never shortens it)."""
+        if block.block_hash is None or until <= block.keep_until:
+            return
+        if block.ref_count == 0 and not block.keep_until:
+            self.free_queue.remove(block)
+            self.kept_queue.append(block)
+        block.keep_until = until
+        self._next_expiry = min(self._next_expiry, until)
+
     def uncache(self, block: Block) -> None:
         """Forgets a block's hash while it may still be referenced (its data never arrived); once
         freed it goes back as an empty block."""
@@ -268,8 +300,8 @@ class BlockPool:
         soft while requests hold them. Returns how many were evicted.
         """
         count = 0
-        while count < n and self.free_queue:
-            block = self.free_queue.popleft()
+        while count < n and (self.free_queue or self.kept_queue):
+            block = self._pop_cached()
             self._drop_hash(block)
             self.empty_queue.append(block)
             count += 1
@@ -282,8 +314,8 @@ class BlockPool:
         inconsistently. Use `evict_unreferenced(num_cached)` for a partial clear."""
         if self.num_free != self.num_blocks:
             return False
-        while self.free_queue:
-            block = self.free_queue.popleft()
+        while self.free_queue or self.kept_queue:
+            block = self._pop_cached()
             self._drop_hash(block)
             self.empty_queue.append(block)
         return True
@@ -291,7 +323,30 @@ class BlockPool:
     # -- internals -----------------------------------------------------------
 
     def _queue_of(self, block: Block) -> FreeBlockQueue:
-        return self.free_queue if block.block_hash is not None else self.empty_queue
+        if block.block_hash is None:
+            return self.empty_queue
+        return self.kept_queue if block.keep_until else self.free_queue
+
+    def _pop_cached(self) -> Block:
+        """The free cached block to evict next: plain LRU first, then kept blocks whose time is up (in
+        LRU order), and only then the least recently used kept block."""
+        if not self.free_queue:
+            self._expire()
+        queue = self.free_queue if self.free_queue else self.kept_queue
+        return queue.popleft()
+
+    def _expire(self) -> None:
+        now = self.clock()
+        if now < self._next_expiry:
+            return
+        self._next_expiry = float("inf")
+        for block in list(self.kept_queue):
+            if block.keep_until <= now:
+                self.kept_queue.remove(block)
+                block.keep_until = 0.0
+                self.free_queue.append(block)
+            else:
+                self._next_expiry = min(self._next_expiry, block.keep_until)
 
     def _drop_hash(self, block: Block) -> None:
         block_hash = block.block_hash
@@ -301,5 +356,6 @@ class BlockPool:
             del self.cached[block_hash]
         block.block_hash = None
         block.token_ids = None
+        block.keep_until = 0.0
         if self.on_evict is not None:
             self.on_evict(block_hash, block.block_id)

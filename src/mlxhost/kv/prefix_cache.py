@@ -9,6 +9,7 @@ Blocks stay referenced while a request that hit them runs, so eviction never tak
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -58,12 +59,13 @@ class PrefixCacheManager:
         lookup_cold: ColdLookup | None = None,
         has_cold: ColdContains | None = None,
         resume: ResumeCheck | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.block_size = block_size
         self.model_key = model_key
         # Called the moment a block's hash is dropped, before its id is handed out again, so the
         # physical store can free (or spill) the data in time.
-        self.pool = BlockPool(num_blocks, block_size, on_evict=on_evict)
+        self.pool = BlockPool(num_blocks, block_size, on_evict=on_evict, clock=clock)
         self._lookup_cold = lookup_cold
         self._has_cold = has_cold
         self._resume = resume
@@ -85,6 +87,19 @@ class PrefixCacheManager:
     def is_cached(self, block_hash: bytes) -> bool:
         """Whether memory holds this block now (a peek: nothing is held or touched)."""
         return block_hash in self.pool.cached
+
+    def keep(self, hashes: Sequence[bytes], ttl_s: float) -> int:
+        """Keeps the cached blocks among `hashes` ahead of LRU eviction for `ttl_s` seconds from now (a
+        client's cache breakpoint or prompt cache key); a hit on them renews it, as Anthropic's TTL does.
+        Returns how many were cached (the rest are kept once stored, if asked again)."""
+        until = self.pool.clock() + ttl_s
+        count = 0
+        for h in hashes:
+            block = self.pool.cached.get(h)
+            if block is not None:
+                self.pool.keep(block, until)
+                count += 1
+        return count
 
     # -- admission -----------------------------------------------------------------------------
     def lookup(self, request_id: str, token_ids: Sequence[int], media_spans: MediaSpans = (),
@@ -232,6 +247,7 @@ class PrefixCacheManager:
             "max_cached_blocks": self.max_cached_blocks,
             "num_cached_blocks": self.pool.num_cached,
             "num_used_blocks": self.pool.num_used,
+            "num_kept_blocks": self.pool.num_kept,
             "queried_tokens": q,
             "hit_tokens": self.num_hit_tokens,
             "hit_rate": self.num_hit_tokens / q if q else 0.0,
