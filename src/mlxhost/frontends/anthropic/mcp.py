@@ -53,7 +53,7 @@ async def messages_with_mcp(gateway: Gateway, body: MessagesRequest, raw: Reques
     chat = to_chat_request(body.model_copy(update={"mcp_servers": None, "tool_choice": None}))
     messages = [m.model_dump(exclude_none=True) for m in chat.messages]
     functions = [t.model_dump(exclude_none=True) for t in chat.tools or ()]
-    async with opened_toolset(gateway, labels_as_choices(entries, "mcp_servers"), "mcp_servers") as tools:
+    async with opened_toolset(gateway, raw, labels_as_choices(entries, "mcp_servers"), "mcp_servers") as tools:
         ask = gateway_ask(gateway, raw, loop_fields(chat, set()), functions + tools.functions())
         try:
             async for event in run_tool_loop(messages, tools, ask, gateway.mcp.config, _choice(body)):

@@ -13,7 +13,14 @@ from fastapi import Request
 from mlxhost.frontends.common.chat_output import collect
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import Gateway, chat_request
-from mlxhost.mcp.loop import Ask, RoundReply, ServerChoice, ToolCall, Toolset, ToolsetError
+from mlxhost.mcp.loop import (
+    Ask,
+    RoundReply,
+    ServerChoice,
+    ToolCall,
+    Toolset,
+    ToolsetError,
+)
 
 
 class ClientGone(Exception):
@@ -50,9 +57,21 @@ def manager(gateway: Gateway, param: str):
     return gateway.mcp
 
 
+def check_key(raw: Request, choices: list[ServerChoice], param: str) -> None:
+    """An API key limited to some MCP servers (its `mcp_servers`, common/keys.py) uses only those."""
+    policy = getattr(raw.state, "api_key", None)
+    allowed = policy.mcp_servers if policy is not None else None
+    refused = [c.label for c in choices if allowed is not None and (c.url is not None or c.label not in allowed)]
+    if refused:
+        raise APIError(403, f"this API key may not use the MCP server(s) {', '.join(map(repr, refused))}", param,
+                       "mcp_server_not_allowed")
+
+
 @contextlib.asynccontextmanager
-async def opened_toolset(gateway: Gateway, choices: list[ServerChoice], param: str):
-    """The request's toolset, its remote connections open while the block runs; a refusal is a 400."""
+async def opened_toolset(gateway: Gateway, raw: Request, choices: list[ServerChoice], param: str):
+    """The request's toolset, its remote connections open while the block runs; a refusal is a 400 (403
+    for a server the request's API key may not use)."""
+    check_key(raw, choices, param)
     try:
         toolset = Toolset(manager(gateway, param), choices)
         await toolset.__aenter__()

@@ -32,7 +32,7 @@ async def chat_with_mcp(gateway: Gateway, body: ChatCompletionRequest, raw: Requ
     functions = [t.model_dump(exclude_none=True) for t in body.tools or ()]
     choice = body.tool_choice.model_dump(exclude_none=True) if hasattr(body.tool_choice, "model_dump") \
         else body.tool_choice or "auto"
-    async with opened_toolset(gateway, labels_as_choices(body.mcp_servers, "mcp_servers"), "mcp_servers") as tools:
+    async with opened_toolset(gateway, raw, labels_as_choices(body.mcp_servers, "mcp_servers"), "mcp_servers") as tools:
         ask = gateway_ask(gateway, raw, loop_fields(body, set()), functions + tools.functions())
         try:
             async for event in run_tool_loop(messages, tools, ask, gateway.mcp.config, choice):

@@ -53,8 +53,10 @@ from mlxhost.mcp.loop import (
 )
 
 
-def uses_mcp(body: ResponsesRequest, items: list[dict]) -> bool:
-    return any(isinstance(t, McpTool) for t in body.tools or ()) or any(
+def uses_mcp(gateway: Gateway, body: ResponsesRequest, items: list[dict]) -> bool:
+    """On a server with MCP (--mcp-config or --mcp-allow-remote); without it `mcp` tools are skipped as
+    other hosted tools are."""
+    return gateway.mcp is not None and any(isinstance(t, McpTool) for t in body.tools or ()) or any(
         i.get("type") == "mcp_approval_response" for i in items)
 
 
@@ -163,11 +165,11 @@ def _approvals(items: list[dict], new_items: list[dict]) -> list[tuple[dict, dic
 async def respond_with_mcp(gateway: Gateway, body: ResponsesRequest, raw: Request, items: list[dict],
                            new_items: list[dict], keep: Callable[[dict], None]):
     """`items`: the conversation (a previous response's included), `new_items`: this request's input."""
-    served = served_tools(body.tools)
+    served = served_tools(body.tools, run_mcp=True)
     plain = body.model_copy(update={"tool_choice": None})
     chat = to_chat_request(plain, items, served)  # 400s for the input come here, before anything runs
     stack = contextlib.AsyncExitStack()
-    toolset = await stack.enter_async_context(opened_toolset(gateway, _choices(body), "tools"))
+    toolset = await stack.enter_async_context(opened_toolset(gateway, raw, _choices(body), "tools"))
     renderer = McpRenderer(envelope(body, served), OutputSpec(), served.namespaces)
     pending = _approvals(items, new_items)
     messages = [m.model_dump(exclude_none=True) for m in chat.messages]

@@ -33,7 +33,7 @@ def add_responses_routes(app: FastAPI, gateway: Gateway, max_num_responses: int 
             if previous is None:
                 raise _not_found(body.previous_response_id, "previous_response_id")
             items = previous.conversation + items
-        if uses_mcp(body, new_items):  # this server runs the MCP calls (responses/mcp.py)
+        if uses_mcp(gateway, body, new_items):  # this server runs the MCP calls (responses/mcp.py)
             return await respond_with_mcp(gateway, body, raw, items, new_items,
                                           lambda response: store.put(response, items) if body.store else None)
         tools = served_tools(body.tools)

@@ -158,7 +158,8 @@ class ServedTools:
         return {f["function"]["name"] for f in self.functions}
 
 
-def served_tools(tools: Optional[list]) -> ServedTools:
+def served_tools(tools: Optional[list], run_mcp: bool = False) -> ServedTools:
+    """`run_mcp`: `mcp` tools are run by this server (responses/mcp.py), so they are not skipped."""
     served = ServedTools()
     for tool in tools or ():
         if isinstance(tool, FunctionTool):
@@ -170,7 +171,8 @@ def served_tools(tools: Optional[list]) -> ServedTools:
                 else:
                     served.skipped.append(f"{tool.name}.{inner.name or inner.type}")
         elif isinstance(tool, McpTool):
-            continue  # served by responses/mcp.py, with the tools its server lists
+            if not run_mcp:  # a server without MCP: skipped as other hosted tools are
+                served.skipped.append(f"mcp {tool.server_label}")
         else:
             served.skipped.append(tool.label)
     if served.skipped:
