@@ -27,6 +27,10 @@ class EngineConfig:
     # A waiting request's priority improves by one class per this many engine steps, so no class starves
     # under a steady stream of better ones (engine/scheduler.py). 0: no aging.
     priority_aging_steps: int = 256
+    # While rows decode, a step's prefill chunk is sized from measured step costs so their next token comes
+    # within this many seconds (engine/step_cost.py); a prompt alone still prefills whole chunks. 0: whole
+    # chunks always.
+    max_decode_gap_s: float = 1.0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     default_max_tokens: int = 2048
     # Requests allowed to wait for a slot; beyond this the server answers 429 instead of queueing forever.
@@ -111,6 +115,8 @@ class EngineConfig:
             raise ValueError("prefill_step_size must be >= 1")
         if self.prefill_wait_steps < 0:
             raise ValueError("prefill_wait_steps must be >= 0")
+        if self.max_decode_gap_s < 0:
+            raise ValueError("max_decode_gap_s must be >= 0")
         if self.priority_aging_steps < 0:
             raise ValueError("priority_aging_steps must be >= 0")
         if self.max_num_prefill_rows < 1:

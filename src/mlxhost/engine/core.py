@@ -27,7 +27,8 @@ from mlxhost.kv.store.kv_store import KVBlockStore
 from mlxhost.engine.spec.setup import make_speculative, reserve_draft
 from mlxhost.kv.kinds.probe import probe_kv
 from mlxhost.kv.store.setup import make_prefix_cache
-from mlxhost.engine.status import cache_stats, describe_last_step, engine_status, spec_stats, vision_stats
+from mlxhost.engine.status import (cache_stats, describe_last_step, describe_progress, engine_status, request_progress,
+                                   spec_stats, vision_stats)
 from mlxhost.engine.warmup import warm_up
 from mlxhost.memory.budget import reserve_state
 from mlxhost.memory.capacity import KVCapacity
@@ -181,6 +182,13 @@ class EngineCore:
             log.exception("engine step failed")
             return self._fail_all(f"engine step failed: {exc}")
         self.last_execute_s = time.perf_counter() - started
+        # The whole step, not the runner's phases: a prefill's device work may finish inside the decode read-back.
+        num_prefilled = sum(c.num_tokens for c in sched.prefill_chunks)
+        self.scheduler.step_cost.observe(num_prefilled, len(sched.decode_request_ids), self.last_execute_s)
+        if num_prefilled and log.isEnabledFor(logging.DEBUG):
+            now = time.monotonic()
+            log.debug("prefill: %s", "; ".join(describe_progress(request_progress(self._requests[c.request_id], now))
+                                               for c in sched.prefill_chunks if c.request_id in self._requests))
         if step.failed_block_ids:
             self.prefix.discard_stores(step.failed_block_ids)
         outputs = [self._fail(rid, why) for rid, why in step.failed.items() if rid in self._requests]
@@ -196,6 +204,8 @@ class EngineCore:
             request = self.scheduler.running.get(rid)
             if request is None:  # finished or aborted while its tokens were in flight
                 continue
+            if not request.sampling.max_tokens:  # a prefill only: the token sampled from its prompt is not output
+                tokens = []
             if len(tokens) > 1:  # a lone token is always kept (it may end the request)
                 tokens = tokens[: self.scheduler.num_kept(request, tokens)]
             try:
@@ -271,7 +281,14 @@ class EngineCore:
             finish_reason=("stop" if hit else request.finish_reason) if finished else None,
             # After a preemption its last prefill's hit, which covers its output so far too: the prompt's part.
             num_cached_tokens=min(request.num_cached_tokens, request.num_prompt_tokens),
+            num_cache_creation_tokens=self._num_cache_creation_tokens(request),
         )
+
+    def _num_cache_creation_tokens(self, request: Request) -> int:
+        if not request.cache_ttl_s or self.prefix is None:
+            return 0
+        full = request.num_prompt_tokens // self.prefix.block_size * self.prefix.block_size
+        return max(0, full - request.num_cached_tokens)
 
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -298,6 +315,11 @@ class EngineCore:
 
     def status(self) -> dict:
         return engine_status(self)
+
+    def prefill_progress(self) -> list[dict]:
+        """Each request's prefill so far (waiting ones too), as `/v1/status` lists them."""
+        now = time.monotonic()
+        return [request_progress(r, now) for r in [*self.scheduler.running.values(), *self.scheduler.waiting]]
 
     def spec_stats(self) -> dict:
         return spec_stats(self)

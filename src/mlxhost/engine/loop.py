@@ -124,6 +124,12 @@ class AsyncEngine:
     def num_active(self) -> int:
         return len(self._streams)
 
+    def request_progress(self, request_id: str) -> dict | None:
+        """The request's entry of the latest status snapshot (its prefill progress); None before the engine
+        published one that has it."""
+        snapshot = self.snapshot
+        return snapshot.requests.get(request_id) if snapshot is not None else None
+
     # -- requests ------------------------------------------------------------------------------
     def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Queues `request` and returns its output stream; raises QueueFullError at once when full.

@@ -121,6 +121,9 @@ class Request:
     # time.monotonic() of the first engine step that ran it (its first prefill chunk); None until then. Written by
     # the engine thread before its first output, read by the HTTP side after it (tracing: queue wait vs prefill).
     scheduled_time: float | None = None
+    # Seconds its prompt's blocks stay ahead of LRU eviction in the prefix cache (a cache breakpoint, a prompt cache
+    # key); renewed by every hit. 0: plain LRU.
+    cache_ttl_s: float = 0.0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -197,6 +200,9 @@ class RequestOutput:
     # With `SamplingParams.prompt_logprobs`, on the request's first output: one entry per prompt token (the
     # first one's logprob None).
     prompt_logprobs: list[TokenLogprob] | None = None
+    # Prompt tokens it computed and stored under a keep hint (Anthropic's cache_creation_input_tokens): its full
+    # blocks beyond the cache hit. 0 without a hint.
+    num_cache_creation_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -220,5 +226,6 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         logprobs=logprobs if any(o.logprobs is not None for o in outputs) else None,
         error=next((o.error for o in outputs if o.error), None),
         num_cached_tokens=last.num_cached_tokens,
+        num_cache_creation_tokens=last.num_cache_creation_tokens,
         prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None),
     )

@@ -22,6 +22,7 @@ from mlxhost.kv.inflight import InflightBlocks
 from mlxhost.kv.prefix_cache import PrefixCacheManager, StoreOp
 from mlxhost.config import EngineConfig
 from mlxhost.engine.request import Request, RequestStatus
+from mlxhost.engine.step_cost import StepCostModel
 from mlxhost.memory.capacity import KVCapacity
 
 
@@ -116,6 +117,8 @@ class Scheduler:
         # Running request id -> its effective priority when admitted: what a newcomer must beat to preempt it.
         self._admitted_rank: dict[str, int] = {}
         self.num_preemptions = 0
+        # Measured step costs (the engine core feeds them): how much prefill fits beside the decode rows.
+        self.step_cost = StepCostModel(config.max_decode_gap_s)
 
     # -- queue -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -184,7 +187,7 @@ class Scheduler:
         prefilling = [r for r in self.running.values() if not r.is_prefill_done]
         if len(prefilling) > 1:  # stable: within a class, the oldest admitted first
             prefilling.sort(key=lambda r: self._admitted_rank[r.request_id])
-        sizes = split_prefill_budget([r.num_prompt_tokens_left for r in prefilling], self.config.prefill_step_size,
+        sizes = split_prefill_budget([r.num_prompt_tokens_left for r in prefilling], self._prefill_budget(out),
                                      self.config.max_num_prefill_rows)
         for request, n in zip(prefilling, sizes):
             if n == 0:
@@ -198,6 +201,11 @@ class Scheduler:
                 PrefillChunk(request.request_id, start, n, is_last=request.is_prefill_done)
             )
         return out
+
+    def _prefill_budget(self, out: SchedulerOutput) -> int:
+        """Prompt tokens this step prefills: `prefill_step_size`, or less while rows decode, as much as keeps
+        their gap under `max_decode_gap_s` by the measured step costs (step_cost.py)."""
+        return self.step_cost.prefill_budget(self.config.prefill_step_size, bool(out.decode_request_ids))
 
     def _admit(self, out: SchedulerOutput) -> None:
         """Admits waiting requests in order while slots and the KV budget allow, preempting worse classes
@@ -302,6 +310,8 @@ class Scheduler:
                                     prefix.lookup(rid, tokens, request.block_key_spans, hashes))
         request.num_cached_tokens = len(request.cached_block_ids) * prefix.block_size
         request.num_computed_tokens = request.num_cached_tokens
+        if request.cache_ttl_s:  # a hit renews the client's keep hint, as a hit renews Anthropic's TTL
+            prefix.keep(hashes[: len(request.cached_block_ids)], request.cache_ttl_s)
         self._next_store_block[rid] = len(request.cached_block_ids)
         self.inflight.claim(rid, [h for h in hashes[len(request.cached_block_ids):] if not prefix.is_cached(h)])
 
@@ -353,6 +363,10 @@ class Scheduler:
         for request_id, tokens in new_tokens.items():
             request = self.running.get(request_id)
             if request is None:  # finished or aborted while its token was in flight
+                continue
+            if request.sampling.max_tokens == 0:  # a prefill only (POST /v1/cache/prefill): done once prefilled
+                self._finish(request, RequestStatus.FINISHED_LENGTH)
+                finished.append(request)
                 continue
             status, start = None, request.num_tokens
             for token in [tokens] if isinstance(tokens, int) else tokens:
@@ -437,6 +451,9 @@ class Scheduler:
             ops = self._ops(request) if request.num_output_tokens > 0 else self._prefill_ops(request)
             self._keep(out, request, ops, prompt_done=True)
             self.prefix.release(request.request_id)
+            if request.cache_ttl_s:  # its prompt's blocks (stored now or before) stay ahead of plain LRU eviction
+                self.prefix.keep(self.prefix.hashes(request.prompt_token_ids, request.block_key_spans,
+                                                    request.block_hashes), request.cache_ttl_s)
         self._finished = []
 
     def _ops(self, request: Request) -> list[StoreOp]:

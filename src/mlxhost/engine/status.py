@@ -15,10 +15,33 @@ class StatusSnapshot:
 
     status: dict
     cache_stats: dict
+    # Request id -> its entry of status["requests"] (its prefill progress): what a stream's heartbeat tells.
+    requests: dict = dataclasses.field(default_factory=dict)
 
 
 def take_snapshot(core: Any) -> StatusSnapshot:
-    return StatusSnapshot(core.status(), core.cache_stats())
+    status = core.status()
+    return StatusSnapshot(status, core.cache_stats(), {r["id"]: r for r in status.get("requests", ())})
+
+
+def request_progress(request: Any, now: float) -> dict:
+    """A request's place in the engine: its prompt tokens prefilled so far (the cached part included), the
+    prefix cache's part, and the prefill's rate since its first chunk (the cached part excluded)."""
+    total, done = request.num_prefill_tokens, min(request.num_computed_tokens, request.num_prefill_tokens)
+    state = "waiting" if request.scheduled_time is None else "prefilling" if done < total else "decoding"
+    rate = None
+    if state == "prefilling" and now > request.scheduled_time:
+        rate = round((done - request.num_cached_tokens) / (now - request.scheduled_time), 1)
+    return {"id": request.request_id, "state": state, "prefill_tokens": total, "prefilled_tokens": done,
+            "cached_tokens": request.num_cached_tokens, "prefill_tokens_per_s": rate,
+            "output_tokens": request.num_output_tokens, "priority": request.priority}
+
+
+def describe_progress(progress: dict) -> str:
+    """One request's prefill progress as the debug log says it."""
+    rate = progress["prefill_tokens_per_s"]
+    return (f"{progress['id']} {progress['prefilled_tokens']}/{progress['prefill_tokens']} tokens "
+            f"({progress['cached_tokens']} cached)" + (f", {rate:.1f} tokens/s" if rate is not None else ""))
 
 
 def engine_status(core: Any) -> dict:
@@ -50,6 +73,8 @@ def engine_status(core: Any) -> dict:
         "prefix_cache": cache_stats(core),
         "speculative": spec_stats(core),
         "cudnn_attention": core.cudnn_attention,
+        "step_cost": core.scheduler.step_cost.as_dict(),
+        "requests": core.prefill_progress(),
     }
 
 
