@@ -92,6 +92,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-step-size", type=int, default=None, metavar="TOKENS",
                    help=f"prompt tokens per engine step; longer prompts are split so running streams keep flowing "
                         f"(default: 2048 on MLX-CUDA, {d.prefill_step_size} elsewhere)")
+    p.add_argument("--max-decode-gap", type=float, default=d.max_decode_gap_s, metavar="SECONDS",
+                   help="while streams decode, a long prompt's prefill chunks shrink (sized from measured step "
+                        "times) so each stream's next token comes within this many seconds; a prompt with nothing "
+                        "else running still prefills whole chunks. 0: whole chunks always")
     p.add_argument("--max-num-prefill-rows", type=int, default=d.max_num_prefill_rows, metavar="N",
                    help="prompts prefilled together in one forward, sharing the step's tokens fairly (plain-KV"
                         " families; sliding-window, recurrent-state and vision models prefill one prompt at a time);"
@@ -307,6 +311,7 @@ def _engine_config(args) -> EngineConfig:
                                            else default_prefill_step_size()),
                         max_num_prefill_rows=args.max_num_prefill_rows,
                         prefill_wait_steps=args.prefill_wait_steps, priority_aging_steps=args.priority_aging_steps,
+                        max_decode_gap_s=args.max_decode_gap,
                         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
                         warmup=args.warmup, decode_buckets=args.decode_buckets,
                         speculative=args.speculative, draft_model=args.draft_model,
