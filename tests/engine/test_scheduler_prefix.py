@@ -242,3 +242,33 @@ def test_reset_after_failure_leaves_no_held_blocks():
     s.add_request(r := make_request("again", prompt_of(9), max_tokens=1))
     run_to_end(s)
     assert r.num_cached_tokens == 0 and s.prefix.pool.num_cached == 2
+
+
+def test_a_prefill_only_request_stores_its_prompt_and_outputs_nothing():
+    s = make_scheduler(prefill_step_size=4)
+    s.add_request(r := make_request("p", prompt_of(10), max_tokens=0))
+    run_to_end(s)
+    assert r.output_token_ids == [] and r.status is RequestStatus.FINISHED_LENGTH
+    assert s.prefix.pool.num_cached == 2  # the prompt's full blocks, nothing generated after them
+    s.add_request(q := make_request("q", prompt_of(10)))
+    s.schedule()
+    assert q.num_cached_tokens == 8
+
+
+def test_a_requests_keep_hint_marks_its_prompt_blocks_and_a_hit_renews_them():
+    now = [0.0]
+    config = EngineConfig(max_num_seqs=4, prefill_step_size=512, block_size=BS)
+    s = Scheduler(config, max_model_len=1024, prefix=PrefixCacheManager(32, BS, "m", clock=lambda: now[0]))
+    r = make_request("r", prompt_of(9), max_tokens=4)
+    r.cache_ttl_s = 300.0
+    s.add_request(r)
+    run_to_end(s)
+    pool = s.prefix.pool
+    kept = [b for b in pool.blocks if b.keep_until]
+    assert len(kept) == 2 and all(b.keep_until == 300.0 for b in kept)  # the prompt's blocks, not the output's
+    now[0] = 100.0
+    q = make_request("q", prompt_of(9), max_tokens=1)
+    q.cache_ttl_s = 300.0
+    s.add_request(q)
+    run_to_end(s)
+    assert q.num_cached_tokens == 8 and all(b.keep_until == 400.0 for b in kept)
