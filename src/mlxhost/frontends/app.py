@@ -13,11 +13,13 @@ from fastapi import FastAPI
 from mlxhost.frontends.admin.docs import install_docs
 from mlxhost.frontends.admin.models import add_load_routes, add_model_errors
 from mlxhost.frontends.admin.openapi import install_openapi
+from mlxhost.frontends.admin.prefill import add_prefill_routes
 from mlxhost.frontends.admin.routes import add_admin_routes
 from mlxhost.frontends.anthropic.routes import add_anthropic_routes
+from mlxhost.frontends.anthropic.translate import prefill_request as messages_prefill
 from mlxhost.frontends.audio import add_audio_routes
 from mlxhost.frontends.common.errors import install_error_handlers
-from mlxhost.frontends.common.gateway import Gateway
+from mlxhost.frontends.common.gateway import Gateway, chat_request, completion_request
 from mlxhost.frontends.common.metrics import CountRequests, Metrics
 from mlxhost.frontends.common.prompt_bound import PrepPool
 from mlxhost.frontends.embeddings.routes import add_embeddings_route
@@ -26,6 +28,7 @@ from mlxhost.frontends.ollama import add_ollama_routes
 from mlxhost.frontends.openai.routes import add_model_list_route, add_openai_routes
 from mlxhost.frontends.rerank import add_rerank_routes
 from mlxhost.frontends.responses.routes import add_responses_routes
+from mlxhost.frontends.responses.translate import prefill_request as responses_prefill
 from mlxhost.server.manager import ModelManager
 
 log = logging.getLogger(__name__)
@@ -101,6 +104,9 @@ def create_app(models: ModelManager, mcp=None) -> FastAPI:
     add_rerank_routes(app, gateway)
     add_mcp_routes(app, gateway)
     add_admin_routes(app, models, metrics)
+    # Each dialect's own translation: a prefill is the prompt its route would run (admin/prefill.py).
+    add_prefill_routes(app, gateway, {"chat": chat_request, "completions": completion_request,
+                                      "messages": messages_prefill, "responses": responses_prefill})
     # Registered in this order on purpose: a 405's `Allow` names the first route whose path matches, and
     # /openapi.json lists the paths as they were added.
     add_model_list_route(app, models)

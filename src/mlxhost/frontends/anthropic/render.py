@@ -3,7 +3,8 @@
 
 Usage: `input_tokens` counts the prompt tokens that were computed, `cache_read_input_tokens` those
 served from the prefix cache (their sum is the prompt, what count_tokens reports), as Anthropic splits
-them; nothing is ever written to a cache on request, so `cache_creation_input_tokens` is 0.
+them. A request with a cache breakpoint writes its prompt's full blocks beyond the hit to the cache under it:
+those are `cache_creation_input_tokens` (and not in `input_tokens`); without one it is 0.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from mlxhost.structured.grammar import GrammarFailure
 from mlxhost.structured.tool_parsers import ContentDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 
 
-def message_usage(num_prompt: int, num_output: int, num_cached: int) -> dict:
-    """Anthropic's `usage`: the prompt split into computed and cache-read tokens."""
-    return {"input_tokens": num_prompt - num_cached, "output_tokens": num_output,
-            "cache_read_input_tokens": num_cached, "cache_creation_input_tokens": 0}
+def message_usage(num_prompt: int, num_output: int, num_cached: int, num_created: int = 0) -> dict:
+    """Anthropic's `usage`: the prompt split into computed, cache-written and cache-read tokens."""
+    return {"input_tokens": num_prompt - num_cached - num_created, "output_tokens": num_output,
+            "cache_read_input_tokens": num_cached, "cache_creation_input_tokens": num_created}
 
 
 def tool_use_id(call_id: str) -> str:
@@ -87,7 +88,8 @@ class MessageBuilder:
         reason, sequence = self._stop(last.finish_reason, whole.token_ids, len(reply.tool_calls))
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": reason, "stop_sequence": sequence,
-                "usage": message_usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)}
+                "usage": message_usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens,
+                                       last.num_cache_creation_tokens)}
 
     # -- streaming -----------------------------------------------------------------------------
     def start(self) -> str:
@@ -150,7 +152,8 @@ class MessageBuilder:
         token_ids = self._token_ids or list(last.new_token_ids)
         reason, sequence = self._stop(last.finish_reason, token_ids, self._num_calls)
         delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                 "usage": message_usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)}
+                 "usage": message_usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens,
+                                        last.num_cache_creation_tokens)}
         return sse_event("message_delta", delta) + sse_event("message_stop", {"type": "message_stop"})
 
 

@@ -1,7 +1,8 @@
 """Anthropic Messages bodies as the one internal request (OpenAI chat fields, checked by their schema).
 
-`cache_control` is accepted wherever Anthropic allows it and ignored: every prompt's full blocks go
-through the prefix cache anyway. `thinking.budget_tokens` is accepted and not enforced (max_tokens is).
+Every prompt's full blocks go through the prefix cache anyway; a `cache_control` breakpoint anywhere keeps the
+prompt's blocks ahead of plain LRU eviction for its `ttl` (5 minutes, or "1h"), renewed by each hit (the whole
+prompt's: the part after the last breakpoint is at most the newest turn, which the next turn extends). `thinking.budget_tokens` is accepted and not enforced (max_tokens is).
 What each field does here (accepted, mapped or refused) is tabled in docs/compat.md: bookkeeping and
 unknown fields are accepted and logged at debug, server tools skipped with a warning unless forced.
 """
@@ -30,6 +31,7 @@ from mlxhost.frontends.anthropic.protocol import (
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import chat_request
 from mlxhost.frontends.common.schemas import (
+    DEFAULT_CACHE_TTL_S,
     ChatCompletionRequest,
     adjacent_systems_joined,
     effort,
@@ -122,6 +124,17 @@ def _assistant_message(blocks: list, where: str) -> dict:
 
 
 _BILLING = "x-anthropic-billing-header:"
+_TTL_S = {"5m": DEFAULT_CACHE_TTL_S, "1h": 3600.0}
+
+
+def cache_ttl_s(body: MessagesRequest) -> float:
+    """The longest `ttl` of the body's cache breakpoints (top level, system, tools, content blocks); 0: none."""
+    marks = [body.cache_control, *(getattr(t, "cache_control", None) for t in body.tools or ())]
+    if not isinstance(body.system, str):
+        marks += [b.cache_control for b in body.system or ()]
+    marks += [getattr(b, "cache_control", None) for m in body.messages if not isinstance(m.content, str)
+              for b in m.content]
+    return max((_TTL_S.get(m.get("ttl"), DEFAULT_CACHE_TTL_S) for m in marks if isinstance(m, dict)), default=0.0)
 
 
 def _without_billing(blocks: list[TextBlock]) -> list[TextBlock]:
@@ -229,4 +242,10 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     request = chat_request(fields)
     if len(listed) < len(callable_tools):
         request._listed_tools = frozenset(listed)
+    request._cache_ttl_s = cache_ttl_s(body)
     return request
+
+
+def prefill_request(fields: dict) -> ChatCompletionRequest:
+    """A Messages body for POST /v1/cache/prefill (max_tokens optional there: nothing is generated)."""
+    return to_chat_request(MessagesRequest.model_validate({"max_tokens": 1, **fields}))

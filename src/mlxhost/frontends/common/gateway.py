@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
@@ -24,6 +24,7 @@ from mlxhost.frontends.common.embedding import embed_token_lists
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.keys import current_grant
 from mlxhost.frontends.common.metrics import Metrics, RequestTimer
+from mlxhost.frontends.common.prefixes import PrefixCaptures, client_agent
 from mlxhost.frontends.common.prompt_bound import PrepPool
 from mlxhost.frontends.common.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mlxhost.frontends.common.serving import Prepared, ServedModel, prepare
@@ -92,12 +93,14 @@ class Gateway:
         # Tokenizing, chat templates and media run here, off the event loop: one request's 5 MB prompt
         # must not stall /health and every running stream while it is processed.
         self.prep = prep or PrepPool()
+        self.prefixes = PrefixCaptures()  # agents' fixed prompt prefixes, for `mlxhost launch` to pre-warm
 
     def timer(self) -> RequestTimer:
         return RequestTimer(self.metrics, self.heartbeat_s if self.heartbeat_s is not None else HEARTBEAT_S)
 
-    async def open(self, body: SamplingFields, generate: bool = True) -> Opened:
-        """Prepares `body` for its model and, with `generate`, queues it on that model's engine.
+    async def open(self, body: SamplingFields, generate: bool = True, prefill_only: bool = False) -> Opened:
+        """Prepares `body` for its model and, with `generate`, queues it on that model's engine; with
+        `prefill_only` the engine computes and caches its prompt and generates nothing (POST /v1/cache/prefill).
         The lease loads the model on first use and keeps it loaded until generate() has queued the
         request; from then on the request's stream keeps it busy (never unloaded) until it ends."""
         grant = current_grant.get()  # the API key's policy (keys.py), checked before a model is loaded for it
@@ -112,6 +115,10 @@ class Gateway:
             if not generate:
                 return Opened(model, prepared, None)
             request = prepared.request
+            if prefill_only:  # max_tokens 0: the engine ends it once its prompt is prefilled and stored
+                request.sampling = replace(request.sampling, max_tokens=0, constraint=None, prompt_logprobs=None)
+            elif isinstance(body, ChatCompletionRequest):
+                self.prefixes.note(client_agent.get(), model.name, body, grant.cache_group if grant else "")
             if grant is not None:
                 request.priority, request.cache_group = grant.request_priority(body.priority), grant.cache_group
             if (priority := priority_class.get()) is not None:

@@ -211,6 +211,11 @@ _OFF = (None, False)
 _EMPTY = (None, [], {})
 
 
+# How long a cache hint keeps a prompt's blocks when the client names no time: Anthropic's default (5 minutes,
+# renewed by each hit); its `"ttl": "1h"` and OpenAI's `prompt_cache_retention: "24h"` ask for longer.
+DEFAULT_CACHE_TTL_S = 300.0
+
+
 class SamplingFields(StrictModel):
     """Fields shared by chat and completions requests. A field this server cannot honour and whose
     loss would change the output is a 400 naming it (see `refusing`); bookkeeping, hints and fields of
@@ -241,8 +246,10 @@ class SamplingFields(StrictModel):
     metadata: Optional[dict] = None
     store: Optional[bool] = None
     service_tier: Optional[str] = None
-    prompt_cache_key: Optional[str] = None
     safety_identifier: Optional[str] = None
+    # A hint that this prompt's prefix recurs: its blocks stay ahead of LRU eviction (see cache_ttl_s).
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None  # "24h" keeps them a day; else DEFAULT_CACHE_TTL_S
     # The scheduling class (vLLM's): lower is admitted first and may preempt higher; an API key's class
     # (--api-keys) is the best its requests get.
     priority: Optional[Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]] = None
@@ -265,8 +272,18 @@ class SamplingFields(StrictModel):
     structured_outputs: Annotated[Any, refusing("use response_format")] = None
     logits_processors: Annotated[Any, refusing("custom logits processors are not supported", _EMPTY)] = None
 
-    ACCEPTED_UNUSED: ClassVar[tuple[str, ...]] = ("user", "metadata", "store", "service_tier", "prompt_cache_key",
-                                                  "safety_identifier", "priority")
+    ACCEPTED_UNUSED: ClassVar[tuple[str, ...]] = ("user", "metadata", "store", "service_tier", "safety_identifier",
+                                                  "priority", "prompt_cache_retention")
+    # Set by a dialect whose body asks for it (Anthropic's cache_control breakpoints): seconds the prompt's blocks
+    # stay ahead of LRU eviction. 0: the prompt_cache_key's, if any.
+    _cache_ttl_s: float = PrivateAttr(default=0.0)
+
+    @property
+    def cache_ttl_s(self) -> float:
+        """Seconds the prompt's blocks are kept ahead of plain LRU eviction in the prefix cache (0: not)."""
+        if self._cache_ttl_s or self.prompt_cache_key is None:
+            return self._cache_ttl_s
+        return 24 * 3600.0 if self.prompt_cache_retention == "24h" else DEFAULT_CACHE_TTL_S
 
     @model_validator(mode="after")
     def _log_unused(self):

@@ -300,5 +300,5 @@ def prepare(model: ServedModel, body: SamplingFields) -> Prepared:
     if isinstance(body, CompletionRequest) and body.suffix:
         eos = eos | model.fim.stop_ids  # an instruct model's end of turn is not how a middle ends
     request = Request(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, eos, media=media, adapter=model.adapter,
-                      priority=body.priority or 0)
+                      priority=body.priority or 0, cache_ttl_s=body.cache_ttl_s)
     return Prepared(request, output)

@@ -163,5 +163,5 @@ class ResponsesRequest(StrictModel):
     top_logprobs: Annotated[Any, refusing("top_logprobs is not supported on this route", (None, 0))] = None
 
     ACCEPTED_UNUSED: ClassVar[tuple[str, ...]] = (
-        "metadata", "user", "include", "prompt_cache_key", "safety_identifier", "service_tier", "truncation",
+        "metadata", "user", "include", "safety_identifier", "service_tier", "truncation",
         "client_metadata", "max_tool_calls", "stream_options", "context_management")

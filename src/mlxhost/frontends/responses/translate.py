@@ -29,7 +29,7 @@ from mlxhost.frontends.responses.protocol import (
     ResponsesRequest,
 )
 from mlxhost.frontends.responses.render import new_id
-from mlxhost.frontends.responses.tools import ServedTools, chat_tool_choice
+from mlxhost.frontends.responses.tools import ServedTools, chat_tool_choice, served_tools
 
 log = logging.getLogger(__name__)
 
