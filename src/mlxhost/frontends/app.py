@@ -21,6 +21,7 @@ from mlxhost.frontends.audio import add_audio_routes
 from mlxhost.frontends.common.errors import install_error_handlers
 from mlxhost.frontends.common.gateway import Gateway, chat_request, completion_request
 from mlxhost.frontends.common.metrics import CountRequests, Metrics
+from mlxhost.frontends.common.prefixes import ClientAgent
 from mlxhost.frontends.common.prompt_bound import PrepPool
 from mlxhost.frontends.embeddings.routes import add_embeddings_route
 from mlxhost.frontends.mcp.routes import add_mcp_routes
@@ -93,6 +94,7 @@ def create_app(models: ModelManager, mcp=None) -> FastAPI:
     app.state.metrics = metrics  # the key gate counts by key name (common/security.py)
     app.add_middleware(CountRequests, metrics=metrics)
     app.add_middleware(_HeadAsGet)
+    app.add_middleware(ClientAgent)  # the gateway notes agents' prompt prefixes by User-Agent (common/prefixes.py)
     # Every dialect translates into the same requests and goes through the same gateway.
     gateway = Gateway(models, metrics, prep, mcp=mcp)
     app.state.gateway = gateway  # for what the server adds on top (tracing)

@@ -134,7 +134,7 @@ def to_chat_request(body: ResponsesRequest, items: list[dict], tools: ServedTool
     fields: dict = {"model": body.model, "messages": adjacent_systems_joined(messages),
                     "max_tokens": body.max_output_tokens, "parallel_tool_calls": body.parallel_tool_calls,
                     "response_format": _response_format(body)}
-    for name in ("temperature", "top_p"):
+    for name in ("temperature", "top_p", "prompt_cache_key"):
         if getattr(body, name) is not None:
             fields[name] = getattr(body, name)
     fields["tool_choice"], functions = chat_tool_choice(body.tool_choice, tools)
@@ -142,6 +142,15 @@ def to_chat_request(body: ResponsesRequest, items: list[dict], tools: ServedTool
         fields["tools"] = functions
     _reasoning(body, fields)
     return chat_request(fields)
+
+
+def prefill_request(fields: dict) -> ChatCompletionRequest:
+    """A Responses body for POST /v1/cache/prefill: its own input only (no stored conversation is read)."""
+    body = ResponsesRequest.model_validate(fields)
+    if body.previous_response_id is not None:
+        raise APIError(400, "a prefill takes the whole input, not previous_response_id", "previous_response_id")
+    tools = served_tools(body.tools)
+    return to_chat_request(body, input_items(body), tools)
 
 
 def envelope(body: ResponsesRequest, tools: ServedTools) -> dict:
