@@ -37,6 +37,9 @@ class Agent:
     npm_package: str
     # configure(target, folder): the setup; files the agent needs are written into folder (created if missing).
     configure: Callable[[Target, pathlib.Path], AgentSetup]
+    # How its requests' User-Agent starts (followed by its version): the server notes its fixed prompt prefix
+    # under it, which `launch` saves and pre-warms later conversations with (agents/prewarm.py). None: not done.
+    user_agent: str | None = None
 
     @property
     def install_command(self) -> str:

@@ -33,4 +33,6 @@ def configure(target: Target, folder: pathlib.Path) -> AgentSetup:
     return AgentSetup(env=env)
 
 
-AGENT = Agent(name="claude", command="claude", npm_package="@anthropic-ai/claude-code", configure=configure)
+# Its requests say `User-Agent: claude-cli/2.1.332 (external, cli)`.
+AGENT = Agent(name="claude", command="claude", npm_package="@anthropic-ai/claude-code", configure=configure,
+              user_agent="claude-cli/")

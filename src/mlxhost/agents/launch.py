@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from mlxhost.agents import AGENTS
 from mlxhost.agents.base import MAX_OUTPUT_TOKENS, Target, default_max_output_tokens
+from mlxhost.agents.prewarm import agent_version, prefill, prefix_path, save_prefix, start_prefill
 
 if TYPE_CHECKING:  # imported where used: `mlxhost serve` builds this parser too (0.4 s)
     import httpx
@@ -41,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="most tokens per answer the agent asks for (default: a quarter of the context, at most 32000)")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="passed to a started `mlxhost serve` (repeatable; --serve-arg=--max-num-seqs=8)")
+    p.add_argument("--prewarm", choices=("background", "wait", "off"), default="background",
+                   help="compute the agent's saved system prompt and tools into the server's cache before its first "
+                        "turn: beside the agent starting (background), before it (wait), or not (off); saved from "
+                        "the first run of each agent version on each model")
     p.add_argument("--start-timeout", type=float, default=900.0, metavar="SECONDS",
                    help="how long a started server may take to load its model")
     p.epilog = "Arguments after -- go to the agent: mlxhost launch codex -- exec 'explain this repository'"
@@ -166,6 +171,17 @@ def _sigint_to_child():
         signal.signal(signal.SIGINT, previous)
 
 
+def _prewarm(url: str, api_key: str, saved: pathlib.Path, model: str, wait: bool) -> None:
+    if not wait:
+        start_prefill(url, api_key, saved, model)
+        return
+    print("mlxhost launch: pre-warming the agent's system prompt and tools", file=sys.stderr)
+    done = prefill(url, api_key, saved, model)
+    if done is not None:
+        print(f"mlxhost launch: pre-warmed {done['prompt_tokens']} tokens ({done['cached_tokens']} already cached)",
+              file=sys.stderr)
+
+
 def run(args) -> int:
     import httpx
 
@@ -193,8 +209,16 @@ def run(args) -> int:
         setup = agent.configure(target, agent_folder(agent.name))
         print(f"mlxhost launch: {agent.name} on {target.model} at {url} (context {context} tokens, answers up to "
               f"{target.max_output_tokens})", file=sys.stderr)
+        version = agent_version(executable) if agent.user_agent and args.prewarm != "off" else None
+        saved = prefix_path(agent_folder(agent.name), version, target.model) if version else None
+        if saved is not None and saved.exists():
+            _prewarm(url, api_key, saved, target.model, args.prewarm == "wait")
         with _sigint_to_child():
-            return subprocess.call([executable, *setup.args, *args.agent_args], env={**os.environ, **setup.env})
+            code = subprocess.call([executable, *setup.args, *args.agent_args], env={**os.environ, **setup.env})
+        if saved is not None and not saved.exists() and save_prefix(url, api_key, agent, version, target.model, saved):
+            print(f"mlxhost launch: saved {agent.name} {version}'s prompt prefix for the next start ({saved})",
+                  file=sys.stderr)
+        return code
     except (LaunchError, httpx.HTTPError) as e:
         print(f"mlxhost launch: {e}", file=sys.stderr)
         return 2
