@@ -22,14 +22,14 @@ def input_file(n: int, url: str = URL) -> bytes:
                    for i in range(n)).encode()
 
 
-def new_batch(store: BatchStore, data: bytes, expires_in: int = 3600) -> str:
-    file_id = store.add_file(data, "in.jsonl", "batch")["id"]
+def new_batch(store: BatchStore, data: bytes, expires_in: int = 3600, owner: str | None = None) -> str:
+    file_id = store.add_file(data, "in.jsonl", "batch", owner=owner)["id"]
     now = int(time.time())
     batch_id = f"batch_{file_id}"
     store.add_batch({"id": batch_id, "object": "batch", "endpoint": URL, "errors": None, "input_file_id": file_id,
                      "completion_window": "24h", "status": "validating", "output_file_id": None,
                      "error_file_id": None, "created_at": now, "expires_at": now + expires_in,
-                     "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": None})
+                     "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": None}, owner)
     return batch_id
 
 
@@ -38,12 +38,14 @@ class Answers:
 
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.owners: set[str | None] = set()
         self.busy_once = True
         self.release: asyncio.Event | None = None  # set: lines wait for it
 
-    async def __call__(self, url: str, body: dict) -> tuple[int, dict]:
+    async def __call__(self, url: str, body: dict, owner: str | None) -> tuple[int, dict]:
         content = body["messages"][0]["content"]
         self.calls.append(content)
+        self.owners.add(owner)
         if self.release is not None:
             await self.release.wait()
         if content == "3" and self.busy_once:
@@ -88,6 +90,26 @@ def test_a_batch_runs_to_completed_with_output_and_error_files(tmp_path):
         assert err["custom_id"] == "r4" and err["response"]["status_code"] == 400
         assert sorted(answers.calls) == sorted(["0", "1", "2", "3", "3", "4", "5"])  # the busy one asked again
         assert store.file(batch["output_file_id"])["purpose"] == "batch_output"
+        store.close()
+
+    asyncio.run(main())
+
+
+def test_lines_run_for_the_batchs_owner_and_its_result_files_are_the_owners(tmp_path):
+    async def main():
+        store = BatchStore(tmp_path)
+        answers = Answers()
+        batch_id = new_batch(store, input_file(5), owner="alice")
+        batch = await run_until(store, BatchRunner(store, answers), batch_id, {"completed"})
+        assert answers.owners == {"alice"}
+        for file_id in (batch["input_file_id"], batch["output_file_id"], batch["error_file_id"]):
+            assert store.file(file_id, "alice") is not None and store.file(file_id, "bob") is None
+        assert store.batch(batch_id, "bob") is None and store.batch(batch_id, "alice")["id"] == batch_id
+        assert store.list_batches(None, 10, "bob").items == []
+        assert store.list_files(None, None, 10, True, "bob").items == []
+        assert [b["id"] for b in store.list_batches(None, 10, "alice").items] == [batch_id]
+        assert len(store.list_files(None, None, 10, True, "alice").items) == 3
+        assert store.list_files(None, batch["input_file_id"], 10, True, "bob").items == []  # no cursor into another's
         store.close()
 
     asyncio.run(main())

@@ -1,12 +1,15 @@
 """The Files and Batch APIs through the official `openai` client over the real app and a fake model: upload, list,
 retrieve, content, delete; a batch over chat, completions and responses lines run through the server's own routes
-in the lowest scheduling class; refusals in OpenAI's error shape; progress in /v1/status."""
+in the lowest scheduling class; refusals in OpenAI's error shape; progress in /v1/status. With API keys: each key
+sees only its own files and batches, and a batch's lines run under its creator's key (models, limits, cache group,
+tokens counted)."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+import re
 import time
 from types import SimpleNamespace
 
@@ -14,9 +17,11 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
+from mlxhost.config import SecurityConfig
 from mlxhost.frontends.app import create_app
 from mlxhost.frontends.batch.dispatch import BATCH_PRIORITY
 from mlxhost.frontends.batch.routes import install_batch_api
+from mlxhost.frontends.common.security import install_security
 from tests.frontends.fake_models import NAME, REPLY, FakeModels
 
 _BOUND_S = 30  # a hang bound, not a timing check
@@ -117,3 +122,86 @@ def test_refusals(served):
     assert batch.status == "failed" and batch.errors.data[0].line == 1
     with pytest.raises(openai.ConflictError):
         client.batches.cancel(batch.id)
+
+
+KEYS = """
+keys:
+  - {key: sk-a, name: a, models: [tiny], priority: 3, max_concurrent: 1}
+  - {key: sk-b, name: b}
+"""
+CHAT = "/v1/chat/completions"
+
+
+class NamedModels(Models):
+    def resolve(self, requested: str) -> str:  # every name is served, as itself: a key's model list decides
+        return requested
+
+
+@pytest.fixture
+def keyed(tmp_path):
+    """The server as `serve` builds it with a key file: the Batch API first, then the gate around it."""
+    path = tmp_path / "keys.yaml"
+    path.write_text(KEYS)
+    models = NamedModels()
+    app = create_app(models)
+    install_batch_api(app, tmp_path / "batches")
+    install_security(app, SecurityConfig(api_key_file=str(path), allowed_hosts=("testserver",),
+                                         cache_isolation="key"), "127.0.0.1")
+    with TestClient(app) as http:
+        a, b = (openai.OpenAI(base_url="http://testserver/v1", api_key=k, http_client=http, max_retries=0)
+                for k in ("sk-a", "sk-b"))
+        yield a, b, models, http, app
+
+
+def chat_line(model: str) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+
+
+def test_with_keys_a_batch_runs_under_its_creators_key(keyed):
+    a, _, models, http, app = keyed
+    # Three lines against a limit of one at a time: the refused ones wait for the slot, they do not fail.
+    source = a.files.create(file=("in.jsonl", jsonl(CHAT, [chat_line("tiny"), chat_line("other"),
+                                                           chat_line("tiny")])), purpose="batch")
+    batch = wait_done(a, a.batches.create(input_file_id=source.id, endpoint=CHAT, completion_window="24h").id)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+    (err,) = [json.loads(line) for line in a.files.content(batch.error_file_id).text.splitlines()]
+    assert err["custom_id"] == "c1" and err["response"]["status_code"] == 404  # as a live request of this key
+    assert err["response"]["body"]["error"]["code"] == "model_not_found"
+    assert len(models.engine.requests) == 2
+    # The batch class (worse than the key's floor of 3) and the key's cache group.
+    assert all((r.priority, r.cache_group) == (BATCH_PRIORITY, "key:a") for r in models.engine.requests)
+    ring = app.state.key_ring
+    usage = ring.grant(ring.named("a")).usage
+    assert usage.num_tokens > 0 and usage.num_in_flight == 0  # counted, and every slot released
+    metrics = http.get("/metrics", headers={"Authorization": "Bearer sk-a"}).text
+    assert float(re.search(r'mlxhost_key_tokens_total\{key="a"\} (\S+)', metrics).group(1)) == usage.num_tokens
+
+
+def test_with_keys_files_and_batches_are_their_creators_only(keyed):
+    a, b, _, _, _ = keyed
+    source = a.files.create(file=("in.jsonl", jsonl(CHAT, [chat_line("tiny")])), purpose="batch")
+    batch = a.batches.create(input_file_id=source.id, endpoint=CHAT, completion_window="24h")
+    mine = b.files.create(file=("in.jsonl", jsonl(CHAT, [chat_line("tiny")])), purpose="batch")
+    for call in (lambda: b.files.retrieve(source.id), lambda: b.files.content(source.id),
+                 lambda: b.files.delete(source.id), lambda: b.batches.retrieve(batch.id),
+                 lambda: b.batches.cancel(batch.id), lambda: a.files.retrieve(mine.id),
+                 lambda: b.batches.create(input_file_id=source.id, endpoint=CHAT, completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert [f.id for f in b.files.list()] == [mine.id] and list(b.batches.list()) == []
+    done = wait_done(a, batch.id)
+    assert done.status == "completed" and a.files.content(done.output_file_id).text
+    with pytest.raises(openai.NotFoundError):
+        b.files.content(done.output_file_id)
+    assert {f.id for f in a.files.list()} == {source.id, done.output_file_id}
+    assert [x.id for x in a.batches.list()] == [batch.id]
+
+
+def test_with_keys_a_line_whose_key_is_gone_fails_401(keyed):
+    _, _, models, http, app = keyed
+    dispatch = app.state.batch_runner.dispatch
+    for owner in ("removed", None):  # a key no longer in the file; a batch from before keys were configured
+        status, body = http.portal.call(dispatch, CHAT, chat_line("tiny"), owner)
+        assert status == 401 and body["error"]["code"] == "invalid_api_key" and body["error"]["message"]
+    assert not models.engine.requests

@@ -1,6 +1,7 @@
 """Runs the stored batches, oldest first, a few lines at a time: validating → in_progress → finalizing →
-completed (or cancelling → cancelled, failed, expired). Each line goes through `dispatch(url, body)`, the server's
-own route for that endpoint; only its answer is stored (one commit per line), so a restart runs what is left."""
+completed (or cancelling → cancelled, failed, expired). Each line goes through `dispatch(url, body, owner)`, the
+server's own route for that endpoint under the batch creator's API key; only its answer is stored (one commit per
+line), so a restart runs what is left."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from mlxhost.batch.store import BatchStore
 
 log = logging.getLogger(__name__)
 
-# (status code, JSON body) of one request run in-process.
-Dispatch = Callable[[str, dict], Awaitable[tuple[int, dict]]]
+# (status code, JSON body) of one request run in-process for the batch's owner (its creator's key name, or None).
+Dispatch = Callable[[str, dict, str | None], Awaitable[tuple[int, dict]]]
 
 _IDLE_WAKE_S = 5.0  # idle, look again this often (expiry)
 _RETRY_S = 0.5  # a busy server (429 server_busy, 503) is asked again after this long
@@ -156,9 +157,9 @@ class BatchRunner:
         return self._set(batch, "finalizing", "finalizing_at")
 
     async def _run_line(self, batch: dict, batch_id: str, idx: int, line: Line) -> None:
-        unavailable = 0
+        unavailable, owner = 0, self.store.batch_owner(batch_id)
         while True:
-            status, body = await self.dispatch(batch["endpoint"], line.body)
+            status, body = await self.dispatch(batch["endpoint"], line.body, owner)
             code = (body.get("error") or {}).get("code") if isinstance(body.get("error"), dict) else None
             # Busy or stopping is not the request's answer: ask again (a restart would too).
             if status == 429 and code == "server_busy" or status == 503 and unavailable < _MAX_UNAVAILABLE:
@@ -179,7 +180,7 @@ class BatchRunner:
             if results:
                 data = ("\n".join(results) + "\n").encode()
                 self.store.add_file(data, f"batch_{batch['id']}_{kind}.jsonl", "batch_output",
-                                    _file_id(batch["id"], kind))
+                                    _file_id(batch["id"], kind), self.store.batch_owner(batch["id"]))
                 batch[key] = _file_id(batch["id"], kind)
         self._set(batch, final, stamp)
         log.info("batch %s %s: %s", batch["id"], final, self.store.batch(batch["id"])["request_counts"])

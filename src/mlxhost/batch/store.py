@@ -1,6 +1,9 @@
 """The Batch API's state on disk: a small SQLite database (files, batches, one row per answered line) and the
 files' bytes next to it, so a restarted server resumes a batch where it stopped. One server owns a folder at a
-time (an exclusive lock file). Plain data in and out: the HTTP side and the runner shape the objects."""
+time (an exclusive lock file). Plain data in and out: the HTTP side and the runner shape the objects.
+
+Each file and batch records its `owner`, the creator's API key name (None on a server without keys). A read given
+an `owner` sees only that owner's rows (a NULL owner matches none); a read without one sees every row."""
 
 from __future__ import annotations
 
@@ -21,8 +24,10 @@ except ImportError:  # pragma: no cover
 ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS files (id TEXT PRIMARY KEY, seq INTEGER NOT NULL, purpose TEXT NOT NULL, obj TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS batches (id TEXT PRIMARY KEY, seq INTEGER NOT NULL, status TEXT NOT NULL, obj TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS files (id TEXT PRIMARY KEY, seq INTEGER NOT NULL, purpose TEXT NOT NULL, owner TEXT,
+                                  obj TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS batches (id TEXT PRIMARY KEY, seq INTEGER NOT NULL, status TEXT NOT NULL, owner TEXT,
+                                    obj TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS results (batch_id TEXT NOT NULL, idx INTEGER NOT NULL, ok INTEGER NOT NULL,
                                     line TEXT NOT NULL, PRIMARY KEY (batch_id, idx));
 """
@@ -77,7 +82,8 @@ class BatchStore:
         return seq
 
     # -- files -----------------------------------------------------------------------------------------
-    def add_file(self, data: bytes, filename: str, purpose: str, file_id: str | None = None) -> dict:
+    def add_file(self, data: bytes, filename: str, purpose: str, file_id: str | None = None,
+                 owner: str | None = None) -> dict:
         """Writes the bytes (temp file + rename: a crash leaves no half file under the id), then the row."""
         file_id = file_id or new_id("file-")
         path = self.file_path(file_id)
@@ -90,16 +96,16 @@ class BatchStore:
         obj = {"id": file_id, "object": "file", "bytes": len(data), "created_at": int(time.time()),
                "expires_at": None, "filename": filename, "purpose": purpose, "status": "processed",
                "status_details": None}
-        self._db.execute("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?)",
-                         (file_id, self._next_seq("files"), purpose, json.dumps(obj)))
+        self._db.execute("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?)",
+                         (file_id, self._next_seq("files"), purpose, owner, json.dumps(obj)))
         return obj
 
     def file_path(self, file_id: str) -> Path:
         # Ids are ours (new_id) but arrive in URLs: only the name part, so none points outside the folder.
         return self.folder / "files" / Path(file_id).name
 
-    def file(self, file_id: str) -> dict | None:
-        row = self._db.execute("SELECT obj FROM files WHERE id = ?", (file_id,)).fetchone()
+    def file(self, file_id: str, owner: str | None = None) -> dict | None:
+        row = self._row("files", file_id, owner)
         return json.loads(row[0]) if row else None
 
     def read_file(self, file_id: str) -> bytes:
@@ -111,28 +117,33 @@ class BatchStore:
             self.file_path(file_id).unlink(missing_ok=True)
         return deleted
 
-    def list_files(self, purpose: str | None, after: str | None, limit: int, newest_first: bool) -> Page:
+    def list_files(self, purpose: str | None, after: str | None, limit: int, newest_first: bool,
+                   owner: str | None = None) -> Page:
         where, args = [], []
         if purpose:
             where.append("purpose = ?")
             args.append(purpose)
-        return self._page("files", where, args, after, limit, newest_first)
+        return self._page("files", where, args, after, limit, newest_first, owner)
 
     # -- batches ---------------------------------------------------------------------------------------
-    def add_batch(self, obj: dict) -> None:
-        self._db.execute("INSERT INTO batches VALUES (?, ?, ?, ?)",
-                         (obj["id"], self._next_seq("batches"), obj["status"], json.dumps(obj)))
+    def add_batch(self, obj: dict, owner: str | None = None) -> None:
+        self._db.execute("INSERT INTO batches VALUES (?, ?, ?, ?, ?)",
+                         (obj["id"], self._next_seq("batches"), obj["status"], owner, json.dumps(obj)))
 
     def put_batch(self, obj: dict) -> None:
         self._db.execute("UPDATE batches SET status = ?, obj = ? WHERE id = ?",
                          (obj["status"], json.dumps(obj), obj["id"]))
 
-    def batch(self, batch_id: str) -> dict | None:
-        row = self._db.execute("SELECT obj FROM batches WHERE id = ?", (batch_id,)).fetchone()
+    def batch(self, batch_id: str, owner: str | None = None) -> dict | None:
+        row = self._row("batches", batch_id, owner)
         return self._with_counts(json.loads(row[0])) if row else None
 
-    def list_batches(self, after: str | None, limit: int) -> Page:
-        page = self._page("batches", [], [], after, limit, newest_first=True)
+    def batch_owner(self, batch_id: str) -> str | None:
+        row = self._db.execute("SELECT owner FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        return row[0] if row else None
+
+    def list_batches(self, after: str | None, limit: int, owner: str | None = None) -> Page:
+        page = self._page("batches", [], [], after, limit, True, owner)
         return Page([self._with_counts(b) for b in page.items], page.has_more)
 
     def active_batch_ids(self) -> list[str]:
@@ -167,10 +178,15 @@ class BatchStore:
         return [r[0] for r in rows]
 
     # -- paging ----------------------------------------------------------------------------------------
+    def _row(self, table: str, row_id: str, owner: str | None, column: str = "obj") -> tuple | None:
+        where, args = _owned(["id = ?"], [row_id], owner)
+        return self._db.execute(f"SELECT {column} FROM {table} WHERE {' AND '.join(where)}", args).fetchone()
+
     def _page(self, table: str, where: list[str], args: list, after: str | None, limit: int,
-              newest_first: bool) -> Page:
+              newest_first: bool, owner: str | None) -> Page:
+        where, args = _owned(where, args, owner)
         if after is not None:
-            row = self._db.execute(f"SELECT seq FROM {table} WHERE id = ?", (after,)).fetchone()
+            row = self._row(table, after, owner, "seq")  # another owner's id is an unknown cursor
             if row is not None:
                 where = [*where, "seq < ?" if newest_first else "seq > ?"]
                 args = [*args, row[0]]
@@ -178,3 +194,8 @@ class BatchStore:
         sql += f" ORDER BY seq {'DESC' if newest_first else 'ASC'} LIMIT ?"
         rows = self._db.execute(sql, (*args, limit + 1)).fetchall()
         return Page([json.loads(r[0]) for r in rows[:limit]], len(rows) > limit)
+
+
+def _owned(where: list[str], args: list, owner: str | None) -> tuple[list[str], list]:
+    """`where` narrowed to `owner`'s rows when one is given."""
+    return ([*where, "owner = ?"], [*args, owner]) if owner is not None else (where, args)

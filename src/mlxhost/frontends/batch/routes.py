@@ -1,5 +1,8 @@
 """OpenAI's Files (`/v1/files`) and Batch (`/v1/batches`) APIs over the batch folder (batch/store.py), run by
-the batch runner (batch/runner.py) through the server's own routes (dispatch.py). Imports no MLX."""
+the batch runner (batch/runner.py) through the server's own routes (dispatch.py). Imports no MLX.
+
+With API keys, each file and batch belongs to the key (by name) that created it: another key's are 404s and left
+out of lists, as if they did not exist."""
 
 from __future__ import annotations
 
@@ -47,6 +50,12 @@ def _page(page) -> dict:
             "last_id": items[-1]["id"] if items else None, "has_more": page.has_more}
 
 
+def _owner(raw: Request) -> str | None:
+    """The caller's key name; None on a server without keys (the gate puts the matched policy on the state)."""
+    policy = getattr(raw.state, "api_key", None)
+    return policy.name if policy is not None else None
+
+
 def install_batch_api(app: FastAPI, folder: str | Path, max_num_running: int = 4) -> None:
     """The routes over `folder`; the runner starts and stops with the app's lifespan. A folder another server
     holds leaves the routes answering 503 (both would run the same batches)."""
@@ -65,14 +74,14 @@ def install_batch_api(app: FastAPI, folder: str | Path, max_num_running: int = 4
                            code="batch_folder_in_use")
         return store
 
-    def file_or_404(file_id: str) -> dict:
-        obj = need_store().file(file_id)
+    def file_or_404(file_id: str, owner: str | None) -> dict:
+        obj = need_store().file(file_id, owner)
         if obj is None:
             raise APIError(404, f"No such File object: {clip(file_id)}", "id", "file_not_found")
         return obj
 
-    def batch_or_404(batch_id: str) -> dict:
-        obj = need_store().batch(batch_id)
+    def batch_or_404(batch_id: str, owner: str | None) -> dict:
+        obj = need_store().batch(batch_id, owner)
         if obj is None:
             raise APIError(404, f"No batch found with id '{clip(batch_id)}'.", "batch_id", "batch_not_found")
         return obj
@@ -92,39 +101,40 @@ def install_batch_api(app: FastAPI, folder: str | Path, max_num_running: int = 4
         if not isinstance(upload, UploadFile):
             raise APIError(400, "`file` is required", "file")
         data = await upload.read()
-        return s.add_file(data, upload.filename or "upload.jsonl", purpose)
+        return s.add_file(data, upload.filename or "upload.jsonl", purpose, owner=_owner(raw))
 
     @app.get("/v1/files")
-    async def list_files(purpose: str | None = None, after: str | None = None, limit: int = _MAX_LIST,
-                         order: str = "desc"):
+    async def list_files(raw: Request, purpose: str | None = None, after: str | None = None,
+                         limit: int = _MAX_LIST, order: str = "desc"):
         if order not in ("asc", "desc"):
             raise APIError(400, "order must be asc or desc", "order")
-        return _page(need_store().list_files(purpose, after, _limit(limit, _MAX_LIST), order == "desc"))
+        return _page(need_store().list_files(purpose, after, _limit(limit, _MAX_LIST), order == "desc",
+                                             _owner(raw)))
 
     @app.get("/v1/files/{file_id}")
-    async def retrieve_file(file_id: str):
-        return file_or_404(file_id)
+    async def retrieve_file(file_id: str, raw: Request):
+        return file_or_404(file_id, _owner(raw))
 
     @app.get("/v1/files/{file_id}/content")
-    async def file_content(file_id: str):
-        file_or_404(file_id)
+    async def file_content(file_id: str, raw: Request):
+        file_or_404(file_id, _owner(raw))
         return Response(need_store().read_file(file_id), media_type="application/octet-stream")
 
     @app.delete("/v1/files/{file_id}")
-    async def delete_file(file_id: str):
-        file_or_404(file_id)
+    async def delete_file(file_id: str, raw: Request):
+        file_or_404(file_id, _owner(raw))
         need_store().delete_file(file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
     @app.post("/v1/batches")
-    async def create_batch(body: CreateBatch):
-        s = need_store()
+    async def create_batch(body: CreateBatch, raw: Request):
+        s, owner = need_store(), _owner(raw)
         if body.endpoint not in ENDPOINTS:
             raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}", "endpoint")
         window = _WINDOWS.get(body.completion_window)
         if window is None:
             raise APIError(400, "completion_window must be 24h", "completion_window")
-        source = file_or_404(body.input_file_id)
+        source = file_or_404(body.input_file_id, owner)
         if source["purpose"] != "batch":
             raise APIError(400, "the input file's purpose must be `batch`", "input_file_id")
         now = int(time.time())
@@ -134,21 +144,21 @@ def install_batch_api(app: FastAPI, folder: str | Path, max_num_running: int = 4
                "in_progress_at": None, "expires_at": now + window, "finalizing_at": None, "completed_at": None,
                "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
                "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": body.metadata}
-        s.add_batch(obj)
+        s.add_batch(obj, owner)
         runner.wake()
         return s.batch(obj["id"])
 
     @app.get("/v1/batches")
-    async def list_batches(after: str | None = None, limit: int = 20):
-        return _page(need_store().list_batches(after, _limit(limit, 100)))
+    async def list_batches(raw: Request, after: str | None = None, limit: int = 20):
+        return _page(need_store().list_batches(after, _limit(limit, 100), _owner(raw)))
 
     @app.get("/v1/batches/{batch_id}")
-    async def retrieve_batch(batch_id: str):
-        return batch_or_404(batch_id)
+    async def retrieve_batch(batch_id: str, raw: Request):
+        return batch_or_404(batch_id, _owner(raw))
 
     @app.post("/v1/batches/{batch_id}/cancel")
-    async def cancel_batch(batch_id: str):
-        obj = batch_or_404(batch_id)
+    async def cancel_batch(batch_id: str, raw: Request):
+        obj = batch_or_404(batch_id, _owner(raw))
         if obj["status"] not in ("validating", "in_progress", "finalizing", "cancelling"):
             raise APIError(409, f"Cannot cancel a batch with status '{obj['status']}'.", "batch_id",
                            "batch_not_cancellable")

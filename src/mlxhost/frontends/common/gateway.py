@@ -121,8 +121,8 @@ class Gateway:
                 self.prefixes.note(client_agent.get(), model.name, body, grant.cache_group if grant else "")
             if grant is not None:
                 request.priority, request.cache_group = grant.request_priority(body.priority), grant.cache_group
-            if (priority := priority_class.get()) is not None:
-                request.priority = priority
+            if (priority := priority_class.get()) is not None:  # batch work: its class, never better than its key's
+                request.priority = max(priority, grant.request_priority(None)) if grant is not None else priority
             need, cap = request.num_prompt_tokens + request.sampling.max_tokens, engine.kv_capacity_tokens
             if cap is not None and need > cap:
                 raise APIError(429, f"this request needs KV for {request.num_prompt_tokens} prompt + "

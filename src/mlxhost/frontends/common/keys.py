@@ -327,6 +327,10 @@ class KeyRing:
                     found = policy
         return found
 
+    def named(self, name: str) -> KeyPolicy | None:
+        """The policy in force under `name` (work queued by a key, such as a batch, runs under its policy now)."""
+        return next((p for p in self.policies if p.name == name), None)
+
     def grant(self, policy: KeyPolicy) -> KeyGrant:
         usage = self._usage.get(policy.name)
         if usage is None:
