@@ -296,6 +296,10 @@ class McpManager:
     connections to the URLs requests name (`open_remote`)."""
 
     def __init__(self, config: McpConfig) -> None:
+        import importlib.util
+
+        if importlib.util.find_spec("mcp") is None:
+            raise RuntimeError('MCP servers need the mcp SDK: pip install "mlxhost[mcp]"')
         self.config = config
         self.servers = {s.label: McpServer(s, config) for s in config.servers}
 

@@ -80,6 +80,9 @@ OPTIONAL: dict[str, Prerequisite] = {
     # is_file: a library hidden under /dev/null (.ci/bare) still exists.
     "openblas": Prerequisite(lambda: str(OPENBLAS) if OPENBLAS.is_file() else None,
                              "apt-get install libopenblas0-pthread"),
+    # Real MCP servers from PyPI, run over stdio (the test extra installs them).
+    "mcp-server-time": Prerequisite(_program("mcp-server-time"), "pip install mcp-server-time"),
+    "mcp-server-git": Prerequisite(_program("mcp-server-git"), "pip install mcp-server-git"),
     "cuda": Prerequisite(_cuda, 'an NVIDIA GPU and pip install -e ".[cuda]"', ci_installs=False),
     **{command: Prerequisite(_agent_cli(command), f"{_AGENT_CLIS_INSTALL} {command}")
        for command in ("claude", "codex", "opencode", "qwen", "aider", "llm")},
