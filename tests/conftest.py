@@ -42,6 +42,7 @@ LANES = (
     ("engine/test_speculative_sampling.py::test_engine_sampling_distribution", "slow"),
     ("engine/test_speculative_constrained.py::test_sampled_constrained_distribution", "slow"),
     ("engine/test_speculative.py::test_greedy_identity_16_concurrent", "slow"),
+    ("engine/test_spec_heads.py::test_sampled_distribution", "slow"),
     ("engine/test_kv_quant.py", "slow"),  # every bit width and attention mode
     ("engine/test_kv_quant_vlm.py", "slow"),
     ("engine/test_warmup.py", "slow"),  # every warm-up piece, its helper processes

@@ -153,10 +153,16 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                    help="vision-language models: encoder outputs kept by image hash (bytes or %% of RAM)")
     p = parser.add_argument_group("speculative decoding (docs/speculative.md)")
     p.add_argument("--speculative", choices=["off", *proposer_names()], default=d.speculative,
-                   help="speculative decoding in the decode batch: ngram (prompt lookup, no extra model) or draft"
-                        " (--draft-model); greedy output is unchanged, sampled output keeps its distribution")
+                   help="speculative decoding in the decode batch: ngram (prompt lookup, no extra model), draft"
+                        " (--draft-model), eagle3 or mtp (a head fed the target's hidden states,"
+                        " --speculative-model); greedy output is unchanged, sampled output keeps its distribution")
     p.add_argument("--draft-model", default=None, metavar="PATH",
-                   help="small model with the target's tokenizer that drafts tokens (turns --speculative draft on)")
+                   help="small model with the target's tokenizer that drafts tokens (turns --speculative draft on),"
+                        " or the EAGLE-3 / MTP head's folder for --speculative eagle3|mtp")
+    p.add_argument("--speculative-method", dest="speculative", choices=["off", *proposer_names()],
+                   default=argparse.SUPPRESS, help="the same as --speculative")
+    p.add_argument("--speculative-model", dest="draft_model", default=argparse.SUPPRESS, metavar="PATH",
+                   help="the same as --draft-model (an EAGLE-3 / MTP head's folder)")
     p.add_argument("--num-draft-tokens", type=int, default=d.num_draft_tokens, metavar="K",
                    help="most tokens a row drafts per step (each row adapts below it from its acceptance)")
     p.add_argument("--spec-max-batch", type=int, default=d.spec_max_batch, metavar="N",

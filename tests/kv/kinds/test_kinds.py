@@ -17,8 +17,8 @@ from mlxhost.kv.kinds.registry import KV, OTHER, CacheKind, KindRegistry, LayerS
 ANSWERS = [
     (lambda: KVCache(), "plain", True, True, True, True, False),
     (lambda: BatchKVCache([0]), "plain", True, True, True, True, True),
-    (lambda: QuantizedRowKVCache(), "quantized", True, False, False, False, False),
-    (lambda: BatchQuantizedKVCache([0]), "quantized", True, False, False, False, True),
+    (lambda: QuantizedRowKVCache(), "quantized", True, False, True, False, False),
+    (lambda: BatchQuantizedKVCache([0]), "quantized", True, False, True, False, True),
     (lambda: RotatingKVCache(8), "sliding", True, False, False, False, False),
     (lambda: BatchRotatingKVCache(8, [0]), "sliding", True, False, False, False, False),
     (lambda: ArraysCache(2), "recurrent", True, False, False, False, False),

@@ -297,6 +297,8 @@ class ModelRunner(PrefillSteps):
         if batch.positions is not None:
             logits = self.model(fed[:, None], cache=batch.cache, positions=batch.positions[:, None])
             batch.positions = batch.positions + 1
+        elif self.spec is not None:  # a draft head may want this forward's hidden states
+            logits = self.spec.forward(self, fed[:, None])
         else:
             logits = self.model(fed[:, None], cache=batch.cache)
         logits = logits[:, -1, :]
@@ -314,6 +316,8 @@ class ModelRunner(PrefillSteps):
             fed_ids = None
         nxt, logprobs = sample_batch(logits, samplers)
         kept = self.keep_logprobs(rids, samplers, nxt, logprobs)
+        if self.spec is not None:
+            kept += self.spec.observe(self, nxt)
         batch.tokens = nxt
         mx.async_eval(nxt, *kept)
 

@@ -68,6 +68,7 @@ class SpeculativeDecoder:
         self.proposer = proposer
         self.stats = SpecStats()
         self._clock = 0  # decode steps seen, plain ones included: what rows' pauses count in
+        self._hidden = None  # a plain step's hidden states, from `forward` to `observe`
 
     @property
     def mode(self) -> str:
@@ -102,7 +103,7 @@ class SpeculativeDecoder:
             k = min(row.draft_length.length(self._clock), request.sampling.max_tokens - request.num_output_tokens - 1)
             if k > 0:
                 budget[i] = k
-        draft_step = DraftStep(batch, rids, states, requests, budget)
+        draft_step = DraftStep(batch, rids, states, requests, budget, self._clock)
         proposal = self.proposer.propose(draft_step) if budget and self.proposer.can_draft(draft_step) else None
         if proposal is None:
             # No row drafts (with prompt lookup: none is inside a span its history already holds, judged
@@ -115,6 +116,8 @@ class SpeculativeDecoder:
         drafts = fed[:, 1:]
         if batch.positions is not None:  # vision-language models: each row's positions carry its rope delta
             logits = runner.model(fed, cache=batch.cache, positions=batch.positions[:, None] + mx.arange(num_k + 1))
+        elif self.proposer.tap is not None:  # the same forward, keeping the hidden states the proposer drafts from
+            logits, draft_step.hidden = self.proposer.tap(fed, batch.cache)
         else:
             logits = runner.model(fed, cache=batch.cache)
 
@@ -195,6 +198,7 @@ class SpeculativeDecoder:
             if rids[i] not in out.failed:  # the final token is fed, and checked, next step
                 for token in draft_ids[i][: accepted_ids[i]]:
                     runner.grammar.feed(samplers[i].matcher, token)
+        draft_step.fed, draft_step.next_tokens = fed, final
         self.proposer.accept(draft_step, accepted_ids, num_drop)
         batch.tokens = final
         if batch.positions is not None:
@@ -204,6 +208,29 @@ class SpeculativeDecoder:
         self._emit_logprobs(states, fed_lps, wanted, rids, last_ids, draft_ids, accepted_ids, num_k, gathered, out)
         self._adapt(states, plain, proposed, lengths, accepted_ids)
         return True
+
+    # -- plain steps, for proposers fed hidden states ------------------------------------------------
+    def forward(self, runner: Any, inputs: mx.array) -> mx.array:
+        """A plain step's forward. Through the proposer's tap while the batch is small enough to speculate,
+        so its head sees every step and has a seed when speculation resumes; the model's own call for
+        proposers without a head and for larger batches (their rows' heads miss those steps)."""
+        batch = runner.batch
+        if self.proposer.tap is None or not can_speculate(batch.num_live, self.max_batch):
+            return runner.model(inputs, cache=batch.cache)
+        logits, self._hidden = self.proposer.tap(inputs, batch.cache)
+        return logits
+
+    def observe(self, runner: Any, next_tokens: mx.array) -> list:
+        """After a plain step's sampling: the head takes (hidden, next token) for every row. Returns the
+        arrays to launch with the step's."""
+        hidden, self._hidden = self._hidden, None
+        if hidden is None:
+            return []
+        batch = runner.batch
+        rids = list(batch.row_ids)
+        step = DraftStep(batch, rids, [runner.rows[r] if r is not None else None for r in rids], {}, {},
+                         self._clock)
+        return self.proposer.observe(step, hidden, next_tokens)
 
     @staticmethod
     def _constrain(runner, logits, fed, constrained, samplers, rids, lengths, out) -> mx.array:

@@ -24,6 +24,13 @@ class DraftStep:
     rows: list[Any]  # their RowState, row for row (None: a filler)
     requests: dict[str, Request]
     budget: dict[int, int]  # row index -> the most drafts it may propose (rows missing: none)
+    clock: int = 0  # the decoder's step count (plain steps included)
+    # Set by the decoder after the verification forward, for `accept` (all lazy): the fed [B, 1 + K], each
+    # row's next token [B], the target's hidden states [B, 1 + K, ...] (proposers that want them).
+    fed: Any = None
+    next_tokens: Any = None
+    hidden: Any = None
+    drafted: int = 0  # the proposer's own note: positions its caches grew by while drafting
 
 
 class Proposer:
@@ -32,6 +39,14 @@ class Proposer:
     # (`join`), and the memory budget counts `model`'s weights and KV.
     keeps_cache = False
     model: Any = None
+    # A proposer fed the target's hidden states (spec/hidden.py): `bind` sets `tap`, the decoder's forwards
+    # go through it, and plain steps call `observe`.
+    wants_hidden = False
+    tap: Any = None
+
+    def bind(self, target: Any) -> str | None:
+        """The target model, once at start-up; returns why this proposer cannot serve it (None: it can)."""
+        return None
 
     def describe(self) -> str:
         """For the start-up log line."""
@@ -57,3 +72,8 @@ class Proposer:
     def accept(self, step: DraftStep, num_accepted: list[int], num_drop: list[int]) -> None:
         """After verification: row i kept `num_accepted[i]` drafts and the target's KV dropped
         `num_drop[i]` positions (rewind caches of its own alike)."""
+
+    def observe(self, step: DraftStep, hidden: Any, next_tokens: Any) -> list[Any]:
+        """A plain decode step (`wants_hidden` only): the fed tokens' hidden states [B, 1, ...] and the
+        tokens sampled after them [B]. Returns arrays to launch with the step's."""
+        return []

@@ -14,6 +14,8 @@ from typing import Any, Callable
 PROPOSERS: dict[str, str | Callable[[Any, int], Any]] = {
     "ngram": "mlxhost.engine.spec.ngram:NgramProposer",  # prompt lookup in the request's own tokens
     "draft": "mlxhost.engine.spec.draft:DraftProposer",  # a small model with the same tokenizer
+    "eagle3": "mlxhost.engine.spec.head_proposer:Eagle3Proposer",  # a head fed three target layers' outputs
+    "mtp": "mlxhost.engine.spec.head_proposer:MTPProposer",  # multi-token-prediction layers on the last hidden
 }
 
 

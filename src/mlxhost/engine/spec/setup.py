@@ -40,17 +40,16 @@ def reserve_draft(budget: Any, draft: Any, per_token: int) -> tuple[Any, int]:
 def make_speculative(model: Any, config: EngineConfig, vocab_width: int) -> SpeculativeDecoder | None:
     if config.speculative == "off":
         return None
-    if config.kv_bits:
-        # The quantized batch cache has no per-row rewind yet: a rejected draft could not be taken back.
-        log.warning("speculative decoding is off: --kv-bits %d caches cannot be rewound past a rejected draft",
-                    config.kv_bits)
-        return None
     if not rewindable(model):
         kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)})
         log.warning("speculative decoding is off: this model's caches (%s) cannot be rewound past a rejected "
                     "draft (sliding-window and recurrent layers)", ", ".join(kinds))
         return None
     proposer = make_proposer(config.speculative, config, vocab_width)
+    why = proposer.bind(model)
+    if why is not None:
+        log.warning("speculative decoding is off: the %s proposer cannot serve this model: %s", proposer.name, why)
+        return None
     log.info("speculative decoding: %s, up to %d draft tokens per row and step, while at most %d requests decode",
              proposer.describe(), config.num_draft_tokens, config.spec_max_batch)
     return SpeculativeDecoder(config.num_draft_tokens, proposer, config.spec_max_batch)

@@ -252,6 +252,7 @@ def _spec(c: Any) -> LayerSpec | None:
 
 
 # Blocks keep the plain kind's layout as (data, scales, biases) tuples (plain.py reads and fills them).
-# Not rewound: the batch version has no per-row rewind yet. Not padded for a batched prefill.
+# Rewound past a rejected draft as plain KV is (the parent's trim, and `finalize` rolls rows that drop more).
+# Not padded for a batched prefill.
 QUANTIZED = CacheKind("quantized", (QuantizedRowKVCache,), (BatchQuantizedKVCache,), can_batch=True,
-                      can_store=True, can_reserve=True, spec=_spec)
+                      can_store=True, can_reserve=True, can_rewind=True, spec=_spec)

@@ -1,0 +1,136 @@
+"""Draft-head fixtures: EAGLE-3 and MTP heads for a model folder, trained on the model's own greedy output.
+
+`build_head_folder(out, model_dir, kind)` writes a checkpoint folder that `--speculative KIND
+--speculative-model OUT` serves (engine/spec/heads.py reads it). The head learns, from sequences the
+target continued greedily, to guess the target's token two positions past each hidden state it is fed
+(teacher forcing, one step, as the first training stage of EAGLE and MTP does); tools/train_spec_head.py
+runs the same training on a real model. `train_steps=0` leaves the random initialization (a head
+that is rarely right).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import mlx.core as mx
+import mlx.optimizers as optim
+from mlx import nn
+
+from mlxhost.engine.spec.heads import HEADS, save_head
+from mlxhost.engine.spec.hidden import HiddenTap
+
+
+def head_config(kind: str, target: Any) -> dict:
+    """A one-layer head shaped like the target's layers."""
+    args = target.args
+    n = len(target.model.layers)
+    if kind == "mtp":
+        return {"model_type": "mtp", "num_layers": 1, "hidden_size": args.hidden_size}
+    heads = args.num_attention_heads
+    layer = {"model_type": "llama", "hidden_size": args.hidden_size, "intermediate_size": args.intermediate_size,
+             "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": args.num_key_value_heads,
+             "head_dim": getattr(args, "head_dim", None) or args.hidden_size // heads,
+             "rms_norm_eps": args.rms_norm_eps, "vocab_size": args.vocab_size,
+             "rope_theta": getattr(args, "rope_theta", 10000.0), "tie_word_embeddings": True}
+    # Low, middle and high layers, in the hidden_states numbering (i: layer i-1's output), as the
+    # Speculators checkpoints give them.
+    aux = sorted({min(2, n), max(1, n // 2), n}) if n >= 3 else [1, n, n]
+    return {"model_type": "eagle3", "speculators_model_type": "eagle3", "transformer_layer_config": layer,
+            "draft_vocab_size": args.vocab_size, "target_hidden_size": args.hidden_size,
+            "tie_word_embeddings": True, "eagle_aux_hidden_state_layer_ids": aux}
+
+
+def greedy_sequence(target: Any, prompt: list[int], num_new: int) -> list[int]:
+    """The prompt continued greedily by `num_new` tokens."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(target)
+    logits = target(mx.array([prompt]), cache=cache)
+    out = list(prompt)
+    for _ in range(num_new):
+        nxt = mx.argmax(logits[:, -1], axis=-1)
+        out.append(nxt.item())
+        logits = target(nxt[:, None], cache=cache)
+    return out
+
+
+def train_head(head: Any, target: Any, sequences: list[list[int]], starts: list[int], steps: int,
+               lr: float = 3e-3, seed: int = 0, log=None) -> float:
+    """Teacher-forced training, one sequence per step: pair (target hidden t, token t+1) -> token t+2, the
+    loss on positions whose label the target produced (t + 2 >= the sequence's start). Returns the last
+    loss."""
+    import random
+
+    tap = HiddenTap(target, head.layer_ids)
+    data = []
+    for seq, start in zip(sequences, starts):
+        x = mx.array([seq])
+        _, h = tap(x, [None] * len(target.model.layers))
+        weight = (mx.arange(len(seq) - 2) + 2 >= start).astype(mx.float32)[None, :]
+        mx.eval(h)
+        data.append((mx.stop_gradient(h[:, :-2]), x[:, 1:-1], x[:, 2:], weight))
+    module = head.module
+    module.train()
+    # Shared target weights (a bound embedding) stay as they are.
+    frozen = {id(p) for p in _leaves(target.parameters())}
+
+    def loss_fn(model, h, x, y, w):
+        g = head.forward(x, h, [None] * len(model.layers), from_target=True)
+        ce = nn.losses.cross_entropy(_logits(head, g), y, reduction="none")
+        return (ce * w).sum() / mx.maximum(w.sum(), 1)
+
+    opt = optim.Adam(learning_rate=lr)
+    value_and_grad = nn.value_and_grad(module, loss_fn)
+    order = random.Random(seed)
+    loss = mx.array(float("nan"))
+    for step in range(steps):
+        loss, grads = value_and_grad(module, *data[order.randrange(len(data))])
+        opt.update(module, _drop_shared(module, grads, frozen))
+        mx.eval(module.parameters(), opt.state, loss)
+        if log is not None and (step % 100 == 0 or step == steps - 1):
+            log(f"step {step}: loss {loss.item():.3f}")
+    module.eval()
+    return loss.item()
+
+
+def build_head_folder(out: str | pathlib.Path, model_dir: str | pathlib.Path, kind: str, train_steps: int = 300,
+                      prompts: list[list[int]] | None = None, num_new: int = 64, seed: int = 0) -> pathlib.Path:
+    """`prompts`: what the head is trained on (their greedy continuations); default 16 random ones."""
+    import random
+
+    from mlxhost.models.loader import load_model
+
+    target = load_model(str(model_dir)).model
+    config = head_config(kind, target)
+    mx.random.seed(seed)
+    head = HEADS[kind](config, target)
+    mx.eval(head.module.parameters())
+    if train_steps:
+        rng = random.Random(seed)
+        prompts = prompts or [[rng.randrange(3, 2000) for _ in range(8)] for _ in range(16)]
+        sequences = [greedy_sequence(target, p, num_new) for p in prompts]
+        train_head(head, target, sequences, [len(p) for p in prompts], train_steps, seed=seed)
+    return save_head(head, config, out)
+
+
+def _logits(head: Any, g: mx.array) -> mx.array:
+    if head.kind == "mtp":
+        return head.lm_head(g)
+    m = head.module
+    h = m.norm(g)
+    return m.embed_tokens.as_linear(h) if m.lm_head is None else m.lm_head(h)
+
+
+def _leaves(tree) -> list:
+    from mlx.utils import tree_flatten
+
+    return [v for _, v in tree_flatten(tree)]
+
+
+def _drop_shared(module: nn.Module, grads: dict, frozen: set) -> dict:
+    """The gradients without the parameters the head shares with the target (the bound embedding)."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    params = dict(tree_flatten(module.parameters()))
+    return tree_unflatten([(k, g) for k, g in tree_flatten(grads) if id(params[k]) not in frozen])
