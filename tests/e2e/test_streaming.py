@@ -297,27 +297,53 @@ def read_heartbeats(lines, is_heartbeat, num: int) -> list[str]:
 
 
 HELLO = [{"role": "user", "content": "hello"}]
-BEATS = [  # path, request fields, the dialect's heartbeat line, what its stream starts with, its last data
-    ("/v1/messages", {"max_tokens": 4, "messages": HELLO}, "event: ping", "event: message_start", "message_stop"),
-    ("/v1/responses", {"max_output_tokens": 4, "input": "hello"}, ": keep-alive", "event: response.created",
-     "response.incomplete"),  # max_output_tokens reached
-    ("/v1/chat/completions", {"max_tokens": 4, "messages": HELLO}, ": ping", "data: ", "[DONE]"),
-    ("/v1/completions", {"max_tokens": 4, "prompt": "hello"}, ": ping", ": ping", "[DONE]"),
+
+
+def data_of(line: str) -> dict | None:
+    return json.loads(line[len("data: "):]) if line.startswith("data: {") else None
+
+
+def empty_delta(line: str) -> bool:
+    data = data_of(line)
+    return data is not None and data["choices"] and data["choices"][0]["delta"] == {}
+
+
+def empty_text(line: str) -> bool:
+    data = data_of(line)
+    return data is not None and data["choices"] and data["choices"][0]["text"] == ""
+
+
+def empty_ollama_line(line: str) -> bool:
+    data = json.loads(line) if line.startswith("{") else None
+    return data is not None and not data["done"] and data["message"]["content"] == ""
+
+
+# Every heartbeat is an event clients parse (and their idle timers count), never an SSE comment.
+BEATS = [  # path, request fields, whether a line is the dialect's heartbeat, what its stream starts with, its end
+    ("/v1/messages", {"max_tokens": 4, "messages": HELLO}, lambda line: line == "event: ping", "event: message_start",
+     "message_stop"),
+    ("/v1/responses", {"max_output_tokens": 4, "input": "hello"}, lambda line: line == "event: response.in_progress",
+     "event: response.created", "response.incomplete"),  # max_output_tokens reached
+    ("/v1/chat/completions", {"max_tokens": 4, "messages": HELLO}, empty_delta, "data: ", "[DONE]"),
+    ("/v1/completions", {"max_tokens": 4, "prompt": "hello"}, empty_text, "data: ", "[DONE]"),
+    ("/api/chat", {"options": {"num_predict": 4}, "messages": HELLO}, empty_ollama_line, "{", '"done": true'),
 ]
 
 
 @pytest.mark.parametrize("path, fields, beat, first, last", BEATS, ids=[b[0] for b in BEATS])
 def test_streams_start_at_once_and_beat_during_the_prefill(server, fast_heartbeat, path, fields, beat, first, last):
-    body = {"model": "tiny", "stream": True, "temperature": 0, **fields}
+    body = {"model": "tiny", "stream": True, **fields}
+    if path != "/api/chat":
+        body["temperature"] = 0
     with httpx.Client(timeout=_BOUND_S) as c:
         with engine_held(server) as (_, release):
             with c.stream("POST", server.url + path, json=body) as r:
                 assert r.status_code == 200
                 lines = r.iter_lines()
-                head = [line for line in read_heartbeats(lines, lambda line: line == beat, 3) if line]
+                head = [line for line in read_heartbeats(lines, beat, 3) if line]
                 # The engine was held throughout: what came is the stream's start and heartbeats.
                 assert head[0].startswith(first), head
-                others = [line for line in head if line != beat]
+                others = [line for line in head if not beat(line)]
                 if path == "/v1/messages":
                     # message_start and its ping at once (the ping's lines are the beat's).
                     assert [line for line in others if line.startswith("event: ")] == ["event: message_start"]
@@ -326,14 +352,14 @@ def test_streams_start_at_once_and_beat_during_the_prefill(server, fast_heartbea
                 elif path == "/v1/chat/completions":  # the role chunk, at once
                     assert len(others) == 1
                     assert json.loads(others[0][6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-                elif path == "/v1/completions":
-                    assert others == []
-                else:
-                    assert [line for line in others if line.startswith("event: ")] == [
-                        "event: response.created", "event: response.in_progress"]
+                elif path == "/v1/responses":
+                    assert [line for line in others if line.startswith("event: ")] == ["event: response.created"]
+                else:  # an empty chunk or line at once, then the same while prefilling
+                    assert others == [] or all(line.startswith("data: ") for line in others)
                 release()  # the reply follows, and the stream ends as it always does
-                tail = [line for line in lines if line.startswith("data: ")]
-    assert tail and last in tail[-1], tail[-3:]
+                tail = [line for line in lines if line.startswith(("data: ", "{"))]
+    ends = [line.replace('"done":true', '"done": true') for line in tail]
+    assert ends and last in ends[-1], tail[-3:]
 
 
 def test_a_client_gone_during_the_prefill_aborts_its_request(server, fast_heartbeat):

@@ -18,7 +18,7 @@ from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import Whole
 from mlxhost.frontends.common.sse import heartbeats
 from mlxhost.frontends.responses.protocol import ResponsesRequest
-from mlxhost.frontends.responses.render import KEEP_ALIVE, ResponseRenderer, stream_response
+from mlxhost.frontends.responses.render import ResponseRenderer, stream_response
 from mlxhost.frontends.responses.translate import chat_messages, input_items
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -33,9 +33,10 @@ def outputs(finish: str = "stop") -> list[RequestOutput]:
                           finish if i == n - 1 else None, num_cached_tokens=4) for i, text in enumerate(REPLY)]
 
 
-def opened() -> SimpleNamespace:
+def opened(progress=None) -> SimpleNamespace:
     return SimpleNamespace(prepared=SimpleNamespace(output=SPEC, request=SimpleNamespace(num_prompt_tokens=10)),
-                           model=SimpleNamespace(tokenizer=None, eos_token_ids=frozenset({EOS})))
+                           model=SimpleNamespace(tokenizer=None, eos_token_ids=frozenset({EOS})),
+                           progress=lambda: progress)
 
 
 def test_anthropic_stream_and_whole_agree():
@@ -179,15 +180,36 @@ def test_anthropic_stream_starts_at_once_and_pings_until_the_first_token():
     assert "ping" not in names[first:] and names[-1] == "message_stop"
 
 
-def test_responses_stream_keeps_alive_with_comments():
+def test_anthropic_pings_carry_the_prefill_progress():
+    progress = {"id": "r", "state": "prefilling", "prefill_tokens": 8000, "prefilled_tokens": 3072,
+                "cached_tokens": 1024, "prefill_tokens_per_s": 51.2, "output_tokens": 0, "priority": 0}
+    source = SlowOutputs(outputs())
+    stream = stream_message(MessageBuilder("m", opened(progress), ()), source.__aiter__(), timer(0.01))
+    frames = asyncio.run(read_until_heartbeats(stream, source, lambda f: f.startswith("event: ping"), 2))
+    pings = [json.loads(f.split("data: ", 1)[1]) for f in frames if f.startswith("event: ping")]
+    assert pings[0] == {"type": "ping", "prefill": {"state": "prefilling", "prefilled_tokens": 3072,
+                                                    "prefill_tokens": 8000, "cached_tokens": 1024,
+                                                    "prefill_tokens_per_s": 51.2}}
+    assert MessageBuilder.ping({**progress, "state": "decoding"}) == MessageBuilder.ping()
+
+
+def test_responses_stream_keeps_alive_with_in_progress_events():
     source = SlowOutputs(outputs())
     renderer = ResponseRenderer({"id": "resp_1", "object": "response"}, SPEC)
     done = []
     stream = stream_response(renderer, source.__aiter__(), timer(0.01), done.append)
-    frames = asyncio.run(read_until_heartbeats(stream, source, lambda f: f == KEEP_ALIVE, 2))
+
+    def is_beat(frame: str) -> bool:
+        return frame.startswith("event: response.in_progress\n")
+
+    frames = asyncio.run(read_until_heartbeats(stream, source, is_beat, 2))
     assert "event: response.created" in frames[0] and "event: response.in_progress" in frames[0]
-    first = next(i for i, f in enumerate(frames) if f != KEEP_ALIVE and i > 0)
-    assert first >= 3 and set(frames[1:first]) == {KEEP_ALIVE} and KEEP_ALIVE not in frames[first:]
+    first = next(i for i, f in enumerate(frames) if not is_beat(f) and i > 0)
+    assert first >= 3 and all(is_beat(f) for f in frames[1:first]) and not any(is_beat(f) for f in frames[first:])
+    beats = [json.loads(f.split("data: ", 1)[1]) for f in frames[1:first]]
+    seqs = [b["sequence_number"] for b in beats]
+    assert seqs == sorted(set(seqs)) and all(b["response"]["id"] == "resp_1" for b in beats)
+    assert all(b["response"]["status"] == "in_progress" and b["response"]["output"] == [] for b in beats)
     assert "response.output_item.added" in frames[first] and done and done[0]["status"] == "completed"
 
 

@@ -255,7 +255,8 @@ def test_stream_chunks():
     u = parse(chat.usage_chunk(3, 4))
     assert u["choices"] == [] and u["usage"]["total_tokens"] == 7 and u["object"] == "chat.completion.chunk"
     comp = CompletionBuilder("id", "tiny", False, ByteTokenizer())
-    assert comp.first_chunk() is None
+    assert parse(comp.first_chunk())["choices"][0]["text"] == ""  # at once: the first bytes clients count
+    assert parse(chat.keep_alive())["choices"][0]["delta"] == {} and parse(comp.keep_alive())["choices"][0]["text"] == ""
     assert parse(comp.chunk(out("b")))["choices"][0]["text"] == "b"
     assert SSE_DONE == "data: [DONE]\n\n"
     assert parse(sse({"x": "é"})) == {"x": "é"}

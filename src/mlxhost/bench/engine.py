@@ -83,6 +83,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-step-size", type=int, default=None,
                         help="the engine's --prefill-step-size (prompt tokens per step; default: the server's, "
                              "2048 on MLX-CUDA, 512 elsewhere)")
+    parser.add_argument("--long-prompt", type=int, default=None, metavar="TOKENS",
+                        help="instead: the decode gap of --streams streams while a prompt of TOKENS prefills beside "
+                             "them, once per --max-decode-gap value (bench/decode_gap.py)")
+    parser.add_argument("--streams", type=int, default=4, help="with --long-prompt: streams decoding meanwhile")
+    parser.add_argument("--max-decode-gap", type=float, nargs="+", default=[0.0, 1.0], metavar="SECONDS",
+                        help="with --long-prompt: the engine's --max-decode-gap values to compare (0: whole chunks)")
+    parser.add_argument("--shape", default=None, choices=["tiny", "qwen3-0.6b", "qwen3-8b"],
+                        help="a random model of this shape (testing/demo.py SHAPES) instead of --model")
     parser.add_argument("--label", default="engine", help="name shown in the table and the default JSON name")
     parser.add_argument("--output-json", default=None,
                         help="result file (default: bench-results/serve-<label>-<time>.json)")
@@ -96,8 +104,29 @@ def run(args: argparse.Namespace) -> int:
 
     step = args.prefill_step_size if args.prefill_step_size is not None else default_prefill_step_size()
     engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, prefill_step_size=step)
+    if args.long_prompt is not None:
+        return run_gap(args, engine_config)
     result = asyncio.run(run_engine_bench(cfg, args.model, engine_config))
     print(format_table(result["levels"], TABLE_COLUMNS))
     path = write_json(args.output_json or default_json_path(args.label), result)
     print(f"wrote {path}")
     return 0 if all(lv["num_errors"] == 0 for lv in result["levels"]) else 1
+
+
+def run_gap(args: argparse.Namespace, engine_config: EngineConfig) -> int:
+    import tempfile
+
+    from mlxhost.bench.decode_gap import GAP_COLUMNS, run_gap_bench
+    from mlxhost.testing.demo import SHAPES, build_model_folder, ensure_demo_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = (str(build_model_folder(tmp, SHAPES[args.shape])) if args.shape
+                 else args.model or str(ensure_demo_model()))
+        rows = asyncio.run(run_gap_bench(model, engine_config, args.max_decode_gap, args.streams, args.prompt_tokens,
+                                         args.long_prompt))
+    print(format_table(rows, GAP_COLUMNS))
+    result = {"config": {"model": args.shape or args.model or "demo", "streams": args.streams,
+                         "prefill_step_size": engine_config.prefill_step_size}, "rounds": rows}
+    path = write_json(args.output_json or default_json_path(f"{args.label}-gap"), result)
+    print(f"wrote {path}")
+    return 0

@@ -45,6 +45,7 @@ class MessageBuilder:
         self._spec = opened.prepared.output
         self._tokenizer = opened.model.tokenizer
         self._eos_ids = opened.model.eos_token_ids
+        self._progress = opened.progress
         request = getattr(opened.prepared, "request", None)
         self._num_prompt = request.num_prompt_tokens if request is not None else 0
         self._stops = stop_sequences
@@ -100,8 +101,18 @@ class MessageBuilder:
         return sse_event("message_start", {"type": "message_start", "message": message}) + self.ping()
 
     @staticmethod
-    def ping() -> str:
-        return sse_event("ping", {"type": "ping"})
+    def ping(progress: dict | None = None) -> str:
+        """Anthropic's keep-alive event (the SDKs skip it; raw readers and logs see it). While the prompt
+        prefills it carries the request's progress: tokens done of the total, the cached part, tokens per second."""
+        event: dict = {"type": "ping"}
+        if progress is not None and progress["state"] != "decoding":
+            event["prefill"] = {key: progress[key] for key in
+                                ("state", "prefilled_tokens", "prefill_tokens", "cached_tokens",
+                                 "prefill_tokens_per_s")}
+        return sse_event("ping", event)
+
+    def progress_ping(self) -> str:
+        return self.ping(self._progress())
 
     def _begin(self, kind: str, block: dict) -> str:
         text = self._end()
@@ -162,7 +173,7 @@ async def stream_message(builder: MessageBuilder, outputs: AsyncIterator[Request
     last = None
     async for out in heartbeats(outputs, timer.heartbeat_s):
         if out is None:  # still prefilling (or queued): pings keep the client's idle timer from firing
-            yield builder.ping()
+            yield builder.progress_ping()
             continue
         if out.error:
             # A grammar's dead end is the request's own problem (a 400 when not streamed).

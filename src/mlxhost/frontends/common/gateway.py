@@ -45,6 +45,9 @@ class Opened:
     model: ServedModel
     prepared: Prepared
     outputs: AsyncIterator[RequestOutput] | None  # None when only prepared (token counting)
+    # The request's prefill progress as the engine last published it (engine/status.py request_progress);
+    # None before it did. What a stream's heartbeat may tell.
+    progress: Callable[[], dict | None] = lambda: None
 
 
 @dataclass
@@ -138,7 +141,8 @@ class Gateway:
                 outputs = grant.count_tokens(outputs, self.metrics)
             if self.tracer is not None:
                 outputs = self.tracer.watch(model, prepared, outputs)
-        return Opened(model, prepared, outputs)
+        rid = request.request_id
+        return Opened(model, prepared, outputs, lambda: engine.request_progress(rid))
 
     async def open_copies(self, body: SamplingFields, prepared: Prepared, count: int) -> list[AsyncIterator[RequestOutput]]:
         """Queues choices 1..count of an n > 1 request. Called once choice 0 produced its first token:

@@ -128,6 +128,11 @@ class Reply:
             obj["logprobs"] = logprobs
         return obj
 
+    def keep_alive(self) -> dict:
+        """A `done: false` object with empty content: sent at once and while the prompt prefills, so a client's
+        read timeout sees a line (clients append the empty content as they do any chunk's)."""
+        return {"model": self.model, "created_at": now_iso(), **self._body("", "", []), "done": False}
+
     def done(self, last: Optional[RequestOutput]) -> dict:
         """The closing object: why it ended, the counts and durations (and a generate's `context`)."""
         obj = {"model": self.model, "created_at": now_iso(), **self._body("", "", []), "done": True,
@@ -159,11 +164,14 @@ def _done_reason(last: Optional[RequestOutput]) -> str:
 
 
 async def stream_reply(reply: Reply, outputs: AsyncIterator[RequestOutput], timer: RequestTimer) -> AsyncIterator[str]:
-    """The NDJSON lines of a streamed reply. While the prompt prefills, nothing is sent (Ollama sends
-    nothing either); an error mid-stream is an `{"error": ...}` line, as Ollama's clients expect."""
+    """The NDJSON lines of a streamed reply: an empty one at once and while the prompt prefills (Ollama itself
+    sends nothing then, and a client's read timeout fires on a long prompt); an error mid-stream is an
+    `{"error": ...}` line, as Ollama's clients expect."""
+    yield line(reply.keep_alive())
     last = None
     async for out in heartbeats(outputs, timer.heartbeat_s):
         if out is None:
+            yield line(reply.keep_alive())
             continue
         if out.error:
             yield line({"error": str(out.error)})

@@ -67,13 +67,15 @@ async def _stream_choices(builders: list[CompletionBuilder], streams: list, incl
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
         for b in builders:
-            first = b.first_chunk()
-            if first:
-                yield first
+            yield b.first_chunk()
         lasts: dict[int, RequestOutput] = {}
         num_open = len(streams)
         while num_open:
-            i, out = await queue.get()
+            try:
+                i, out = await asyncio.wait_for(queue.get(), timer.heartbeat_s)
+            except asyncio.TimeoutError:  # prefilling: an empty chunk keeps clients' idle timers from firing
+                yield builders[0].keep_alive()
+                continue
             if out is None:
                 num_open -= 1
                 continue

@@ -107,10 +107,15 @@ class CompletionBuilder:
         return self._envelope(obj, [choice], usage=completion_usage(num_prompt, num_completion, num_cached))
 
     # -- streaming -----------------------------------------------------------------------------
-    def first_chunk(self) -> str | None:
-        if not self.chat:
-            return None
-        return sse(self._chunk({"role": "assistant", "content": ""}, None))
+    def first_chunk(self) -> str:
+        """Sent at once, before the prompt prefills: the first bytes a client's timers count. A data chunk, not
+        an SSE comment, which the SDKs' parsers drop before any idle timer sees it (Qwen Code's)."""
+        return sse(self._chunk({"role": "assistant", "content": ""} if self.chat else "", None))
+
+    def keep_alive(self) -> str:
+        """A chunk that adds nothing (an empty delta, or empty text), sent while the prompt prefills: every
+        client parses it as a chunk and resets its stream idle timer."""
+        return sse(self._chunk({} if self.chat else "", None))
 
     def _chunk(self, delta_or_text: Any, finish_reason: str | None, lps: list | None = None) -> dict:
         if self.chat:

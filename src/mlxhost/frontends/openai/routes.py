@@ -64,13 +64,11 @@ def add_openai_routes(app: FastAPI, gateway: Gateway) -> None:
 
 async def stream_chunks(builder: CompletionBuilder, outputs: AsyncIterator[RequestOutput], include_usage: bool,
                         timer: RequestTimer):
-    first = builder.first_chunk()
-    if first:
-        yield first
+    yield builder.first_chunk()
     last = None
     async for out in heartbeats(outputs, timer.heartbeat_s):
-        if out is None:  # prefilling: an SSE comment, which clients skip, keeps idle timers from firing
-            yield ": ping\n\n"
+        if out is None:  # prefilling: an empty chunk keeps clients' idle timers from firing
+            yield builder.keep_alive()
             continue
         if out.error:
             if out.finish_reason:  # ended by the server (shutdown): the choice's end, then why

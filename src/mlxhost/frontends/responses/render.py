@@ -22,7 +22,8 @@ def _frame(event: dict) -> str:
     return sse_event(event["type"], event)
 
 
-# An SSE comment: clients skip it, idle timers see bytes. Responses has no ping event of its own.
+# An SSE comment: raw readers see bytes, but the SDKs' parsers drop it before any idle timer counts it (the
+# renderer's `keep_alive` event is what streams send while prefilling).
 KEEP_ALIVE = ": keep-alive\n\n"
 
 
@@ -140,6 +141,11 @@ class ResponseRenderer:
         return [self._event("response.created", response=snapshot),
                 self._event("response.in_progress", response=snapshot)]
 
+    def keep_alive(self) -> dict:
+        """While the prompt prefills: `response.in_progress` again (Responses has no ping event), which the
+        SDKs and Codex take as a lifecycle event of the same response and their idle timers count."""
+        return self._event("response.in_progress", response=self.response("in_progress"))
+
     def finish(self, last: RequestOutput) -> tuple[dict, dict]:
         """The final response object and the event that carries it."""
         status = "incomplete" if last.finish_reason == "length" else "completed"
@@ -157,7 +163,7 @@ async def stream_response(renderer: ResponseRenderer, outputs: AsyncIterator[Req
     last = None
     async for out in heartbeats(outputs, timer.heartbeat_s):
         if out is None:
-            yield KEEP_ALIVE
+            yield _frame(renderer.keep_alive())
             continue
         if out.error:
             yield _frame(renderer.failed(out.error))

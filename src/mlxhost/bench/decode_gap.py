@@ -1,0 +1,97 @@
+"""`mlxhost bench engine --long-prompt TOKENS`: the gap between a decoding stream's tokens while a long prompt
+prefills beside it, once per `--max-decode-gap` value (0: whole prefill chunks beside the decode rows).
+
+Streams start and decode; once each has its first token, the long prompt arrives. Every gap a stream sees
+between the long prompt's arrival and its first token is counted; the long prompt's time to first token
+says what the bound costs the prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import statistics
+import time
+import uuid
+
+from mlxhost.bench.serve_request import make_prompt
+from mlxhost.config import EngineConfig
+from mlxhost.engine.request import Request, SamplingParams
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def run_gap_round(loaded, engine_config: EngineConfig, num_streams: int, stream_prompt_tokens: int,
+                        long_prompt_tokens: int, seed: int) -> dict:
+    from mlxhost.server.app import make_engine, resolve_max_model_len
+
+    engine = make_engine(loaded, engine_config, resolve_max_model_len(loaded, engine_config))
+    engine.start(asyncio.get_running_loop())
+    tok, eos = loaded.tokenizer, loaded.eos_token_ids
+    gaps: list[float] = []
+    window = {"start": None, "end": None}
+    started = asyncio.Event()
+    num_started = 0
+
+    async def stream(i: int) -> None:
+        nonlocal num_started
+        ids = tok.encode(make_prompt(seed, "stream", i, stream_prompt_tokens))
+        params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+        last = None
+        async for _ in engine.generate(Request(uuid.uuid4().hex, ids, params, eos)):
+            now = time.perf_counter()
+            if last is None:
+                num_started += 1
+                if num_started == num_streams:
+                    started.set()
+            elif window["start"] is not None and last >= window["start"] and (window["end"] is None
+                                                                               or now <= window["end"]):
+                gaps.append(now - last)
+            last = now
+            if window["end"] is not None:
+                return
+
+    try:
+        # A lone prompt first: the cost model measures a prefill before the timed round (as a server has).
+        warm = tok.encode(make_prompt(seed, "warm", 0, 256))
+        async for _ in engine.generate(Request(uuid.uuid4().hex, warm, SamplingParams(max_tokens=2), eos)):
+            pass
+        tasks = [asyncio.ensure_future(stream(i)) for i in range(num_streams)]
+        await started.wait()
+        await asyncio.sleep(1.0)  # steady decoding before the prompt lands
+        ids = tok.encode(make_prompt(seed, "long", 0, long_prompt_tokens))
+        window["start"] = time.perf_counter()
+        async for _ in engine.generate(Request(uuid.uuid4().hex, ids, SamplingParams(max_tokens=1), eos)):
+            break
+        window["end"] = time.perf_counter()
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=600)
+    finally:
+        engine.stop()
+    return {"max_decode_gap_s": engine_config.max_decode_gap_s, "num_gaps": len(gaps),
+            "gap_p50_s": percentile(gaps, 0.5), "gap_p99_s": percentile(gaps, 0.99),
+            "gap_max_s": max(gaps) if gaps else None, "gap_mean_s": statistics.fmean(gaps) if gaps else None,
+            "long_ttft_s": window["end"] - window["start"], "long_prompt_tokens": len(ids)}
+
+
+async def run_gap_bench(model_path: str, engine_config: EngineConfig, targets: list[float], num_streams: int,
+                        stream_prompt_tokens: int, long_prompt_tokens: int, seed: int = 0) -> list[dict]:
+    from mlxhost.models.loader import load_model
+
+    loaded = load_model(model_path)
+    rows = []
+    for target in targets:
+        config = dataclasses.replace(engine_config, max_decode_gap_s=target)
+        rows.append(await run_gap_round(loaded, config, num_streams, stream_prompt_tokens, long_prompt_tokens,
+                                        seed))
+        print(f"max_decode_gap {target}: p99 gap {rows[-1]['gap_p99_s']:.3f} s, "
+              f"long prompt TTFT {rows[-1]['long_ttft_s']:.1f} s", flush=True)
+    return rows
+
+
+GAP_COLUMNS = [("max_decode_gap_s", "target s", ""), ("num_gaps", "gaps", "d"), ("gap_p50_s", "p50 s", ".3f"),
+               ("gap_p99_s", "p99 s", ".3f"), ("gap_max_s", "max s", ".3f"), ("long_ttft_s", "long TTFT s", ".1f")]
