@@ -269,7 +269,10 @@ async function refreshDashboard() {
   const list = models.status === "fulfilled" ? models.value.data : [];
   const names = list.map((m) => m.id);
   renderModels(list);
-  if (status.status === "fulfilled") renderBudgets(perModel(status.value, names));
+  if (status.status === "fulfilled") {
+    renderBudgets(perModel(status.value, names));
+    renderRequests(perModel(status.value, names));
+  }
   if (cache.status === "fulfilled") renderCaches(perModel(cache.value, names));
   if (metrics.status === "fulfilled") renderLive(parseMetrics(metrics.value));
   const failed = [models, status, cache, metrics].find((r) => r.status === "rejected");
@@ -300,6 +303,23 @@ async function modelAction(name, action) {
   }
   refreshDashboard();
   loadModels();
+}
+
+// Each request the engine holds (/v1/status `requests`): a long prompt's prefill progress while it runs.
+function renderRequests(byModel) {
+  const rows = Object.entries(byModel).flatMap(([name, s]) => (s?.requests || []).map((r) => {
+    const pct = r.prefill_tokens ? Math.floor((100 * r.prefilled_tokens) / r.prefill_tokens) : 100;
+    return el("tr", {},
+      el("td", { textContent: name }),
+      el("td", { textContent: r.id.slice(0, 12) }),
+      el("td", { textContent: r.state }),
+      el("td", { textContent: `${r.prefilled_tokens} / ${r.prefill_tokens} (${pct}%)` }),
+      el("td", { textContent: String(r.cached_tokens) }),
+      el("td", { textContent: r.prefill_tokens_per_s == null ? "-" : r.prefill_tokens_per_s.toFixed(1) }),
+      el("td", { textContent: String(r.output_tokens) }));
+  }));
+  $("#requests-table tbody").replaceChildren(...(rows.length ? rows
+    : [el("tr", {}, el("td", { colSpan: 7, className: "muted", textContent: "none running or waiting" }))]));
 }
 
 function renderBudgets(byModel) {
