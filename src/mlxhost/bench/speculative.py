@@ -4,8 +4,10 @@ by draft models of several acceptance rates, single stream and concurrent, in-pr
 Random weights have no real small sibling, so the drafts are made from the target
 (testing/perturb.py): `self` (the target drafting for itself: 100% acceptance, and a draft as costly as
 the target), `noise:X` (the target with noise on its weights: lower acceptance, same cost) and
-`layers:N` (its first N layers: cheap, acceptance whatever it turns out to be). The acceptance column
-is measured, not chosen. Workloads: `random` (random-token prompts) and `echo` (a passage repeated in the
+`layers:N` (its first N layers: cheap, acceptance whatever it turns out to be). `eagle3[:STEPS]` and
+`mtp[:STEPS]` are draft heads fed the target's hidden states, trained here for STEPS steps on the target's
+own greedy continuations of random prompts (testing/spec_heads.py). The acceptance column is measured, not
+chosen. Workloads: `random` (random-token prompts) and `echo` (a passage repeated in the
 prompt: what prompt lookup is for; a random model continues it only as far as its own output loops).
 """
 
@@ -32,10 +34,14 @@ _COLUMNS = [
 ]
 
 
+_HEADS = ("eagle3", "mtp")
+
+
 def build_models(shape: str, bits: int | None, drafts: list[str], root: Path) -> tuple[Path, dict[str, Path]]:
     """The target folder (a random model of `shape`) and one folder per draft spec."""
     from mlxhost.testing.demo import SHAPES, build_model_folder
     from mlxhost.testing.perturb import perturbed_copy, truncated_copy
+    from mlxhost.testing.spec_heads import build_head_folder
 
     config = SHAPES[shape]
     if bits is not None:
@@ -50,8 +56,11 @@ def build_models(shape: str, bits: int | None, drafts: list[str], root: Path) ->
             out[spec] = perturbed_copy(target, root / spec.replace(":", "-"), float(value))
         elif kind == "layers":
             out[spec] = truncated_copy(target, root / spec.replace(":", "-"), int(value))
+        elif kind in _HEADS:
+            out[spec] = build_head_folder(root / spec.replace(":", "-"), target, kind,
+                                          train_steps=int(value) if value else 300)
         else:
-            raise SystemExit(f"unknown draft {spec!r}: use self, noise:X or layers:N")
+            raise SystemExit(f"unknown draft {spec!r}: use self, noise:X, layers:N, eagle3[:STEPS] or mtp[:STEPS]")
     return target, out
 
 
@@ -85,6 +94,8 @@ def measure(loaded, mode: str, draft_dir: Path | None, args, workload: str, c: i
     from mlxhost.engine.core import EngineCore
 
     spec = {"speculative": "ngram"} if mode == "ngram" else ({"draft_model": str(draft_dir)} if draft_dir else {})
+    if mode.partition(":")[0] in _HEADS:
+        spec["speculative"] = mode.partition(":")[0]
     config = EngineConfig(max_num_seqs=max(c, 1), enable_prefix_cache=False, num_draft_tokens=args.num_draft_tokens,
                           spec_max_batch=args.spec_max_batch, **spec)
     core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len=args.prompt_tokens + args.max_tokens + 64)
@@ -139,7 +150,9 @@ def run_spec_bench(args) -> dict:
 
 
 def _config(args) -> dict:
-    return {k: v for k, v in vars(args).items() if k != "func"}
+    # Values the JSON cannot hold (objects the shared bench flags parse into) as their text.
+    return {k: v if isinstance(v, (int, float, str, bool, list, type(None))) else str(v)
+            for k, v in vars(args).items() if k != "func"}
 
 
 def json_path(args) -> str:
@@ -152,8 +165,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="tiny", choices=["tiny", "qwen3-0.6b", "qwen3-8b"],
                         help="target: a random model of this shape (testing/demo.py SHAPES)")
     parser.add_argument("--bits", type=int, default=None, help="quantize the target (and drafts) to this many bits")
-    parser.add_argument("--drafts", default="self,noise:0.03,noise:0.1,layers:1",
-                        help="draft models, comma-separated: self, noise:X (target + noise), layers:N (first N layers)")
+    parser.add_argument("--drafts", default="self,noise:0.03,noise:0.1,layers:1,eagle3,mtp",
+                        help="draft models, comma-separated: self, noise:X (target + noise), layers:N (first N layers),"
+                             " eagle3[:STEPS] / mtp[:STEPS] (a head trained STEPS steps on the target's output)")
     parser.add_argument("--workloads", default="random,echo",
                         help="comma list of: random (random-token prompts), echo (a passage repeated in the prompt)")
     parser.add_argument("--concurrency", type=int_list, default=[1, 16], help="comma list of concurrency levels")
