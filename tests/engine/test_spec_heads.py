@@ -134,6 +134,24 @@ def test_batches_over_spec_max_batch_decode_without_the_head(loaded, heads, kind
     assert stats["num_big_batch_steps"] > 0 and stats["num_steps"] > 0
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_paused_rows_skip_the_head(loaded, qwen3_model_dir, tmp_path, kind):
+    """An untrained head's drafts fail, its rows pause, and plain steps while every row is paused run the
+    model's own forward with no head; a row that resumes drafts from a gap in the head's KV, and output
+    stays plain decoding's."""
+    from mlxhost.testing.spec_heads import build_head_folder
+
+    untrained = {kind: str(build_head_folder(tmp_path / kind, qwen3_model_dir, kind, train_steps=0))}
+    reqs = [greedy(f"r{i}", echo_prompt(i), max_tokens=80) for i in (2, 3)]
+    plain = run(make_core(loaded), copy(reqs))
+    core = head_core(loaded, untrained, kind)
+    got = run(core, copy(reqs))
+    assert {r: got[r]["ids"] for r in got} == {r: plain[r]["ids"] for r in plain}
+    stats = core.spec_stats()
+    assert stats["num_row_pauses"] > 0 and stats["num_head_skips"] > 0
+    assert stats["num_steps"] > 0  # rows came back from their pauses and drafted again
+
+
 def test_a_model_the_tap_cannot_walk_serves_without_the_head(tmp_path_factory, heads, caplog):
     from mlxhost.testing.families import build_family_folder
 

@@ -52,6 +52,8 @@ class SpecStats:
     num_plain_steps: int = 0
     num_big_batch_steps: int = 0
     num_row_pauses: int = 0  # times a row stopped drafting because its drafts kept failing
+    # Plain steps of a batch small enough to speculate whose head was not run: no row drafts next step.
+    num_head_skips: int = 0
 
     def as_dict(self) -> dict:
         rate = self.num_accepted / self.num_drafted if self.num_drafted else 0.0
@@ -211,14 +213,28 @@ class SpeculativeDecoder:
 
     # -- plain steps, for proposers fed hidden states ------------------------------------------------
     def forward(self, runner: Any, inputs: mx.array) -> mx.array:
-        """A plain step's forward. Through the proposer's tap while the batch is small enough to speculate,
-        so its head sees every step and has a seed when speculation resumes; the model's own call for
-        proposers without a head and for larger batches (their rows' heads miss those steps)."""
+        """A plain step's forward. Through the proposer's tap while the batch is small enough to speculate
+        and a row may draft next step, so its head has a seed then; the model's own call for proposers
+        without a head, for larger batches and while every row is paused (their heads miss those steps)."""
         batch = runner.batch
         if self.proposer.tap is None or not can_speculate(batch.num_live, self.max_batch):
             return runner.model(inputs, cache=batch.cache)
+        if not self._head_wanted(runner):
+            self.stats.num_head_skips += 1
+            return runner.model(inputs, cache=batch.cache)
         logits, self._hidden = self.proposer.tap(inputs, batch.cache)
         return logits
+
+    def _head_wanted(self, runner: Any) -> bool:
+        """Whether a row may draft next step, so needs this step's seed. Paused rows (and rows that never
+        draft) cost no head work; the head's KV then misses those steps, which makes a resumed row's drafts
+        worse, never wrong."""
+        rows, nxt = runner.rows, self._clock + 1
+        for rid in runner.batch.row_ids:
+            length = rows[rid].draft_length if rid is not None else None
+            if length is not None and length.length(nxt) > 0:
+                return True
+        return False
 
     def observe(self, runner: Any, next_tokens: mx.array) -> list:
         """After a plain step's sampling: the head takes (hidden, next token) for every row. Returns the

@@ -11,8 +11,8 @@ token (`observe`); a speculative one gives K + 1 hiddens, of which the row keeps
 dropped, the same per-row rewind. Drafting (`propose`) starts from the seed and feeds `g` back K - 1
 times; those positions are trimmed off again before the verified pairs go in.
 
-A row that joined, or missed steps (a batch over --spec-max-batch decodes without the head), has no
-seed for its current position: it drafts nothing until a forward the head saw gives it one (the next
+A row that joined, or missed steps (a batch over --spec-max-batch, or one whose rows are all paused,
+decodes without the head: decoder.py), has no seed for its current position: it drafts nothing until a forward the head saw gives it one (the next
 step). Positions the head missed (a prefix-cached or prefilled prompt, skipped steps) are absent from
 its KV; drafts may then be worse, never wrong: the target verifies every one.
 """
