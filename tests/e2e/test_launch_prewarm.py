@@ -3,7 +3,8 @@ the system prompt and tools the server noted; a later launch computes them into 
 starts, so a new conversation's first turn reads >= 90% of its prompt from the cache.
 
 `claude` here is a script that answers `--version` as Claude Code 2.1.332 does and sends one first turn shaped like
-its own (system blocks with breakpoints, its tools) with its User-Agent. The real CLI: tests/external."""
+its own (system blocks with breakpoints, its tools, a system message after the user's) with its User-Agent. The
+real CLI: tests/external."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ if sys.argv[1:] == ["--version"]:
     sys.exit(0)
 first = json.load(open({first!r}))
 first["model"] = os.environ["ANTHROPIC_MODEL"]
-first["messages"] = [{{"role": "user", "content": sys.argv[-1]}}]
+first["messages"] = [{{"role": "user", "content": sys.argv[-1]}}, first["messages"][1]]  # the context after it
 request = urllib.request.Request(os.environ["ANTHROPIC_BASE_URL"] + "/v1/messages", json.dumps(first).encode(),
                                  {{"content-type": "application/json",
                                    "user-agent": "claude-cli/{version} (external, cli)"}})
@@ -76,7 +77,8 @@ def test_a_new_conversations_first_turn_reads_the_prewarmed_prefix(server, fake_
     (saved,) = prefixes.iterdir()
     assert saved.name.startswith(VERSION + "--")
     body = json.loads(saved.read_text())["body"]
-    assert [m["role"] for m in body["messages"]] == ["system"] and "conversation one" not in saved.read_text()
+    # The system message sent after the user's is rendered before it, so it is part of the saved prefix.
+    assert [m["role"] for m in body["messages"]] == ["system", "system"] and "conversation one" not in saved.read_text()
 
     clear()  # a new day, a restarted server: the cache is cold again
     cold = turn(server, record, "conversation two: explain the README", "off")

@@ -68,13 +68,13 @@ def test_claude_code_requests_are_served(app, name, stream):
     # Claude Code's billing line (a per-conversation hash) is not for the model, nor for the prefix cache.
     assert body["system"][0]["text"].startswith("x-anthropic-billing-header:")
     assert render["messages"][0]["content"].startswith("You are a Claude agent")
-    # `system` first; the system message Claude Code puts after the first user turn stays where it was.
+    # `system` first; the system message Claude Code puts after the first user turn comes next, apart from it.
     assert roles[0] == "system" and roles.count("system") == (1 if name == "claude_code_title" else 2)
     if name != "claude_code_title":
-        assert roles[1:3] == ["user", "system"]
-        mid = body["messages"][1]  # Claude Code's mid-conversation system message, as it was sent
+        assert roles[1:3] == ["system", "user"]
+        mid = body["messages"][1]  # Claude Code's first-turn system message, as it was sent
         text = mid["content"] if isinstance(mid["content"], str) else "\n".join(b["text"] for b in mid["content"])
-        assert mid["role"] == "system" and render["messages"][2]["content"] == text
+        assert mid["role"] == "system" and render["messages"][1]["content"] == text
         # Tools deferred until a tool search loads them are not in the list at the top (tool_search_loads_...).
         assert len(render["tools"]) == len([t for t in body["tools"] if not t.get("defer_loading")])
 

@@ -148,6 +148,24 @@ def _without_billing(blocks: list[TextBlock]) -> list[TextBlock]:
     return kept
 
 
+def _first_turn_context_first(messages: list[dict]) -> list[dict]:
+    """System messages sent between the conversation's first user message and the first assistant one, moved
+    ahead of that user message as messages of their own. Claude Code puts its per-project context there (working
+    directory, date, agent types, skills: ~4k tokens): after the user's words it could never be cached for the
+    next conversation, before them it joins the fixed prefix that `mlxhost launch` pre-warms. Kept apart from
+    `system`, so templates that list the tools after the first system message still share system prompt and tools
+    across projects; every turn of a conversation resends its first turn, so each renders it the same way."""
+    first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first is None:
+        return messages
+    end = next((i for i in range(first, len(messages)) if messages[i]["role"] == "assistant"), len(messages))
+    turn = messages[first:end]
+    moved = [m for m in turn if m["role"] == "system"]
+    if not moved:
+        return messages
+    return [*messages[:first], *moved, *(m for m in turn if m["role"] != "system"), *messages[end:]]
+
+
 def _system_message(blocks: list, where: str) -> dict:
     for j, b in enumerate(blocks):
         if not isinstance(b, TextBlock):
@@ -221,7 +239,8 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
             messages.extend(_user_messages(m.content, f"messages.{i}.content", by_name, referenced))
         else:
             messages.append(_assistant_message(m.content, f"messages.{i}.content"))
-    fields: dict = {"model": body.model, "messages": adjacent_systems_joined(messages), "max_tokens": body.max_tokens,
+    messages = _first_turn_context_first(adjacent_systems_joined(messages))  # joined first: `system` stays apart
+    fields: dict = {"model": body.model, "messages": messages, "max_tokens": body.max_tokens,
                     "stop": body.stop_sequences or None, "response_format": _output_format(body)}
     for name in ("temperature", "top_p", "top_k"):
         if getattr(body, name) is not None:
