@@ -79,7 +79,9 @@ class EngineConfig:
     ssd_cache_max_bytes: int = 50 * 10**9
     # Speculative decoding inside the decode batch: "ngram" (prompt lookup in the request's own tokens),
     # "draft" (`draft_model`, a small model with the same tokenizer), "eagle3" / "mtp" (`draft_model`: a
-    # head's folder, fed the target's hidden states) or "off". A draft model alone turns it on.
+    # head's folder, fed the target's hidden states), "auto" (the proposer `draft_model` is, else ngram; each
+    # step speculates only where measured acceptance covers the measured cost) or "off". A draft model alone
+    # turns it on.
     # `num_draft_tokens` is the most a row drafts per step (each row adapts below it).
     speculative: str = "off"
     draft_model: str | None = None
@@ -96,8 +98,8 @@ class EngineConfig:
             object.__setattr__(self, "speculative", "draft")
         from mlxhost.engine.spec.registry import proposer_names  # plain Python: the proposers' names
 
-        if self.speculative != "off" and self.speculative not in proposer_names():
-            raise ValueError(f"speculative must be off or one of {', '.join(proposer_names())}")
+        if self.speculative not in ("off", "auto") and self.speculative not in proposer_names():
+            raise ValueError(f"speculative must be off, auto or one of {', '.join(proposer_names())}")
         if self.speculative in ("eagle3", "mtp") and not self.draft_model:
             raise ValueError(f"speculative decoding with {self.speculative} needs draft_model (the head's folder)")
         if self.speculative == "draft" and not self.draft_model:

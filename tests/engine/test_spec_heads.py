@@ -152,6 +152,47 @@ def test_paused_rows_skip_the_head(loaded, qwen3_model_dir, tmp_path, kind):
     assert stats["num_steps"] > 0  # rows came back from their pauses and drafted again
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_auto_takes_the_heads_kind_and_declines_steps_that_cost_more(loaded, heads, kind):
+    """`--speculative auto` with a head's folder speculates with that head; costs that make verification
+    a hundred plain steps send steps down the plain path (but for probes), and output stays plain
+    decoding's either way."""
+    reqs = [greedy(f"r{i}", echo_prompt(i), max_tokens=50) for i in (0, 1, 5)]
+    plain = run(make_core(loaded), copy(reqs))
+    core = make_core(loaded, speculative="auto", draft_model=heads[kind], num_draft_tokens=4)
+    assert core.spec.mode == kind and core.spec_stats()["policy"] == "auto"
+    got = run(core, copy(reqs))
+    assert {r: got[r]["ids"] for r in got} == {r: plain[r]["ids"] for r in plain}
+    assert core.spec_stats()["num_steps"] > 0
+
+    core = make_core(loaded, speculative="auto", draft_model=heads[kind], num_draft_tokens=4)
+    for n in range(1, 9):  # measured costs, given: verifying never pays
+        core.spec.auto.costs.record(False, n, 1.0)
+        core.spec.auto.costs.record(True, n, 100.0)
+    got = run(core, copy(reqs))
+    assert {r: got[r]["ids"] for r in got} == {r: plain[r]["ids"] for r in plain}
+    stats = core.spec_stats()
+    assert stats["num_declined_steps"] > 0 and stats["num_head_skips"] > 0
+    assert stats["acceptance_by_kind"] == {kind: stats["acceptance_rate"]}
+
+
+def test_a_request_that_opts_out_decodes_without_drafts(loaded, heads):
+    reqs = [greedy("off", echo_prompt(0), max_tokens=40, speculative=False), greedy("on", echo_prompt(1), max_tokens=40)]
+    plain = run(make_core(loaded), copy(reqs))
+    core = head_core(loaded, heads, "eagle3")
+    got = run(core, copy(reqs[:1]))
+    assert got["off"]["ids"] == plain["off"]["ids"]
+    assert core.spec_stats()["num_drafted"] == 0 and core.spec_stats()["num_head_skips"] > 0
+    got = run(core, copy(reqs))
+    assert {r: got[r]["ids"] for r in got} == {r: plain[r]["ids"] for r in plain}
+    assert core.spec_stats()["num_drafted"] > 0
+
+
+def test_auto_without_a_model_looks_up_the_prompt(loaded):
+    core = make_core(loaded, speculative="auto")
+    assert core.spec.mode == "ngram" and core.spec.auto is not None
+
+
 def test_a_model_the_tap_cannot_walk_serves_without_the_head(tmp_path_factory, heads, caplog):
     from mlxhost.testing.families import build_family_folder
 

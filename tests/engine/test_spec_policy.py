@@ -1,7 +1,16 @@
 """When speculation runs, without a model: the batch-size threshold and a row's draft length with its
 back-off after drafts that keep failing."""
 
-from mlxhost.engine.spec.policy import FIRST_PAUSE, MAX_PAUSE, PATIENCE, DraftLength, can_speculate
+from mlxhost.engine.spec.policy import (
+    FIRST_PAUSE,
+    MAX_PAUSE,
+    PATIENCE,
+    PROBE_EVERY,
+    AutoPolicy,
+    DraftLength,
+    can_speculate,
+    expected_gain,
+)
 
 
 def test_only_small_batches_speculate():
@@ -66,3 +75,44 @@ def test_an_accepted_retry_resets_the_backoff():
     step += 1
     assert _miss(d, step)
     assert [d.length(s) for s in range(step + 1, step + FIRST_PAUSE + 2)] == [0] * FIRST_PAUSE + [1]
+
+
+def test_a_rows_acceptance_follows_its_drafts():
+    d = DraftLength(max_k=4)
+    assert d.acceptance == 0.5  # the prior: a new row tries
+    for step in range(1, 8):
+        d.update(step, 4, 4)
+    assert d.acceptance > 0.9
+    for step in range(8, 20):
+        d.update(step, 1, 0)
+    assert d.acceptance < 0.2
+
+
+def test_expected_gain_weights_each_draft_by_the_chance_it_is_reached():
+    assert expected_gain(0.0, 4) == 0.0
+    assert expected_gain(1.0, 4) == 4.0
+    assert expected_gain(0.5, 2) == 0.75
+
+
+def test_auto_speculates_only_where_the_gain_covers_the_measured_cost():
+    policy = AutoPolicy()
+    assert policy.pays(1, [0.0])  # nothing measured: try
+    policy.costs.record(True, 1, 0.030)
+    assert not policy.pays(1, [3.0])  # speculative step measured, plain not yet: one plain step
+    policy.costs.record(False, 1, 0.020)
+    assert policy.costs.ratio(1) == 1.5
+    assert policy.pays(1, [0.6])  # 1 + 0.6 tokens in 1.5 steps' time beats 1 per step
+    assert not policy.pays(1, [0.4])
+    assert policy.declining(1)
+    policy.costs.record(True, 4, 0.030)
+    policy.costs.record(False, 4, 0.025)
+    assert policy.pays(4, [0.3, 0.3, 0.1, 0.1]) and not policy.pays(4, [0.3, 0.2, 0.1, 0.1])  # 4 * 0.2 = 0.8
+
+
+def test_auto_probes_now_and_then_while_speculation_does_not_pay():
+    policy = AutoPolicy()
+    policy.costs.record(False, 2, 0.01)
+    policy.costs.record(True, 2, 0.05)
+    decisions = [policy.pays(2, [0.1, 0.1]) for _ in range(3 * PROBE_EVERY - 1)]
+    assert decisions.count(True) == 2 and decisions[PROBE_EVERY - 1]
+    assert not policy.declining(2)  # the next step probes: a head prepares its drafts now

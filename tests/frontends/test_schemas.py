@@ -197,6 +197,13 @@ def test_sampling_fields_are_passed_through():
     assert sp.logprobs is True and sp.top_logprobs == 0  # logprobs=0: the chosen token only
 
 
+@pytest.mark.parametrize("value, expected", [(None, True), (True, True), ("on", True), ("auto", True),
+                                             (False, False), ("off", False)])
+def test_a_request_may_opt_out_of_speculation(value, expected):
+    body = chat_body(max_tokens=1) if value is None else chat_body(max_tokens=1, speculative=value)
+    assert make_request(served(), body).sampling.speculative is expected
+
+
 def test_chat_logprob_settings():
     sp = make_request(served(), chat_body(max_tokens=1, logprobs=True, top_logprobs=4)).sampling
     assert (sp.logprobs, sp.top_logprobs) == (True, 4)

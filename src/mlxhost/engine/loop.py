@@ -55,6 +55,7 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_max_batch: int = 0  # --spec-max-batch (0: speculation off)
     spec_big_batch_steps: int = 0  # decode steps that did not speculate: the batch was over spec_max_batch
+    spec_kind: str = ""  # the proposer's name ("": speculation off); not summed over engines
 
 
 class AsyncEngine:
@@ -233,6 +234,7 @@ class AsyncEngine:
             spec_accepted_tokens=spec.stats.num_accepted if spec is not None else 0,
             spec_max_batch=spec.max_batch if spec is not None else 0,
             spec_big_batch_steps=spec.stats.num_big_batch_steps if spec is not None else 0,
+            spec_kind=spec.mode if spec is not None else "",
         )
 
     def _serve(self) -> None:

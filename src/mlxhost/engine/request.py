@@ -34,6 +34,9 @@ class SamplingParams:
     # A `structured.grammar.Constraint` (plain, hashable data: a serialized llguidance grammar) the
     # output must match; the runner masks this row's logits with it. None: free text.
     constraint: Any = None
+    # False: this request decodes without drafts while the server speculates (its output is the same;
+    # a request whose drafts would not pay, or that wants plain timing, opts out).
+    speculative: bool = True
 
     @property
     def is_greedy(self) -> bool:

@@ -94,8 +94,11 @@ def spec_stats(core: Any) -> dict:
     spec = core.spec
     if spec is None:
         return {"mode": "off"}
-    return {"mode": spec.mode, "num_draft_tokens": spec.max_k, "spec_max_batch": spec.max_batch,
-            **spec.stats.as_dict()}
+    stats = spec.stats.as_dict()
+    return {"mode": spec.mode, "policy": "auto" if spec.auto is not None else "fixed",
+            "num_draft_tokens": spec.max_k, "spec_max_batch": spec.max_batch, **stats,
+            # One proposer per model: its kind's acceptance (several models' kinds sit side by side in /metrics).
+            "acceptance_by_kind": {spec.mode: stats["acceptance_rate"]}}
 
 
 def vision_stats(core: Any) -> dict | None:

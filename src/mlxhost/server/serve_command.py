@@ -152,14 +152,16 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--vision-cache-memory", type=size, default="512MB", metavar="SIZE",
                    help="vision-language models: encoder outputs kept by image hash (bytes or %% of RAM)")
     p = parser.add_argument_group("speculative decoding (docs/speculative.md)")
-    p.add_argument("--speculative", choices=["off", *proposer_names()], default=d.speculative,
+    p.add_argument("--speculative", choices=["off", "auto", *proposer_names()], default=d.speculative,
                    help="speculative decoding in the decode batch: ngram (prompt lookup, no extra model), draft"
                         " (--draft-model), eagle3 or mtp (a head fed the target's hidden states,"
-                        " --speculative-model); greedy output is unchanged, sampled output keeps its distribution")
+                        " --speculative-model), auto (the --speculative-model's kind, else ngram; a step speculates"
+                        " only where measured acceptance covers the measured cost of verifying); greedy output is"
+                        " unchanged, sampled output keeps its distribution")
     p.add_argument("--draft-model", default=None, metavar="PATH",
                    help="small model with the target's tokenizer that drafts tokens (turns --speculative draft on),"
                         " or the EAGLE-3 / MTP head's folder for --speculative eagle3|mtp")
-    p.add_argument("--speculative-method", dest="speculative", choices=["off", *proposer_names()],
+    p.add_argument("--speculative-method", dest="speculative", choices=["off", "auto", *proposer_names()],
                    default=argparse.SUPPRESS, help="the same as --speculative")
     p.add_argument("--speculative-model", dest="draft_model", default=argparse.SUPPRESS, metavar="PATH",
                    help="the same as --draft-model (an EAGLE-3 / MTP head's folder)")

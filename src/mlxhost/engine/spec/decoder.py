@@ -19,12 +19,14 @@ tokens, a draft model's argmax, unconstrained: the grammar cuts them), also for 
 A speculative step waits for its verification (the rewind needs the accepted counts), so it gives up
 the overlap of scheduling with the device that plain steps have; it reads everything it needs (the
 accepted counts, the tokens, the logprobs of emitted tokens) in one evaluation. Batches over
-`--spec-max-batch` requests and rows whose drafts keep failing do not speculate (policy.py).
+`--spec-max-batch` requests and rows whose drafts keep failing do not speculate, and with `--speculative
+auto` neither do steps whose expected gain does not cover the measured cost of verifying (policy.py).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +34,7 @@ import mlx.core as mx
 
 from mlxhost.engine.request import Request, SamplingParams
 from mlxhost.engine.runner.sampling import gather_logprobs, pending_arrays, sample_batch, to_logprob
-from mlxhost.engine.spec.policy import DraftLength, can_speculate
+from mlxhost.engine.spec.policy import AutoPolicy, DraftLength, can_speculate, expected_gain
 from mlxhost.engine.spec.proposer import DraftStep, Proposer
 from mlxhost.engine.spec.verify import can_rewind, rewind, verify_group
 
@@ -54,6 +56,7 @@ class SpecStats:
     num_row_pauses: int = 0  # times a row stopped drafting because its drafts kept failing
     # Plain steps of a batch small enough to speculate whose head was not run: no row drafts next step.
     num_head_skips: int = 0
+    num_declined_steps: int = 0  # --speculative auto: steps that could draft and decoded plainly (no gain)
 
     def as_dict(self) -> dict:
         rate = self.num_accepted / self.num_drafted if self.num_drafted else 0.0
@@ -64,13 +67,15 @@ class SpeculativeDecoder:
     """The speculative step over the runner's batch, with drafts from `proposer`. Its per-row state (a
     row's draft length, the proposer's own) lives on the runner's row states."""
 
-    def __init__(self, num_draft_tokens: int, proposer: Proposer, max_batch: int = 4) -> None:
+    def __init__(self, num_draft_tokens: int, proposer: Proposer, max_batch: int = 4, auto: bool = False) -> None:
         self.max_k = num_draft_tokens
         self.max_batch = max_batch  # --spec-max-batch
         self.proposer = proposer
         self.stats = SpecStats()
+        self.auto = AutoPolicy() if auto else None  # --speculative auto: measured costs decide each step
         self._clock = 0  # decode steps seen, plain ones included: what rows' pauses count in
         self._hidden = None  # a plain step's hidden states, from `forward` to `observe`
+        self._last = None  # auto: (start, rows, speculated) of the step before, to time it
 
     @property
     def mode(self) -> str:
@@ -79,6 +84,19 @@ class SpeculativeDecoder:
     # -- the step ------------------------------------------------------------------------------
     def step(self, runner: Any, requests: dict[str, Request], out: Any) -> bool:
         """One speculative decode step of the runner's batch; False: this step decodes plainly."""
+        if self.auto is None:
+            return self._step(runner, requests, out)
+        # A step's time is from its start to the next one's, less the next one's prefill: with plain steps
+        # pipelined that is what the device took. Samples across a change of rows are dropped.
+        started, rows = time.perf_counter(), tuple(runner.batch.row_ids)
+        if self._last is not None and self._last[1] == rows:
+            self.auto.costs.record(self._last[2], runner.batch.num_live,
+                                   started - self._last[0] - runner.last_prefill_s)
+        speculated = self._step(runner, requests, out)
+        self._last = (started, rows, speculated)
+        return speculated
+
+    def _step(self, runner: Any, requests: dict[str, Request], out: Any) -> bool:
         batch = runner.batch
         self._clock += 1
         if not can_rewind(batch.cache):
@@ -99,6 +117,8 @@ class SpeculativeDecoder:
         budget = {}
         for i in plain:
             row, request = states[i], requests[rids[i]]
+            if not request.sampling.speculative:  # the request asked to decode without drafts
+                continue
             if row.draft_length is None:
                 row.draft_length = DraftLength(self.max_k)
             self.proposer.prepare(row, request)
@@ -106,7 +126,8 @@ class SpeculativeDecoder:
             if k > 0:
                 budget[i] = k
         draft_step = DraftStep(batch, rids, states, requests, budget, self._clock)
-        proposal = self.proposer.propose(draft_step) if budget and self.proposer.can_draft(draft_step) else None
+        proposal = (self.proposer.propose(draft_step)
+                    if budget and self.proposer.can_draft(draft_step) and self._pays(batch, states, budget) else None)
         if proposal is None:
             # No row drafts (with prompt lookup: none is inside a span its history already holds, judged
             # without `last`, which is still being computed): decode plainly, pipelined.
@@ -211,6 +232,16 @@ class SpeculativeDecoder:
         self._adapt(states, plain, proposed, lengths, accepted_ids)
         return True
 
+    def _pays(self, batch: Any, states: list, budget: dict[int, int]) -> bool:
+        """--speculative auto: the drafting rows' expected gain against the measured cost of verifying."""
+        if self.auto is None:
+            return True
+        gains = [expected_gain(states[i].draft_length.acceptance, k) for i, k in budget.items()]
+        if self.auto.pays(batch.num_live, gains):
+            return True
+        self.stats.num_declined_steps += 1
+        return False
+
     # -- plain steps, for proposers fed hidden states ------------------------------------------------
     def forward(self, runner: Any, inputs: mx.array) -> mx.array:
         """A plain step's forward. Through the proposer's tap while the batch is small enough to speculate
@@ -230,6 +261,8 @@ class SpeculativeDecoder:
         draft) cost no head work; the head's KV then misses those steps, which makes a resumed row's drafts
         worse, never wrong."""
         rows, nxt = runner.rows, self._clock + 1
+        if self.auto is not None and self.auto.declining(runner.batch.num_live):
+            return False
         for rid in runner.batch.row_ids:
             length = rows[rid].draft_length if rid is not None else None
             if length is not None and length.length(nxt) > 0:

@@ -37,19 +37,31 @@ def reserve_draft(budget: Any, draft: Any, per_token: int) -> tuple[Any, int]:
     return dataclasses.replace(budget, weights=budget.weights + weights, kv=budget.kv - weights), per_token
 
 
+def auto_proposer(config: EngineConfig) -> str:
+    """`--speculative auto`'s proposer: the head or draft model `draft_model` holds, else prompt lookup."""
+    from mlxhost.engine.spec.heads import head_kind
+
+    if config.draft_model:
+        return head_kind(config.draft_model) or "draft"
+    return "ngram"
+
+
 def make_speculative(model: Any, config: EngineConfig, vocab_width: int) -> SpeculativeDecoder | None:
     if config.speculative == "off":
         return None
+    auto = config.speculative == "auto"
+    name = auto_proposer(config) if auto else config.speculative
     if not rewindable(model):
         kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)})
         log.warning("speculative decoding is off: this model's caches (%s) cannot be rewound past a rejected "
                     "draft (sliding-window and recurrent layers)", ", ".join(kinds))
         return None
-    proposer = make_proposer(config.speculative, config, vocab_width)
+    proposer = make_proposer(name, config, vocab_width)
     why = proposer.bind(model)
     if why is not None:
         log.warning("speculative decoding is off: the %s proposer cannot serve this model: %s", proposer.name, why)
         return None
-    log.info("speculative decoding: %s, up to %d draft tokens per row and step, while at most %d requests decode",
-             proposer.describe(), config.num_draft_tokens, config.spec_max_batch)
-    return SpeculativeDecoder(config.num_draft_tokens, proposer, config.spec_max_batch)
+    log.info("speculative decoding: %s, up to %d draft tokens per row and step, while at most %d requests decode%s",
+             proposer.describe(), config.num_draft_tokens, config.spec_max_batch,
+             " and measured acceptance covers the measured cost (auto)" if auto else "")
+    return SpeculativeDecoder(config.num_draft_tokens, proposer, config.spec_max_batch, auto=auto)

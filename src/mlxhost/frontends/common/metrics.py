@@ -49,6 +49,22 @@ class _EngineGauges:
                               "Speculative decoding: most decoding requests a step speculates for (0: off)")
         g.add_metric([], stats.spec_max_batch)
         yield g
+        # Per proposer kind, for servers whose models speculate differently (one kind per model).
+        kinds: dict[str, list[int]] = {}
+        for s in (e.stats for e in engines):
+            if s.spec_kind:
+                k = kinds.setdefault(s.spec_kind, [0, 0])
+                k[0] += s.spec_drafted_tokens
+                k[1] += s.spec_accepted_tokens
+        g = GaugeMetricFamily("mlxhost_spec_kind_acceptance_rate",
+                              "Speculative decoding: accepted / drafted tokens per proposer kind", labels=["kind"])
+        c2 = CounterMetricFamily("mlxhost_spec_kind_draft_tokens",
+                                 "Speculative decoding: draft tokens verified per proposer kind", labels=["kind"])
+        for kind, (drafted, accepted) in sorted(kinds.items()):
+            g.add_metric([kind], accepted / drafted if drafted else 0.0)
+            c2.add_metric([kind], drafted)
+        yield g
+        yield c2
         c = CounterMetricFamily("mlxhost_spec_big_batch_steps",
                                 "Speculative decoding: decode steps without it, the batch over the maximum")
         c.add_metric([], stats.spec_big_batch_steps)
@@ -94,7 +110,8 @@ class Metrics:
 def sum_stats(engines) -> EngineStats:
     """The engines' counters added up: /metrics shows the server, whichever models are loaded."""
     stats = [e.stats for e in engines]
-    totals = {f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(EngineStats)}
+    totals = {f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(EngineStats)
+              if f.name != "spec_kind"}
     # Bytes per token and the speculation threshold are settings of a model, not amounts: the largest.
     totals["kv_bytes_per_token"] = max((s.kv_bytes_per_token for s in stats), default=0)
     totals["spec_max_batch"] = max((s.spec_max_batch for s in stats), default=0)

@@ -241,6 +241,9 @@ class SamplingFields(StrictModel):
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
     response_format: Optional[ResponseFormat] = None
+    # Speculative decoding for this request while the server speculates: false or "off" decodes it without
+    # drafts (the output is the same; the speed is plain decoding's).
+    speculative: Optional[Union[bool, Literal["on", "off", "auto"]]] = None
     # Bookkeeping that changes nothing about the output: accepted and not used.
     user: Optional[str] = None
     metadata: Optional[dict] = None

@@ -295,6 +295,7 @@ def prepare(model: ServedModel, body: SamplingFields) -> Prepared:
         prompt_logprobs=body.logprobs if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None
         else None,
         constraint=constraint,
+        speculative=body.speculative not in (False, "off"),
     )
     eos = model.eos_token_ids
     if isinstance(body, CompletionRequest) and body.suffix:
