@@ -139,15 +139,18 @@ def test_tool_round_trip(claude, server):
     ]
     second = claude.messages.create(model=server.model_name, max_tokens=8, messages=history, tools=TOOLS)
     assert second.stop_reason in ("end_turn", "max_tokens", "tool_use")
-    assert second.usage.input_tokens + second.usage.cache_read_input_tokens > first.usage.input_tokens
+    assert (second.usage.input_tokens + second.usage.cache_read_input_tokens + second.usage.cache_creation_input_tokens
+            > first.usage.input_tokens)
 
 
 def test_count_tokens_matches_usage(claude, server):
     kw = dict(model=server.model_name, messages=MESSAGES, tools=TOOLS, system="You are terse.")
     counted = claude.messages.count_tokens(**kw)
     m = claude.messages.create(max_tokens=4, **kw)
-    # input_tokens leaves out what the prefix cache served (Anthropic's split): together they are the prompt.
-    assert counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens
+    # input_tokens leaves out what the prefix cache served and what a breakpoint wrote to it (Anthropic's split):
+    # the three together are the prompt.
+    u = m.usage
+    assert counted.input_tokens == u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
 
 
 def test_thinking_block(claude, server):
@@ -212,7 +215,8 @@ def test_claude_code_replay_hits_the_prefix_cache(long_context_server):
         first = claude.messages.create(**body, extra_body={**GREEDY, **CURRENT_FIELDS})
         assert first.stop_reason in ("end_turn", "max_tokens", "tool_use")
         counted = claude.messages.count_tokens(**{k: v for k, v in body.items() if k not in ("max_tokens", "metadata")})
-        assert counted.input_tokens == first.usage.input_tokens + first.usage.cache_read_input_tokens
+        u = first.usage
+        assert counted.input_tokens == u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
         body["messages"] += [{"role": "assistant", "content": first.content},
                              {"role": "user", "content": [{"type": "text", "text": "Good. Now commit it.",
                                                            "cache_control": {"type": "ephemeral"}}]}]
@@ -221,5 +225,5 @@ def test_claude_code_replay_hits_the_prefix_cache(long_context_server):
     # Everything up to the first reply is the same prompt: its whole blocks come from the cache (the
     # last one or two may not: a partial block is never cached, and tokens may merge across the seam).
     assert second.usage.cache_read_input_tokens > 0
-    first_prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    first_prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens + first.usage.cache_creation_input_tokens
     assert second.usage.cache_read_input_tokens >= first_prompt - 2 * 128
