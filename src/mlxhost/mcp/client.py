@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 _FIRST_BACKOFF_S = 0.5
 _MAX_BACKOFF_S = 30.0
-_PING_S = 10.0  # an idle connection is pinged this often, so a dead server is restarted before a call needs it
+_PING_S = 30.0  # an idle connection is pinged this often, so a dead server is restarted before a call needs it
 
 
 class McpCallError(Exception):
@@ -224,12 +224,20 @@ class McpServer:
 
     async def _ping(self, client: Any) -> None:
         import anyio
+        from mcp import MCPError
 
         while True:
             await anyio.sleep(_PING_S)
             try:
                 with anyio.fail_after(self.limits.call_timeout_s):
                     await client.send_ping()
+            except MCPError as exc:
+                # Any answer proves the server alive: servers of the 2026-07-28 protocol answer ping with
+                # "method not found".
+                if not _is_connection_error(exc):
+                    continue
+                self._broken()
+                raise _Broken(f"ping failed: {_describe(exc)}") from exc
             except Exception as exc:
                 self._broken()
                 raise _Broken(f"ping failed: {_describe(exc)}") from exc
