@@ -13,7 +13,7 @@ A server entry may also name `cwd`, `allowed_tools` (only these are listed and c
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
