@@ -157,7 +157,8 @@ def model_specs(config: ServerConfig, loaded: LoadedModel | None = None) -> tupl
 
 def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | None = None):
     """Loads one model: `(ServedModel, AsyncEngine)`, the engine not yet started."""
-    if loaded is None:
+    own = loaded is None  # a model handed in (a distributed rank's shard) keeps the layout it was built with
+    if own:
         loaded = load_model(spec.source, config.load_strategy)
     if loaded.is_encoder:
         return load_encoder_served(spec, config, loaded)
@@ -165,7 +166,7 @@ def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | Non
         from mlxhost.audio.engine import audio_served
 
         return audio_served(spec, config, loaded)
-    if not loaded.is_vlm:  # text models: on MLX's CPU backend float32 weights are the fast layout
+    if own and not loaded.is_vlm:  # text models: on MLX's CPU backend float32 weights are the fast layout
         from mlxhost.platform.cpu_weights import serve_layout
 
         serve_layout(loaded.model, config.cpu_weights)
