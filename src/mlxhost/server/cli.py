@@ -220,9 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for note in notes:
         log.info(note)
-    args.blas = blas  # serve's banner tells a CPU user without OpenBLAS how to get it
-    log.log(logging.WARNING if blas.slow else logging.INFO if blas.loaded else logging.DEBUG, "BLAS for MLX's CPU backend: %s%s", blas.reason,
-            f" ({blas.loaded})" if blas.loaded else "")
+    from mlxhost.server.banner import blas_hint
+
+    # Plain data (bench writes its args to JSON): serve's banner tells a CPU user without OpenBLAS how to get it.
+    args.speed_hint = blas_hint(blas)
+    log.debug("BLAS for MLX's CPU backend: %s%s", blas.reason, f" ({blas.loaded})" if blas.loaded else "")
     if args.log_level == "info":  # HTTP clients log a line per request (hub look-ups, downloads): debug only
         for name in ("httpx", "httpx2"):
             logging.getLogger(name).setLevel(logging.WARNING)

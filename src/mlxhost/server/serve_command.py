@@ -162,9 +162,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                    help="small model with the target's tokenizer that drafts tokens (turns --speculative draft on),"
                         " or the EAGLE-3 / MTP head's folder for --speculative eagle3|mtp")
     p.add_argument("--speculative-method", dest="speculative", choices=["off", "auto", *proposer_names()],
-                   default=argparse.SUPPRESS, help="the same as --speculative")
+                   default=argparse.SUPPRESS, help="another name for --speculative (default: as --speculative)")
     p.add_argument("--speculative-model", dest="draft_model", default=argparse.SUPPRESS, metavar="PATH",
-                   help="the same as --draft-model (an EAGLE-3 / MTP head's folder)")
+                   help="another name for --draft-model, for an EAGLE-3 / MTP head's folder (default: as --draft-model)")
     p.add_argument("--num-draft-tokens", type=int, default=d.num_draft_tokens, metavar="K",
                    help="most tokens a row drafts per step (each row adapts below it from its acceptance)")
     p.add_argument("--spec-max-batch", type=int, default=d.spec_max_batch, metavar="N",
@@ -403,11 +403,11 @@ def _serve(args) -> int:
         # build_app loads every pinned model (a single one always) with config.load_strategy.
         app = build_app(config)
         _reload_keys_on_sighup(app)
-        from mlxhost.server.banner import blas_hint, make_ready_hook
+        from mlxhost.server.banner import make_ready_hook
 
         app.state.on_ready = make_ready_hook(config, app.state.models, app.state.model_specs,
                                              sock.getsockname()[1] if sock is not None else config.port,
-                                             speed_hint=blas_hint(getattr(args, "blas", None)))
+                                             speed_hint=getattr(args, "speed_hint", None))
     except (ModelLoadError, ValueError, OSError) as e:
         if sock is not None:
             sock.close()
