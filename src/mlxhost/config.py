@@ -29,8 +29,9 @@ class EngineConfig:
     priority_aging_steps: int = 256
     # While rows decode, a step's prefill chunk is sized from measured step costs so their next token comes
     # within this many seconds (engine/step_cost.py); a prompt alone still prefills whole chunks. 0: whole
-    # chunks always.
-    max_decode_gap_s: float = 1.0
+    # chunks always, the engine's default: chunks sized by wall time make a run's chunking (and so its
+    # float rounding) depend on the machine's load. `mlxhost serve` turns it on (SERVE_MAX_DECODE_GAP_S).
+    max_decode_gap_s: float = 0.0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     default_max_tokens: int = 2048
     # Requests allowed to wait for a slot; beyond this the server answers 429 instead of queueing forever.
@@ -249,6 +250,11 @@ class ModelSpec:
             raise ValueError("a model needs a name and a path")
         if self.ttl_s is not None and self.ttl_s <= 0:
             raise ValueError(f"ttl of {self.name!r} must be > 0 seconds")
+
+
+# `mlxhost serve`'s --max-decode-gap: a stream waits at most about a second for its next token behind a long
+# prompt's prefill (docs/serving.md).
+SERVE_MAX_DECODE_GAP_S = 1.0
 
 
 @dataclass(frozen=True)

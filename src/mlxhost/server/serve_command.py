@@ -10,7 +10,8 @@ from pathlib import Path
 
 from mlxhost.engine.spec.registry import proposer_names
 from mlxhost.platform.backend import default_prefill_step_size
-from mlxhost.config import EngineConfig, MediaConfig, SecurityConfig, ServerConfig, parse_memory
+from mlxhost.config import (SERVE_MAX_DECODE_GAP_S, EngineConfig, MediaConfig, SecurityConfig, ServerConfig,
+                            parse_memory)
 from mlxhost.server.settings import fraction, size
 
 
@@ -92,7 +93,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-step-size", type=int, default=None, metavar="TOKENS",
                    help=f"prompt tokens per engine step; longer prompts are split so running streams keep flowing "
                         f"(default: 2048 on MLX-CUDA, {d.prefill_step_size} elsewhere)")
-    p.add_argument("--max-decode-gap", type=float, default=d.max_decode_gap_s, metavar="SECONDS",
+    p.add_argument("--max-decode-gap", type=float, default=SERVE_MAX_DECODE_GAP_S, metavar="SECONDS",
                    help="while streams decode, a long prompt's prefill chunks shrink (sized from measured step "
                         "times) so each stream's next token comes within this many seconds; a prompt with nothing "
                         "else running still prefills whole chunks. 0: whole chunks always")
