@@ -245,7 +245,9 @@ def test_full_queue_answers_429(make_server, qwen3_model_dir):
     with httpx.Client(timeout=_BOUND_S) as c1, httpx.Client(timeout=_BOUND_S) as c2:
         with c1.stream("POST", live.base_url + "/completions", json=body) as running:
             lines = running.iter_lines()  # kept: a dropped iterator closes the connection
-            next_event(lines)
+            # Its first token: the engine runs it (the empty chunk before it goes out at once, while queued).
+            while not json.loads(next_event(lines))["choices"][0]["text"]:
+                pass
             with c2.stream("POST", live.base_url + "/completions", json=body) as waiting:
                 wait_until(lambda: live.metrics()["mlxhost_num_requests_waiting"] == 1, "the second to wait")
                 r = httpx.post(live.base_url + "/completions", json=body, timeout=_BOUND_S)
