@@ -68,10 +68,14 @@ class BatchStore:
                 self._lock.close()
                 raise FolderInUseError(f"another server uses the batch folder {self.folder}") from None
         # The event loop's thread only; WAL: each answered line is one small commit that survives a killed process.
-        self._db = sqlite3.connect(self.folder / "batches.sqlite3", isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        try:
+            self._db = sqlite3.connect(self.folder / "batches.sqlite3", isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.Error:
+            self._lock.close()  # the folder is free again for a later start
+            raise
 
     def close(self) -> None:
         self._db.close()

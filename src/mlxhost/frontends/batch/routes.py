@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sqlite3
 import time
 from pathlib import Path
 
@@ -59,19 +60,23 @@ def _owner(raw: Request) -> str | None:
 def install_batch_api(app: FastAPI, folder: str | Path, max_num_running: int = 4) -> None:
     """The routes over `folder`; the runner starts and stops with the app's lifespan. A folder another server
     holds leaves the routes answering 503 (both would run the same batches)."""
+    why = "another server uses the batch folder"
     try:
         store = BatchStore(folder)
     except FolderInUseError as exc:
         log.warning("Batch API off: %s (start this server with its own --batch-dir)", exc)
         store = None
+    except (OSError, sqlite3.Error) as exc:  # a full or read-only disk costs the Batch API, not the server
+        log.warning("Batch API off: its folder %s cannot be used: %s", folder, exc)
+        store, why = None, "its folder cannot be used"
     runner = BatchRunner(store, RouteDispatch(app), max_num_running) if store is not None else None
     app.state.batch_runner = runner
     _add_lifespan(app, runner, store)
 
     def need_store() -> BatchStore:
         if store is None:
-            raise APIError(503, f"the Batch API is off: another server uses the batch folder {folder}",
-                           code="batch_folder_in_use")
+            raise APIError(503, f"the Batch API is off: {why} ({folder})",
+                           code="batch_folder_in_use" if why.startswith("another") else "batch_folder_unusable")
         return store
 
     def file_or_404(file_id: str, owner: str | None) -> dict:
