@@ -56,10 +56,11 @@ def greedy_sequence(target: Any, prompt: list[int], num_new: int) -> list[int]:
 
 
 def train_head(head: Any, target: Any, sequences: list[list[int]], starts: list[int], steps: int,
-               lr: float = 3e-3, seed: int = 0, log=None) -> float:
+               lr: float = 3e-3, seed: int = 0, log=None, skip_prompt: bool = False) -> float:
     """Teacher-forced training, one sequence per step: pair (target hidden t, token t+1) -> token t+2, the
-    loss on positions whose label the target produced (t + 2 >= the sequence's start). Returns the last
-    loss."""
+    loss on positions whose label the target produced (t + 2 >= the sequence's start). `skip_prompt`: the
+    head is fed only the pairs from the first output token on, as it is when serving (its KV starts at
+    the first decode step). Returns the last loss."""
     import random
 
     tap = HiddenTap(target, head.layer_ids)
@@ -69,7 +70,8 @@ def train_head(head: Any, target: Any, sequences: list[list[int]], starts: list[
         _, h = tap(x, [None] * len(target.model.layers))
         weight = (mx.arange(len(seq) - 2) + 2 >= start).astype(mx.float32)[None, :]
         mx.eval(h)
-        data.append((mx.stop_gradient(h[:, :-2]), x[:, 1:-1], x[:, 2:], weight))
+        s = min(start, len(seq) - 3) if skip_prompt else 0
+        data.append((mx.stop_gradient(h[:, s:-2]), x[:, s + 1:-1], x[:, s + 2:], weight[:, s:]))
     module = head.module
     module.train()
     # Shared target weights (a bound embedding) stay as they are.

@@ -1,0 +1,186 @@
+"""Train a small EAGLE-3 or MTP head for real SmolLM2-135M from its own greedy output, then measure it.
+
+    python -m mlxhost.testing.real_models fetch --only smollm2
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+        python tools/train_spec_head.py --out heads/smollm2-eagle3 [--kind eagle3|mtp] [--measure]
+
+Prompts are chat turns made from templates (no data set): SmolLM2 answers each greedily through the engine
+(batched), and the head learns to guess the token after next from the model's hidden states on those
+answers (testing/spec_heads.py `train_head`, fed from the first output token on, as when serving). The
+folder it writes serves with `mlxhost serve MODEL --speculative KIND --speculative-model OUT`. `--measure`
+then decodes held-out prompts (other templates' fillers) with speculation off, with the head and with
+`--speculative auto`, at each `--concurrency`, checks that greedy output is the same, and prints acceptance,
+tokens per row-step and tok/s. `--answers FILE` keeps the model's answers for the next run (the slow part).
+The model is converted to float32 (the CPU's fast path; float16 and 4-bit matmuls are slow there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import time
+from pathlib import Path
+
+TEMPLATES = [
+    "What is the capital of {place}?",
+    "Write one sentence about {thing}.",
+    "Explain {idea} in two sentences.",
+    "List three facts about {thing}.",
+    "Give me a short tip about {idea}.",
+    "Describe {place} in a few words.",
+    "Why is {thing} important?",
+    "Write a haiku about {thing}.",
+    "How do I get started with {idea}?",
+    "Tell me something interesting about {place}.",
+]
+PLACES = ["France", "Japan", "Brazil", "Canada", "Egypt", "Italy", "Kenya", "Norway", "Peru", "India",
+          "Spain", "Mexico", "Germany", "Australia", "Chile", "Greece", "Vietnam", "Morocco", "Ireland", "Poland"]
+THINGS = ["the ocean", "coffee", "bicycles", "honey bees", "the moon", "volcanoes", "libraries", "rain",
+          "chess", "bread", "trees", "the internet", "music", "elephants", "sleep", "glaciers", "paper",
+          "clocks", "salt", "bridges"]
+IDEAS = ["photosynthesis", "gravity", "saving money", "learning a language", "recursion", "exercise",
+         "cooking rice", "time management", "public speaking", "gardening", "photography", "meditation",
+         "compound interest", "the water cycle", "democracy", "recycling", "writing clearly", "running",
+         "sorting algorithms", "climate"]
+
+
+def make_questions(seed: int) -> tuple[list[str], list[str]]:
+    """All template x filler questions, shuffled, and a held-out set: the last fillers of each list, never
+    trained on."""
+    def fill(template, k):
+        slot = template[template.index("{") + 1:template.index("}")]
+        words = {"place": PLACES, "thing": THINGS, "idea": IDEAS}[slot]
+        return [template.format(**{slot: w}) for w in (words[:-k] if k > 0 else words[k:])]
+    train = list(itertools.chain.from_iterable(fill(t, 4) for t in TEMPLATES))
+    held = list(itertools.chain.from_iterable(fill(t, -4) for t in TEMPLATES))
+    random.Random(seed).shuffle(train)
+    random.Random(seed + 1).shuffle(held)
+    return train, held
+
+
+def chat_ids(tokenizer, question: str) -> list[int]:
+    messages = [{"role": "user", "content": question}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+
+def make_core(loaded, c: int, **spec):
+    from mlxhost.config import EngineConfig
+    from mlxhost.engine.core import EngineCore
+
+    config = EngineConfig(max_num_seqs=max(c, 1), enable_prefix_cache=False, cache_memory_bytes=64 << 20, **spec)
+    return EngineCore(loaded.model, loaded.tokenizer, config, max_model_len=1024)
+
+
+def generate(core, prompts: list[list[int]], max_tokens: int, wave: int, eos=frozenset()) -> tuple[list[list[int]], int, float]:
+    """Greedy outputs of `prompts`, `wave` at a time; also (tokens, seconds) of decoding them."""
+    from mlxhost.engine.request import Request, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    outs: dict[str, list[int]] = {}
+    n, start = 0, time.perf_counter()
+    for w in range(0, len(prompts), wave):
+        for i in range(w, min(w + wave, len(prompts))):
+            core.add_request(Request(f"p{i}", prompts[i], params, eos_token_ids=eos))
+        while core.has_work:
+            for o in core.step():
+                if o.error:
+                    raise RuntimeError(o.error)
+                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                n += len(o.new_token_ids)
+    return [outs.get(f"p{i}", []) for i in range(len(prompts))], n, time.perf_counter() - start
+
+
+def measure(loaded, head_dir: Path, kind: str, prompts: list[list[int]], args) -> list[dict]:
+    rows = []
+    for c in args.concurrency:
+        plain = make_core(loaded, c)
+        generate(plain, prompts[:c], args.max_tokens, c, loaded.eos_token_ids)  # warm-up
+        want, n_off, s_off = generate(plain, prompts, args.max_tokens, c, loaded.eos_token_ids)
+        spec = make_core(loaded, c, speculative=kind, draft_model=str(head_dir),
+                         num_draft_tokens=args.num_draft_tokens, spec_max_batch=max(c, 4))
+        generate(spec, prompts[:c], args.max_tokens, c, loaded.eos_token_ids)
+        before = spec.spec_stats()
+        got, n_on, s_on = generate(spec, prompts, args.max_tokens, c, loaded.eos_token_ids)
+        after = spec.spec_stats()
+        d = {k: after[k] - before[k] for k in ("num_drafted", "num_accepted", "num_steps", "num_emitted")}
+        # The same head under --speculative auto: steps whose drafts do not pay decode plainly.
+        auto = make_core(loaded, c, speculative="auto", draft_model=str(head_dir),
+                         num_draft_tokens=args.num_draft_tokens, spec_max_batch=max(c, 4))
+        generate(auto, prompts[:c], args.max_tokens, c, loaded.eos_token_ids)
+        got_auto, n_auto, s_auto = generate(auto, prompts, args.max_tokens, c, loaded.eos_token_ids)
+        row = {"c": c, "off_tok_s": n_off / s_off, f"{kind}_tok_s": n_on / s_on, "speedup": (n_on / s_on) / (n_off / s_off),
+               "acceptance": d["num_accepted"] / d["num_drafted"] if d["num_drafted"] else 0.0,
+               "tokens_per_row_step": d["num_emitted"] / (d["num_steps"] * c) if d["num_steps"] else 1.0,
+               "auto_tok_s": n_auto / s_auto, "auto_speedup": (n_auto / s_auto) / (n_off / s_off),
+               "same_output": got == want and got_auto == want, **d}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a .gguf file or model folder (default: the fetched SmolLM2)")
+    ap.add_argument("--kind", choices=["eagle3", "mtp"], default="eagle3")
+    ap.add_argument("--out", required=True, help="the head's folder")
+    ap.add_argument("--num-prompts", type=int, default=300, help="training prompts (at most the templates')")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens the model answers each prompt with")
+    ap.add_argument("--steps", type=int, default=1500, help="training steps (one answer each)")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--answers", default=None, help="a JSON file of the model's answers: read if it exists, else written")
+    ap.add_argument("--measure", action="store_true", help="then measure acceptance and speed on held-out prompts")
+    ap.add_argument("--num-held-out", type=int, default=16)
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    import mlx.core as mx
+
+    from mlxhost.engine.spec.heads import HEADS, save_head
+    from mlxhost.models.gguf import GGUFConvertConfig, prepare_gguf
+    from mlxhost.models.loader import load_model
+    from mlxhost.testing import real_models
+    from mlxhost.testing.spec_heads import head_config, train_head
+
+    source = args.model or real_models.real_model_path("smollm2")
+    if source is None:
+        raise SystemExit("no model: python -m mlxhost.testing.real_models fetch --only smollm2")
+    if str(source).endswith(".gguf"):
+        source = prepare_gguf(source, GGUFConvertConfig(dtype="float32", dequantize=True))
+    loaded = load_model(str(source))
+    tok, target = loaded.tokenizer, loaded.model
+    train_q, held_q = make_questions(args.seed)
+    train_p = [chat_ids(tok, q) for q in train_q[:args.num_prompts]]
+
+    answers = Path(args.answers) if args.answers else None
+    if answers is not None and answers.is_file():  # a run before answered the same prompts: the slow part
+        outputs = json.loads(answers.read_text())[:len(train_p)]
+    else:
+        t0 = time.perf_counter()
+        outputs, n, _ = generate(make_core(loaded, 16), train_p, args.max_tokens, 16, loaded.eos_token_ids)
+        print(f"{len(train_p)} answers, {n} tokens, in {time.perf_counter() - t0:.0f} s", flush=True)
+        if answers is not None:
+            answers.write_text(json.dumps(outputs))
+
+    config = head_config(args.kind, target)
+    mx.random.seed(args.seed)
+    head = HEADS[args.kind](config, target)
+    mx.eval(head.module.parameters())
+    t0 = time.perf_counter()
+    loss = train_head(head, target, [p + o for p, o in zip(train_p, outputs)], [len(p) for p in train_p],
+                      args.steps, lr=args.lr, seed=args.seed, log=lambda s: print(s, flush=True), skip_prompt=True)
+    print(f"trained {args.steps} steps in {time.perf_counter() - t0:.0f} s, last loss {loss:.3f}", flush=True)
+    out = save_head(head, config, args.out)
+    print(f"wrote {out}", flush=True)
+    if args.measure:
+        held = [chat_ids(tok, q) for q in held_q[:args.num_held_out]]
+        rows = measure(loaded, out, args.kind, held, args)
+        (out / "measured.json").write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
