@@ -1,4 +1,4 @@
-"""One long engine step must not hold the server (issue 45): a real server in a subprocess whose model's
+"""One long engine step must not hold the server: a real server in a subprocess whose model's
 forward waits while a file exists (mlxhost.testing.held_step), so one step lasts as long as the test wants.
 
 While the step is held, /v1/status, /v1/cache/stats, /metrics and /v1/models answer from the engine's last
