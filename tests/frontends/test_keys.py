@@ -198,3 +198,13 @@ def test_the_policy_is_on_request_state_for_handlers(tmp_path):
     install_security(app, SecurityConfig(api_key_file=str(path), allowed_hosts=("testserver",)), "127.0.0.1")
     body = TestClient(app).get("/v1/whoami", headers={"x-api-key": "sk-bob"}).json()
     assert body["name"] == "bob" and body["mcp_servers"] is None and "cache_group" in body["fields"]
+
+
+def test_a_key_file_that_does_not_parse_is_reported_without_its_keys():
+    import pytest
+
+    from mlxhost.frontends.common.keys import parse_key_file
+
+    with pytest.raises(ValueError) as caught:
+        parse_key_file('keys:\n  - key: "sk-SECRET123\n')
+    assert "SECRET" not in str(caught.value) and "line" in str(caught.value)

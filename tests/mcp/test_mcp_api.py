@@ -111,3 +111,27 @@ def test_with_remote_allowed_private_addresses_stay_refused(mcp_app):
         r = client.post("/v1/chat/completions", json={**chat, "mcp_servers": [{"name": "x", "url": url}]})
         assert r.status_code == 400, url
         assert "private or local address" in r.json()["error"]["message"], url
+
+
+def test_a_key_limited_to_other_servers_neither_sees_nor_calls_this_one():
+    from fastapi.testclient import TestClient
+
+    from mlxhost.frontends.app import create_app
+    from mlxhost.frontends.common.keys import KeyPolicy
+    from mlxhost.mcp.client import McpManager
+    from mlxhost.mcp.config import McpConfig
+    from tests.frontends.fake_models import FakeModels
+    from tests.mcp.conftest import SLOW_SERVER
+
+    app = create_app(FakeModels(), McpManager(McpConfig(servers=(SLOW_SERVER,), call_timeout_s=3)))
+
+    @app.middleware("http")
+    async def as_limited_key(request, call_next):  # what the key gate leaves on the request
+        request.state.api_key = KeyPolicy(key="k", name="limited", mcp_servers=("other",))
+        return await call_next(request)
+
+    with TestClient(app) as client:
+        assert client.get("/v1/mcp/servers").json()["data"] == []
+        assert client.get("/v1/mcp/tools").json()["data"] == []
+        r = client.post("/v1/mcp/call", json={"server": "slow", "tool": "big", "arguments": {"n": 3}})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "mcp_server_not_allowed"

@@ -101,8 +101,12 @@ class BatchRunner:
         if batch["status"] == "validating":
             batch = self._validate(batch)
         if batch["status"] == "in_progress":
-            lines = parse_lines(self.store.read_file(batch["input_file_id"]), batch["endpoint"])
-            batch = await self._run_lines(batch, lines)
+            try:
+                lines = parse_lines(self.store.read_file(batch["input_file_id"]), batch["endpoint"])
+            except (InputError, OSError):  # the input file deleted (or damaged) since: the batch fails, once
+                batch, lines = self._validate(batch), None
+            if batch["status"] == "in_progress" and lines is not None:
+                batch = await self._run_lines(batch, lines)
         if batch["status"] in ("finalizing", "cancelling"):
             self._finalize(batch)
 

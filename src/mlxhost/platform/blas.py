@@ -43,13 +43,18 @@ def candidates(machine: str | None = None) -> list[str]:
     return found + ([by_name] if by_name else [])
 
 
-def _mlx_cpu_wheel() -> bool:
-    # The CPU wheel ships as its own distribution; CUDA and Metal builds multiply elsewhere.
+def _installed(name: str) -> bool:
     try:
-        distribution("mlx-cpu")
+        distribution(name)
     except PackageNotFoundError:
         return False
     return True
+
+
+def _mlx_cpu_wheel() -> bool:
+    # The CPU wheel ships as its own distribution; CUDA builds multiply elsewhere (both may be installed
+    # after switching extras: then MLX computes on the GPU and is left as it is).
+    return _installed("mlx-cpu") and not any(_installed(n) for n in ("mlx-cuda", "mlx-cuda-12", "mlx-cuda-13"))
 
 
 def use_system_blas(environ: dict | None = None) -> BlasChoice:

@@ -89,7 +89,8 @@ class GracefulServer(uvicorn.Server):
             state.stop_deadline = time.monotonic() + self.shutdown_timeout_s + _STEP_GRACE_S
             self._loop.call_soon_threadsafe(self._arm_deadline)
         else:
-            state.stop_deadline = min(state.stop_deadline, time.monotonic() + _FORCE_FLUSH_S + _STEP_GRACE_S)
+            state.stop_deadline = min(getattr(state, "stop_deadline", None) or math.inf,
+                                      time.monotonic() + _FORCE_FLUSH_S + _STEP_GRACE_S)
             self._loop.call_soon_threadsafe(self._force)
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:

@@ -78,7 +78,10 @@ def parse_key_file(text: str) -> tuple[KeyPolicy, ...]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ValueError(f"not YAML or JSON: {exc}") from None
+        # PyYAML's own message quotes the offending line, which may hold a key: only the problem and its line.
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ValueError(f"not YAML or JSON{where}: {getattr(exc, 'problem', None) or 'cannot be parsed'}") from None
     entries = data.get("keys") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise ValueError("the file must hold a list under `keys:`")

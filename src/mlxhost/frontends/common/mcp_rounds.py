@@ -13,6 +13,7 @@ from fastapi import Request
 from mlxhost.frontends.common.chat_output import collect
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import Gateway, chat_request
+from mlxhost.frontends.common.keys import current_grant
 from mlxhost.mcp.loop import (
     Ask,
     RoundReply,
@@ -57,10 +58,17 @@ def manager(gateway: Gateway, param: str):
     return gateway.mcp
 
 
+def allowed_servers(raw: Request) -> tuple[str, ...] | None:
+    """The labels the request's API key may use; None: any. A batch line has no gate of its own: its creator's
+    grant (`current_grant`, set by the batch dispatcher) speaks for it."""
+    grant = current_grant.get()
+    policy = grant.policy if grant is not None else getattr(raw.state, "api_key", None)
+    return policy.mcp_servers if policy is not None else None
+
+
 def check_key(raw: Request, choices: list[ServerChoice], param: str) -> None:
     """An API key limited to some MCP servers (its `mcp_servers`, common/keys.py) uses only those."""
-    policy = getattr(raw.state, "api_key", None)
-    allowed = policy.mcp_servers if policy is not None else None
+    allowed = allowed_servers(raw)
     refused = [c.label for c in choices if allowed is not None and (c.url is not None or c.label not in allowed)]
     if refused:
         raise APIError(403, f"this API key may not use the MCP server(s) {', '.join(map(repr, refused))}", param,

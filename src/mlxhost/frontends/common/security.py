@@ -277,11 +277,12 @@ def install_security(app, config: SecurityConfig, host: str, web_page: bool = Fa
         app.add_middleware(APIKeyMiddleware, ring=ring, metrics_public=config.metrics_public,
                            web_page=web_page, shapes=shapes,  # the page's own files load without a key
                            metrics=getattr(app.state, "metrics", None))  # a bare app (tests) has none
-    elif config.cache_isolation != "none":
-        log.warning("--cache-isolation %s without API keys: every request is in one group", config.cache_isolation)
-    elif not _is_loopback(host):
-        log.warning("listening on %s without an API key: anyone who can reach this address can use the "
-                    "models; pass --api-key (or set MLXHOST_API_KEY)", host)
+    else:
+        if config.cache_isolation != "none":
+            log.warning("--cache-isolation %s without API keys: every request is in one group", config.cache_isolation)
+        if not _is_loopback(host):
+            log.warning("listening on %s without an API key: anyone who can reach this address can use the "
+                        "models; pass --api-key (or set MLXHOST_API_KEY)", host)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],

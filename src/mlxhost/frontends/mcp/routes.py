@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from typing import Optional
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import Gateway
-from mlxhost.frontends.common.mcp_rounds import manager
+from mlxhost.frontends.common.mcp_rounds import allowed_servers, check_key, manager
 from mlxhost.frontends.common.schemas import StrictModel
 from mlxhost.mcp.client import McpCallError
+from mlxhost.mcp.loop import ServerChoice
 
 
 class McpCallRequest(StrictModel):
@@ -22,19 +23,23 @@ class McpCallRequest(StrictModel):
 
 
 def add_mcp_routes(app: FastAPI, gateway: Gateway) -> None:
+    # An API key limited to some servers sees and runs only those (its `mcp_servers`, common/keys.py).
     @app.get("/v1/mcp/servers")
-    async def servers():
-        mcp = gateway.mcp
-        return {"object": "list", "data": [s.status() for s in mcp.servers.values()] if mcp else []}
+    async def servers(raw: Request):
+        mcp, allowed = gateway.mcp, allowed_servers(raw)
+        return {"object": "list", "data": [s.status() for s in mcp.servers.values()
+                                           if allowed is None or s.label in allowed] if mcp else []}
 
     @app.get("/v1/mcp/tools")
-    async def tools():
-        mcp = gateway.mcp
-        return {"object": "list", "data": [t.card() for t in mcp.tools()] if mcp else []}
+    async def tools(raw: Request):
+        mcp, allowed = gateway.mcp, allowed_servers(raw)
+        return {"object": "list", "data": [t.card() for t in mcp.tools(list(allowed) if allowed is not None else None)]
+                if mcp else []}
 
     @app.post("/v1/mcp/call")
-    async def call(body: McpCallRequest):
+    async def call(body: McpCallRequest, raw: Request):
         mcp = manager(gateway, "server")
+        check_key(raw, [ServerChoice(body.server)], "server")
         if mcp.server(body.server) is None:
             raise APIError(404, f"no MCP server {body.server!r} is configured", "server", "mcp_server_not_found")
         try:

@@ -167,7 +167,9 @@ def envelope(body: ResponsesRequest, tools: ServedTools) -> dict:
         "top_p": body.top_p if body.top_p is not None else 1.0,
         "tool_choice": choice.model_dump(exclude_none=True) if choice and not isinstance(choice, str)
         else choice or "auto",
-        "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
+        # An MCP tool's credentials are the client's secret: never echoed or stored with the response.
+        "tools": [t.model_dump(exclude_none=True, exclude={"authorization", "headers"} if t.type == "mcp" else None)
+                  for t in body.tools or ()],
         "max_output_tokens": body.max_output_tokens, "previous_response_id": body.previous_response_id,
         "reasoning": body.reasoning.model_dump() if body.reasoning else {"effort": None, "summary": None},
         "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
