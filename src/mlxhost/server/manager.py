@@ -133,6 +133,7 @@ class ModelManager:
         """`(ServedModel, AsyncEngine)` of a model, loading it first if needed. The model stays loaded
         while the lease is held and while its engine has requests: take the lease around
         `engine.generate`, whose stream then keeps the model busy until it ends."""
+        _check_key_model(requested, self.resolve)  # before anything loads for a key that may not use it
         adapter = self.adapters.find(requested)
         slot = self._slots[adapter.base if adapter is not None else self.resolve(requested)]
         slot.num_leases += 1
@@ -168,6 +169,7 @@ class ModelManager:
         """Loads a model now (an operator's request, POST /v1/models/NAME/load), as a request would. With
         `lora_path`, `requested` names a LoRA adapter at that path, served on `base` (default: the first
         model); AdapterError for a bad folder."""
+        _check_key_model(requested, self.resolve)
         if lora_path is not None:
             base = self.resolve(base) if base is not None else self.names[0]
             self.adapters.add(LoraSpec(requested, lora_path, base))
@@ -178,6 +180,7 @@ class ModelManager:
         """Unloads a model now (POST /v1/models/NAME/unload); False while it serves requests. Status and
         cache reads under way (a dashboard polls them every few seconds) are waited out, up to
         `_HOLDS_WAIT_S`. The next request loads it again, pinned or not."""
+        _check_key_model(requested, self.resolve)
         adapter = self.adapters.find(requested)
         if adapter is not None:  # AdapterBusy while its requests run
             slot = self._slots[adapter.base]
@@ -415,3 +418,12 @@ class ModelManager:
         engines = {s.spec.name: s.engine if s.state is ModelState.LOADED else None for s in self._slots.values()}
         return out + self.adapters.cards(engines, self._created)
 
+
+def _check_key_model(requested: str, resolve: Callable[[str], str]) -> None:
+    """Every way to a model (requests of every API, audio, rerank, operator loads) passes here: an API key
+    limited to other models gets their 404 (frontends/common/keys.py) before anything is loaded for it."""
+    from mlxhost.frontends.common.keys import current_grant  # the request's key, set by the HTTP gate
+
+    grant = current_grant.get()
+    if grant is not None:
+        grant.check_model(requested, resolve)
