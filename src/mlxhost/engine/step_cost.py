@@ -48,6 +48,10 @@ class StepCostModel:
             return budget
         room = self.max_decode_gap_s * HEADROOM - (self.decode_step_s or 0.0)
         fits = int(room / self.prefill_s_per_token) if self.prefill_s_per_token > 0 else budget
+        if room <= 0:
+            # The decode forward alone fills the target (a large model on a CPU): no chunk meets it, and 16 tokens
+            # a step would stretch a 4k-token prompt over ~250 steps. An eighth of a chunk keeps it moving.
+            return min(max(self.min_prefill_tokens, budget // 8), budget)
         return max(min(self.min_prefill_tokens, budget), min(budget, fits))
 
     def modeled_step_s(self, num_prefill_tokens: int, has_decode_rows: bool) -> float:
