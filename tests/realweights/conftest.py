@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 
+from pathlib import Path
+
 import pytest
 
 from mlxhost.models.gguf import GGUFConvertConfig, prepare_gguf
@@ -39,17 +41,17 @@ def _serve_gguf_as_tests_do():
 
 @pytest.fixture(scope="session")
 def smollm2_gguf():
-    return need("smollm2")
+    return Path(need("smollm2"))  # need() gives the path as text
 
 
 @pytest.fixture(scope="session")
 def qwen25_coder_gguf():
-    return need("qwen25-coder")
+    return Path(need("qwen25-coder"))  # need() gives the path as text
 
 
 @pytest.fixture(scope="session")
 def gemma3_gguf():
-    return need("gemma3-270m")
+    return Path(need("gemma3-270m"))  # need() gives the path as text
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +61,7 @@ def gemma3_dir(gemma3_gguf):
 
 @pytest.fixture(scope="session")
 def minilm_dir():
-    return need("minilm")
+    return Path(need("minilm"))  # need() gives the path as text
 
 
 @pytest.fixture(scope="session")
