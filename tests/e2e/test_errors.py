@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from mlxhost.frontends.common.schemas import MAX_STOP_STRINGS
+from mlxhost.serving.schemas import MAX_STOP_STRINGS
 
 MAX_MODEL_LEN = 64
 M = [{"role": "user", "content": "hi"}]

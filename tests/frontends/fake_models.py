@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from mlxhost.engine.request import RequestOutput
 from mlxhost.frontends.app import create_app
-from mlxhost.frontends.common.serving import ServedModel
+from mlxhost.serving.model import ServedModel
 
 NAME = "tiny"
 REPLY = "hello"

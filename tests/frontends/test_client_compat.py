@@ -11,11 +11,11 @@ import logging
 from pathlib import Path
 
 import pytest
-
 from fake_models import JSON_REPLY, NAME, REPLY, fake_client
-from mlxhost.frontends.common.schemas import system_merged
-from mlxhost.frontends.common.schemas import ChatCompletionRequest
-from mlxhost.frontends.common.serving import ServedModel, make_request
+
+from mlxhost.serving.model import ServedModel
+from mlxhost.serving.prepare import make_request
+from mlxhost.serving.schemas import ChatCompletionRequest, system_merged
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CLAUDE_CODE = ["claude_code_first_turn", "claude_code_title", "claude_code_continue", "claude_code_tool_search"]

@@ -13,13 +13,13 @@ from mlxhost.engine.request import RequestOutput
 from mlxhost.frontends.anthropic.protocol import MessagesRequest
 from mlxhost.frontends.anthropic.render import MessageBuilder, stream_message
 from mlxhost.frontends.anthropic.translate import to_chat_request
-from mlxhost.frontends.common.chat_output import OutputSpec
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import Whole
 from mlxhost.frontends.common.sse import heartbeats
 from mlxhost.frontends.responses.protocol import ResponsesRequest
 from mlxhost.frontends.responses.render import ResponseRenderer, stream_response
 from mlxhost.frontends.responses.translate import chat_messages, input_items
+from mlxhost.serving.chat_output import OutputSpec
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 SPEC = OutputSpec(reasoning_tags=("<think>", "</think>"), starts_in_reasoning=True, tool_format="hermes", tools=TOOLS)

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from mlxhost.frontends.app import create_app
-from mlxhost.frontends.common.fim import FORMATS, fim_for
+from mlxhost.serving.fim import FORMATS, fim_for
 from tests.frontends.fake_models import NAME, FakeModels
 
 

@@ -9,10 +9,11 @@ from pydantic import ValidationError
 
 from mlxhost.engine.request import RequestOutput, TokenLogprob
 from mlxhost.frontends.common.errors import APIError, error_body
-from mlxhost.frontends.common.schemas import MAX_STOP_STRINGS, ChatCompletionRequest, ChatMessage, CompletionRequest
-from mlxhost.frontends.common.serving import ServedModel, make_request
 from mlxhost.frontends.common.sse import SSE_DONE, sse
 from mlxhost.frontends.openai.render import CompletionBuilder, completion_usage
+from mlxhost.serving.model import ServedModel
+from mlxhost.serving.prepare import make_request
+from mlxhost.serving.schemas import MAX_STOP_STRINGS, ChatCompletionRequest, ChatMessage, CompletionRequest
 
 VOCAB = 256
 
@@ -271,7 +272,7 @@ def test_stream_chunks():
 
 @pytest.mark.parametrize("chat", [True, False])
 def test_text_chunks_from_the_template_equal_the_whole_object(chat):
-    from mlxhost.frontends.common.chat_output import OutputSpec
+    from mlxhost.serving.chat_output import OutputSpec
 
     spec = OutputSpec(reasoning_tags=("<think>", "</think>"), starts_in_reasoning=True) if chat else None
     builder = CompletionBuilder("id", "tiny", chat, ByteTokenizer(), output=spec)

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from mlxhost.frontends.common.chat_output import OutputSpec, collect
 from mlxhost.engine.detokenizer import make_detokenizer_factory
+from mlxhost.serving.chat_output import OutputSpec, collect
 from mlxhost.structured.grammar import HERMES, tag_token_ids, tool_call_constraint
 from mlxhost.structured.matcher import GrammarCompiler, allocate_bitmask
 

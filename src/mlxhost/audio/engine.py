@@ -48,9 +48,9 @@ class AudioCore(EncoderCore):
 
 def audio_served(spec, config, loaded: LoadedModel):
     """(ServedModel, AsyncEngine not started) for an audio model (server.load_served's hook)."""
-    from mlxhost.frontends.audio.model import AudioInfo
-    from mlxhost.frontends.common.serving import ServedModel
     from mlxhost.engine.loop import AsyncEngine
+    from mlxhost.serving.audio import AudioInfo
+    from mlxhost.serving.model import ServedModel
 
     model = loaded.model
     info = AudioInfo(task=model.task, kind=model.kind, sample_rate=getattr(model, "sample_rate", 16000),

@@ -22,7 +22,6 @@ from mlxhost.frontends.common.errors import install_error_handlers
 from mlxhost.frontends.common.gateway import Gateway, chat_request, completion_request
 from mlxhost.frontends.common.metrics import CountRequests, Metrics
 from mlxhost.frontends.common.prefixes import ClientAgent
-from mlxhost.frontends.common.prompt_bound import PrepPool
 from mlxhost.frontends.embeddings.routes import add_embeddings_route
 from mlxhost.frontends.mcp.routes import add_mcp_routes
 from mlxhost.frontends.ollama import add_ollama_routes
@@ -31,6 +30,7 @@ from mlxhost.frontends.rerank import add_rerank_routes
 from mlxhost.frontends.responses.routes import add_responses_routes
 from mlxhost.frontends.responses.translate import prefill_request as responses_prefill
 from mlxhost.server.manager import ModelManager
+from mlxhost.serving.prompt_bound import PrepPool
 
 log = logging.getLogger(__name__)
 

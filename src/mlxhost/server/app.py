@@ -10,10 +10,10 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from mlxhost.frontends.app import create_app
-from mlxhost.frontends.common.fim import fim_for
-from mlxhost.frontends.common.prompt_bound import max_token_chars, read_vocab
+from mlxhost.serving.fim import fim_for
+from mlxhost.serving.prompt_bound import max_token_chars, read_vocab
 from mlxhost.frontends.common.security import install_security
-from mlxhost.frontends.common.serving import ServedModel
+from mlxhost.serving.model import ServedModel
 from mlxhost.frontends.admin.web import add_web_routes
 from mlxhost.config import EngineConfig, ModelSpec, ServerConfig
 from mlxhost.engine.loop import AsyncEngine

@@ -11,10 +11,10 @@ from fastapi import FastAPI, Request
 
 from mlxhost.frontends.common.errors import APIError, error_response
 from mlxhost.frontends.common.gateway import RETRY_AFTER_S
-from mlxhost.frontends.common.schemas import StrictModel
 from mlxhost.lora.adapters import AdapterBusy, AdapterError, AdapterNoRoom
 from mlxhost.models.extras import MissingExtraError
 from mlxhost.server.manager import ModelUnavailableError, UnknownModelError
+from mlxhost.serving.schemas import StrictModel
 
 
 class LoadModelBody(StrictModel):

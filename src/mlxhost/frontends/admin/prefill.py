@@ -18,8 +18,8 @@ from pydantic import ValidationError
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import Gateway
 from mlxhost.frontends.common.keys import current_grant
-from mlxhost.frontends.common.schemas import SamplingFields
 from mlxhost.frontends.common.sse import client_gone
+from mlxhost.serving.schemas import SamplingFields
 
 Translate = Callable[[dict], SamplingFields]
 # Fields about the reply, which a prefill does not make: dropped, so their checks cannot refuse it.

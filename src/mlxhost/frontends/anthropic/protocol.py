@@ -9,7 +9,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import ConfigDict, Discriminator, Field, Tag
 
-from mlxhost.frontends.common.schemas import MAX_STOP_STRINGS, StrictModel
+from mlxhost.serving.schemas import MAX_STOP_STRINGS, StrictModel
 
 
 class _Block(StrictModel):

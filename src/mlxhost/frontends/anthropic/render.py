@@ -14,10 +14,10 @@ import uuid
 from typing import AsyncIterator
 
 from mlxhost.engine.request import RequestOutput
-from mlxhost.frontends.common.chat_output import ChatOutput, ReasoningDelta, collect
 from mlxhost.frontends.common.gateway import Opened, Whole
 from mlxhost.frontends.common.metrics import RequestTimer
 from mlxhost.frontends.common.sse import heartbeats, sse_event
+from mlxhost.serving.chat_output import ChatOutput, ReasoningDelta, collect
 from mlxhost.structured.grammar import GrammarFailure
 from mlxhost.structured.tool_parsers import ContentDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 

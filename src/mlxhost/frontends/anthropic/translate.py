@@ -30,7 +30,7 @@ from mlxhost.frontends.anthropic.protocol import (
 )
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import chat_request
-from mlxhost.frontends.common.schemas import (
+from mlxhost.serving.schemas import (
     DEFAULT_CACHE_TTL_S,
     ChatCompletionRequest,
     adjacent_systems_joined,

@@ -21,8 +21,8 @@ from pydantic import ConfigDict, Field
 from mlxhost.frontends.audio.media import CONTENT_TYPES, SpeechEncoder
 from mlxhost.frontends.audio.transcriptions import check_audio_model
 from mlxhost.frontends.common.errors import APIError, clip
-from mlxhost.frontends.common.schemas import StrictModel
 from mlxhost.frontends.common.sse import sse
+from mlxhost.serving.schemas import StrictModel
 
 MAX_INPUT_CHARS = 4096  # OpenAI's limit
 

@@ -15,36 +15,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlxhost.engine.loop import EngineClosedError
+from mlxhost.serving.errors import APIError, clip
 
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers
-
-
-# Values a client sent are echoed at most this long: a 10 MB model name must not come back whole.
-MAX_ECHO_CHARS = 200
 # Backstop for a whole message (a few clipped values and the text around them).
 _MAX_MESSAGE_CHARS = 2000
-
-
-def clip(value: object, limit: int = MAX_ECHO_CHARS) -> str:
-    """`value` as text, cut to `limit` characters with a note saying how long it was."""
-    text = value if isinstance(value, str) else str(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

@@ -1,7 +1,7 @@
 """The one way into an engine for every API dialect: lease → prepare → admission → generate, and back.
 
 Each dialect (openai/, anthropic/, responses/, ollama/, rerank/) translates its body into the one internal
-request, an OpenAI `ChatCompletionRequest`/`CompletionRequest` (common/schemas.py), opens it here, and
+request, an OpenAI `ChatCompletionRequest`/`CompletionRequest` (serving/schemas.py), opens it here, and
 ends its handler with `Gateway.reply`: its own frames streamed, or the whole reply rendered once collected.
 Embedding work goes through here too (`Gateway.embed`). Imports no MLX.
 """
@@ -20,15 +20,16 @@ from pydantic import ValidationError
 
 from mlxhost.engine.request import RequestOutput
 from mlxhost.engine.scheduler import QueueFullError
-from mlxhost.frontends.common.embedding import embed_token_lists
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.keys import current_grant
 from mlxhost.frontends.common.metrics import Metrics, RequestTimer
 from mlxhost.frontends.common.prefixes import PrefixCaptures, client_agent
-from mlxhost.frontends.common.prompt_bound import PrepPool
-from mlxhost.frontends.common.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from mlxhost.frontends.common.serving import Prepared, ServedModel, prepare
 from mlxhost.frontends.common.sse import EVENT_STREAM, client_gone, event_stream
+from mlxhost.serving.embedding import embed_token_lists
+from mlxhost.serving.model import ServedModel
+from mlxhost.serving.prepare import Prepared, prepare
+from mlxhost.serving.prompt_bound import PrepPool
+from mlxhost.serving.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mlxhost.structured.grammar import GrammarFailure
 
 RETRY_AFTER_S = "1"

@@ -10,7 +10,6 @@ from typing import Any
 
 from fastapi import Request
 
-from mlxhost.frontends.common.chat_output import collect
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import Gateway, chat_request
 from mlxhost.frontends.common.keys import current_grant
@@ -22,6 +21,7 @@ from mlxhost.mcp.loop import (
     Toolset,
     ToolsetError,
 )
+from mlxhost.serving.chat_output import collect
 
 
 class ClientGone(Exception):

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-from mlxhost.frontends.common.schemas import ChatCompletionRequest
+from mlxhost.serving.schemas import ChatCompletionRequest
 
 # The User-Agent of the request being handled ('' when it sent none); set by `ClientAgent`.
 client_agent: ContextVar[str] = ContextVar("client_agent", default="")

@@ -6,7 +6,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field
 
-from mlxhost.frontends.common.schemas import StrictModel
+from mlxhost.serving.schemas import StrictModel
 
 # OpenAI's own limit on inputs per request.
 MAX_INPUTS = 2048

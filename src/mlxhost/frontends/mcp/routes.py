@@ -11,9 +11,9 @@ from fastapi import FastAPI, Request
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import Gateway
 from mlxhost.frontends.common.mcp_rounds import allowed_servers, check_key, manager
-from mlxhost.frontends.common.schemas import StrictModel
 from mlxhost.mcp.client import McpCallError
 from mlxhost.mcp.loop import ServerChoice
+from mlxhost.serving.schemas import StrictModel
 
 
 class McpCallRequest(StrictModel):

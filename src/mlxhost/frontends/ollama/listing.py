@@ -94,7 +94,7 @@ def capabilities(config: dict, served: Any) -> list[str]:
         if served.embedding_only:
             return ["embedding"]
         caps = ["completion"]
-        caps += ["insert"] if served.fim is not None else []  # `suffix` (frontends/common/fim.py)
+        caps += ["insert"] if served.fim is not None else []  # `suffix` (serving/fim.py)
         caps += ["tools"] if served.tool_parser else []
         caps += ["thinking"] if served.reasoning_tags else []
         caps += ["vision"] if served.multimodal is not None else []

@@ -14,10 +14,10 @@ from datetime import datetime, timezone
 from typing import Any, AsyncIterator, Optional
 
 from mlxhost.engine.request import RequestOutput
-from mlxhost.frontends.common.chat_output import ChatOutput, ReasoningDelta
 from mlxhost.frontends.common.gateway import Opened
 from mlxhost.frontends.common.metrics import RequestTimer
 from mlxhost.frontends.common.sse import heartbeats
+from mlxhost.serving.chat_output import ChatOutput, ReasoningDelta
 from mlxhost.structured.tool_parsers import ContentDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 
 NDJSON = "application/x-ndjson"

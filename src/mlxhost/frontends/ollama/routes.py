@@ -18,7 +18,6 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from mlxhost.engine.request import RequestOutput
-from mlxhost.frontends.common.embedding import tokenize_texts
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import Gateway
 from mlxhost.frontends.common.sse import client_gone
@@ -35,6 +34,7 @@ from mlxhost.frontends.ollama.protocol import (
 from mlxhost.frontends.ollama.pulling import default_pull, hub_id, pull_error, pull_lines
 from mlxhost.frontends.ollama.render import NDJSON, Durations, Reply, line, now_iso, stream_reply
 from mlxhost.frontends.ollama.translate import to_chat, to_generate
+from mlxhost.serving.embedding import tokenize_texts
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import chat_request, completion_request
-from mlxhost.frontends.common.schemas import CompletionRequest
 from mlxhost.frontends.ollama.protocol import ChatRequest, GenerateRequest, Message
+from mlxhost.serving.schemas import CompletionRequest
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def to_chat(body: ChatRequest):
 def to_generate(body: GenerateRequest, tokenizer: Any):
     """A generate body as a chat request (the model's template around `system` and `prompt`), a completion
     of token ids when `raw` or `context` asks for the prompt as it is, or with `suffix` a fill-in-the-middle
-    completion (frontends/common/fim.py builds its prompt, as for OpenAI's `suffix`)."""
+    completion (serving/fim.py builds its prompt, as for OpenAI's `suffix`)."""
     if body.template:
         raise APIError(400, "a per-request template is not supported: the model's chat template is used", "template")
     fields = _common(body, "/api/generate")

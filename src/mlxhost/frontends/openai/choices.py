@@ -14,9 +14,9 @@ from mlxhost.engine.request import RequestOutput
 from mlxhost.frontends.common.errors import failed_request_body
 from mlxhost.frontends.common.gateway import Gateway, Opened
 from mlxhost.frontends.common.metrics import RequestTimer
-from mlxhost.frontends.common.schemas import SamplingFields
 from mlxhost.frontends.common.sse import SSE_DONE, client_gone, event_stream, sse
 from mlxhost.frontends.openai.render import CompletionBuilder, completion_usage, echo_text
+from mlxhost.serving.schemas import SamplingFields
 
 
 async def complete_choices(gateway: Gateway, body: SamplingFields, raw: Request, chat: bool, opened: Opened):

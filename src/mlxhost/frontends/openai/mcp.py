@@ -17,10 +17,10 @@ from mlxhost.frontends.common.mcp_rounds import (
     opened_toolset,
     unapproved,
 )
-from mlxhost.frontends.common.schemas import ChatCompletionRequest
 from mlxhost.frontends.common.sse import client_gone
 from mlxhost.frontends.openai.render import CompletionBuilder
 from mlxhost.mcp.loop import run_tool_loop
+from mlxhost.serving.schemas import ChatCompletionRequest
 
 
 async def chat_with_mcp(gateway: Gateway, body: ChatCompletionRequest, raw: Request):

@@ -8,9 +8,9 @@ from dataclasses import replace
 from typing import Any
 
 from mlxhost.engine.request import RequestOutput, TokenLogprob
-from mlxhost.frontends.common.chat_output import ChatOutput, OutputSpec, ReasoningDelta, collect
-from mlxhost.frontends.common.schemas import CompletionRequest, SamplingFields
 from mlxhost.frontends.common.sse import sse
+from mlxhost.serving.chat_output import ChatOutput, OutputSpec, ReasoningDelta, collect
+from mlxhost.serving.schemas import CompletionRequest, SamplingFields
 from mlxhost.structured.tool_parsers import ContentDelta, ToolCallArgsDelta, ToolCallStart
 
 

@@ -12,11 +12,11 @@ from mlxhost.engine.request import RequestOutput
 from mlxhost.frontends.common.errors import error_body, failed_request_body
 from mlxhost.frontends.common.gateway import Gateway
 from mlxhost.frontends.common.metrics import RequestTimer
-from mlxhost.frontends.common.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mlxhost.frontends.common.sse import SSE_DONE, heartbeats, sse
 from mlxhost.frontends.openai.choices import complete_choices
 from mlxhost.frontends.openai.mcp import chat_with_mcp
 from mlxhost.frontends.openai.render import CompletionBuilder, echo_text
+from mlxhost.serving.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 
 def add_model_list_route(app: FastAPI, models) -> None:

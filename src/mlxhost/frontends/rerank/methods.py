@@ -21,11 +21,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from mlxhost.frontends.common.embedding import MAX_BATCH_TOKENS, tokenize_texts
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import Gateway, chat_request
-from mlxhost.frontends.common.schemas import CompletionRequest
 from mlxhost.frontends.rerank.protocol import DEFAULT_INSTRUCTION
+from mlxhost.serving.embedding import MAX_BATCH_TOKENS, tokenize_texts
+from mlxhost.serving.schemas import CompletionRequest
 
 # One-token requests in flight at once for yes/no scoring: the scheduler batches them; more would only
 # wait in its queue (and could fill it).

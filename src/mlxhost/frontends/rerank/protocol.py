@@ -7,7 +7,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from mlxhost.frontends.common.schemas import refusing
+from mlxhost.serving.schemas import refusing
 
 MAX_DOCUMENTS = 1000  # Cohere's own limit per request
 METHODS = ("cross_encoder", "yes_no", "embedding")

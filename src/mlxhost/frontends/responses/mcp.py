@@ -17,7 +17,6 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from mlxhost.frontends.common.chat_output import ChatOutput, OutputSpec
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import Gateway
 from mlxhost.frontends.common.mcp_rounds import (
@@ -51,6 +50,7 @@ from mlxhost.mcp.loop import (
     execute,
     run_tool_loop,
 )
+from mlxhost.serving.chat_output import ChatOutput, OutputSpec
 
 
 def uses_mcp(gateway: Gateway, body: ResponsesRequest, items: list[dict]) -> bool:

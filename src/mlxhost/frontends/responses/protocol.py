@@ -7,8 +7,8 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import AfterValidator, ConfigDict, Discriminator, Field, Tag, TypeAdapter
 
-from mlxhost.frontends.common.schemas import StrictModel, refusing
 from mlxhost.frontends.responses.tools import AnyChoice, AnyTool
+from mlxhost.serving.schemas import StrictModel, refusing
 
 
 class _Echoed(StrictModel):

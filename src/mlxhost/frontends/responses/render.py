@@ -12,9 +12,9 @@ import uuid
 from typing import AsyncIterator, Callable
 
 from mlxhost.engine.request import RequestOutput
-from mlxhost.frontends.common.chat_output import ChatOutput, OutputSpec, ReasoningDelta
 from mlxhost.frontends.common.metrics import RequestTimer
 from mlxhost.frontends.common.sse import heartbeats, sse_event
+from mlxhost.serving.chat_output import ChatOutput, OutputSpec, ReasoningDelta
 from mlxhost.structured.tool_parsers import ContentDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 
 

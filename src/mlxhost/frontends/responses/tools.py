@@ -15,10 +15,10 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import ConfigDict, Discriminator, Field, Tag
 
-from mlxhost.frontends.common.chat_output import OutputSpec
 from mlxhost.frontends.common.errors import APIError
-from mlxhost.frontends.common.schemas import StrictModel
 from mlxhost.frontends.responses.render import ResponseRenderer
+from mlxhost.serving.chat_output import OutputSpec
+from mlxhost.serving.schemas import StrictModel
 
 log = logging.getLogger(__name__)
 

@@ -10,13 +10,6 @@ from typing import Optional, Union
 
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import chat_request
-from mlxhost.frontends.common.schemas import (
-    ChatCompletionRequest,
-    adjacent_systems_joined,
-    effort,
-    log_unused,
-    unused_fields,
-)
 from mlxhost.frontends.responses.protocol import (
     INPUT_ITEMS,
     FunctionCallItem,
@@ -30,6 +23,13 @@ from mlxhost.frontends.responses.protocol import (
 )
 from mlxhost.frontends.responses.render import new_id
 from mlxhost.frontends.responses.tools import ServedTools, chat_tool_choice, served_tools
+from mlxhost.serving.schemas import (
+    ChatCompletionRequest,
+    adjacent_systems_joined,
+    effort,
+    log_unused,
+    unused_fields,
+)
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from mlxhost.frontends.common.errors import APIError
+from mlxhost.serving.errors import APIError
 
 # Padded tokens (rows x longest input) an encoder runs in one call. Encoders have their own engine thread,
 # but share the device with the decoders' streams: smaller batches keep a big request from holding it long.

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from mlxhost.frontends.common.prompt_bound import read_vocab
+from mlxhost.serving.prompt_bound import read_vocab
 
 log = logging.getLogger(__name__)
 

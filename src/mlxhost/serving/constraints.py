@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxhost.frontends.common.chat_output import OutputSpec
-from mlxhost.frontends.common.errors import APIError
-from mlxhost.frontends.common.schemas import ChatCompletionRequest, SamplingFields
+from mlxhost.serving.chat_output import OutputSpec
+from mlxhost.serving.errors import APIError
+from mlxhost.serving.schemas import ChatCompletionRequest, SamplingFields
 from mlxhost.structured.grammar import (
     HERMES,
     LLAMA3_JSON,

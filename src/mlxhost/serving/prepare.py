@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any
 
 from mlxhost.engine.request import Request, SamplingParams
-from mlxhost.frontends.common.chat_output import OutputSpec
-from mlxhost.frontends.common.constraints import output_constraint
-from mlxhost.frontends.common.errors import APIError, clip
-from mlxhost.frontends.common.prompt_bound import check_text_fits
-from mlxhost.frontends.common.schemas import (
+from mlxhost.serving.chat_output import OutputSpec
+from mlxhost.serving.constraints import output_constraint
+from mlxhost.serving.errors import APIError
+from mlxhost.serving.model import ServedModel
+from mlxhost.serving.prompt_bound import check_text_fits
+from mlxhost.serving.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -21,38 +21,6 @@ from mlxhost.frontends.common.schemas import (
     TextPart,
     system_merged,
 )
-
-
-@dataclass
-class ServedModel:
-    """What the HTTP layer knows about the model it serves (no MLX objects besides the tokenizer)."""
-
-    name: str
-    aliases: frozenset[str]
-    tokenizer: Any
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: frozenset[int]
-    default_max_tokens: int
-    created: int
-    # Vision-language models: builds prompts with images/videos (multimodal.prompt); None: text only.
-    multimodal: Any = None
-    # How replies carry tool calls (a `structured.tool_parsers` name; None: no tool calling) and
-    # reasoning ((start, end) tags; None: no reasoning), from the chat template / --tool-call-parser.
-    tool_parser: str | None = None
-    reasoning_tags: tuple[str, str] | None = None
-    thinks_by_default: bool = False  # think tokens in the vocabulary: the model may reason unasked
-    max_tokens_cap: int | None = None  # --max-tokens-cap: most completion tokens one request may ask for
-    max_token_chars: int = 0  # longest vocabulary string: the cheap length bound (prompt_bound.py); 0: none
-    embedding_only: bool = False  # an encoder (BERT-style) model: /v1/embeddings only (engine/encoder.py)
-    audio: Any = None  # an audio model (frontends/audio/model.py AudioInfo): /v1/audio/* only
-    fim: Any = None  # its fill-in-the-middle prompt (fim.Fim), when its vocabulary has the markers
-    adapter: str = ""  # a LoRA adapter served on this model (lora/registry.py): the id its requests carry
-
-    def check_name(self, requested: str) -> None:
-        if requested != self.name and requested not in self.aliases:
-            raise APIError(404, f"The model `{clip(requested)}` does not exist; this server serves `{self.name}`.",
-                           "model", "model_not_found")
 
 
 def _render_multimodal(model: ServedModel, body: ChatCompletionRequest) -> tuple[list[int], tuple]:

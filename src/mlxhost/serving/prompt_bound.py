@@ -19,7 +19,7 @@ import concurrent.futures
 import logging
 from typing import Any, Callable, TypeVar
 
-from mlxhost.frontends.common.errors import APIError
+from mlxhost.serving.errors import APIError
 
 log = logging.getLogger(__name__)
 
