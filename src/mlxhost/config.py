@@ -1,10 +1,27 @@
-"""Typed configuration, validated once at start-up and passed down."""
+"""Typed configuration, validated once at start-up and passed down.
+
+The lowest room: it imports nothing of the package (tests/test_import_layers.py), so every room may read it.
+Names that live in a registry (speculative proposers, tool-call parsers) are checked where the registry is:
+`mlxhost serve` checks them before anything loads (server/serve_command.py), and an engine refuses an
+unknown proposer when it is built.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from mlxhost.mcp.config import McpConfig
+if TYPE_CHECKING:
+    from mlxhost.mcp.config import McpConfig
+
+# How the weights get from disk into MLX arrays (models/loader.py, which reads them; its choose_load_strategy
+# has the measured rule for "auto"):
+# "mlx-lm": mlx-lm's load: lazy mx.load per file, one mx.eval of all parameters; MLX reads each
+#           tensor with pread on a small thread pool straight into its own buffer.
+# "chunked": the same lazy load, evaluated a few hundred MB at a time in model order.
+# "mmap":   the files memory-mapped, each tensor copied from the mapping into an MLX array, its
+#           pages dropped from our address space as soon as it is copied.
+LOAD_STRATEGIES = ("mlx-lm", "chunked", "mmap")
 
 
 @dataclass(frozen=True)
@@ -97,10 +114,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.draft_model and self.speculative == "off":
             object.__setattr__(self, "speculative", "draft")
-        from mlxhost.engine.spec.registry import proposer_names  # plain Python: the proposers' names
-
-        if self.speculative not in ("off", "auto") and self.speculative not in proposer_names():
-            raise ValueError(f"speculative must be off, auto or one of {', '.join(proposer_names())}")
         if self.speculative in ("eagle3", "mtp") and not self.draft_model:
             raise ValueError(f"speculative decoding with {self.speculative} needs draft_model (the head's folder)")
         if self.speculative == "draft" and not self.draft_model:
@@ -292,8 +305,6 @@ class ServerConfig:
     mcp: McpConfig | None = None  # MCP servers whose tools requests may use (mcp/, docs/mcp.md); None: no MCP
 
     def __post_init__(self) -> None:
-        from mlxhost.models.loader import LOAD_STRATEGIES
-
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         if not 0 <= self.port <= 65535:
@@ -304,10 +315,6 @@ class ServerConfig:
             raise ValueError(f"fim must be auto, on or off, got {self.fim!r}")
         if self.load_strategy != "auto" and self.load_strategy not in LOAD_STRATEGIES:
             raise ValueError(f"load_strategy must be auto or one of {LOAD_STRATEGIES}, got {self.load_strategy!r}")
-        if self.tool_call_parser is not None:
-            from mlxhost.structured.tool_formats import get_tool_parser
-
-            get_tool_parser(self.tool_call_parser)  # an unknown name fails here, listing the names
         if self.models and self.model is not None:
             raise ValueError("name one model (positional) or several (--model / --models-config), not both")
         names = [n for spec in self.models for n in (spec.name, *spec.aliases)]

@@ -9,7 +9,7 @@ import pytest
 from mlxhost.engine.core import EngineCore
 from mlxhost.engine.request import Request, SamplingParams
 from mlxhost.engine.spec.proposer import Proposer
-from mlxhost.engine.spec.registry import PROPOSERS, proposer_names
+from mlxhost.engine.spec.registry import PROPOSERS, make_proposer, proposer_names
 from mlxhost.models.loader import load_model
 from mlxhost.config import EngineConfig
 
@@ -53,7 +53,7 @@ def requests() -> list[Request]:
 def test_unknown_proposer_is_refused():
     assert "repeat" not in proposer_names()
     with pytest.raises(ValueError, match="speculative"):
-        EngineConfig(speculative="repeat")
+        make_proposer("repeat", EngineConfig(speculative="repeat"), 16)
 
 
 def test_a_registered_proposer_runs_greedy_requests_as_plain_decoding_does(repeat, qwen3_model_dir):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from mlxhost.config import EngineConfig, ModelSpec, ServerConfig
 from mlxhost.server import cli, serve_command
 
 
@@ -30,3 +31,15 @@ def test_a_mistyped_command_gets_the_closest(capsys):
 def test_an_unknown_command_with_no_close_one_lists_them(capsys):
     err = _fails(["frobnicate"], capsys)[0]
     assert err.startswith("mlxhost: error: unknown command 'frobnicate'; the commands: serve, pull, list")
+
+
+def test_names_a_registry_holds_are_checked_before_anything_loads():
+    serve_command.check_registered_names(ServerConfig(engine=EngineConfig(speculative="ngram"),
+                                                      tool_call_parser="hermes"))
+    with pytest.raises(ValueError, match="speculative must be off, auto or one of .*ngram"):
+        serve_command.check_registered_names(ServerConfig(engine=EngineConfig(speculative="nope")))
+    file_model = ModelSpec(name="m", source="/m", engine=EngineConfig(speculative="nope"))
+    with pytest.raises(ValueError, match="'nope'"):
+        serve_command.check_registered_names(ServerConfig(models=(file_model,)))
+    with pytest.raises(ValueError, match="nope"):
+        serve_command.check_registered_names(ServerConfig(tool_call_parser="nope"))

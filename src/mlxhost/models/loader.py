@@ -11,17 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlxhost.config import LOAD_STRATEGIES
+
 log = logging.getLogger(__name__)
 
 _DEFAULT_MAX_MODEL_LEN = 4096
 
-# How the weights get from disk into MLX arrays (see choose_load_strategy for the measured rule):
-# "mlx-lm": mlx-lm's load: lazy mx.load per file, one mx.eval of all parameters; MLX reads each
-#           tensor with pread on a small thread pool straight into its own buffer.
-# "chunked": the same lazy load, evaluated a few hundred MB at a time in model order.
-# "mmap":   the files memory-mapped, each tensor copied from the mapping into an MLX array, its
-#           pages dropped from our address space as soon as it is copied.
-LOAD_STRATEGIES = ("mlx-lm", "chunked", "mmap")
 _CHUNK_BYTES = 256 << 20
 
 

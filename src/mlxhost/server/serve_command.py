@@ -10,9 +10,10 @@ from pathlib import Path
 
 from mlxhost.engine.spec.registry import proposer_names
 from mlxhost.platform.backend import default_prefill_step_size
-from mlxhost.config import (SERVE_MAX_DECODE_GAP_S, EngineConfig, MediaConfig, SecurityConfig, ServerConfig,
-                            parse_memory)
+from mlxhost.config import (LOAD_STRATEGIES, SERVE_MAX_DECODE_GAP_S, EngineConfig, MediaConfig, SecurityConfig,
+                            ServerConfig, parse_memory)
 from mlxhost.server.settings import fraction, size
+from mlxhost.structured.tool_formats import get_tool_parser
 
 
 def add_serve_command(sub) -> argparse.ArgumentParser:
@@ -34,8 +35,6 @@ def add_serve_command(sub) -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=ServerConfig().shutdown_timeout_s, metavar="SECONDS",
                        help="on SIGTERM/SIGINT, how long running streams may finish before they end with an error"
                             " event (a second signal ends them at once: their error events get up to 2 s to leave)")
-    from mlxhost.models.loader import LOAD_STRATEGIES
-
     serve.add_argument("--load-strategy", default="auto", choices=("auto",) + LOAD_STRATEGIES,
                        help="how weights are read: mlx-lm (its own load), chunked (a few hundred MB at a time), mmap"
                             " (memory-mapped, copied tensor by tensor); auto: by total weight size (models/loader.py)")
@@ -293,6 +292,17 @@ def _security_config(args) -> SecurityConfig:
                                          if args.allowed_hosts is not None else None))
 
 
+def check_registered_names(config: ServerConfig) -> None:
+    """The config's names that a registry holds (config.py imports none): an unknown one fails before anything loads,
+    here rather than when a model of a models file is first loaded."""
+    names = proposer_names()
+    for engine in (config.engine, *(spec.engine for spec in config.models if spec.engine is not None)):
+        if engine.speculative not in ("off", "auto", *names):
+            raise ValueError(f"speculative must be off, auto or one of {', '.join(names)}, got {engine.speculative!r}")
+    if config.tool_call_parser is not None:
+        get_tool_parser(config.tool_call_parser)  # an unknown name fails here, listing the names
+
+
 def _measurements_dir() -> str | None:
     """Start-up measurements kept between starts, beside the other caches; MLXHOST_MEASUREMENTS=0: none."""
     if os.environ.get("MLXHOST_MEASUREMENTS", "") == "0":
@@ -387,6 +397,7 @@ def _serve(args) -> int:
                               web_ui=not args.no_web_ui, batch_dir=_batch_dir(args),
                               otlp_traces_endpoint=args.otlp_traces_endpoint,
                               security=_security_config(args), mcp=_mcp_config(args), **_models_fields(args))
+        check_registered_names(config)
         from mlxhost.distributed.config import distributed_config
 
         dist = distributed_config(args)
