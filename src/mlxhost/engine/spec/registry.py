@@ -1,9 +1,9 @@
-"""The one registry of draft proposers: `--speculative NAME` picks one. Plain Python, no MLX, so the
-config can check a name without loading anything.
+"""The one registry of draft proposers: `--speculative NAME` picks one. Plain Python, no MLX, so
+`mlxhost serve` can check a name without loading anything.
 
 A proposer is a `spec.proposer.Proposer` made by `factory(config, vocab_width)`; built-in ones are
 named here by import path and loaded only when used. A new one is one line below (or, outside the
-package, one `register_proposer` call before the config is made).
+package, one `register_proposer` call before the engine is built).
 """
 
 from __future__ import annotations
