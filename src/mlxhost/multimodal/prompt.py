@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxhost.config import MediaConfig
-from mlxhost.engine.request import MediaItem
-from mlxhost.multimodal.hashing import image_hash, video_hash
 from mlxhost.multimodal.fetch import read_media_bytes
+from mlxhost.multimodal.hashing import image_hash, video_hash
 from mlxhost.multimodal.media import MediaError, decode_image
+from mlxhost.multimodal.media_item import MediaItem
 from mlxhost.multimodal.video import check_sampling, decode_video
 
 _VISION_START, _VISION_END = "<|vision_start|>", "<|vision_end|>"
