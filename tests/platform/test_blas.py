@@ -52,6 +52,12 @@ def test_a_file_that_is_no_library_keeps_mlx_blas_and_says_so(tmp_path):
     assert out.startswith("None True |") and "could be loaded" in out
 
 
+def test_one_asks_for_the_search_not_for_a_file_named_1():
+    # Taken as a path, "1" sent the loader after a library called "1" and the search never ran.
+    out = _probe(f"{blas.ENV!r}: '1'")
+    assert "(1:" not in out and ("openblas" in out.split("|")[0] or "no OpenBLAS on this machine" in out)
+
+
 @pytest.mark.needs("openblas")
 def test_the_system_openblas_is_loaded_before_mlx():
     out = _probe("")

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, distribution
 
-ENV = "MLXHOST_OPENBLAS"  # "0" keeps MLX's own BLAS; a path names the library to load
+ENV = "MLXHOST_OPENBLAS"  # "0" keeps MLX's own BLAS; a path names the library to load; "1" or unset: search
 INSTALL_HINT = "apt-get install libopenblas0-pthread"
 
 
@@ -61,6 +61,8 @@ def use_system_blas(environ: dict | None = None) -> BlasChoice:
     """Loads the system's OpenBLAS for MLX's CPU wheel when there is one; never raises."""
     environ = os.environ if environ is None else environ
     wanted = environ.get(ENV, "")
+    if wanted.lower() in ("1", "on", "true", "yes"):  # asked for OpenBLAS, not for a file named "1"
+        wanted = ""
     if not sys.platform.startswith("linux"):
         return BlasChoice(None, "not Linux")
     if wanted == "0":

@@ -33,7 +33,8 @@ def float32_bytes(model) -> int:
     total, counted = 0, set()
     for _, module in model.named_modules():
         if "scales" in module and isinstance(getattr(module, "bits", None), int):  # a quantized layer
-            total += module.weight.size * (32 // module.bits) * 4  # uint32 words of 32 // bits values each
+            # uint32 words packing 32 / bits values each (3- and 6-bit values straddle words: no floor division)
+            total += module.weight.size * 32 // module.bits * 4
             counted.update(id(module[k]) for k in ("weight", "scales", "biases") if k in module)
     for _, value in tree_flatten(model.parameters()):
         if id(value) not in counted and mx.issubdtype(value.dtype, mx.floating):
