@@ -7,9 +7,9 @@ import concurrent.futures
 import gc
 import threading
 import time
-from types import SimpleNamespace
 
-from mlxhost.engine.loop import AsyncEngine, EngineClosedError
+from mlxhost.engine.contract import Core, CoreStats, StepInfo
+from mlxhost.engine.loop import Assembled, AsyncEngine, EngineClosedError
 from mlxhost.engine.request import Request, RequestOutput, SamplingParams
 
 
@@ -19,18 +19,25 @@ class _Core:
     def __init__(self) -> None:
         self.requests: dict[str, Request] = {}
         self.aborted: list[str] = []
-        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0)
-        self.prefix = None
         self.kv_capacity_tokens = 1000
-        self.config = SimpleNamespace(memory_refresh_s=0.05)
+        self.last_step: StepInfo | None = None
         self.lock = threading.Lock()
 
     @property
     def has_work(self) -> bool:
         return bool(self.requests)
 
-    def add_request(self, request: Request) -> None:
+    def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
+
+    def stats(self) -> CoreStats:
+        return CoreStats(kv_capacity_tokens=self.kv_capacity_tokens, last_step=self.last_step)
+
+    def adapters(self) -> dict:
+        return {}
+
+    def clear_cache(self) -> int:
+        return 0
 
     def abort(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -48,10 +55,12 @@ class _Core:
         pass
 
     def status(self) -> dict:
-        return {"num_running": len(self.requests), "prefix_cache": self.cache_stats()}
+        return {"num_running": len(self.requests), "prefix_cache": {"enabled": False}}
 
-    def cache_stats(self) -> dict:
-        return {"enabled": False}
+
+def _engine(core: _Core) -> AsyncEngine:
+    assert isinstance(core, Core)
+    return AsyncEngine(lambda: Assembled(core, memory_refresh_s=0.05), max_num_waiting=10)
 
 
 def _request(rid: str) -> Request:
@@ -60,7 +69,7 @@ def _request(rid: str) -> Request:
 
 def test_a_stream_never_iterated_aborts_its_request_and_is_forgotten():
     core = _Core()
-    engine = AsyncEngine(lambda: core, max_num_waiting=10)
+    engine = _engine(core)
 
     async def main():
         engine.start(asyncio.get_running_loop())
@@ -83,7 +92,7 @@ def test_a_stream_never_iterated_aborts_its_request_and_is_forgotten():
 
 def test_a_stream_left_early_aborts_once_and_a_finished_one_not_at_all():
     core = _Core()
-    engine = AsyncEngine(lambda: core, max_num_waiting=10)
+    engine = _engine(core)
 
     async def main():
         engine.start(asyncio.get_running_loop())
@@ -112,18 +121,13 @@ def test_a_stream_left_early_aborts_once_and_a_finished_one_not_at_all():
 def test_step_trace_writes_a_line_per_step(tmp_path, monkeypatch):
     trace = tmp_path / "steps.tsv"
     monkeypatch.setenv("MLXHOST_STEP_TRACE", str(trace))
-    chunk = SimpleNamespace(num_tokens=7)
-
     class _Traced(_Core):
         def step(self):
-            self.last_sched = SimpleNamespace(prefill_chunks=[chunk, chunk], decode_request_ids=["a"])
+            self.last_step = StepInfo((7, 7), num_decoding=1, num_rows=3, execute_s=0.002, prefill_s=0.001)
             return super().step()
 
     core = _Traced()
-    core.last_sched = None
-    core.last_execute_s = 0.002
-    core.runner = SimpleNamespace(last_prefill_s=0.001, num_rows=3)
-    engine = AsyncEngine(lambda: core, max_num_waiting=10)
+    engine = _engine(core)
 
     async def main():
         engine.start(asyncio.get_running_loop())
@@ -162,7 +166,7 @@ def _held(engine: AsyncEngine) -> threading.Event:
 
 def test_reads_come_from_the_snapshot_while_the_engine_thread_is_busy():
     core = _Core()
-    engine = AsyncEngine(lambda: core, max_num_waiting=10)
+    engine = _engine(core)
 
     async def main():
         engine.start(asyncio.get_running_loop())
@@ -186,7 +190,7 @@ def test_reads_come_from_the_snapshot_while_the_engine_thread_is_busy():
 
 def test_the_shutdown_deadline_answers_calls_and_gives_up_on_a_busy_engine():
     core = _Core()
-    engine = AsyncEngine(lambda: core, max_num_waiting=10)
+    engine = _engine(core)
     release = None
 
     async def main():

@@ -9,14 +9,14 @@ import time
 
 import pytest
 
+from mlxhost.config import EngineConfig
 from mlxhost.engine.core import EngineCore
-from mlxhost.engine.loop import AsyncEngine
+from mlxhost.engine.loop import Assembled, AsyncEngine
 from mlxhost.engine.request import Request, SamplingParams
 from mlxhost.engine.runner.batch import make_buckets
 from mlxhost.engine.warmup import BackgroundWarmup
 from mlxhost.models.loader import load_model
 from mlxhost.platform.quantized_rows import ALL_TILED_ROWS, fold_quantized_rows
-from mlxhost.config import EngineConfig
 
 PIECES = ["lone prompt", "decode batch sizes", "unequal prompts joining", "prefix hits", "prompts prefilled together"]
 CONFIG = EngineConfig(max_num_seqs=8, block_size=16, prefill_step_size=48)
@@ -102,11 +102,10 @@ def test_the_engine_is_ready_before_the_warmup_ends_and_serves_during_it(loaded)
 
     def make_core():
         core = _core(loaded)
-        core.background_warmup = made["warm"] = BackgroundWarmup(8, core.runner.buckets, compiler=helper,
-                                                                 model=core.runner.model)
+        made["warm"] = BackgroundWarmup(8, core.runner.buckets, compiler=helper, model=core.runner.model)
         step = core.step
         core.step = lambda: steps.append(set(core.scheduler.running)) or step()  # what each step runs
-        return core
+        return Assembled(core, made["warm"])
 
     engine = AsyncEngine(make_core, max_num_waiting=10)
 
@@ -177,8 +176,7 @@ def test_stopping_the_engine_stops_the_helper(loaded):
 
     def make_core():
         core = _core(loaded)
-        core.background_warmup = BackgroundWarmup(8, core.runner.buckets, compiler=helper, model=core.runner.model)
-        return core
+        return Assembled(core, BackgroundWarmup(8, core.runner.buckets, compiler=helper, model=core.runner.model))
 
     engine = AsyncEngine(make_core, max_num_waiting=10)
 

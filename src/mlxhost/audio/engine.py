@@ -37,18 +37,19 @@ def load_audio_model(folder: str, config: dict, source: str) -> LoadedModel:
 
 
 class AudioCore(EncoderCore):
-    """Owns an audio model on its engine thread; generates no text."""
+    """Owns an audio model on its engine thread (engine/contract.py's Core, as an encoder's): its jobs come as
+    `AsyncEngine.call`s; it generates no text."""
 
-    def add_request(self, request) -> None:
+    def add(self, request) -> None:
         raise ValueError("an audio model cannot generate text")
 
     def status(self) -> dict:
-        return {"kind": self.model.kind, "num_running": 0, "num_waiting": 0, "prefix_cache": self.cache_stats()}
+        return {"kind": self.model.kind, "num_running": 0, "num_waiting": 0, "prefix_cache": {"enabled": False}}
 
 
 def audio_served(spec, config, loaded: LoadedModel):
     """(ServedModel, AsyncEngine not started) for an audio model (server.load_served's hook)."""
-    from mlxhost.engine.loop import AsyncEngine
+    from mlxhost.engine.loop import Assembled, AsyncEngine
     from mlxhost.serving.audio import AudioInfo
     from mlxhost.serving.model import ServedModel
 
@@ -60,7 +61,8 @@ def audio_served(spec, config, loaded: LoadedModel):
                          audio=info)
     engine_config = spec.engine or config.engine
     log.info("serving %s %s as %r (%s)", model.kind, loaded.source, spec.name, model.task)
-    return served, AsyncEngine(lambda: AudioCore(model, engine_config), max_num_waiting=engine_config.max_num_waiting)
+    return served, AsyncEngine(lambda: Assembled(AudioCore(model, engine_config)),
+                               max_num_waiting=engine_config.max_num_waiting)
 
 
 def _job_factory(model):

@@ -23,7 +23,6 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from mlxhost.kv.store.kv_store import KVBlockStore
 from mlxhost.distributed.channel import Channel
 from mlxhost.distributed.config import DistributedConfig
 from mlxhost.distributed.forward import wrap
@@ -31,6 +30,8 @@ from mlxhost.engine.core import EngineCore
 from mlxhost.engine.request import Request
 from mlxhost.engine.runner.model_runner import ModelRunner, StepTokens
 from mlxhost.engine.scheduler import SchedulerOutput
+from mlxhost.engine.warmup import BackgroundWarmup, tile_compiler
+from mlxhost.kv.store.kv_store import KVBlockStore
 from mlxhost.memory.profile import startup_budget
 from mlxhost.platform.quantized_rows import row_layers, set_tiled_rows
 
@@ -299,28 +300,26 @@ class DistributedEngineCore(EngineCore):
         if len(blocks) not in (0, len(everyone)):
             raise ValueError("some ranks have a prefix cache and others none: start them with the same flags")
 
-    def warmup(self, max_batch: int, prompt_len: int = 16, background: bool = False) -> None:
+    def warmup(self, max_batch: int, prompt_len: int = 16, background: bool = False, source: str | None = None,
+               compile_tiles: bool = False) -> BackgroundWarmup | None:
         """Rank 0 drives it: every warm-up step is a plan the other ranks run too (same shapes, same kernels
         compiled on every rank at the same time). On MLX-CUDA, where every rank runs on rank 0's host (and
         shares its kernel cache), the tiled quantized kernels compile in helper processes meanwhile
         (engine/warmup.py), as one rank's do: until they are ready the quantized layers dequantize those rows,
         on every rank (the plans carry the limit). `background` (`--warmup auto` / `background`): what the
-        helpers have left once the pieces are done goes on while serving (`background_warmup`, polled by the
-        engine loop); otherwise it is waited for. Ranks on other hosts would meet a switch to the tiled kernels
-        with an empty cache and compile inside a serving step: there the warm-up compiles them itself."""
-        from mlxhost.engine.warmup import BackgroundWarmup, tile_compiler
-        from mlxhost.platform.backend import is_cuda
-
+        helpers have left once the pieces are done goes on while serving (returned: the engine loop polls it);
+        otherwise it is waited for. Ranks on other hosts would meet a switch to the tiled kernels
+        with an empty cache and compile inside a serving step: there the warm-up compiles them itself.
+        `compile_tiles` (MLX-CUDA) asks for the tile helpers; no piece helper (`source`) runs beside the ranks."""
         log.info("warm-up over %d ranks starts", self.ctx.dist.world_size)
-        compiler = tile_compiler(self) if is_cuda() and self.ctx.one_host else None
+        compiler = tile_compiler(self.warmup_target()) if compile_tiles and self.ctx.one_host else None
         warm = BackgroundWarmup(max_batch, self.runner.buckets, prompt_len, compiler=compiler, model=self.runner.model)
         try:
             warm.run_to_end(self, helpers=not background)
         except BaseException:
             warm.close()
             raise
-        if not warm.finished:
-            self.background_warmup = warm
+        return None if warm.finished else warm
 
     def status(self) -> dict:
         dist = self.ctx.dist

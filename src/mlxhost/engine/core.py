@@ -14,22 +14,29 @@ from typing import Any
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxhost.config import EngineConfig
+from mlxhost.engine.contract import CoreStats, StepInfo
+from mlxhost.engine.detokenizer import StopStringMatcher, make_detokenizer_factory
+from mlxhost.engine.grammar import GrammarSource
+from mlxhost.engine.request import Request, RequestOutput
 from mlxhost.engine.runner.batch import can_batch
 from mlxhost.engine.runner.batch_prefill import why_not_batched
-from mlxhost.engine.grammar import GrammarSource
-from mlxhost.engine.detokenizer import StopStringMatcher, make_detokenizer_factory
-from mlxhost.engine.request import Request, RequestOutput
 from mlxhost.engine.runner.model_runner import ModelRunner
 from mlxhost.engine.runner.sampling import reseed_after_failure
 from mlxhost.engine.scheduler import Scheduler
-from mlxhost.kv.kinds.kv_quant import plan_kv_quant
-from mlxhost.kv.store.kv_store import KVBlockStore
 from mlxhost.engine.spec.setup import make_speculative, reserve_draft
+from mlxhost.engine.status import (
+    cache_stats,
+    describe_progress,
+    memory_status,
+    request_progress,
+    spec_stats,
+    vision_stats,
+)
+from mlxhost.engine.warmup import BackgroundWarmup, WarmupTarget, make_warmup, warm_up
+from mlxhost.kv.kinds.kv_quant import plan_kv_quant
 from mlxhost.kv.kinds.probe import probe_kv
+from mlxhost.kv.store.kv_store import KVBlockStore
 from mlxhost.kv.store.setup import make_prefix_cache
-from mlxhost.engine.status import (cache_stats, describe_last_step, describe_progress, engine_status, request_progress,
-                                   spec_stats, vision_stats)
-from mlxhost.engine.warmup import warm_up
 from mlxhost.memory.budget import reserve_state
 from mlxhost.memory.capacity import KVCapacity
 from mlxhost.memory.pressure import MemoryGovernor
@@ -137,8 +144,8 @@ class EngineCore:
                  f", {config.kv_prealloc_tokens} reserved per batch up front" if config.kv_prealloc_tokens else "")
         self._requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
-        self.last_sched = None
-        self.last_execute_s = 0.0
+        self.max_model_len = max_model_len
+        self.last_step: StepInfo | None = None  # what the last step ran (slow-step log, step trace)
 
     def _startup_budget(self, model: Any, chunk_tokens: int, rules: Any, make_cache: Any = None):
         # A distributed core overrides this: every rank must run the same profiling forwards.
@@ -152,7 +159,7 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def add_request(self, request: Request) -> None:
+    def add(self, request: Request) -> None:
         self.scheduler.add_request(request)
         self._requests[request.request_id] = request
         self._text[request.request_id] = _TextState(
@@ -160,9 +167,30 @@ class EngineCore:
             StopStringMatcher(request.sampling.stop),
         )
 
+    add_request = add  # the name tests and benchmarks drive a bare core by
+
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
         self._forget(request_id)
+
+    def stats(self) -> CoreStats:
+        prefix, spec, scheduler = self.prefix, self.spec, self.scheduler
+        return CoreStats(
+            scheduler.num_running,
+            scheduler.num_waiting,
+            *((prefix.num_queried_tokens, prefix.num_hit_tokens, prefix.pool.num_cached) if prefix else (0, 0, 0)),
+            kv_bytes_per_token=self.probe.bytes_per_token,
+            spec_drafted_tokens=spec.stats.num_drafted if spec is not None else 0,
+            spec_accepted_tokens=spec.stats.num_accepted if spec is not None else 0,
+            spec_max_batch=spec.max_batch if spec is not None else 0,
+            spec_big_batch_steps=spec.stats.num_big_batch_steps if spec is not None else 0,
+            spec_kind=spec.mode if spec is not None else "",
+            kv_capacity_tokens=self.kv_capacity.tokens,
+            last_step=self.last_step,
+        )
+
+    def adapters(self) -> dict:
+        return self.runner.lora.stats()["adapters"] if len(self.runner.lora) else {}
 
     def step(self) -> list[RequestOutput]:
         if self.governor is not None:
@@ -170,7 +198,6 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        self.last_sched = sched  # what the step ran, for the slow-step log line
         for chunk in sched.prefill_chunks:  # a prompt's first chunk ends its wait in the queue
             request = self._requests.get(chunk.request_id)
             if request is not None and request.scheduled_time is None:
@@ -181,10 +208,15 @@ class EngineCore:
         except Exception as exc:  # a failure the runner could not pin on requests: the last resort
             log.exception("engine step failed")
             return self._fail_all(f"engine step failed: {exc}")
-        self.last_execute_s = time.perf_counter() - started
+        execute_s = time.perf_counter() - started
+        runner = self.runner
+        chunk_tokens = tuple(c.num_tokens for c in sched.prefill_chunks)
+        self.last_step = StepInfo(chunk_tokens, len(sched.decode_request_ids), runner.num_rows,
+                                  sum(len(ops) for ops in sched.store_ops.values()), execute_s, runner.last_prefill_s,
+                                  runner.last_store_s, runner.last_join_s, runner.last_decode_s)
         # The whole step, not the runner's phases: a prefill's device work may finish inside the decode read-back.
-        num_prefilled = sum(c.num_tokens for c in sched.prefill_chunks)
-        self.scheduler.step_cost.observe(num_prefilled, len(sched.decode_request_ids), self.last_execute_s)
+        num_prefilled = sum(chunk_tokens)
+        self.scheduler.step_cost.observe(num_prefilled, len(sched.decode_request_ids), execute_s)
         if num_prefilled and log.isEnabledFor(logging.DEBUG):
             now = time.monotonic()
             log.debug("prefill: %s", "; ".join(describe_progress(request_progress(self._requests[c.request_id], now))
@@ -239,12 +271,25 @@ class EngineCore:
         self._forget(request_id)
         return RequestOutput(request_id, [], "", request.num_prompt_tokens, request.num_output_tokens, error=message)
 
-    def warmup(self, max_batch: int, prompt_len: int = 16, background: bool = False) -> None:
-        # `background` matters to a distributed core only (its ranks warm up in step before serving).
-        warm_up(self, max_batch, prompt_len)  # warmup.py
+    def warmup(self, max_batch: int, prompt_len: int = 16, background: bool = False, source: str | None = None,
+               compile_tiles: bool = False) -> BackgroundWarmup | None:
+        """The warm-up (warmup.py): all of it now, or with `background` the one the engine loop runs between
+        requests, returned (`compile_tiles` and `source`: its helper processes on MLX-CUDA)."""
+        if background:
+            return make_warmup(self, max_batch, compile_tiles, source)
+        warm_up(self, max_batch, prompt_len)
+        return None
 
-    def describe_last_step(self) -> str:
-        return describe_last_step(self)
+    def warmup_target(self) -> WarmupTarget:
+        """What the warm-up sizes its pieces and helper processes by."""
+        return WarmupTarget(self.config, self.max_model_len, self.runner.buckets, self.runner.model, self.budget,
+                            self.kv_bytes_per_token)
+
+    def reset_prefix_cache(self) -> None:
+        """Drops the memory tier's blocks and the hit counters (the warm-up's are no one's prefix)."""
+        if self.prefix is not None:
+            self.prefix.clear()
+            self.prefix.reset_stats()
 
     def _text_of(self, rid: str, tokens: list[int]) -> tuple[int, str, bool]:
         """Feeds `tokens` to the request's detokenizer: (how many it keeps, their text, whether the last
@@ -311,10 +356,28 @@ class EngineCore:
 
     # What the status and cache endpoints read (status.py).
     def cache_stats(self) -> dict:
-        return cache_stats(self)
+        store = self.runner.store if self.prefix is not None else None
+        return cache_stats(self.prefix, store, self.block_bytes, self.vision_stats())
 
     def status(self) -> dict:
-        return engine_status(self)
+        """The budget in force (desktop mode: after pressure) next to the start-up one and live readings."""
+        config, probe = self.config, self.probe
+        return {
+            **memory_status(config.memory_mode, self.budget, self.governor),
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+            "kv_bytes_per_token": probe.bytes_per_token,
+            "kv_dtype": str(probe.dtype).rsplit(".", 1)[-1],
+            "kv_quantization": self.kv_quant.status() if self.kv_quant is not None else None,
+            "kv_prealloc_tokens": config.kv_prealloc_tokens,
+            "num_running": self.scheduler.num_running,
+            "structured_output": self.grammar.stats(),
+            "num_waiting": self.scheduler.num_waiting,
+            "prefix_cache": self.cache_stats(),
+            "speculative": self.spec_stats(),
+            "cudnn_attention": self.cudnn_attention,
+            "step_cost": self.scheduler.step_cost.as_dict(),
+            "requests": self.prefill_progress(),
+        }
 
     def prefill_progress(self) -> list[dict]:
         """Each request's prefill so far (waiting ones too), as `/v1/status` lists them."""
@@ -322,10 +385,10 @@ class EngineCore:
         return [request_progress(r, now) for r in [*self.scheduler.running.values(), *self.scheduler.waiting]]
 
     def spec_stats(self) -> dict:
-        return spec_stats(self)
+        return spec_stats(self.spec)
 
     def vision_stats(self) -> dict | None:
-        return vision_stats(self)
+        return vision_stats(self.vision_cache, self.runner.mm)
 
     def clear_cache(self) -> int:
         """Both tiers (and the vision cache); blocks held by running requests stay until those finish."""

@@ -11,12 +11,12 @@ keys get -1e4 before the softmax: exactly zero weight in float32) and pooling co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from mlxhost.engine.contract import CoreStats
 from mlxhost.engine.embeddings import DimensionsTooLargeError, normalize, plan_batches
 
 
@@ -81,36 +81,30 @@ class EncoderJob:
         return True
 
 
-@dataclass(frozen=True)
-class _Idle:
-    """The counters AsyncEngine reads off a scheduler after each step: an encoder never has any."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_capacity_tokens: int | None = None
-
-
 class EncoderCore:
-    """The engine core of an encoder: owns the model on the engine thread and only runs `call`s."""
-
-    kv_capacity_tokens = None
-    budget = None  # no KV cache, so no memory budget of its own (the weights are all it holds)
-    prefix = None
-    has_work = False
-    scheduler = _Idle()
+    """The engine core of an encoder (engine/contract.py's Core): owns the model on the engine thread; its work
+    comes as `AsyncEngine.call` jobs, so it takes no generation request and never has a step to run."""
 
     def __init__(self, model: Any, config: Any) -> None:
         self.model, self.config = model, config
+        self.budget = None  # no KV cache, so no memory budget of its own (the weights are all it holds)
 
-    def add_request(self, request) -> None:
+    @property
+    def has_work(self) -> bool:
+        return False
+
+    def add(self, request) -> None:
         # The door refuses generation on an embedding model first; this is the engine's own guard.
         raise ValueError("an encoder embedding model cannot generate text")
 
     def abort(self, request_id: str) -> None:
-        pass
+        pass  # it never holds a request
 
     def step(self) -> list:
         return []
+
+    def stats(self) -> CoreStats:
+        return CoreStats()
 
     def on_idle(self) -> None:
         pass
@@ -118,19 +112,19 @@ class EncoderCore:
     def close(self) -> None:
         pass
 
-    def cache_stats(self) -> dict:
-        return {"enabled": False}
-
     def clear_cache(self) -> int:
-        return 0
+        return 0  # no cache: nothing cleared
+
+    def adapters(self) -> dict:
+        return {}
 
     def status(self) -> dict:
         return {"kind": "encoder", "pooling": self.model.pooling, "num_running": 0, "num_waiting": 0,
-                "prefix_cache": self.cache_stats()}
+                "prefix_cache": {"enabled": False}}
 
 
 def make_encoder_engine(model: Any, config: Any):
     """An `AsyncEngine` (not started) whose thread owns `model` (an EncoderModel)."""
-    from mlxhost.engine.loop import AsyncEngine
+    from mlxhost.engine.loop import Assembled, AsyncEngine
 
-    return AsyncEngine(lambda: EncoderCore(model, config), max_num_waiting=config.max_num_waiting)
+    return AsyncEngine(lambda: Assembled(EncoderCore(model, config)), max_num_waiting=config.max_num_waiting)

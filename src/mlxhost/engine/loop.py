@@ -16,8 +16,9 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
+from mlxhost.engine.contract import Core, CoreStats, StepInfo
 from mlxhost.engine.request import Request, RequestOutput, merge_outputs
 from mlxhost.engine.scheduler import QueueFullError
 from mlxhost.engine.status import StatusSnapshot, take_snapshot
@@ -43,25 +44,24 @@ class EngineClosedError(Exception):
     """A call the engine never got to (or never finished) before the server's shutdown deadline."""
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    prefix_queried_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    prefix_cached_blocks: int = 0
-    kv_bytes_per_token: int = 0  # what one token's KV costs (smaller under --kv-bits)
-    spec_drafted_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_max_batch: int = 0  # --spec-max-batch (0: speculation off)
-    spec_big_batch_steps: int = 0  # decode steps that did not speculate: the batch was over spec_max_batch
-    spec_kind: str = ""  # the proposer's name ("": speculation off); not summed over engines
+# The counters the HTTP side reads (metrics); a core's stats() (engine/contract.py).
+EngineStats = CoreStats
+
+
+@dataclass
+class Assembled:
+    """A core with everything it serves with (engine/assemble.py builds it): the warm-up the loop runs between
+    requests (engine/warmup.py's BackgroundWarmup; None: none left), and how often desktop mode re-reads memory."""
+
+    core: Core
+    warmup: Any = None
+    memory_refresh_s: float = 0.0
 
 
 class AsyncEngine:
-    def __init__(self, make_core: Callable[[], "EngineCore"], max_num_waiting: int) -> None:  # noqa: F821
+    def __init__(self, assemble: Callable[[], Assembled], max_num_waiting: int) -> None:
         # The core (and with it the model's MLX stream) is built on the engine thread itself.
-        self._make_core = make_core
+        self._assemble = assemble
         self._max_num_waiting = max_num_waiting
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -69,7 +69,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
-        self.stats = EngineStats()
+        self.stats = CoreStats()  # the core's, after its last step (or idle wake-up, or call)
         # What /v1/status and /v1/cache/stats show: built on the engine thread, swapped whole, read anywhere.
         self.snapshot: StatusSnapshot | None = None
         self._snapshot_at = 0.0  # engine thread only
@@ -78,7 +78,6 @@ class AsyncEngine:
         self._busy_since: float | None = None
         self._calls: dict[concurrent.futures.Future, asyncio.Future] = {}  # loop thread only
         self._stop_sent = False
-        self._core = None  # the engine thread's core, once built: read here only for its KV capacity
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -117,9 +116,9 @@ class AsyncEngine:
 
     @property
     def kv_capacity_tokens(self) -> int | None:
-        """The live KV capacity (memory/capacity.py; desktop mode lowers it under memory pressure): the
-        API's "can never fit" check. One int read across threads, never a copy."""
-        return self._core.kv_capacity_tokens if self._core is not None else None
+        """The KV capacity (memory/capacity.py; desktop mode lowers it under memory pressure) as of the core's last
+        step, idle wake-up or call: the API's "can never fit" check."""
+        return self.stats.kv_capacity_tokens
 
     @property
     def num_active(self) -> int:
@@ -187,7 +186,7 @@ class AsyncEngine:
                 waiter.set_exception(EngineClosedError(error))
         return [rid for rid, _ in ended]
 
-    async def call(self, fn: Callable[["EngineCore"], object]) -> object:  # noqa: F821
+    async def call(self, fn: Callable[[Core], object]) -> object:
         """Runs `fn(core)` on the engine thread between two steps (state the engine owns, e.g. the
         prefix cache, is only touched there) and returns its result."""
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -223,20 +222,6 @@ class AsyncEngine:
                 mx.synchronize()
                 mx.clear_streams()
 
-    def _read_stats(self, core) -> EngineStats:
-        prefix, spec = core.prefix, getattr(core, "spec", None)
-        return EngineStats(
-            core.scheduler.num_running,
-            core.scheduler.num_waiting,
-            *((prefix.num_queried_tokens, prefix.num_hit_tokens, prefix.pool.num_cached) if prefix else (0, 0, 0)),
-            kv_bytes_per_token=getattr(getattr(core, "probe", None), "bytes_per_token", 0),
-            spec_drafted_tokens=spec.stats.num_drafted if spec is not None else 0,
-            spec_accepted_tokens=spec.stats.num_accepted if spec is not None else 0,
-            spec_max_batch=spec.max_batch if spec is not None else 0,
-            spec_big_batch_steps=spec.stats.num_big_batch_steps if spec is not None else 0,
-            spec_kind=spec.mode if spec is not None else "",
-        )
-
     def _serve(self) -> None:
         import mlx.core as mx
 
@@ -246,23 +231,20 @@ class AsyncEngine:
         stream = mx.default_stream(mx.default_device())
         with mx.stream(stream):
             try:
-                core = self._make_core()
+                built = self._assemble()
             except BaseException as exc:  # reported to start()
                 self._startup_error = exc
                 self._ready.set()
                 return
-            self._core = core
-            self.stats = self._read_stats(core)
+            core = built.core
             self._publish(core)
             self._ready.set()
             # Idle, the loop still wakes now and then: desktop mode re-reads free memory in on_idle(), and
             # the status snapshot's memory readings are renewed.
-            idle_timeout = min(getattr(core.config, "memory_refresh_s", 0) or _IDLE_WAKE_S, _IDLE_WAKE_S)
+            idle_timeout = min(built.memory_refresh_s or _IDLE_WAKE_S, _IDLE_WAKE_S)
             trace = _StepTrace.open(os.environ.get(STEP_TRACE_ENV))
-            if os.environ.get(STEP_SYNC_ENV) == "1":
-                core.runner.sync_phases = True
             # Warm-up while serving (engine/warmup.py): its steps run while no request is in the engine.
-            warm = getattr(core, "background_warmup", None)
+            warm = built.warmup
             while True:
                 timeout = idle_timeout
                 if warm is not None:
@@ -301,28 +283,30 @@ class AsyncEngine:
                 outputs = core.step()
                 self._busy_since = None
                 elapsed = time.perf_counter() - started
+                self.stats = stats = core.stats()
                 if elapsed > _SLOW_STEP_S:
                     log.warning("slow engine step: %.2f s with %d running, %d waiting (%s)", elapsed,
-                                core.scheduler.num_running, core.scheduler.num_waiting, core.describe_last_step())
-                trace.write(core, waited, started, elapsed, len(outputs))
-                self.stats = self._read_stats(core)
+                                stats.num_running, stats.num_waiting,
+                                stats.last_step.describe() if stats.last_step is not None else "nothing")
+                trace.write(stats, waited, started, elapsed, len(outputs))
                 # Before the outputs leave: a client that saw its request end reads a status that shows it.
                 if any(out.finished for out in outputs) or started - self._snapshot_at >= _SNAPSHOT_EVERY_S:
                     self._publish(core)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
-    def _publish(self, core) -> None:
-        """Builds the status snapshot (engine thread) and swaps it in: one reference write."""
+    def _publish(self, core: Core) -> None:
+        """Builds the status snapshot and the stats (engine thread) and swaps them in: a reference write each."""
         self._snapshot_at = time.perf_counter()
         try:
+            self.stats = core.stats()
             self.snapshot = take_snapshot(core)
         except Exception:  # the status is not worth an engine: the last good snapshot stays
             if not self._snapshot_failed:
                 log.exception("building the status snapshot failed")
             self._snapshot_failed = True
 
-    def _call(self, core, fn, future: concurrent.futures.Future) -> None:
+    def _call(self, core: Core, fn, future: concurrent.futures.Future) -> None:
         if not future.set_running_or_notify_cancel():  # its caller left, or the shutdown deadline passed
             return
         self._busy_since = time.perf_counter()
@@ -337,9 +321,9 @@ class AsyncEngine:
             self._publish(core)  # before the caller resumes: a read after a change (DELETE /v1/cache) sees it
             future.set_result(result)
 
-    def _add(self, core, request: Request) -> None:
+    def _add(self, core: Core, request: Request) -> None:
         try:
-            core.add_request(request)
+            core.add(request)
         except Exception as exc:
             out = RequestOutput(request.request_id, [], "", request.num_prompt_tokens, 0, error=str(exc))
             self._loop.call_soon_threadsafe(self._dispatch, [out])
@@ -389,7 +373,7 @@ class _StepTrace:
     def __init__(self, f=None) -> None:
         self._f = f
         self._t0 = time.perf_counter()
-        self._last = None  # the schedule last written: a step that scheduled nothing leaves it in place
+        self._last = None  # the step last written: a step that scheduled nothing leaves it in place
 
     @classmethod
     def open(cls, path: str | None) -> "_StepTrace":
@@ -400,21 +384,19 @@ class _StepTrace:
                 "outputs\trunning\twaiting\tstore_ms\tjoin_ms\tdecode_ms\n")
         return cls(f)
 
-    def write(self, core, waited: float, started: float, elapsed: float, num_outputs: int) -> None:
+    def write(self, stats: CoreStats, waited: float, started: float, elapsed: float, num_outputs: int) -> None:
         if self._f is None:
             return
-        sched = core.last_sched
-        if sched is None or sched is self._last:
+        step: StepInfo | None = stats.last_step
+        if step is None or step is self._last:
             return
-        self._last = sched
+        self._last = step
         self._f.write(f"{started - self._t0:.4f}\t{(started - waited) * 1e3:.2f}\t{elapsed * 1e3:.2f}\t"
-                      f"{core.last_execute_s * 1e3:.2f}\t{core.runner.last_prefill_s * 1e3:.2f}\t"
-                      f"{len(sched.prefill_chunks)}\t{sum(c.num_tokens for c in sched.prefill_chunks)}\t"
-                      f"{len(sched.decode_request_ids)}\t{core.runner.num_rows}\t{num_outputs}\t"
-                      f"{core.scheduler.num_running}\t{core.scheduler.num_waiting}\t"
-                      f"{getattr(core.runner, 'last_store_s', 0) * 1e3:.2f}\t"
-                      f"{getattr(core.runner, 'last_join_s', 0) * 1e3:.2f}\t"
-                      f"{getattr(core.runner, 'last_decode_s', 0) * 1e3:.2f}\n")
+                      f"{step.execute_s * 1e3:.2f}\t{step.prefill_s * 1e3:.2f}\t"
+                      f"{len(step.prefill_chunk_tokens)}\t{sum(step.prefill_chunk_tokens)}\t"
+                      f"{step.num_decoding}\t{step.num_rows}\t{num_outputs}\t"
+                      f"{stats.num_running}\t{stats.num_waiting}\t"
+                      f"{step.store_s * 1e3:.2f}\t{step.join_s * 1e3:.2f}\t{step.decode_s * 1e3:.2f}\n")
 
     def close(self) -> None:
         if self._f is not None:

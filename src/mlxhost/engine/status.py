@@ -1,4 +1,5 @@
-"""What `GET /v1/status` and `GET /v1/cache` report of an engine core (read on the engine thread)."""
+"""What `GET /v1/status` and `GET /v1/cache` report of an engine core (built on the engine thread from the
+core's parts, which the core hands in: nothing here reads a core's insides)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ class StatusSnapshot:
 
 
 def take_snapshot(core: Any) -> StatusSnapshot:
+    """From the core's `status()` alone (engine/contract.py): its "prefix_cache" entry is the cache stats."""
     status = core.status()
-    return StatusSnapshot(status, core.cache_stats(), {r["id"]: r for r in status.get("requests", ())})
+    cache = status.get("prefix_cache", {"enabled": False})
+    return StatusSnapshot(status, cache, {r["id"]: r for r in status.get("requests", ())})
 
 
 def request_progress(request: Any, now: float) -> dict:
@@ -44,7 +47,7 @@ def describe_progress(progress: dict) -> str:
             f"({progress['cached_tokens']} cached)" + (f", {rate:.1f} tokens/s" if rate is not None else ""))
 
 
-def engine_status(core: Any) -> dict:
+def memory_status(memory_mode: str, budget: Any, governor: Any) -> dict:
     """The budget in force (desktop mode: after pressure) next to the start-up one and live readings."""
     from mlxhost.memory.device import read_memory
 
@@ -55,43 +58,28 @@ def engine_status(core: Any) -> dict:
         d.pop("config", None)
         return d
 
-    governor = core.governor
     return {
-        "memory_mode": core.config.memory_mode,
-        "budget": as_dict(governor.live if governor is not None else core.budget),
-        "startup_budget": as_dict(core.budget),
+        "memory_mode": memory_mode,
+        "budget": as_dict(governor.live if governor is not None else budget),
+        "startup_budget": as_dict(budget),
         "pressure": governor.status() if governor is not None else None,
         "memory": dataclasses.asdict(read_memory()),
-        "kv_capacity_tokens": core.kv_capacity_tokens,
-        "kv_bytes_per_token": core.probe.bytes_per_token,
-        "kv_dtype": str(core.probe.dtype).rsplit(".", 1)[-1],
-        "kv_quantization": core.kv_quant.status() if core.kv_quant is not None else None,
-        "kv_prealloc_tokens": core.config.kv_prealloc_tokens,
-        "num_running": core.scheduler.num_running,
-        "structured_output": core.grammar.stats(),
-        "num_waiting": core.scheduler.num_waiting,
-        "prefix_cache": cache_stats(core),
-        "speculative": spec_stats(core),
-        "cudnn_attention": core.cudnn_attention,
-        "step_cost": core.scheduler.step_cost.as_dict(),
-        "requests": core.prefill_progress(),
     }
 
 
-def cache_stats(core: Any) -> dict:
-    vision = {"vision": vision_stats(core)} if core.vision_cache is not None else {}
-    if core.prefix is None:
+def cache_stats(prefix: Any, store: Any, block_bytes: int, vision: dict | None = None) -> dict:
+    """The prefix cache's two tiers (`store` its physical half), and the vision cache's stats where there is one."""
+    vision = {"vision": vision} if vision is not None else {}
+    if prefix is None:
         return {"enabled": False, **vision}
-    store = core.runner.store
     tiers = store.stats()  # blocks and snapshots per tier; snapshots count against the budget
-    budget_bytes = core.prefix.max_cached_blocks * core.block_bytes + store.snapshots.max_bytes
-    return {"enabled": True, **core.prefix.stats(), "memory_bytes": store.nbytes, "budget_bytes": budget_bytes,
+    budget_bytes = prefix.max_cached_blocks * block_bytes + store.snapshots.max_bytes
+    return {"enabled": True, **prefix.stats(), "memory_bytes": store.nbytes, "budget_bytes": budget_bytes,
             **tiers, **vision}
 
 
-def spec_stats(core: Any) -> dict:
+def spec_stats(spec: Any) -> dict:
     """Speculative decoding's counters (mode "off" when it is not running)."""
-    spec = core.spec
     if spec is None:
         return {"mode": "off"}
     stats = spec.stats.as_dict()
@@ -101,18 +89,8 @@ def spec_stats(core: Any) -> dict:
             "acceptance_by_kind": {spec.mode: stats["acceptance_rate"]}}
 
 
-def vision_stats(core: Any) -> dict | None:
-    if core.vision_cache is None:
+def vision_stats(vision_cache: Any, mm: Any) -> dict | None:
+    """The vision cache's entries and the multimodal prefill's counters (`mm`); None without a vision cache."""
+    if vision_cache is None:
         return None
-    mm = core.runner.mm
-    return {**core.vision_cache.stats(), "num_encoded": mm.num_encoded, "num_reused": mm.num_cache_hits}
-
-
-def describe_last_step(core: Any) -> str:
-    sched = core.last_sched
-    if sched is None:
-        return "nothing"
-    return (f"prefill chunks {[c.num_tokens for c in sched.prefill_chunks]}, "
-            f"{len(sched.decode_request_ids)} decoding in a batch of {core.runner.num_rows}, "
-            f"{sum(len(ops) for ops in sched.store_ops.values())} blocks stored; the runner took "
-            f"{core.last_execute_s:.2f} s, prefill {core.runner.last_prefill_s:.2f} s of it")
+    return {**vision_cache.stats(), "num_encoded": mm.num_encoded, "num_reused": mm.num_cache_hits}

@@ -17,14 +17,48 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
+from mlxhost.config import EngineConfig
 from mlxhost.engine.request import Request, SamplingParams
 
 log = logging.getLogger(__name__)
 
 # With only the helper process left to hear from, how long the idle engine waits on its inbox between looks.
 HELPER_POLL_S = 0.5
+# The piece helper's KV and prefix cache (enough for every piece: the longest prompt is one prefill step plus a
+# little, a few rows at a time); what `piece_helper_fits` counts. Here, not in warmup_helper.py: that module
+# builds an engine core, whose module imports this one.
+KV_TOKENS = 32768
+PREFIX_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class WarmupTarget:
+    """What the warm-up reads of a core (its `warmup_target()`), and nothing else of its insides."""
+
+    config: EngineConfig
+    max_model_len: int
+    buckets: list[int] | None
+    model: Any
+    budget: Any = None  # the core's start-up MemoryBudget (None: no budget)
+    kv_bytes_per_token: int = 0
+
+
+class WarmableCore(Protocol):
+    """The core methods the warm-up runs its pieces through (engine/contract.py's, and two of its own)."""
+
+    has_work: bool
+
+    def add(self, request: Request) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def step(self) -> list: ...
+
+    def warmup_target(self) -> WarmupTarget: ...
+
+    def reset_prefix_cache(self) -> None: ...
 
 
 @dataclass
@@ -91,7 +125,7 @@ class BackgroundWarmup:
         """Pieces not done yet."""
         return len(self._pieces)
 
-    def between_steps(self, core: Any) -> float | None:
+    def between_steps(self, core: WarmableCore) -> float | None:
         """Before an engine step: applies the helper's reports and, with no request in the engine, sets up the
         next warm-up step. Returns 0 (step now), seconds the idle engine may wait on its inbox (only the helper
         is left), or None (real requests run, or the warm-up is over)."""
@@ -132,7 +166,7 @@ class BackgroundWarmup:
         self._finish()
         return None
 
-    def interrupt(self, core: Any) -> None:
+    def interrupt(self, core: WarmableCore) -> None:
         """A request is about to be added: the warm-up's requests are aborted; their piece starts over later."""
         self._real_seen = True
         if not self._owns_work or self._current is None:
@@ -145,7 +179,7 @@ class BackgroundWarmup:
         self._step_started = None  # the step about to run is the request's, not the warm-up's
         self.report.num_interrupted += 1
 
-    def run_to_end(self, core: Any, helpers: bool = True) -> None:
+    def run_to_end(self, core: WarmableCore, helpers: bool = True) -> None:
         """Every piece now, nothing else running meanwhile, and the helpers' compiles waited for; with
         `helpers=False` only the pieces: the helpers' reports go on applying in `between_steps` (a distributed
         engine's ranks warm up in step before serving, and compile no tiled kernel meanwhile)."""
@@ -164,18 +198,19 @@ class BackgroundWarmup:
                 helper.close()
 
     # -- the pieces -------------------------------------------------------------------------------------
-    def _add(self, core: Any, rid: str, prompt: list[int], max_tokens: int) -> None:
+    def _add(self, core: WarmableCore, rid: str, prompt: list[int], max_tokens: int) -> None:
         self._rids.append(rid)
-        core.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
+        core.add(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
 
-    def _lone(self, core: Any) -> Iterator[None]:
+    def _lone(self, core: WarmableCore) -> Iterator[None]:
         """What the first request takes: one prompt a little over a block, then its decode alone."""
-        longest = max(core.scheduler.max_model_len - 8, self.prompt_len)  # a small model's positions run out
-        self._add(core, "warmup-lone", [i % 5 + 1 for i in range(min(core.config.block_size + 9, longest))], 4)
+        target = core.warmup_target()
+        longest = max(target.max_model_len - 8, self.prompt_len)  # a small model's positions run out
+        self._add(core, "warmup-lone", [i % 5 + 1 for i in range(min(target.config.block_size + 9, longest))], 4)
         while core.has_work:
             yield
 
-    def _batch_sizes(self, core: Any) -> Iterator[None]:
+    def _batch_sizes(self, core: WarmableCore) -> Iterator[None]:
         """The decode batch through each size it can take (its buckets, else every size up to max_batch), small
         to large: requests join one step at a time, each staying until the largest size has run."""
         prompt = [i % 7 + 1 for i in range(self.prompt_len)]
@@ -188,36 +223,38 @@ class BackgroundWarmup:
         while core.has_work:
             yield
 
-    def _lengths(self, core: Any) -> list[int]:
-        block, longest = core.config.block_size, max(core.scheduler.max_model_len - 8, self.prompt_len)
+    def _lengths(self, target: WarmupTarget) -> list[int]:
+        block, longest = target.config.block_size, max(target.max_model_len - 8, self.prompt_len)
         return [min(n, longest) for n in (block + 5, self.prompt_len, 2 * block + 17,
-                                          core.config.prefill_step_size + 40, block // 2 + 3, 3 * block // 2)]
+                                          target.config.prefill_step_size + 40, block // 2 + 3, 3 * block // 2)]
 
-    def _joins(self, core: Any) -> Iterator[None]:
+    def _joins(self, core: WarmableCore) -> Iterator[None]:
         """Prompts of unequal lengths joining a decoding batch in one step, one split over steps, blocks stored
         from a lone row and from a padded batch: on MLX-CUDA the first burst of such joins after a warm-up of
         sizes alone stalled for seconds (docs/BENCHMARKS.md)."""
-        longest = max(core.scheduler.max_model_len - 8, self.prompt_len)
-        self._add(core, "warmup-joined", [i % 5 + 1 for i in range(min(core.config.block_size + 9, longest))], 4)
+        target = core.warmup_target()
+        longest = max(target.max_model_len - 8, self.prompt_len)
+        self._add(core, "warmup-joined", [i % 5 + 1 for i in range(min(target.config.block_size + 9, longest))], 4)
         yield
-        for i, n in enumerate(self._lengths(core)):
+        for i, n in enumerate(self._lengths(target)):
             self._add(core, f"warmup-burst-{i}", [(i + j) % 7 + 1 for j in range(n)], 4)
         while core.has_work:
             yield
 
-    def _hits(self, core: Any) -> Iterator[None]:
+    def _hits(self, core: WarmableCore) -> Iterator[None]:
         """The joined prompts again, longer: prefix hits resume mid-prompt (a chunk after restored blocks)."""
-        for i, n in enumerate(self._lengths(core)[:3]):
+        for i, n in enumerate(self._lengths(core.warmup_target())[:3]):
             self._add(core, f"warmup-hit-{i}", [(i + j) % 7 + 1 for j in range(n)] + [9, 9], 4)
         while core.has_work:
             yield
 
-    def _together(self, core: Any) -> Iterator[None]:
+    def _together(self, core: WarmableCore) -> Iterator[None]:
         """Chat turns of similar length arriving together, as many as one forward prefills (rows of unequal
         lengths above are not all taken together): on MLX-CUDA the first such forward took over a second."""
-        rows = min(core.config.max_num_prefill_rows, core.config.max_num_seqs)
-        longest = max(core.scheduler.max_model_len - 8, self.prompt_len)
-        n = min(core.config.block_size + 40, longest)
+        target = core.warmup_target()
+        rows = min(target.config.max_num_prefill_rows, target.config.max_num_seqs)
+        longest = max(target.max_model_len - 8, self.prompt_len)
+        n = min(target.config.block_size + 40, longest)
         for i in range(rows if rows > 1 else 0):
             # Ids 10-22, unlike the prompts above: no prefix hit makes one row longer than the rest.
             self._add(core, f"warmup-wide-{i}", [(11 * i + j) % 13 + 10 for j in range(n - i)], 4)
@@ -255,14 +292,13 @@ class BackgroundWarmup:
                 log.warning("warm-up: the tiled-kernel helper process stopped; rows above %d keep dequantizing "
                             "(correct, slower at 8-127 rows)", self.report.tiled_rows)
 
-    def _after_pieces(self, core: Any) -> None:
+    def _after_pieces(self, core: WarmableCore) -> None:
         import mlx.core as mx
 
-        if core.prefix is not None and not self._real_seen:
+        if not self._real_seen:
             # Warm-up's blocks are no one's prefix, its hits no one's (an SSD tier may keep the few it wrote:
             # no real prompt is made of token ids 1-22 repeated). Once real requests came, their blocks stay.
-            core.prefix.clear()
-            core.prefix.reset_stats()
+            core.reset_prefix_cache()
         mx.synchronize()
         mx.clear_cache()  # buffers that fit warm-up's shapes, which traffic may never use
         r = self.report
@@ -280,16 +316,21 @@ class BackgroundWarmup:
                  self.report.finished_s, self.report.helper, self.report.piece_helper)
 
 
-def tile_compiler(core: Any) -> Any:
+def tile_compiler(target: WarmupTarget) -> Any:
     """The helper processes that compile the model's tiled quantized kernels (platform/tile_compile.py), not
     started; None where the model has none worth compiling."""
     from mlxhost.platform.kernel_cache import count_modules, kernel_dir
-    from mlxhost.platform.tile_compile import (TileCompiler, quantized_shapes, tile_checkpoints, tile_groups,
-                                               tiled_row_limit)
+    from mlxhost.platform.tile_compile import (
+        TileCompiler,
+        quantized_shapes,
+        tile_checkpoints,
+        tile_groups,
+        tiled_row_limit,
+    )
 
-    model = core.runner.model
+    model = target.model
     shapes = quantized_shapes(model)
-    rows = tile_checkpoints(core.runner.buckets, tiled_row_limit(model))
+    rows = tile_checkpoints(target.buckets, tiled_row_limit(model))
     if not (shapes and rows):
         return None
     cache = kernel_dir()
@@ -299,18 +340,16 @@ def tile_compiler(core: Any) -> Any:
     return TileCompiler(shapes, rows, cache)
 
 
-def piece_helper_fits(core: Any) -> bool:
+def piece_helper_fits(target: WarmupTarget) -> bool:
     """Whether the piece helper (engine/warmup_helper.py), which loads the model a second time with a small KV
     budget, fits beside the server in the memory its budget leaves to other processes. A 32B bf16 model on one
     140-GiB GPU does not: the helper's load took the memory the server's own steps then failed to get. A server
     without a budget keeps the helper. (A draft model's share of the budget is counted too, though the helper
     runs without one: the estimate errs towards no helper.)"""
-    from mlxhost.engine.warmup_helper import KV_TOKENS, PREFIX_BYTES
-
-    budget = getattr(core, "budget", None)
+    budget = target.budget
     if budget is None:
         return True
-    need = budget.weights + budget.activations + KV_TOKENS * core.kv_bytes_per_token + PREFIX_BYTES
+    need = budget.weights + budget.activations + KV_TOKENS * target.kv_bytes_per_token + PREFIX_BYTES
     if need <= budget.free_for_others:
         return True
     log.info("warm-up: no piece helper process (it would hold %.1f GiB beside the server, %.1f GiB are left to "
@@ -319,30 +358,32 @@ def piece_helper_fits(core: Any) -> bool:
     return False
 
 
-def make_warmup(core: Any, max_batch: int, compile_tiles: bool, source: str | None = None) -> BackgroundWarmup:
+def make_warmup(core: WarmableCore, max_batch: int, compile_tiles: bool, source: str | None = None,
+                ) -> BackgroundWarmup:
     """The warm-up a server runs while it serves. `compile_tiles` (MLX-CUDA): the model's tiled quantized kernels
     compile in a helper process meanwhile, into the kernel cache MLX uses (platform/kernel_cache.py); with the
     model's `source` too, another helper process runs each piece first (engine/warmup_helper.py)."""
     import dataclasses
 
-    model = core.runner.model
+    target = core.warmup_target()
     compiler = piece_helper = None
-    if compile_tiles and source is not None and not piece_helper_fits(core):
+    if compile_tiles and source is not None and not piece_helper_fits(target):
         source = None  # the pieces compile here, between requests
     if compile_tiles and source is not None:
         from mlxhost.platform.kernel_cache import kernel_dir
         from mlxhost.platform.tile_compile import TileCompiler
 
-        spec = {"cache_dir": str(kernel_dir()), "source": source, "config": dataclasses.asdict(core.config),
-                "max_model_len": core.scheduler.max_model_len, "buckets": core.runner.buckets, "max_batch": max_batch}
+        spec = {"cache_dir": str(kernel_dir()), "source": source, "config": dataclasses.asdict(target.config),
+                "max_model_len": target.max_model_len, "buckets": target.buckets, "max_batch": max_batch}
         piece_helper = TileCompiler([], [], kernel_dir(), module="mlxhost.engine.warmup_helper", spec=spec)
     if compile_tiles:
-        compiler = tile_compiler(core)
-    warm = BackgroundWarmup(max_batch, core.runner.buckets, compiler=compiler, model=model, piece_helper=piece_helper)
+        compiler = tile_compiler(target)
+    warm = BackgroundWarmup(max_batch, target.buckets, compiler=compiler, model=target.model,
+                            piece_helper=piece_helper)
     log.info("warm-up runs while serving: %d pieces between requests on the engine thread", warm.num_pieces)
     return warm
 
 
-def warm_up(core: Any, max_batch: int, prompt_len: int = 16) -> None:
+def warm_up(core: WarmableCore, max_batch: int, prompt_len: int = 16) -> None:
     """The whole warm-up before anything else runs (`--warmup on`)."""
-    BackgroundWarmup(max_batch, core.runner.buckets, prompt_len).run_to_end(core)
+    BackgroundWarmup(max_batch, core.warmup_target().buckets, prompt_len).run_to_end(core)

@@ -17,10 +17,7 @@ import shutil
 import sys
 import time
 
-# Enough KV for every piece (the longest prompt is one prefill step plus a little, a few rows at a time); what
-# engine/warmup.py counts when it decides whether this process fits beside the server.
-KV_TOKENS = 32768
-PREFIX_BYTES = 256 << 20
+from mlxhost.engine.warmup import KV_TOKENS, PREFIX_BYTES, BackgroundWarmup
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,12 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     follow_parent()  # the server kept torch out for this model: so does this process (it loads the same one)
     spec, cache, staging, linked = start_staged(argv)
     try:
+        # Here, not at the top: the core (and MLX) load only after start_staged pointed MLX's kernel cache.
+        from mlxhost.config import EngineConfig
         from mlxhost.engine.core import EngineCore
-        from mlxhost.engine.warmup import BackgroundWarmup
         from mlxhost.models.loader import load_model
         from mlxhost.platform.quantized_rows import set_tiled_rows
         from mlxhost.platform.tile_compile import MIN_TILED_ROWS
-        from mlxhost.config import EngineConfig
 
         started = time.perf_counter()
         loaded = load_model(spec["source"])

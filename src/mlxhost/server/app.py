@@ -9,18 +9,18 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from mlxhost.frontends.app import create_app
-from mlxhost.serving.fim import fim_for
-from mlxhost.serving.prompt_bound import max_token_chars, read_vocab
-from mlxhost.frontends.common.security import install_security
-from mlxhost.serving.model import ServedModel
-from mlxhost.frontends.admin.web import add_web_routes
 from mlxhost.config import EngineConfig, ModelSpec, ServerConfig
 from mlxhost.engine.loop import AsyncEngine
-from mlxhost.platform.backend import is_cuda
+from mlxhost.frontends.admin.web import add_web_routes
+from mlxhost.frontends.app import create_app
+from mlxhost.frontends.common.security import install_security
 from mlxhost.models.loader import LoadedModel, load_model
-from mlxhost.server.manager import ModelManager
 from mlxhost.models.specs import default_name, weights_on_disk, with_source_aliases
+from mlxhost.platform.backend import is_cuda
+from mlxhost.server.manager import ModelManager
+from mlxhost.serving.fim import fim_for
+from mlxhost.serving.model import ServedModel
+from mlxhost.serving.prompt_bound import max_token_chars, read_vocab
 
 log = logging.getLogger(__name__)
 
@@ -51,31 +51,15 @@ def model_key(loaded: LoadedModel) -> str:
 
 
 def make_engine(loaded: LoadedModel, config: EngineConfig, max_model_len: int, loras=()) -> AsyncEngine:
-    """The model's engine, not yet started; `loras` (LoraSpec) are loaded into it as it starts (lora/)."""
-    from mlxhost.engine.runner.batch import make_buckets
-    from mlxhost.engine.core import EngineCore
+    """The model's engine, not yet started; its core is assembled on the engine thread as it starts
+    (engine/assemble.py: `loras` (LoraSpec) loaded, the warm-up run or handed to the loop)."""
+    from mlxhost.engine.assemble import assemble_core  # loads MLX and the engine: not for encoder-only servers
 
-    def make_core():
-        per_shape = is_cuda()  # only MLX's CUDA backend compiles per shape at first use
-        use_buckets = per_shape if config.decode_buckets == "auto" else config.decode_buckets == "on"
-        buckets = make_buckets(config.max_num_seqs) if use_buckets else None
-        make = loaded.make_engine_core or EngineCore
-        core = make(loaded.model, loaded.tokenizer, config, max_model_len, buckets, model_key(loaded))
-        if loras:
-            from mlxhost.lora.manager import load_configured
+    def assemble():
+        return assemble_core(loaded.model, loaded.tokenizer, config, max_model_len, model_key=model_key(loaded),
+                             source=loaded.source, loras=loras, make_core=loaded.make_engine_core)
 
-            load_configured(core, loras)
-        mode = config.warmup if config.warmup != "auto" else "background" if per_shape else "off"
-        if mode == "background" and loaded.make_engine_core is None:  # a distributed core's ranks warm up in step
-            from mlxhost.engine.warmup import make_warmup
-
-            core.background_warmup = make_warmup(core, config.max_num_seqs, compile_tiles=per_shape,
-                                                 source=loaded.source)
-        elif mode != "off":  # `background` here: a distributed core, whose ranks run the pieces in step first
-            core.warmup(config.max_num_seqs, background=mode == "background")
-        return core
-
-    return AsyncEngine(make_core, max_num_waiting=config.max_num_waiting)
+    return AsyncEngine(assemble, max_num_waiting=config.max_num_waiting)
 
 
 def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAPI:
@@ -143,8 +127,8 @@ def model_specs(config: ServerConfig, loaded: LoadedModel | None = None) -> tupl
         return with_flag_loras(with_source_aliases(config.models), config.loras)
     source = loaded.source if loaded is not None else config.model
     if source is None:
-        from mlxhost.testing.demo import ensure_demo_model
         from mlxhost.server.progress import StageLog
+        from mlxhost.testing.demo import ensure_demo_model
 
         source = str(ensure_demo_model(progress=StageLog("building the demo model (first run only)")))
         log.info("no model named: serving the demo model at %s", source)

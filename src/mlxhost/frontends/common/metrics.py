@@ -10,6 +10,7 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from mlxhost.engine.contract import NOT_SUMMED
 from mlxhost.engine.loop import EngineStats
 from mlxhost.engine.request import RequestOutput
 
@@ -111,7 +112,7 @@ def sum_stats(engines) -> EngineStats:
     """The engines' counters added up: /metrics shows the server, whichever models are loaded."""
     stats = [e.stats for e in engines]
     totals = {f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(EngineStats)
-              if f.name != "spec_kind"}
+              if f.name not in NOT_SUMMED}
     # Bytes per token and the speculation threshold are settings of a model, not amounts: the largest.
     totals["kv_bytes_per_token"] = max((s.kv_bytes_per_token for s in stats), default=0)
     totals["spec_max_batch"] = max((s.spec_max_batch for s in stats), default=0)
