@@ -11,13 +11,14 @@ import pytest
 
 from mlxhost.engine.request import RequestOutput
 from mlxhost.frontends.anthropic.protocol import MessagesRequest
-from mlxhost.frontends.anthropic.render import MessageBuilder, stream_message
+from mlxhost.frontends.anthropic.render import MessageBuilder
 from mlxhost.frontends.anthropic.translate import to_chat_request
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import Whole
 from mlxhost.frontends.common.sse import heartbeats
+from mlxhost.frontends.common.stream import stream as stream_frames
 from mlxhost.frontends.responses.protocol import ResponsesRequest
-from mlxhost.frontends.responses.render import ResponseRenderer, stream_response
+from mlxhost.frontends.responses.render import ResponseFrames, ResponseRenderer
 from mlxhost.frontends.responses.translate import chat_messages, input_items
 from mlxhost.serving.chat_output import OutputSpec
 
@@ -171,7 +172,7 @@ async def read_until_heartbeats(stream, source: SlowOutputs, is_heartbeat, num: 
 
 def test_anthropic_stream_starts_at_once_and_pings_until_the_first_token():
     source = SlowOutputs(outputs())
-    stream = stream_message(MessageBuilder("m", opened(), ()), source.__aiter__(), timer(0.01))
+    stream = stream_frames(source.__aiter__(), MessageBuilder("m", opened(), ()), timer(0.01))
     frames = asyncio.run(read_until_heartbeats(stream, source, lambda f: f == MessageBuilder.ping(), 3))
     names = [line[len("event: "):] for f in frames for line in f.splitlines() if line.startswith("event: ")]
     # message_start and a ping at once, then a ping per quiet interval, then the reply.
@@ -184,7 +185,7 @@ def test_anthropic_pings_carry_the_prefill_progress():
     progress = {"id": "r", "state": "prefilling", "prefill_tokens": 8000, "prefilled_tokens": 3072,
                 "cached_tokens": 1024, "prefill_tokens_per_s": 51.2, "output_tokens": 0, "priority": 0}
     source = SlowOutputs(outputs())
-    stream = stream_message(MessageBuilder("m", opened(progress), ()), source.__aiter__(), timer(0.01))
+    stream = stream_frames(source.__aiter__(), MessageBuilder("m", opened(progress), ()), timer(0.01))
     frames = asyncio.run(read_until_heartbeats(stream, source, lambda f: f.startswith("event: ping"), 2))
     pings = [json.loads(f.split("data: ", 1)[1]) for f in frames if f.startswith("event: ping")]
     assert pings[0] == {"type": "ping", "prefill": {"state": "prefilling", "prefilled_tokens": 3072,
@@ -197,7 +198,7 @@ def test_responses_stream_keeps_alive_with_in_progress_events():
     source = SlowOutputs(outputs())
     renderer = ResponseRenderer({"id": "resp_1", "object": "response"}, SPEC)
     done = []
-    stream = stream_response(renderer, source.__aiter__(), timer(0.01), done.append)
+    stream = stream_frames(source.__aiter__(), ResponseFrames(renderer, done.append), timer(0.01))
 
     def is_beat(frame: str) -> bool:
         return frame.startswith("event: response.in_progress\n")

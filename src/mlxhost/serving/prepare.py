@@ -193,6 +193,11 @@ def _logit_bias(model: ServedModel, body: SamplingFields) -> tuple[tuple[int, fl
     return tuple(out)
 
 
+def choice_request_id(request_id: str, i: int) -> str:
+    """The engine request id of choice `i` of an n > 1 request (choice 0 keeps the request's own)."""
+    return f"{request_id}-{i}" if i else request_id
+
+
 @dataclass
 class Prepared:
     request: Request
@@ -204,9 +209,9 @@ class Prepared:
         logprobs are choice 0's: a copy scoring it again would prefill it whole again."""
         r, sp = self.request, self.request.sampling
         seed = (sp.seed + i) % 2**64 if sp.seed is not None else None
-        return Request(f"{r.request_id}-{i}", list(r.prompt_token_ids), replace(sp, seed=seed, prompt_logprobs=None),
-                       r.eos_token_ids, media=r.media, adapter=r.adapter, priority=r.priority,
-                       cache_group=r.cache_group)
+        return Request(choice_request_id(r.request_id, i), list(r.prompt_token_ids),
+                       replace(sp, seed=seed, prompt_logprobs=None), r.eos_token_ids, media=r.media,
+                       adapter=r.adapter, priority=r.priority, cache_group=r.cache_group)
 
 
 def make_request(model: ServedModel, body: SamplingFields) -> Request:

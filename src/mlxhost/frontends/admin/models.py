@@ -24,27 +24,27 @@ class LoadModelBody(StrictModel):
 
 def add_model_errors(app: FastAPI) -> None:
     @app.exception_handler(UnknownModelError)
-    async def _unknown_model(_: Request, exc: UnknownModelError):
-        return error_response(APIError(404, str(exc), "model", "model_not_found"))
+    async def _unknown_model(request: Request, exc: UnknownModelError):
+        return error_response(request, APIError(404, str(exc), "model", "model_not_found"))
 
     @app.exception_handler(AdapterError)
-    async def _bad_adapter(_: Request, exc: AdapterError):
-        return error_response(APIError(400, str(exc), "model", "invalid_lora_adapter"))
+    async def _bad_adapter(request: Request, exc: AdapterError):
+        return error_response(request, APIError(400, str(exc), "model", "invalid_lora_adapter"))
 
     @app.exception_handler(AdapterBusy)
-    async def _busy(_: Request, exc: AdapterBusy):
-        return error_response(APIError(409, str(exc), "model", "model_busy"))
+    async def _busy(request: Request, exc: AdapterBusy):
+        return error_response(request, APIError(409, str(exc), "model", "model_busy"))
 
     @app.exception_handler(AdapterNoRoom)
-    async def _no_room(_: Request, exc: AdapterNoRoom):
-        return error_response(APIError(503, str(exc), "model", "model_unavailable",
+    async def _no_room(request: Request, exc: AdapterNoRoom):
+        return error_response(request, APIError(503, str(exc), "model", "model_unavailable",
                                        headers={"Retry-After": RETRY_AFTER_S}))
 
     @app.exception_handler(ModelUnavailableError)
-    async def _unavailable(_: Request, exc: ModelUnavailableError):
+    async def _unavailable(request: Request, exc: ModelUnavailableError):
         if isinstance(exc.__cause__, MissingExtraError):  # not a passing state: retrying will not help
-            return error_response(APIError(400, str(exc.__cause__), "model", "model_not_supported"))
-        return error_response(APIError(503, str(exc), "model", "model_unavailable",
+            return error_response(request, APIError(400, str(exc.__cause__), "model", "model_not_supported"))
+        return error_response(request, APIError(503, str(exc), "model", "model_unavailable",
                                        headers={"Retry-After": RETRY_AFTER_S}))
 
 

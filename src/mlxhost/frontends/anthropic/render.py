@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import AsyncIterator
 
 from mlxhost.engine.request import RequestOutput
+from mlxhost.frontends.anthropic.errors import anthropic_error
 from mlxhost.frontends.common.gateway import Opened, Whole
-from mlxhost.frontends.common.metrics import RequestTimer
-from mlxhost.frontends.common.sse import heartbeats, sse_event
+from mlxhost.frontends.common.sse import sse_event
 from mlxhost.serving.chat_output import ChatOutput, ReasoningDelta, collect
-from mlxhost.structured.grammar import GrammarFailure
+from mlxhost.serving.errors import APIError
 from mlxhost.structured.tool_parsers import ContentDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 
 
@@ -159,6 +158,20 @@ class MessageBuilder:
             parts.append(self._end())
         return "".join(parts)
 
+    # -- the stream's frames (common/stream.py) ------------------------------------------------
+    def waiting(self) -> str:  # still prefilling (or queued): pings keep the client's idle timer from firing
+        return self.progress_ping()
+
+    def output(self, out: RequestOutput) -> str:
+        return self.chunk(out)
+
+    @staticmethod
+    def error(error: APIError, out: RequestOutput | None) -> str:
+        return sse_event("error", anthropic_error(error.status, error.message, error.param, error.code))
+
+    def end(self, last: RequestOutput | None) -> str:
+        return self.stop(last) if last is not None and last.finished else ""
+
     def stop(self, last: RequestOutput) -> str:
         token_ids = self._token_ids or list(last.new_token_ids)
         reason, sequence = self._stop(last.finish_reason, token_ids, self._num_calls)
@@ -167,24 +180,3 @@ class MessageBuilder:
                                         last.num_cache_creation_tokens)}
         return sse_event("message_delta", delta) + sse_event("message_stop", {"type": "message_stop"})
 
-
-async def stream_message(builder: MessageBuilder, outputs: AsyncIterator[RequestOutput], timer: RequestTimer):
-    yield builder.start()
-    last = None
-    async for out in heartbeats(outputs, timer.heartbeat_s):
-        if out is None:  # still prefilling (or queued): pings keep the client's idle timer from firing
-            yield builder.progress_ping()
-            continue
-        if out.error:
-            # A grammar's dead end is the request's own problem (a 400 when not streamed).
-            kind = "invalid_request_error" if isinstance(out.error, GrammarFailure) else "api_error"
-            yield sse_event("error", {"type": "error", "error": {"type": kind, "message": out.error}})
-            break
-        timer.on_output(out)
-        last = out
-        text = builder.chunk(out)
-        if text:
-            yield text
-    timer.done(last)
-    if last is not None and last.finished:
-        yield builder.stop(last)

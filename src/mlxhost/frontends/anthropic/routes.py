@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from mlxhost.frontends.anthropic.errors import install_anthropic_errors
 from mlxhost.frontends.anthropic.mcp import messages_with_mcp, runs_mcp
 from mlxhost.frontends.anthropic.protocol import CountTokensRequest, MessagesRequest
-from mlxhost.frontends.anthropic.render import MessageBuilder, stream_message
+from mlxhost.frontends.anthropic.render import MessageBuilder
 from mlxhost.frontends.anthropic.translate import to_chat_request
 from mlxhost.frontends.common.gateway import Gateway
 
@@ -23,8 +23,7 @@ def add_anthropic_routes(app: FastAPI, gateway: Gateway) -> None:
             return await messages_with_mcp(gateway, body, raw)
         opened = await gateway.open(to_chat_request(body))
         builder = MessageBuilder(body.model, opened, tuple(body.stop_sequences or ()))
-        return await gateway.reply(opened.outputs, raw, body.stream,
-                                   lambda outputs, timer: stream_message(builder, outputs, timer), builder.message)
+        return await gateway.reply(opened.outputs, raw, body.stream, builder, builder.message)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest):

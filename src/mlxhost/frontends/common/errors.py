@@ -1,10 +1,9 @@
 """Every failure as an error object with the right status code: OpenAI's shape by default, and the shape a
-dialect registers (`register_error_shape`) on the paths it serves, for the handlers' errors and the gate's."""
+dialect registers (`register_error_shape`) on the paths it serves, for the handlers' errors and the gate's.
+Each is rendered once, from the typed `APIError` (serving/errors.py)."""
 
 from __future__ import annotations
 
-import inspect
-import json
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -15,7 +14,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlxhost.engine.loop import EngineClosedError
+from mlxhost.engine.request import RequestOutput
 from mlxhost.serving.errors import APIError, clip
+from mlxhost.structured.grammar import GrammarFailure
 
 log = logging.getLogger(__name__)
 
@@ -24,26 +25,34 @@ _TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit
 _MAX_MESSAGE_CHARS = 2000
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+def error_type(status: int) -> str:
+    """OpenAI's error `type` for a status."""
     # Any other 4xx (405, 413, 415, ...) is still the client's error, not the server's.
-    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = error_type(status)
     message = clip(message, _MAX_MESSAGE_CHARS)
     param = clip(param) if param is not None else None
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def failed_request_body(message: str) -> dict:
-    """The error frame of a stream whose request failed after it started: its own grammar's dead end
-    (`structured.grammar.GrammarFailure`) is the request's problem, a 400 no retry helps; anything else a 500."""
-    from mlxhost.structured.grammar import GrammarFailure
+def output_error(out: RequestOutput) -> APIError:
+    """The typed error of an engine output that ended its request with an error, whichever dialect answers it:
+    ended by the server (shutdown, a lost rank) a 503; its own grammar's dead end a 400 no retry helps; else a 500."""
+    if out.finish_reason:
+        return APIError(503, out.error, code="server_shutting_down")
+    if isinstance(out.error, GrammarFailure):
+        return APIError(400, out.error, code="grammar_failed")
+    log.error("request %s failed: %s", out.request_id, out.error)
+    return APIError(500, out.error)
 
-    if isinstance(message, GrammarFailure):
-        return error_body(400, message, code="grammar_failed")
-    return error_body(500, message)
 
-
-def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.code), exc.status, headers=exc.headers)
+def error_response(request: Request, exc: APIError) -> JSONResponse:
+    """`exc` in the shape registered for the request's path (OpenAI's elsewhere): its one rendering."""
+    body = error_shapes(request.app).body(request.url.path, exc.status, exc.message, exc.param, exc.code)
+    return JSONResponse(body, exc.status, headers=exc.headers)
 
 
 def _location(err: dict) -> list[str]:
@@ -89,30 +98,30 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api_error(request: Request, exc: APIError):
         if 400 <= exc.status < 500:
             _log_refusal(request, exc.status, exc.message)
-        return error_response(exc)
+        return error_response(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         # FastAPI answers 422; OpenAI clients expect 400 with one readable message naming every field.
         message, param = describe_errors(list(exc.errors()))
         _log_refusal(request, 400, message)
-        return error_response(APIError(400, message, param))
+        return error_response(request, APIError(400, message, param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
+    async def _http(request: Request, exc: StarletteHTTPException):
         # Keeps the exception's headers: a 405 must say which methods the path takes (`Allow`).
-        return error_response(APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)))
+        return error_response(request, APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)))
 
     @app.exception_handler(EngineClosedError)
-    async def _engine_closed(_: Request, exc: EngineClosedError):
+    async def _engine_closed(request: Request, exc: EngineClosedError):
         # A call on the engine thread cut off by the shutdown deadline (a step may never end): the client
         # learns why, as a stream ended then does.
-        return error_response(APIError(503, str(exc), code="server_shutting_down"))
+        return error_response(request, APIError(503, str(exc), code="server_shutting_down"))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception):
+    async def _unexpected(request: Request, exc: Exception):
         log.exception("unhandled error")
-        return error_response(APIError(500, f"internal error: {exc}"))
+        return error_response(request, APIError(500, f"internal error: {exc}"))
 
 
 @dataclass(frozen=True)
@@ -140,7 +149,9 @@ class ErrorShapes:
     def body(self, path: str, status: int, message: str, param: str | None = None, code: str | None = None,
              gate: bool = False) -> dict:
         shape = self.find(path, gate)
-        return shape.body(status, message, param, code) if shape else error_body(status, message, param, code)
+        if shape is None:
+            return error_body(status, message, param, code)
+        return shape.body(status, clip(message, _MAX_MESSAGE_CHARS), clip(param) if param is not None else None, code)
 
 
 def error_shapes(app: FastAPI) -> ErrorShapes:
@@ -152,33 +163,6 @@ def error_shapes(app: FastAPI) -> ErrorShapes:
 
 
 def register_error_shape(app: FastAPI, shape: ErrorShape) -> None:
-    """Errors on `shape`'s paths come in its shape: every exception handler installed so far answers in it
-    (same status and headers, e.g. Retry-After), and so does the gate. Call it after the app's handlers."""
-    shapes = error_shapes(app)
-    shapes.register(shape)
-    for exc_class, handler in list(app.exception_handlers.items()):
-        if not getattr(handler, "reshapes", False):
-            app.exception_handlers[exc_class] = _reshaping(handler, shapes)
-
-
-def _reshaping(handler, shapes: ErrorShapes):
-    """`handler`, its OpenAI-shaped answer re-rendered in the shape registered for the request's path."""
-
-    async def handle(request, exc):
-        response = handler(request, exc)
-        if inspect.isawaitable(response):
-            response = await response
-        shape = shapes.find(request.url.path)
-        if shape is None or not isinstance(response, JSONResponse):
-            return response
-        error = json.loads(response.body).get("error")
-        if isinstance(error, dict):
-            message, param, code = error.get("message") or str(exc), error.get("param"), error.get("code")
-        else:
-            message, param, code = error or str(exc), None, None
-        headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
-        return JSONResponse(shape.body(response.status_code, message, param, code), response.status_code,
-                            headers=headers)
-
-    handle.reshapes = True
-    return handle
+    """Errors on `shape`'s paths come in its shape: every exception handler's and the gate's (same status and
+    headers, e.g. Retry-After), rendered once from the typed error (`error_response`)."""
+    error_shapes(app).register(shape)

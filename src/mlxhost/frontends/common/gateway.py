@@ -20,17 +20,18 @@ from pydantic import ValidationError
 
 from mlxhost.engine.request import RequestOutput
 from mlxhost.engine.scheduler import QueueFullError
-from mlxhost.frontends.common.errors import APIError
+from mlxhost.frontends.common.errors import APIError, output_error
 from mlxhost.frontends.common.keys import current_grant
 from mlxhost.frontends.common.metrics import Metrics, RequestTimer
 from mlxhost.frontends.common.prefixes import PrefixCaptures, client_agent
 from mlxhost.frontends.common.sse import EVENT_STREAM, client_gone, event_stream
+from mlxhost.frontends.common.stream import Frames
+from mlxhost.frontends.common.stream import stream as stream_frames
 from mlxhost.serving.embedding import embed_token_lists
 from mlxhost.serving.model import ServedModel
 from mlxhost.serving.prepare import Prepared, prepare
 from mlxhost.serving.prompt_bound import PrepPool
 from mlxhost.serving.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from mlxhost.structured.grammar import GrammarFailure
 
 RETRY_AFTER_S = "1"
 # A stream with nothing to send for this long (a long prompt prefilling, a queue) sends its dialect's
@@ -165,12 +166,8 @@ class Gateway:
         async def gather() -> Whole:
             parts, ids, lps, last, prompt_lps = [], [], [], None, None
             async for out in outputs:
-                if out.error:
-                    if out.finish_reason:  # ended by the server (shutdown, a lost rank): a 503, as when streamed
-                        raise APIError(503, out.error, code="server_shutting_down")
-                    if isinstance(out.error, GrammarFailure):  # the request's own tools or format: no retry helps
-                        raise APIError(400, out.error, code="grammar_failed")
-                    raise RuntimeError(out.error)
+                if out.error:  # typed as a stream's error frame is (errors.output_error)
+                    raise output_error(out)
                 timer.on_output(out)
                 parts.append(out.text)
                 ids.extend(out.new_token_ids)
@@ -206,18 +203,18 @@ class Gateway:
             grant.check_model(model.name)
         return await embed_token_lists(model, engine, token_lists, dimensions, is_gone, max_batch_tokens)
 
-    async def reply(self, outputs: AsyncIterator[RequestOutput], raw: Request, stream: bool,
-                    frames: Callable[[AsyncIterator[RequestOutput], RequestTimer], AsyncIterator[str]],
+    async def reply(self, outputs: AsyncIterator[RequestOutput], raw: Request, stream: bool, frames: Frames,
                     render: Callable[[Whole], dict], media_type: str = EVENT_STREAM) -> Response:
-        """The end of every dialect's handler: `frames(outputs, timer)` streamed, or the outputs collected
-        and `render(whole)` answered as JSON; a client that left before the end gets its 499."""
+        """The end of every dialect's handler: the outputs streamed through the one loop (`stream.stream`) as the
+        dialect's `frames`, or collected and `render(whole)` answered as JSON; a client that left before the end
+        of a whole reply gets its 499."""
         timer = self.timer()
         # Traced (tracing.py): the request opened last in this handler; its reply's parsing is a span.
         trace = self.tracer.current() if self.tracer is not None else None
         if trace is not None:
             trace.hold()
         if stream:
-            body = frames(outputs, timer)
+            body = stream_frames(outputs, frames, timer)
             return event_stream(trace.frames(body) if trace is not None else body, media_type)
         whole = await self.collect(outputs, timer, raw)
         if whole is None:

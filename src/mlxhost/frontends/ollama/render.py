@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import time
 from datetime import datetime, timezone
-from typing import Any, AsyncIterator, Optional
+from typing import Any, Optional
 
 from mlxhost.engine.request import RequestOutput
 from mlxhost.frontends.common.gateway import Opened
-from mlxhost.frontends.common.metrics import RequestTimer
-from mlxhost.frontends.common.sse import heartbeats
+from mlxhost.frontends.ollama.errors import ollama_error
 from mlxhost.serving.chat_output import ChatOutput, ReasoningDelta
+from mlxhost.serving.errors import APIError
 from mlxhost.structured.tool_parsers import ContentDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 
 NDJSON = "application/x-ndjson"
@@ -141,6 +141,27 @@ class Reply:
             obj["context"] = self._prompt_ids + self._output_ids
         return obj
 
+    # -- the stream's frames (common/stream.py): NDJSON lines ---------------------------------------
+    def start(self) -> str:
+        """An empty line at once and while the prompt prefills (Ollama itself sends nothing then, and a
+        client's read timeout fires on a long prompt)."""
+        return line(self.keep_alive())
+
+    waiting = start
+
+    def output(self, out: RequestOutput) -> str | None:
+        self.durations.mark_output()
+        obj = self.chunk(out)
+        return line(obj) if obj is not None else None
+
+    @staticmethod
+    def error(error: APIError, out: Optional[RequestOutput]) -> str:
+        """An `{"error": ...}` line, as Ollama's clients expect mid-stream."""
+        return line(ollama_error(error.status, error.message, error.param, error.code))
+
+    def end(self, last: Optional[RequestOutput]) -> str:
+        return line(self.done(last))
+
     def whole(self, outputs: list[RequestOutput]) -> dict:
         """A non-streamed reply: every output's text joined into one object with the closing fields."""
         content, thinking, calls, logprobs = [], [], [], []
@@ -161,26 +182,3 @@ def _done_reason(last: Optional[RequestOutput]) -> str:
     if last is None or last.finish_reason is None:
         return "stop"
     return {"length": "length", "abort": "stop"}.get(last.finish_reason, "stop")
-
-
-async def stream_reply(reply: Reply, outputs: AsyncIterator[RequestOutput], timer: RequestTimer) -> AsyncIterator[str]:
-    """The NDJSON lines of a streamed reply: an empty one at once and while the prompt prefills (Ollama itself
-    sends nothing then, and a client's read timeout fires on a long prompt); an error mid-stream is an
-    `{"error": ...}` line, as Ollama's clients expect."""
-    yield line(reply.keep_alive())
-    last = None
-    async for out in heartbeats(outputs, timer.heartbeat_s):
-        if out is None:
-            yield line(reply.keep_alive())
-            continue
-        if out.error:
-            yield line({"error": str(out.error)})
-            return
-        timer.on_output(out)
-        reply.durations.mark_output()
-        last = out
-        obj = reply.chunk(out)
-        if obj is not None:
-            yield line(obj)
-    timer.done(last)
-    yield line(reply.done(last))

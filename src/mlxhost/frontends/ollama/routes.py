@@ -32,7 +32,7 @@ from mlxhost.frontends.ollama.protocol import (
     keep_alive_seconds,
 )
 from mlxhost.frontends.ollama.pulling import default_pull, hub_id, pull_error, pull_lines
-from mlxhost.frontends.ollama.render import NDJSON, Durations, Reply, line, now_iso, stream_reply
+from mlxhost.frontends.ollama.render import NDJSON, Durations, Reply, line, now_iso
 from mlxhost.frontends.ollama.translate import to_chat, to_generate
 from mlxhost.serving.embedding import tokenize_texts
 
@@ -145,8 +145,7 @@ def add_ollama_routes(app: FastAPI, gateway: Gateway, pull_fn: Callable[[str], A
 
         # A streamed reply marks its first output itself; a collected one through `_marked`.
         outputs = opened.outputs if stream else _marked(opened.outputs, durations)
-        return await gateway.reply(outputs, raw, stream, lambda outputs, timer: stream_reply(reply, outputs, timer),
-                                   render, media_type=NDJSON)
+        return await gateway.reply(outputs, raw, stream, reply, render, media_type=NDJSON)
 
     @router.post("/api/chat")
     async def chat(body: ChatRequest, raw: Request):

@@ -8,8 +8,11 @@ from dataclasses import replace
 from typing import Any
 
 from mlxhost.engine.request import RequestOutput, TokenLogprob
-from mlxhost.frontends.common.sse import sse
+from mlxhost.frontends.common.errors import error_body
+from mlxhost.frontends.common.sse import SSE_DONE, sse
 from mlxhost.serving.chat_output import ChatOutput, OutputSpec, ReasoningDelta, collect
+from mlxhost.serving.errors import APIError
+from mlxhost.serving.prepare import choice_request_id
 from mlxhost.serving.schemas import CompletionRequest, SamplingFields
 from mlxhost.structured.tool_parsers import ContentDelta, ToolCallArgsDelta, ToolCallStart
 
@@ -193,6 +196,55 @@ class CompletionBuilder:
     def usage_chunk_of(self, counts: dict) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return sse(self._envelope(obj, [], usage=counts))
+
+
+def choices_usage(lasts: list[RequestOutput]) -> dict:
+    """The usage of n choices: the prompt counts once (it was prefilled once); cached_tokens the most any choice
+    got for free."""
+    return completion_usage(lasts[0].num_prompt_tokens, sum(o.num_output_tokens for o in lasts),
+                            max(o.num_cached_tokens for o in lasts))
+
+
+class CompletionFrames:
+    """A chat or text completion's stream frames (common/stream.py) for its n choices, one builder each; the
+    outputs of choice i carry its engine request id (serving/prepare.py `choice_request_id`)."""
+
+    def __init__(self, builders: list[CompletionBuilder], include_usage: bool) -> None:
+        self.builders = builders
+        self.include_usage = include_usage
+        self._index = {choice_request_id(builders[0].id, i): i for i in range(len(builders))}
+        self._lasts: dict[int, RequestOutput] = {}
+
+    def _choice(self, out: RequestOutput) -> int:
+        return self._index.get(out.request_id, 0) if len(self.builders) > 1 else 0
+
+    def start(self) -> str:
+        return "".join(b.first_chunk() for b in self.builders)
+
+    def waiting(self) -> str:  # an empty chunk keeps clients' idle timers from firing
+        return self.builders[0].keep_alive()
+
+    def output(self, out: RequestOutput) -> str | None:
+        i = self._choice(out)
+        if i == 0 and out.prompt_logprobs and i not in self._lasts:  # the other choices echo choice 0's
+            for b in self.builders[1:]:
+                b.echo_logprobs = out.prompt_logprobs
+        self._lasts[i] = out
+        return self.builders[i].chunk(out)
+
+    def error(self, error: APIError, out: RequestOutput | None) -> str:
+        # Ended by the server (shutdown): the choice's end, then why.
+        end = self.builders[self._choice(out)].chunk(out) if out is not None and out.finish_reason else None
+        return (end or "") + sse(error_body(error.status, error.message, error.param, error.code)) + self._tail()
+
+    def end(self, last: RequestOutput | None) -> str:
+        return self._tail()
+
+    def _tail(self) -> str:
+        if self.include_usage and len(self._lasts) == len(self.builders):
+            usage = choices_usage([self._lasts[i] for i in range(len(self.builders))])
+            return self.builders[0].usage_chunk_of(usage) + SSE_DONE
+        return SSE_DONE
 
 
 def _tool_call(call_id: str, name: str, arguments: str) -> dict:

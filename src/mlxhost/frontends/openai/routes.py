@@ -4,18 +4,12 @@ through the gateway, rendered by `render.CompletionBuilder`; n > 1 runs in `choi
 
 from __future__ import annotations
 
-from typing import AsyncIterator
-
 from fastapi import FastAPI, Request
 
-from mlxhost.engine.request import RequestOutput
-from mlxhost.frontends.common.errors import error_body, failed_request_body
 from mlxhost.frontends.common.gateway import Gateway
-from mlxhost.frontends.common.metrics import RequestTimer
-from mlxhost.frontends.common.sse import SSE_DONE, heartbeats, sse
 from mlxhost.frontends.openai.choices import complete_choices
 from mlxhost.frontends.openai.mcp import chat_with_mcp
-from mlxhost.frontends.openai.render import CompletionBuilder, echo_text
+from mlxhost.frontends.openai.render import CompletionBuilder, CompletionFrames, echo_text
 from mlxhost.serving.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 
@@ -51,39 +45,10 @@ def add_openai_routes(app: FastAPI, gateway: Gateway) -> None:
         builder = CompletionBuilder(opened.prepared.request.request_id, body.model, chat, opened.model.tokenizer,
                                     opened.prepared.output, echo=echo_text(body, opened.model.tokenizer))
 
-        def frames(outputs, timer):
-            return stream_chunks(builder, outputs, body.include_usage, timer)
-
         def render(whole):
             last = whole.last
             return builder.full(whole.text, last.finish_reason, last.num_prompt_tokens, last.num_output_tokens,
                                 whole.logprobs or None, last.num_cached_tokens, whole.prompt_logprobs)
 
-        return await gateway.reply(opened.outputs, raw, body.stream, frames, render)
-
-
-async def stream_chunks(builder: CompletionBuilder, outputs: AsyncIterator[RequestOutput], include_usage: bool,
-                        timer: RequestTimer):
-    yield builder.first_chunk()
-    last = None
-    async for out in heartbeats(outputs, timer.heartbeat_s):
-        if out is None:  # prefilling: an empty chunk keeps clients' idle timers from firing
-            yield builder.keep_alive()
-            continue
-        if out.error:
-            if out.finish_reason:  # ended by the server (shutdown): the choice's end, then why
-                chunk = builder.chunk(out)
-                if chunk:
-                    yield chunk
-            yield sse(error_body(503, out.error, code="server_shutting_down") if out.finish_reason
-                      else failed_request_body(out.error))
-            break
-        timer.on_output(out)
-        last = out
-        chunk = builder.chunk(out)
-        if chunk:
-            yield chunk
-    timer.done(last)
-    if include_usage and last is not None:
-        yield builder.usage_chunk(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
-    yield SSE_DONE
+        return await gateway.reply(opened.outputs, raw, body.stream, CompletionFrames([builder], body.include_usage),
+                                   render)

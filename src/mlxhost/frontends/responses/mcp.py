@@ -239,4 +239,4 @@ async def _frames(steps: AsyncIterator, heartbeat_s: float, renderer: McpRendere
     except ClientGone:
         return
     except APIError as exc:  # a later round refused (a prompt grown past the context): the response fails
-        yield _frame(renderer.failed(exc.message))
+        yield _frame(renderer.failed(exc))

@@ -9,12 +9,13 @@ the prefix cache served (OpenAI's split); reasoning tokens are not counted apart
 from __future__ import annotations
 
 import uuid
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 from mlxhost.engine.request import RequestOutput
-from mlxhost.frontends.common.metrics import RequestTimer
-from mlxhost.frontends.common.sse import heartbeats, sse_event
+from mlxhost.frontends.common.errors import error_type
+from mlxhost.frontends.common.sse import sse_event
 from mlxhost.serving.chat_output import ChatOutput, OutputSpec, ReasoningDelta
+from mlxhost.serving.errors import APIError
 from mlxhost.structured.tool_parsers import ContentDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 
 
@@ -152,29 +153,36 @@ class ResponseRenderer:
         response = self.response(status, last)
         return response, self._event(f"response.{status}", response=response)
 
-    def failed(self, message: str) -> dict:
-        error = {"code": "server_error", "message": message}
-        return self._event("response.failed", response=self.response("failed", error=error))
+    def failed(self, error: APIError) -> dict:
+        """`response.failed`, its error's code the one a whole reply's error carries (its type where it has none)."""
+        code = error.code or error_type(error.status)
+        failure = {"code": code, "message": error.message}
+        return self._event("response.failed", response=self.response("failed", error=failure))
 
 
-async def stream_response(renderer: ResponseRenderer, outputs: AsyncIterator[RequestOutput], timer: RequestTimer,
-                          on_done: Callable[[dict], None]):
-    yield "".join(_frame(e) for e in renderer.begin())
-    last = None
-    async for out in heartbeats(outputs, timer.heartbeat_s):
-        if out is None:
-            yield _frame(renderer.keep_alive())
-            continue
-        if out.error:
-            yield _frame(renderer.failed(out.error))
-            break
-        timer.on_output(out)
-        last = out
-        events = renderer.feed(out.text, final=out.finished, incomplete=out.finish_reason == "length")
-        if events:
-            yield "".join(_frame(e) for e in events)
-    timer.done(last)
-    if last is not None and last.finished:
-        response, event = renderer.finish(last)
-        on_done(response)
-        yield _frame(event)
+
+class ResponseFrames:
+    """A response's stream frames (common/stream.py); `on_done` gets the final response object."""
+
+    def __init__(self, renderer: ResponseRenderer, on_done: Callable[[dict], None]) -> None:
+        self.renderer, self.on_done = renderer, on_done
+
+    def start(self) -> str:
+        return "".join(_frame(e) for e in self.renderer.begin())
+
+    def waiting(self) -> str:
+        return _frame(self.renderer.keep_alive())
+
+    def output(self, out: RequestOutput) -> str:
+        events = self.renderer.feed(out.text, final=out.finished, incomplete=out.finish_reason == "length")
+        return "".join(_frame(e) for e in events)
+
+    def error(self, error: APIError, out: RequestOutput | None) -> str:
+        return _frame(self.renderer.failed(error))
+
+    def end(self, last: RequestOutput | None) -> str:
+        if last is None or not last.finished:
+            return ""
+        response, event = self.renderer.finish(last)
+        self.on_done(response)
+        return _frame(event)

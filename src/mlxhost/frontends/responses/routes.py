@@ -11,7 +11,7 @@ from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import Gateway
 from mlxhost.frontends.responses.mcp import respond_with_mcp, uses_mcp
 from mlxhost.frontends.responses.protocol import ResponsesRequest
-from mlxhost.frontends.responses.render import stream_response
+from mlxhost.frontends.responses.render import ResponseFrames
 from mlxhost.frontends.responses.store import ResponseStore
 from mlxhost.frontends.responses.tools import NamespacedRenderer, served_tools
 from mlxhost.frontends.responses.translate import envelope, input_items, to_chat_request
@@ -50,8 +50,7 @@ def add_responses_routes(app: FastAPI, gateway: Gateway, max_num_responses: int 
             keep(response)
             return response
 
-        return await gateway.reply(opened.outputs, raw, body.stream,
-                                   lambda outputs, timer: stream_response(renderer, outputs, timer, keep), render)
+        return await gateway.reply(opened.outputs, raw, body.stream, ResponseFrames(renderer, keep), render)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str):
