@@ -136,7 +136,7 @@ def make_ready_hook(config, manager, specs, port: int, out=None, speed_hint: str
         models = [BannerModel(c["id"], spec.source, c["status"]) for c, spec in zip(cards, specs)]
         engines = manager.loaded_engines()
         if engines:
-            budget, kv_tokens = await engines[0].call(lambda core: (core.budget, core.kv_capacity_tokens))
+            budget, kv_tokens = await engines[0].call(lambda core: (core.budget, core.stats().kv_capacity_tokens))
             memory = memory_line(budget, kv_tokens)
         else:
             memory = ceiling_line(config.engine.memory_mode, config.engine.memory_utilization)
