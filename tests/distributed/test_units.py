@@ -221,7 +221,7 @@ def test_recording_store_replays_the_schedulers_calls(tiny):
     lead, other = RecordingStore(layout, 16), RecordingStore(layout, 16)
     for store in (lead, other):
         for b in (1, 2):
-            store.put(b, bytes([b]), KVBlock(mx.zeros((1, 1, 16, 1)), None))
+            store.put(b, bytes([b]), KVBlock({"kv": mx.zeros((1, 1, 16, 1))}))
     lead.drop(1)  # not recording yet: a runner step's own call
     assert lead.take_calls() == []
     other.drop(1)

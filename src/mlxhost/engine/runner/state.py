@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import mlx.core as mx
-
 from mlxhost.engine.runner.sampling import RowSampler
 
 
@@ -31,11 +29,12 @@ class RowState:
     pending_logprob: tuple | None = None
     # Requests that asked for their prompt's logprobs: each prefill forward's (chosen, top ids, top logprobs).
     prompt_scores: list[tuple] | None = None
-    # Prefix data only a prefill can give (capture.py), kept until its blocks are stored: sliding-window
-    # KV by block start, the boundary the prefill stops at for a recurrent snapshot, and that snapshot.
-    captured: dict[int, mx.array] | None = None
+    # Prefix data only a prefill can give (capture.py), kept until its blocks are stored: roles' parts by
+    # (role, block start) (sliding-window KV), the boundary the prefill stops at for a snapshot (recurrent
+    # state), and that snapshot (role -> its part).
+    captured: dict[tuple[str, int], Any] | None = None
     snap_at: int | None = None
-    prefill_snap: tuple[int, list] | None = None
+    prefill_snap: tuple[int, dict[str, Any]] | None = None
     # Speculative decoding (spec/): the row's adaptive draft length and its proposer's own state (an
     # n-gram index, the tokens a draft model's cache holds, ...).
     draft_length: Any = None

@@ -1,5 +1,6 @@
 """Layer cache kinds: what the server may do with each (batch, pad, rewind, store, quantize, reserve) and
-how its blocks are read and written. `KINDS` is the one registry; registry.py says how it answers.
+which role its layers take in a block (kv/roles/ reads and writes them). `KINDS` is the one registry;
+registry.py says how it answers.
 
 Adding a kind is one `CacheKind` in the list below (its classes, its answers, what a block holds of it);
 every check the engine, the prefix cache and the memory probe make goes through `KINDS`.

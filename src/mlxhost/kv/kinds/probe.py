@@ -43,7 +43,7 @@ def probe_kv(model: Any, make_cache: Callable[[Any], list[Any]] = make_prompt_ca
     layout = read_layout(cache)
     kinds = tuple(type(c).__name__ for c in cache)
     why = "" if layout is not None else f"this model's caches are {sorted(set(kinds))}, a layout it cannot store"
-    if layout is not None and getattr(model, "is_vlm", False) and layout.state_layers:
+    if layout is not None and getattr(model, "is_vlm", False) and layout.snapshot_roles:
         # No served vision family has recurrent layers, so snapshots have never run with images.
         layout, why = None, "a vision model with recurrent layers (snapshots never run with images)"
     # Quantized layers keep (data, scales, biases): the scales carry the model's float dtype.

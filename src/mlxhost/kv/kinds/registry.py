@@ -4,7 +4,7 @@ A model's prompt cache is a list of per-layer caches (mlx-lm's classes, or ours 
 rows decode in one batch, prompts prefill together, a rejected draft can be rewound, the prefix cache and
 SSD tier can keep a layer, --kv-bits can quantize it, or the decode batch can widen it up front is the
 layer's kind's answer, asked here rather than through class checks spread over the engine. Adding a kind
-is one `CacheKind` in `kinds/__init__.py`; a kind whose blocks take a new role also brings that role's I/O.
+is one `CacheKind` in `kinds/__init__.py`; a kind whose layers take a new role comes with that role (kv/roles/).
 
 Kinds are matched by exact class (a model's own subclass of a known cache is not assumed to behave like
 it), except where an entry says `subclasses`. A class no entry names answers no to everything, except that
@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-# How a prefix-cache block holds a layer (see layout.py): attention KV per position, a sliding window's KV
-# per position while it is in the window, or recurrent state as snapshots at block boundaries.
+# The roles' names (kv/roles/): how a prefix-cache block holds a layer. Attention KV per position, a sliding
+# window's KV per position while it is in the window, or recurrent state as snapshots at block boundaries.
 KV, SWA, STATE = "kv", "swa", "state"
 
 
@@ -25,7 +25,7 @@ KV, SWA, STATE = "kv", "swa", "state"
 class LayerSpec:
     """What a block holds of one layer, read off its cache after a one-token forward."""
 
-    role: str  # KV, SWA or STATE
+    role: str  # a registered role's name: KV, SWA, STATE, ...
     shape: tuple | None = None  # (kv_heads, key_width, value_width, dtype): one block array holds them all
     window: int = 0  # a sliding layer's window (its cache's max_size)
     quant: tuple[int, int] | None = None  # a KV layer's (bits, group_size); (0, 0) for float KV

@@ -2,15 +2,14 @@
 snapshots, as MLX arrays, with an optional SSD tier behind them (write-behind for new data,
 read-through on a memory miss).
 
-A block is at most two arrays (see `kinds/layout.py`): `kv` [full layers, kv_heads, block_size, key_width +
-value_width] (under --kv-bits the quantized tuple's three arrays, each laid out so) and, for
-sliding-window models, `swa` with the sliding layers' KV of the same positions when it was still in
-the window at store time. One array per kind, not per layer: storing, attaching
-and spilling then cost a kernel launch or a device-to-host copy per block (per layer, a hit was slower
-than recomputing: docs/BENCHMARKS.md).
+A block holds one part per per-block role of the model (kv/roles/: `kv` [full layers, kv_heads, block_size,
+key_width + value_width], and for sliding-window models `swa` with the sliding layers' KV of the same positions
+when it was still in the window at store time); snapshot roles (recurrent state) are kept at block boundaries
+by `SnapshotStore`. One array per role, not per layer: storing, attaching and spilling then cost a kernel
+launch or a device-to-host copy per block (per layer, a hit was slower than recomputing: docs/BENCHMARKS.md).
 
-On the SSD tier `swa` has its own files (`window_ssd`): a hit reads it back only for the few blocks
-inside the window where it resumes, not for the whole chain (Gemma 3 4B: 29 of 34 layers slide).
+A role with its own SSD folder (`tiers`: sliding windows, snapshots) is read back only where a hit needs it
+(a window: the few blocks inside it where a hit resumes, not the whole chain).
 """
 
 from __future__ import annotations
@@ -22,14 +21,10 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from mlxhost.kv.kinds.block_io import fill_cache
 from mlxhost.kv.kinds.layout import KVLayout
-from mlxhost.kv.kinds.plain import KVArrays, kv_arrays
-from mlxhost.kv.kinds.recurrent import Snapshot
+from mlxhost.kv.roles import ROLES, CacheRole
 from mlxhost.kv.store.snapshots import SnapshotStore
-from mlxhost.kv.store.spill import QUANT_TENSORS, SpillQueue, block_from_data, snapshot_from_data, window_from_data
-
-WINDOW_MARK = "window"  # a block file's tensor: its sliding KV is in a window file of its own
+from mlxhost.kv.store.spill import SpillQueue
 from mlxhost.kv.store.ssd_tier import SSDTier
 
 log = logging.getLogger(__name__)
@@ -37,26 +32,34 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class KVBlock:
-    kv: KVArrays | None  # full-attention layers (None for a model without any); a tuple when quantized
-    swa: mx.array | None = None  # sliding layers; None when their KV had left the window
+    # Role name -> its part of this block; an optional role's is missing (or None) when the block has none
+    # (sliding KV that had left the window).
+    parts: dict[str, Any]
 
     @property
     def arrays(self) -> list[mx.array]:
-        return kv_arrays(self.kv) + kv_arrays(self.swa)
+        return [a for name, part in self.parts.items() for a in ROLES[name].arrays(part)]
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays)
 
 
+# Snapshot role name -> its snapshot at one block boundary.
+Snapshot = dict[str, Any]
+
+
+def snapshot_arrays(snapshot: Snapshot) -> list[mx.array]:
+    return [a for name, part in snapshot.items() for a in ROLES[name].arrays(part)]
+
+
 def snapshot_nbytes(snapshot: Snapshot) -> int:
-    return sum(a.nbytes for arrays in snapshot for a in arrays)
+    return sum(a.nbytes for a in snapshot_arrays(snapshot))
 
 
 class KVBlockStore:
     def __init__(self, layout: KVLayout, block_size: int, ssd: SSDTier | None = None, dtype: mx.Dtype | None = None,
-                 snapshot_bytes: int = 0, state_ssd: SSDTier | None = None,
-                 window_ssd: SSDTier | None = None) -> None:
+                 snapshot_bytes: int = 0, tiers: dict[str, SSDTier] | None = None) -> None:
         self.layout = layout
         self.block_size = block_size
         self._blocks: dict[int, KVBlock] = {}
@@ -64,12 +67,13 @@ class KVBlockStore:
         self._block_bytes = 0
         self.snapshots = SnapshotStore(snapshot_bytes)
         self.ssd = ssd
-        self.state_ssd = state_ssd  # snapshots' own files (same format, own folder and cap)
-        self.window_ssd = window_ssd  # blocks' sliding KV, likewise; None: inside the block files
-        self._lost_windows: list[int] = []  # blocks whose window file turned out unreadable
-        # Blocks read from the SSD tier without their sliding KV, which `window_ssd` holds: block id ->
-        # (hash, tokens) to read it by once a hit resumes with the block inside its window.
-        self._window_on_disk: dict[int, tuple[bytes, tuple[int, ...]]] = {}
+        # Role name -> its own files (same format, own folder and cap); a per-block role without one keeps
+        # its tensors inside the block files.
+        self.tiers = dict(tiers or {})
+        self._lost_parts: list[int] = []  # blocks whose part in a role's own file turned out unreadable
+        # Blocks read from the SSD tier without a part their role's own tier holds: (role, block id) ->
+        # (hash, tokens) to read it by once a hit needs it.
+        self._on_disk: dict[tuple[str, int], tuple[bytes, tuple[int, ...]]] = {}
         self.dtype = dtype
         self._spill = SpillQueue()
         # Where a hit's time goes besides its prefill (`bench prefix` prints them): filling caches from
@@ -85,7 +89,11 @@ class KVBlockStore:
 
     @property
     def wants_snapshots(self) -> bool:
-        return bool(self.layout.state_layers) and self.snapshots.max_bytes > 0
+        return bool(self.layout.snapshot_roles) and self.snapshots.max_bytes > 0
+
+    def keeps(self, role: CacheRole) -> bool:
+        """Whether this store keeps `role`'s data: per-block roles always, snapshots within a budget."""
+        return role.per_block or self.wants_snapshots
 
     def put(self, block_id: int, block_hash: bytes, block: KVBlock) -> None:
         self.drop(block_id)
@@ -94,7 +102,8 @@ class KVBlockStore:
         self._block_bytes += block.nbytes
 
     def drop(self, block_id: int) -> None:
-        self._window_on_disk.pop(block_id, None)
+        for role in self.layout.roles:
+            self._on_disk.pop((role.name, block_id), None)
         block = self._blocks.pop(block_id, None)
         if block is not None:
             self._block_bytes -= block.nbytes
@@ -107,27 +116,34 @@ class KVBlockStore:
             self.drop(block_id)
 
     def put_snapshot(self, block_hash: bytes, snapshot: Snapshot) -> bool:
+        """Keeps the snapshot roles' parts at the boundary ending the block `block_hash`, within the budget."""
         return self.snapshots.put(block_hash, snapshot, snapshot_nbytes(snapshot))
 
     # -- admission -----------------------------------------------------------------------------
     def can_resume(self, request_id: str, block_ids: Sequence[int], block_hash: bytes,
                    token_ids: Sequence[int]) -> bool:
-        """Whether a request can start after these hit blocks (the last one's hash and tokens given): the blocks
-        covering the sliding window there carry sliding KV, and the recurrent state there has a
-        snapshot (read from the SSD tier if need be), which is then pinned for `request_id`."""
+        """Whether a request can start after these hit blocks (the last one's hash and tokens given): each
+        optional per-block role has its part in the blocks it needs there (sliding KV in those covering the
+        window), and the snapshot roles have a snapshot there (read from the SSD tier if need be), which is
+        then pinned for `request_id`."""
         layout, bs = self.layout, self.block_size
         depth = len(block_ids) * bs
-        if layout.swa_layers:
-            first = layout.window_start(depth) // bs
-            # A block planned this step is not copied yet: not known to carry sliding KV.
-            if any(getattr(self._blocks.get(b), "swa", None) is None and not self._load_window(b)
-                   for b in block_ids[first:]):
+        for role in layout.roles:
+            if not (role.per_block and role.optional):
+                continue
+            first = role.first_needed(layout, depth) // bs
+            # A block planned this step is not copied yet: not known to carry the part.
+            if any(self._part(b, role) is None and not self._load_part(role, b) for b in block_ids[first:]):
                 return False
-        if layout.state_layers:
+        if layout.snapshot_roles:
             if block_hash not in self.snapshots and not self._load_snapshot(block_hash, token_ids):
                 return False
             self.snapshots.pin(request_id, block_hash)
         return True
+
+    def _part(self, block_id: int, role: CacheRole) -> Any:
+        block = self._blocks.get(block_id)
+        return None if block is None else block.parts.get(role.name)
 
     def release(self, request_id: str) -> None:
         self.snapshots.unpin(request_id)
@@ -140,13 +156,16 @@ class KVBlockStore:
         layout, bs = self.layout, self.block_size
         depth = len(block_ids) * bs
         blocks = [self._blocks[b] for b in block_ids]
-        swa = [b.swa for b in blocks[layout.window_start(depth) // bs :]]
-        snapshot = None
-        if layout.state_layers:
+        for role in layout.roles:
+            if role.per_block:
+                needed = blocks[role.first_needed(layout, depth) // bs :]
+                role.fill(cache, layout, [b.parts.get(role.name) for b in needed], depth)
+        if layout.snapshot_roles:
             snapshot = self.snapshots.get(self._hash_of[block_ids[-1]])
             if snapshot is None:
                 raise RuntimeError("the pinned state snapshot of a prefix hit is gone")
-        fill_cache(cache, layout, [b.kv for b in blocks], swa, depth, snapshot)
+            for role in layout.snapshot_roles:
+                role.fill(cache, layout, [snapshot[role.name]], depth)
         # Evaluated (or launched) now rather than inside the prefill's graph, so the restore's time is its own.
         (mx.eval if sync else mx.async_eval)([c.state for c in cache])
         self.num_restores += 1
@@ -156,25 +175,25 @@ class KVBlockStore:
     def queue_spill(self, block_hash: bytes, token_ids: tuple[int, ...], block: KVBlock) -> None:
         if self.ssd is not None:
             tensors = {}
-            if block.swa is not None:
-                if self.window_ssd is not None:
-                    self._spill.add(self.window_ssd, block_hash, token_ids, {"swa": block.swa})
-                    # The block file says it has a window file: without that file (a crash between the
-                    # two writes, an eviction) the block is a miss, recomputed and stored whole again.
-                    tensors[WINDOW_MARK] = mx.ones((1,), dtype=mx.uint8)
+            for role in self.layout.roles:
+                part = block.parts.get(role.name)
+                if part is None:
+                    continue
+                own = self.tiers.get(role.name)
+                if own is not None:
+                    self._spill.add(own, block_hash, token_ids, role.to_tensors(part))
+                    # The block file says the part has a file of its own: without that file (a crash between
+                    # the two writes, an eviction) the block is a miss, recomputed and stored whole again.
+                    tensors[role.ssd_mark] = mx.ones((1,), dtype=mx.uint8)
                 else:
-                    tensors["swa"] = block.swa
-            if isinstance(block.kv, tuple):  # quantized: data, scales, biases
-                tensors.update(zip(QUANT_TENSORS, block.kv))
-            elif block.kv is not None:
-                tensors["kv"] = block.kv
+                    tensors.update(role.to_tensors(part))
             self._spill.add(self.ssd, block_hash, token_ids, tensors)
 
     def queue_spill_snapshot(self, block_hash: bytes, token_ids: tuple[int, ...], snapshot: Snapshot) -> None:
-        if self.state_ssd is not None:
-            tensors = {f"s{j}.{k}.{str(a.dtype).rsplit('.', 1)[-1]}": a
-                       for j, arrays in enumerate(snapshot) for k, a in enumerate(arrays)}
-            self._spill.add(self.state_ssd, block_hash, token_ids, tensors)
+        for role in self.layout.snapshot_roles:
+            tier = self.tiers.get(role.name)
+            if tier is not None:
+                self._spill.add(tier, block_hash, token_ids, role.to_tensors(snapshot[role.name]))
 
     def drop_pending_spills(self) -> None:
         self._spill.clear()
@@ -192,62 +211,90 @@ class KVBlockStore:
             return False
         started = time.perf_counter()
         data = self.ssd.get(block_hash, token_ids)
-        block = block_from_data(data, self.layout, self.dtype, log) if data is not None else None
+        parts = self._read_parts(data) if data is not None else None
         self.ssd_read_seconds += time.perf_counter() - started
-        if block is None:
+        if parts is None:
             return False
-        has_window = WINDOW_MARK in data.tensors
-        if has_window and (self.window_ssd is None or not self.window_ssd.contains(block_hash)):
+        own = {role: self.tiers.get(role.name) for role in self.layout.roles if role.per_block}
+        if any(role.ssd_mark in data.tensors and (tier is None or not tier.contains(block_hash))
+               for role, tier in own.items()):
             return False
-        self.put(block_id, block_hash, KVBlock(*block))
-        if block[1] is None and self.window_ssd is not None and self.window_ssd.contains(block_hash):
-            self._window_on_disk[block_id] = (block_hash, tuple(token_ids))
+        self.put(block_id, block_hash, KVBlock(parts))
+        for role, tier in own.items():
+            if parts.get(role.name) is None and tier is not None and tier.contains(block_hash):
+                self._on_disk[role.name, block_id] = (block_hash, tuple(token_ids))
         return True
 
-    def _load_window(self, block_id: int) -> bool:
-        """Reads a block's sliding KV from `window_ssd` into it, if it was left on disk."""
-        entry = self._window_on_disk.get(block_id)
+    def _read_parts(self, data) -> dict[str, Any] | None:
+        """The per-block roles' parts a block file holds, or None (a miss) if it does not fit this layout."""
+        try:
+            return {role.name: role.from_tensors(data.tensors, self.layout, self.dtype)
+                    for role in self.layout.roles if role.per_block}
+        except (KeyError, ValueError, TypeError) as exc:  # a file that passed the checks but not ours
+            log.warning("SSD block unusable (%s): a miss", exc)
+            return None
+
+    def _load_part(self, role: CacheRole, block_id: int) -> bool:
+        """Reads a block's part from its role's own tier into it, if it was left on disk."""
+        entry = self._on_disk.get((role.name, block_id))
         block = self._blocks.get(block_id)
         if entry is None or block is None:
             return False
+        del self._on_disk[role.name, block_id]
         started = time.perf_counter()
-        data = self.window_ssd.get(*entry)
-        swa = window_from_data(data, self.layout, self.dtype, log) if data is not None else None
+        data = self.tiers[role.name].get(*entry)
+        part = None
+        if data is not None:
+            try:
+                part = role.from_tensors(data.tensors, self.layout, self.dtype)
+            except (KeyError, ValueError, TypeError) as exc:
+                log.warning("SSD %s file unusable (%s): a miss", role.name, exc)
         self.ssd_read_seconds += time.perf_counter() - started
-        del self._window_on_disk[block_id]
-        if swa is None:
-            # The block stays without sliding KV: its hash must go, or no later request could store
-            # it whole (a store skips hashes already cached). The prefix cache forgets it.
-            self._lost_windows.append(block_id)
+        if part is None:
+            # The block stays without this part: its hash must go, or no later request could store it
+            # whole (a store skips hashes already cached). The prefix cache forgets it.
+            self._lost_parts.append(block_id)
             return False
-        block.swa = swa
-        self._block_bytes += swa.nbytes
+        block.parts[role.name] = part
+        self._block_bytes += sum(a.nbytes for a in role.arrays(part))
         return True
 
     def take_lost_windows(self) -> list[int]:
-        """Blocks whose sliding KV could not be read back since the last call (for the prefix cache)."""
-        lost, self._lost_windows = self._lost_windows, []
+        """Blocks whose part in a role's own file (a sliding window) could not be read back since the last
+        call (for the prefix cache)."""
+        lost, self._lost_parts = self._lost_parts, []
         return lost
 
     def _load_snapshot(self, block_hash: bytes, token_ids: Sequence[int]) -> bool:
-        if self.state_ssd is None or not self.state_ssd.contains(block_hash):
+        tiers = {role: self.tiers.get(role.name) for role in self.layout.snapshot_roles}
+        if any(tier is None or not tier.contains(block_hash) for tier in tiers.values()):
             return False
         started = time.perf_counter()
-        data = self.state_ssd.get(block_hash, token_ids)
-        snapshot = snapshot_from_data(data, self.layout, log) if data is not None else None
+        snapshot = {}
+        for role, tier in tiers.items():
+            data = tier.get(block_hash, token_ids)
+            if data is None:
+                break
+            try:
+                snapshot[role.name] = role.from_tensors(data.tensors, self.layout, self.dtype)
+            except (KeyError, ValueError, TypeError) as exc:
+                log.warning("SSD snapshot unusable (%s): a miss", exc)
+                break
         self.ssd_read_seconds += time.perf_counter() - started
-        return snapshot is not None and self.put_snapshot(block_hash, snapshot)
+        return len(snapshot) == len(tiers) and self.put_snapshot(block_hash, snapshot)
 
     # -- housekeeping --------------------------------------------------------------------------
     def clear_ssd(self) -> int:
         self.drop_pending_spills()  # else they reach the disk after the clear
-        return sum(t.clear() for t in (self.ssd, self.state_ssd, self.window_ssd) if t is not None)
+        return sum(t.clear() for t in self._all_tiers())
 
     def close(self) -> None:
         self.spill_pending()
-        for tier in (self.ssd, self.state_ssd, self.window_ssd):
-            if tier is not None:
-                tier.close()
+        for tier in self._all_tiers():
+            tier.close()
+
+    def _all_tiers(self) -> list[SSDTier]:
+        return [t for t in (self.ssd, *self.tiers.values()) if t is not None]
 
     def stats(self) -> dict:
         """Blocks and snapshots per tier."""
@@ -260,8 +307,8 @@ class KVBlockStore:
                        "snapshot_budget_bytes": self.snapshots.max_bytes,
                        "snapshot_evictions": self.snapshots.num_evictions},
             "ssd": disk(self.ssd),
-            "ssd_snapshots": disk(self.state_ssd),
-            "ssd_windows": disk(self.window_ssd),
+            # Every role with its own folder, whether or not this model has it (a stable shape for /v1/status).
+            **{f"ssd_{role.ssd_stats}": disk(self.tiers.get(role.name)) for role in ROLES if role.ssd_folder},
             "timings": {"num_restores": self.num_restores, "restore_seconds": self.restore_seconds,
                         "ssd_read_seconds": self.ssd_read_seconds, "spill_seconds": self.spill_seconds},
         }

@@ -40,34 +40,29 @@ def make_prefix_cache(
         log.info("prefix cache off: %s", probe.why_unshareable)
         return None, None
     layout, dtype, num_layers = probe.layout, probe.dtype, probe.num_layers
-    snapshot_bytes = snapshot_budget(memory_bytes, probe) if layout.state_layers else 0
+    snapshot_bytes = snapshot_budget(memory_bytes, probe) if layout.snapshot_roles else 0
     # A block of a model without attention layers holds no arrays, only its Python bookkeeping.
     block_bytes = max(probe.bytes_per_token * config.block_size, MIN_BLOCK_BYTES)
     num_blocks = (memory_bytes - snapshot_bytes) // block_bytes
     if num_blocks < 1:
         log.info("prefix cache off: %d bytes hold no block of %d bytes", memory_bytes, block_bytes)
         return None, None
-    ssd = state_ssd = window_ssd = None
+    ssd, tiers = None, {}
     if config.ssd_cache_dir:
         meta = BlockMeta(model_key, config.block_size, num_layers, str(dtype).rsplit(".", 1)[-1],
                          kv_quant=(kv_quant.label if kv_quant is not None else "") or "none")
         ssd_bytes = config.ssd_cache_max_bytes
-        if snapshot_bytes:  # snapshots get their own folder and a quarter of the disk cap
-            state_ssd = SSDTier(os.path.join(config.ssd_cache_dir, "states"), max(1, ssd_bytes // 4), meta,
-                                logger=log)
-            ssd_bytes -= ssd_bytes // 4
-        if layout.swa_layers:
-            # Sliding KV gets its own folder and half the rest: window files exist only for the few blocks
-            # inside a window, block files for every block (gemma3-4b: ~150 MB of each kind at a 4k prefix,
-            # 150 vs 640 MB at 32k). Without full-attention layers block files hold no KV: most goes to windows.
-            window_bytes = ssd_bytes // 2 if layout.full_layers else ssd_bytes - min(ssd_bytes // 2, 64 << 20)
-            window_bytes = max(1, min(window_bytes, ssd_bytes - 1))
-            window_ssd = SSDTier(os.path.join(config.ssd_cache_dir, "windows"), window_bytes, meta, logger=log)
-            ssd_bytes -= window_bytes
+        # Roles with their own folder (snapshots, sliding windows) take their share of the cap, in the roles' order.
+        for role in layout.roles:
+            if role.ssd_folder and (role.per_block or snapshot_bytes):
+                share = role.ssd_share(layout, ssd_bytes)
+                tiers[role.name] = SSDTier(os.path.join(config.ssd_cache_dir, role.ssd_folder), max(1, share), meta,
+                                           logger=log)
+                ssd_bytes -= share
         ssd = SSDTier(config.ssd_cache_dir, ssd_bytes, meta, logger=log)
         log.info("SSD tier at %s: %d blocks found", config.ssd_cache_dir, ssd.stats()["num_blocks"])
-    store = store_cls(layout, config.block_size, ssd, dtype, snapshot_bytes, state_ssd, window_ssd)
-    needs_check = bool(layout.swa_layers or layout.state_layers)
+    store = store_cls(layout, config.block_size, ssd, dtype, snapshot_bytes, tiers)
+    needs_check = any(role.optional for role in layout.roles)
     manager = PrefixCacheManager(num_blocks, config.block_size, model_key, on_evict=lambda h, b: store.drop(b),
                                  lookup_cold=store.load_from_ssd if ssd else None,
                                  has_cold=ssd.contains if ssd else None,
