@@ -99,7 +99,7 @@ def create_app(models: ModelManager, mcp=None) -> FastAPI:
     gateway = Gateway(models, metrics, prep, mcp=mcp)
     app.state.gateway = gateway  # for what the server adds on top (tracing)
     add_embeddings_route(app, gateway)
-    add_audio_routes(app, models)  # speech to text, text to speech (frontends/audio/)
+    add_audio_routes(app, gateway)  # speech to text, text to speech (frontends/audio/)
     add_anthropic_routes(app, gateway)
     add_responses_routes(app, gateway)
     add_ollama_routes(app, gateway)

@@ -30,5 +30,5 @@ def add_anthropic_routes(app: FastAPI, gateway: Gateway) -> None:
         # The prompt exactly as /v1/messages would build it (template, tools), never generated from. No
         # completion budget: a prompt too long for the max_tokens it would ask for still counts.
         body.max_tokens = None
-        opened = await gateway.open(to_chat_request(body), generate=False)
-        return {"input_tokens": opened.prepared.request.num_prompt_tokens}
+        prepared = await gateway.count(to_chat_request(body))
+        return {"input_tokens": prepared.request.num_prompt_tokens}

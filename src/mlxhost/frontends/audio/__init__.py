@@ -6,9 +6,9 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 
-def add_audio_routes(app: FastAPI, models) -> None:
+def add_audio_routes(app: FastAPI, gateway) -> None:
     from mlxhost.frontends.audio.speech import add_speech_routes
     from mlxhost.frontends.audio.transcriptions import add_transcription_routes
 
-    add_transcription_routes(app, models)
-    add_speech_routes(app, models)
+    add_transcription_routes(app, gateway)
+    add_speech_routes(app, gateway)

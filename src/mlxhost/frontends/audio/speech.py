@@ -21,6 +21,7 @@ from pydantic import ConfigDict, Field
 from mlxhost.frontends.audio.media import CONTENT_TYPES, SpeechEncoder
 from mlxhost.frontends.audio.transcriptions import check_audio_model
 from mlxhost.frontends.common.errors import APIError, clip
+from mlxhost.frontends.common.gateway import Gateway
 from mlxhost.frontends.common.sse import sse
 from mlxhost.serving.schemas import StrictModel
 
@@ -44,22 +45,24 @@ class SpeechRequest(StrictModel):
     instructions: Optional[str] = None  # for models that take style prompts; Kokoro's style is the voice
 
 
-def add_speech_routes(app: FastAPI, models) -> None:
+def add_speech_routes(app: FastAPI, gateway: Gateway) -> None:
+    models = gateway.models
     @app.post("/v1/audio/speech")
     async def speech(body: SpeechRequest, raw: Request):
         voice = body.voice if isinstance(body.voice, str) else body.voice.id
-        async with models.lease(body.model) as (model, engine):
+        async with gateway.hold(body.model) as held:
+            model = held.model
             check_audio_model(model, "speech")
             info = model.audio
             if voice not in info.voices:
                 raise APIError(400, f"voice {clip(voice)!r} is not one of this model's voices: "
                                f"{', '.join(info.voices)}", "voice")
             job = info.make_job(body.input, voice=voice, speed=body.speed)
-            first = await engine.call(job.advance)
+            first = await held.run_job(job.advance)
         if first is None:
             raise APIError(400, "input has nothing speakable", "input")
         encoder = SpeechEncoder(body.response_format, info.sample_rate)
-        chunks = _audio_chunks(models, body.model, job, first, encoder, raw)
+        chunks = _audio_chunks(gateway, body.model, job, first, encoder, raw)
         if body.stream_format == "sse":
             return StreamingResponse(_sse(chunks, job), media_type="text/event-stream")
         return StreamingResponse(chunks, media_type=CONTENT_TYPES[body.response_format])
@@ -81,16 +84,16 @@ def add_speech_routes(app: FastAPI, models) -> None:
         return {"object": "list", "voices": out, "data": out}
 
 
-async def _audio_chunks(models, name: str, job, first, encoder: SpeechEncoder, raw: Request):
+async def _audio_chunks(gateway: Gateway, name: str, job, first, encoder: SpeechEncoder, raw: Request):
     samples = first
-    async with models.lease(name) as (_, engine):  # keeps the model loaded while the stream runs
+    async with gateway.hold(name) as held:  # keeps the model loaded while the stream runs
         while samples is not None:
             data = await asyncio.to_thread(encoder.encode, samples)
             if data:
                 yield data
             if await raw.is_disconnected():
                 return
-            samples = await engine.call(job.advance)
+            samples = await held.run_job(job.advance)
     tail = await asyncio.to_thread(encoder.finish)
     if tail:
         yield tail

@@ -13,6 +13,7 @@ from mlxhost.frontends.audio import render
 from mlxhost.frontends.audio.forms import TranscriptionForm, read_form
 from mlxhost.frontends.audio.media import AudioDecodeError, decode_audio
 from mlxhost.frontends.common.errors import APIError, error_body
+from mlxhost.frontends.common.gateway import Gateway, Held
 from mlxhost.frontends.common.sse import client_gone, sse
 
 _FORM_DOC = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
@@ -39,28 +40,28 @@ async def _samples(form: TranscriptionForm):
         raise APIError(400, f"{form.filename}: {exc}", "file", "invalid_audio") from None
 
 
-async def _run_window(engine, job) -> bool:
+async def _run_window(held: Held, job) -> bool:
     try:
-        return await engine.call(job.advance)
+        return await held.run_job(job.advance)
     except ValueError as exc:  # e.g. a language the model does not know
         raise APIError(400, str(exc), "language") from exc
 
 
-def add_transcription_routes(app: FastAPI, models) -> None:
+def add_transcription_routes(app: FastAPI, gateway: Gateway) -> None:
     async def transcribe(raw: Request, translate: bool):
         form = await read_form(raw, translate)
         task = "translate" if translate else "transcribe"
-        async with models.lease(form.model) as (model, _):
-            check_audio_model(model, "transcription")
+        async with gateway.hold(form.model) as held:
+            check_audio_model(held.model, "transcription")
         samples = await _samples(form)
         options = {"task": task, "language": form.language, "prompt": form.prompt,
                    "temperature": form.temperature, "word_timestamps": "word" in form.granularities}
         if form.stream:
-            return StreamingResponse(_stream(models, form, samples, options), media_type="text/event-stream",
+            return StreamingResponse(_stream(gateway, form, samples, options), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        async with models.lease(form.model) as (model, engine):
-            job = model.audio.make_job(samples, **options)
-            while not await _run_window(engine, job):
+        async with gateway.hold(form.model) as held:
+            job = held.model.audio.make_job(samples, **options)
+            while not await _run_window(held, job):
                 if await raw.is_disconnected():
                     return client_gone()
         return _respond(job, form, task)
@@ -87,14 +88,14 @@ def _respond(job, form: TranscriptionForm, task: str):
     return JSONResponse({"text": job.text, "usage": render.duration_usage(job)})
 
 
-async def _stream(models, form: TranscriptionForm, samples, options: dict):
+async def _stream(gateway: Gateway, form: TranscriptionForm, samples, options: dict):
     """OpenAI's transcript events: a `transcript.text.delta` per window's text, then `transcript.text.done`."""
     try:
-        async with models.lease(form.model) as (model, engine):
-            job = model.audio.make_job(samples, **options)
+        async with gateway.hold(form.model) as held:
+            job = held.model.audio.make_job(samples, **options)
             done = False
             while not done:
-                done = await _run_window(engine, job)
+                done = await _run_window(held, job)
                 delta = job.take_delta()
                 if delta:
                     yield sse({"type": "transcript.text.delta", "delta": delta})

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -25,14 +25,14 @@ from mlxhost.frontends.common.keys import current_grant
 from mlxhost.frontends.common.metrics import Metrics, RequestTimer
 from mlxhost.frontends.common.prefixes import PrefixCaptures, client_agent
 from mlxhost.frontends.common.sse import EVENT_STREAM, client_gone, event_stream
-from mlxhost.frontends.common.stream import Frames
-from mlxhost.frontends.common.stream import stream as stream_frames
+from mlxhost.frontends.common.stream import Frames, stream as stream_frames
 from mlxhost.serving.embedding import embed_token_lists
 from mlxhost.serving.model import ServedModel
 from mlxhost.serving.prepare import Prepared, prepare
 from mlxhost.serving.prompt_bound import PrepPool
 from mlxhost.serving.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
+T = TypeVar("T")
 RETRY_AFTER_S = "1"
 # A stream with nothing to send for this long (a long prompt prefilling, a queue) sends its dialect's
 # heartbeat frame: agents give up on a silent stream (Claude Code after 300 s of a 54k-token prefill).
@@ -84,6 +84,28 @@ def _internal(kind: type, fields: dict):
         raise APIError(400, f"{param}: {message}" if param else message, param) from None
 
 
+class Held:
+    """A served model held loaded (`Gateway.hold`): its descriptor, and its engine reached only through
+    `run_job` (one step of a job on the engine thread) and `embed`."""
+
+    def __init__(self, gateway: "Gateway", model: ServedModel, engine: Any) -> None:
+        self.model, self._gateway, self._engine = model, gateway, engine
+
+    async def run_job(self, step: Callable[[Any], Any]) -> Any:
+        """`step(core)` on the engine thread, between its decode steps."""
+        return await self._engine.call(step)
+
+    async def prepare(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` (tokenizing, templates) off the event loop, in the gateway's preparation pool."""
+        return await self._gateway.prep.run(fn, *args)
+
+    async def embed(self, token_lists: list[list[int]], dimensions: int | None = None, is_gone: Callable | None = None,
+                    max_batch_tokens: int | None = None):
+        """Unit-norm vectors (numpy, [N, D]) of `token_lists`; None when `is_gone()` says the client left
+        between chunks."""
+        return await embed_token_lists(self.model, self._engine, token_lists, dimensions, is_gone, max_batch_tokens)
+
+
 class Gateway:
     """The dialects' one client of the served models' engines (vLLM's EngineClient in spirit): requests
     opened, outputs collected or streamed, embeddings computed; the models leased through `models`."""
@@ -108,10 +130,21 @@ class Gateway:
         `prefill_only` the engine computes and caches its prompt and generates nothing (POST /v1/cache/prefill).
         The lease loads the model on first use and keeps it loaded until generate() has queued the
         request; from then on the request's stream keeps it busy (never unloaded) until it ends."""
+        return await self._open(body.model, body, None, generate, prefill_only)
+
+    async def open_built(self, name: str, build: Callable[[ServedModel], SamplingFields]) -> Opened:
+        """As `open`, for a body written for the served model (Ollama's generate needs its tokenizer):
+        `build(model)` runs off the event loop under the same lease, and may refuse the model."""
+        return await self._open(name, None, build, True, False)
+
+    async def _open(self, name: str, body: SamplingFields | None, build: Callable[[ServedModel], SamplingFields] | None,
+                    generate: bool, prefill_only: bool) -> Opened:
         grant = current_grant.get()  # the API key's policy (keys.py), checked before a model is loaded for it
         if grant is not None:
-            grant.check_model(body.model, self.models.resolve)
-        async with self.models.lease(body.model) as (model, engine):
+            grant.check_model(name, self.models.resolve)
+        async with self.models.lease(name) as (model, engine):
+            if build is not None:
+                body = await self.prep.run(build, model)
             if model.embedding_only:
                 raise APIError(400, f"`{model.name}` is an embedding model: it serves /v1/embeddings only", "model")
             if model.audio is not None:
@@ -162,46 +195,58 @@ class Gateway:
 
     async def collect(self, outputs: AsyncIterator[RequestOutput], timer: RequestTimer, raw: Request) -> Whole | None:
         """All of a request's outputs; None if the client left first (its slot is freed at once)."""
+        whole = await self.unless_gone(self.join(outputs, timer), raw)
+        if whole is not None:
+            timer.done(whole.last)
+        return whole
 
-        async def gather() -> Whole:
-            parts, ids, lps, last, prompt_lps = [], [], [], None, None
-            async for out in outputs:
-                if out.error:  # typed as a stream's error frame is (errors.output_error)
-                    raise output_error(out)
-                timer.on_output(out)
-                parts.append(out.text)
-                ids.extend(out.new_token_ids)
-                if out.logprobs:
-                    lps.extend(out.logprobs)
-                if out.prompt_logprobs is not None:
-                    prompt_lps = out.prompt_logprobs
-                last = out
-            return Whole("".join(parts), ids, lps, last, prompt_lps)
+    @staticmethod
+    async def join(outputs: AsyncIterator[RequestOutput], timer: RequestTimer) -> Whole:
+        """A request's outputs joined; an output's error raised as a stream's error frame is typed
+        (errors.output_error)."""
+        parts, ids, lps, last, prompt_lps = [], [], [], None, None
+        async for out in outputs:
+            if out.error:
+                raise output_error(out)
+            timer.on_output(out)
+            parts.append(out.text)
+            ids.extend(out.new_token_ids)
+            if out.logprobs:
+                lps.extend(out.logprobs)
+            if out.prompt_logprobs is not None:
+                prompt_lps = out.prompt_logprobs
+            last = out
+        return Whole("".join(parts), ids, lps, last, prompt_lps)
 
-        # Nothing is streamed, so watch the connection ourselves: a client that gives up must not keep
-        # its slot busy until max_tokens.
-        task = asyncio.ensure_future(gather())
+    @staticmethod
+    async def unless_gone(work: Awaitable[T], raw: Request) -> T | None:
+        """`work`'s result; None if the client left first (`work` is cancelled, which aborts its requests).
+        Nothing is streamed, so the connection is watched here: a client that gives up must not keep its
+        slot busy until max_tokens."""
+        task = asyncio.ensure_future(work)
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.25)
             if done:
-                break
+                return task.result()
             if await raw.is_disconnected():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
                 return None
-        whole = task.result()
-        timer.done(whole.last)
-        return whole
 
-    async def embed(self, model: ServedModel, engine: Any, token_lists: list[list[int]], dimensions: int | None = None,
-                    is_gone: Callable | None = None, max_batch_tokens: int | None = None):
-        """Unit-norm vectors (numpy, [N, D]) of `token_lists` on a model leased from `models`; None when
-        `is_gone()` says the client left between chunks."""
+    @contextlib.asynccontextmanager
+    async def hold(self, name: str) -> AsyncIterator[Held]:
+        """Model `name` held loaded while the block runs, for work that is not a generated request (embeddings,
+        scoring, audio jobs): the API key's model list is checked first, as for `open`."""
         grant = current_grant.get()
         if grant is not None:
-            grant.check_model(model.name)
-        return await embed_token_lists(model, engine, token_lists, dimensions, is_gone, max_batch_tokens)
+            grant.check_model(name, self.models.resolve)
+        async with self.models.lease(name) as (model, engine):
+            yield Held(self, model, engine)
+
+    async def count(self, body: SamplingFields) -> Prepared:
+        """`body` prepared for its model (template, tools, media) and never generated from: its prompt's tokens."""
+        return (await self.open(body, generate=False)).prepared
 
     async def reply(self, outputs: AsyncIterator[RequestOutput], raw: Request, stream: bool, frames: Frames,
                     render: Callable[[Whole], dict], media_type: str = EVENT_STREAM) -> Response:

@@ -59,14 +59,14 @@ def add_embeddings_route(app: FastAPI, gateway: Gateway) -> None:
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request):
-        async with gateway.models.lease(body.model) as (model, engine):
+        async with gateway.hold(body.model) as held:
+            model = held.model
             if model.audio is not None:
                 raise APIError(400, f"`{model.name}` is an audio model: it serves /v1/audio/* only", "model")
             if model.multimodal is not None:
                 raise APIError(400, "embeddings are not supported for vision-language models", "model")
             token_lists = tokenize_inputs(model, body)
-            vectors = await gateway.embed(model, engine, token_lists, body.dimensions, raw.is_disconnected,
-                                          max_batch_tokens=_MAX_BATCH_TOKENS)
+            vectors = await held.embed(token_lists, body.dimensions, raw.is_disconnected, _MAX_BATCH_TOKENS)
         if vectors is None:
             return client_gone()
         num_tokens = sum(len(t) for t in token_lists)

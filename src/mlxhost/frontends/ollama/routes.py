@@ -130,12 +130,12 @@ def add_ollama_routes(app: FastAPI, gateway: Gateway, pull_fn: Callable[[str], A
     # Not in /openapi.json: that document describes the OpenAI-shaped API (its error schema, SSE streams).
     router = APIRouter(include_in_schema=False)
 
-    async def generate_reply(internal, requested: str, keep: Optional[float], chat: bool, want_logprobs: bool,
+    async def generate_reply(opening, name: str, requested: str, keep: Optional[float], chat: bool, want_logprobs: bool,
                              stream: bool, raw: Request, durations: Durations):
-        opened = await gateway.open(internal)
+        opened = await opening
         durations.mark_loaded()
         if keep is not None:
-            _keep(models, internal.model, keep)
+            _keep(models, name, keep)
         reply = Reply(requested, opened, chat, durations, want_logprobs)
 
         def render(whole) -> dict:
@@ -154,8 +154,8 @@ def add_ollama_routes(app: FastAPI, gateway: Gateway, pull_fn: Callable[[str], A
         body.model = _served_name(models, requested)
         if not body.messages:
             return await _load_only(models, body.model, requested, keep, chat=True)
-        return await generate_reply(to_chat(body), requested, keep, True, bool(body.logprobs), body.stream, raw,
-                                    durations)
+        return await generate_reply(gateway.open(to_chat(body)), body.model, requested, keep, True, bool(body.logprobs),
+                                    body.stream, raw, durations)
 
     @router.post("/api/generate")
     async def generate(body: GenerateRequest, raw: Request):
@@ -164,21 +164,22 @@ def add_ollama_routes(app: FastAPI, gateway: Gateway, pull_fn: Callable[[str], A
         body.model = _served_name(models, requested)
         if not body.prompt and not body.suffix and not body.images and not body.context:
             return await _load_only(models, body.model, requested, keep, chat=False)
-        async with models.lease(body.model) as (served, _):
+        def build(served):
             if served.embedding_only:
                 raise APIError(400, f"`{requested}` is an embedding model: it serves /api/embed only", "model")
             if body.suffix and served.fim is None:  # raw or not: Ollama asks for the "insert" capability either way
                 raise APIError(400, f"`{requested}` does not support insert (fill-in-the-middle): its vocabulary has "
                                "no markers, or it is not a code model (--fim on)", "suffix")
-            internal = await gateway.prep.run(to_generate, body, served.tokenizer)
-        return await generate_reply(internal, requested, keep, False, bool(body.logprobs), body.stream, raw,
-                                    durations)
+            return to_generate(body, served.tokenizer)
+
+        return await generate_reply(gateway.open_built(body.model, build), body.model, requested, keep, False,
+                                    bool(body.logprobs), body.stream, raw, durations)
 
     async def embed_texts(requested: str, texts: list[str], truncate: bool, dimensions, keep, raw: Request):
         name = _served_name(models, requested)
-        async with models.lease(name) as (served, engine):
-            token_lists = await gateway.prep.run(tokenize_texts, served, texts, "input", truncate)
-            vectors = await gateway.embed(served, engine, token_lists, dimensions, raw.is_disconnected)
+        async with gateway.hold(name) as held:
+            token_lists = await held.prepare(tokenize_texts, held.model, texts, "input", truncate)
+            vectors = await held.embed(token_lists, dimensions, raw.is_disconnected)
             if keep is not None:
                 _keep(models, name, keep)
         return vectors, sum(len(t) for t in token_lists)
@@ -221,8 +222,8 @@ def add_ollama_routes(app: FastAPI, gateway: Gateway, pull_fn: Callable[[str], A
         card = next(c for c in models.cards() if c["id"] == name)
         served = None
         if card["status"] == "loaded":  # the template and capabilities of the loaded model; nothing loads
-            async with models.lease(name) as (served, _):
-                pass
+            async with gateway.hold(name) as held:
+                served = held.model
         return show(card, _source(models, card), served)
 
     @router.get("/api/version")

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 
 from mlxhost.engine.request import RequestOutput
 from mlxhost.frontends.common.errors import output_error
-from mlxhost.frontends.common.gateway import Gateway, Opened
+from mlxhost.frontends.common.gateway import Gateway, Opened, Whole
 from mlxhost.frontends.common.sse import client_gone, event_stream
 from mlxhost.frontends.common.stream import stream
 from mlxhost.frontends.openai.render import CompletionBuilder, CompletionFrames, choices_usage, echo_text
@@ -28,15 +28,8 @@ async def complete_choices(gateway: Gateway, body: SamplingFields, raw: Request,
     if body.stream:
         frames = CompletionFrames(builders, body.include_usage)
         return event_stream(stream(_all_choices(gateway, body, opened), frames, gateway.timer()))
-    first = aiter(opened.outputs)
-    head = await anext(first)
-    if head.error:
-        raise output_error(head)
-    streams = [_prepend(head, first), *await gateway.open_copies(body, opened.prepared, body.n - 1)]
-    for b in builders[1:]:
-        b.echo_logprobs = head.prompt_logprobs
-    wholes = await asyncio.gather(*(gateway.collect(s, gateway.timer(), raw) for s in streams))
-    if any(w is None for w in wholes):
+    wholes = await gateway.unless_gone(_whole_choices(gateway, body, opened, builders), raw)
+    if wholes is None:
         return client_gone()
     responses = [b.full(w.text, w.last.finish_reason, w.last.num_prompt_tokens, w.last.num_output_tokens,
                         w.logprobs or None, w.last.num_cached_tokens, w.prompt_logprobs) for b, w in zip(builders, wholes)]
@@ -44,6 +37,22 @@ async def complete_choices(gateway: Gateway, body: SamplingFields, raw: Request,
     merged["choices"] = [r["choices"][0] for r in responses]
     merged["usage"] = choices_usage([w.last for w in wholes])
     return JSONResponse(merged)
+
+
+async def _whole_choices(gateway: Gateway, body: SamplingFields, opened: Opened,
+                         builders: list[CompletionBuilder]) -> list[Whole]:
+    first = aiter(opened.outputs)
+    head = await anext(first)
+    if head.error:
+        raise output_error(head)
+    streams = [_prepend(head, first), *await gateway.open_copies(body, opened.prepared, body.n - 1)]
+    for b in builders[1:]:
+        b.echo_logprobs = head.prompt_logprobs
+    timers = [gateway.timer() for _ in streams]
+    wholes = await asyncio.gather(*(gateway.join(s, timer) for s, timer in zip(streams, timers)))
+    for whole, timer in zip(wholes, timers):
+        timer.done(whole.last)
+    return wholes
 
 
 async def _prepend(head: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from mlxhost.frontends.common.errors import APIError
-from mlxhost.frontends.common.gateway import Gateway, chat_request
+from mlxhost.frontends.common.gateway import Gateway, Held, chat_request
 from mlxhost.frontends.rerank.protocol import DEFAULT_INSTRUCTION
 from mlxhost.serving.embedding import MAX_BATCH_TOKENS, tokenize_texts
 from mlxhost.serving.schemas import CompletionRequest
@@ -56,11 +56,12 @@ def _answer_token(tokenizer: Any, word: str) -> Optional[int]:
     return None
 
 
-async def _method(served: Any, engine: Any, name: str, wanted: Optional[str]) -> str:
+async def _method(held: Held, name: str, wanted: Optional[str]) -> str:
+    served = held.model
     if served.embedding_only:
-        from mlxhost.engine.scoring import is_cross_encoder
+        from mlxhost.engine.scoring import is_cross_encoder  # imports MLX: loaded only when an encoder scores
 
-        found = "cross_encoder" if await engine.call(is_cross_encoder) else "embedding"
+        found = "cross_encoder" if await held.run_job(is_cross_encoder) else "embedding"
     else:
         found = "yes_no" if "rerank" in name.lower() else "embedding"
     if wanted is None or wanted == found or (wanted == "yes_no" and not served.embedding_only):
@@ -76,14 +77,15 @@ async def score(gateway: Gateway, raw: Any, model: str, pairs: list[tuple[str, s
     """Scores for `pairs` in order, with the method used; None when the client left. `params` name the
     pairs' two sides in errors."""
     param = params[1]
-    async with gateway.models.lease(model) as (served, engine):
-        method = await _method(served, engine, model, wanted)
+    async with gateway.hold(model) as held:
+        served = held.model
+        method = await _method(held, model, wanted)
         if max_doc_tokens is not None:
-            pairs = await gateway.prep.run(_cut_documents, served.tokenizer, pairs, max_doc_tokens)
+            pairs = await held.prepare(_cut_documents, served.tokenizer, pairs, max_doc_tokens)
         if method == "cross_encoder":
-            return await _cross_encoder(gateway, served, engine, pairs, raw, param)
+            return await _cross_encoder(held, pairs, raw, param)
         if method == "embedding":
-            return await _embedding(gateway, served, engine, pairs, raw, params)
+            return await _embedding(held, pairs, raw, params)
     return await _yes_no(gateway, served, model, pairs, instruction or DEFAULT_INSTRUCTION, raw, param)
 
 
@@ -111,22 +113,23 @@ def _pair_ids(tokenizer: Any, pairs: list[tuple[str, str]], max_len: int, param:
     return out
 
 
-async def _cross_encoder(gateway: Gateway, served: Any, engine: Any, pairs, raw, param: str) -> Optional[Scored]:
-    from mlxhost.engine.scoring import CrossEncoderJob
+async def _cross_encoder(held: Held, pairs, raw, param: str) -> Optional[Scored]:
+    from mlxhost.engine.scoring import CrossEncoderJob  # imports MLX: loaded only when an encoder scores
 
-    tokenized = await gateway.prep.run(_pair_ids, served.tokenizer, pairs, served.max_model_len, param)
+    served = held.model
+    tokenized = await held.prepare(_pair_ids, served.tokenizer, pairs, served.max_model_len, param)
     job = CrossEncoderJob(tokenized, MAX_BATCH_TOKENS)
-    while not await engine.call(job.advance):  # one batch per call
+    while not await held.run_job(job.advance):  # one batch per call
         if await raw.is_disconnected():
             return None
     return Scored([float(s) for s in job.result], sum(len(ids) for ids, _ in tokenized), "cross_encoder")
 
 
-async def _embedding(gateway: Gateway, served: Any, engine: Any, pairs, raw, params: tuple[str, str]):
+async def _embedding(held: Held, pairs, raw, params: tuple[str, str]):
     firsts = list(dict.fromkeys(a for a, _ in pairs))  # a query shared by every pair: embedded once
-    first_ids = await gateway.prep.run(tokenize_texts, served, firsts, params[0])
-    second_ids = await gateway.prep.run(tokenize_texts, served, [b for _, b in pairs], params[1])
-    vectors = await gateway.embed(served, engine, first_ids + second_ids, None, raw.is_disconnected)
+    first_ids = await held.prepare(tokenize_texts, held.model, firsts, params[0])
+    second_ids = await held.prepare(tokenize_texts, held.model, [b for _, b in pairs], params[1])
+    vectors = await held.embed(first_ids + second_ids, None, raw.is_disconnected)
     if vectors is None:
         return None
     row = {t: i for i, t in enumerate(firsts)}
