@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from mlxhost.frontends.app import create_app
 from mlxhost.mcp.client import McpManager
 from mlxhost.mcp.config import McpConfig, McpServerConfig
+from mlxhost.mcp.remote import resolve_host
 from tests.frontends.fake_models import FakeModels, InstantEngine
 
 SLOW_SERVER = McpServerConfig("slow", command=sys.executable, args=(str(Path(__file__).with_name("slow_server.py")),))
@@ -37,14 +38,14 @@ def tool_call(name: str, **arguments) -> str:
 
 @pytest.fixture
 def mcp_app():
-    """make(replies, config=None) -> (TestClient inside its lifespan, FakeModels)."""
+    """make(replies, config=None, resolve=resolve_host) -> (TestClient inside its lifespan, FakeModels)."""
     clients = []
 
-    def make(replies: list[str], config: McpConfig | None = None):
+    def make(replies: list[str], config: McpConfig | None = None, resolve=resolve_host):
         models = FakeModels()
         models.engine = ScriptedEngine(replies)
         config = config or McpConfig(servers=(SLOW_SERVER,), call_timeout_s=3)
-        client = TestClient(create_app(models, McpManager(config)))
+        client = TestClient(create_app(models, McpManager(config, resolve)))
         client.__enter__()
         clients.append(client)
         return client, models

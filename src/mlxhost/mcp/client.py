@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxhost.mcp.config import McpConfig, McpServerConfig
+from mlxhost.mcp.remote import Resolve, resolve_host
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,12 @@ def clip_output(text: str, max_bytes: int) -> str:
 class McpServer:
     """One server's connection, owned by its own task (`start`); `call` from any task of the loop."""
 
-    def __init__(self, config: McpServerConfig, limits: McpConfig, restart: bool = True) -> None:
+    def __init__(self, config: McpServerConfig, limits: McpConfig, restart: bool = True,
+                 resolve: Resolve | None = None) -> None:
         self.config, self.limits, self.restart = config, limits, restart
+        # Set for a URL a request named: its connections go only to checked public addresses. None for
+        # configured servers, which may be local.
+        self.resolve = resolve
         self.tools: list[McpTool] = []
         self.state = "starting"  # starting, ready, restarting, stopped
         self.last_error: str | None = None
@@ -115,8 +120,14 @@ class McpServer:
         self._fail_waiting("the MCP server was stopped")
 
     async def wait_ready(self, timeout: float) -> bool:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._ready.wait(), timeout)
+        """Whether the server is ready within `timeout`; sooner False when its task has ended (a connection
+        that is never restarted, refused or failed)."""
+        ready = asyncio.ensure_future(self._ready.wait())
+        try:
+            await asyncio.wait([ready, *([self._task] if self._task is not None else [])], timeout=timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
         return self._ready.is_set()
 
     def status(self) -> dict:
@@ -161,8 +172,13 @@ class McpServer:
         import httpx2
         from mcp.client.streamable_http import streamable_http_client
 
+        transport = None
+        if self.resolve is not None:
+            from mlxhost.mcp.guarded_http import GuardedTransport  # optional: needs httpcore2, of the mcp extra
+
+            transport = GuardedTransport(self.resolve)
         # trust_env=False: no environment proxy or netrc credentials go to a server the config did not name.
-        http = httpx2.AsyncClient(headers=dict(c.headers), trust_env=False,
+        http = httpx2.AsyncClient(headers=dict(c.headers), trust_env=False, transport=transport,
                                   timeout=httpx2.Timeout(30.0, read=self.limits.call_timeout_s + 30))
         return streamable_http_client(c.url, http_client=http), http
 
@@ -303,12 +319,13 @@ class McpManager:
     """The configured servers: started with the model server, stopped with it; and short-lived
     connections to the URLs requests name (`open_remote`)."""
 
-    def __init__(self, config: McpConfig) -> None:
+    def __init__(self, config: McpConfig, resolve: Resolve = resolve_host) -> None:
         import importlib.util
 
         if importlib.util.find_spec("mcp") is None:
             raise RuntimeError('MCP servers need the mcp SDK: pip install "mlxhost[mcp]"')
         self.config = config
+        self.resolve = resolve  # the DNS lookup for URLs requests name (checked, then checked per connection)
         self.servers = {s.label: McpServer(s, config) for s in config.servers}
 
     async def start(self) -> None:
@@ -338,7 +355,7 @@ class McpManager:
         """A connection to a URL a request named, for that request only (never restarted). The caller
         checks the URL first (remote.check_remote_url)."""
         config = McpServerConfig(label=label, url=url, headers=tuple((headers or {}).items()))
-        server = McpServer(config, self.config, restart=False)
+        server = McpServer(config, self.config, restart=False, resolve=self.resolve)
         server.start()
         try:
             if not await server.wait_ready(self.config.connect_timeout_s):

@@ -82,7 +82,8 @@ class Toolset:
             for choice in self.choices:
                 if choice.url is not None:
                     try:
-                        await asyncio.to_thread(check_remote_url, choice.url, self.manager.config.allow_remote)
+                        await asyncio.to_thread(check_remote_url, choice.url, self.manager.config.allow_remote,
+                                                self.manager.resolve)
                     except RemoteRefused as exc:
                         raise ToolsetError(str(exc)) from None
                     try:
