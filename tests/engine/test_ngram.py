@@ -3,8 +3,8 @@
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
+from mlxhost.engine.runner.batch import rewind
 from mlxhost.engine.spec.ngram import NgramIndex
-from mlxhost.engine.spec.verify import rewind
 
 
 def test_proposes_what_followed_the_latest_match_of_the_longest_tail():

@@ -17,9 +17,9 @@ from mlxhost.config import EngineConfig
 from mlxhost.engine.core import EngineCore
 from mlxhost.engine.grammar import GrammarSource
 from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.engine.runner.sampling import target_logprobs
 from mlxhost.models.loader import load_model
 from mlxhost.structured.grammar import json_schema_constraint
-from mlxhost.engine.spec.verify import target_logprobs
 from mlxhost.structured.matcher import allocate_bitmask, apply_bitmask
 from tests.engine.test_speculative import copy, echo_prompt, greedy, make_core, run
 from tests.engine.test_speculative_sampling import chi2_bound, chi2_vs_exact

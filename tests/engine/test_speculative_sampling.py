@@ -16,7 +16,7 @@ import pytest
 from mlxhost.config import EngineConfig
 from mlxhost.engine.core import EngineCore
 from mlxhost.engine.request import Request, SamplingParams
-from mlxhost.engine.spec.verify import target_logprobs, verify_group
+from mlxhost.engine.runner.sampling import target_logprobs, verify_group
 from mlxhost.models.loader import load_model
 
 _Z = 3.719  # one-sided normal quantile for p = 1e-4: a correct rule fails about once in 10,000 runs

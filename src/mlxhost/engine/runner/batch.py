@@ -47,6 +47,23 @@ def can_batch(cache: list[Any]) -> bool:
     return KINDS.can_batch(cache)
 
 
+def rewind(cache: list[Any], num_drop: list[int]) -> None:
+    """Drops the last `num_drop[i]` positions of row i from every layer of a batch KV cache (a rejected
+    draft's). mlx-lm's `BatchKVCache.trim` drops the same count from every row; the rows that drop more
+    are then shifted right by the rest through its own right-padding path (`prepare(right_padding=...)`
+    and `finalize()`: the row rolls, its tail wraps into the left padding, which the mask hides)."""
+    if not num_drop:
+        return
+    common = min(num_drop)
+    rest = [n - common for n in num_drop]
+    for c in cache:
+        if common:
+            c.trim(common)
+        if any(rest):
+            c.prepare(right_padding=rest)
+            c.finalize()
+
+
 def _merge(caches: list[list[Any]]) -> list[Any]:
     """Per-request caches (batch 1) -> one batch cache per layer, through mlx-lm's `merge`. A single
     request's own caches serve as they are when their kind has no batch version."""
@@ -109,10 +126,17 @@ class DecodeBatch:
             self._pads = self.cache[0].state[3].tolist()
         return self._pads
 
-    def padding_changed(self) -> None:
-        """The caches' left padding moved outside the batch (speculative decoding's per-row rewind rolls
-        rows into it): the host copy is read again when next needed."""
-        self._pads = None
+    def advance(self, tokens: mx.array, num_accepted: mx.array | None = None,
+                num_drop: list[int] | None = None) -> None:
+        """A decode step's outcome: each row's next token to feed [B]. After a speculative step also each
+        row's accepted drafts [B] (explicit positions move past them) and the positions it rejected, which
+        its KV drops (`rewind` rolls rows into their left padding, so the host copy is read again)."""
+        if num_drop is not None:
+            rewind(self.cache, num_drop)
+            self._pads = None
+        self.tokens = tokens
+        if self.positions is not None:
+            self.positions = self.positions + 1 if num_accepted is None else self.positions + 1 + num_accepted
 
     def _settle(self) -> None:
         """One live row, nothing padded, plain KV in every layer: switch to mlx-lm's KVCache."""
@@ -215,7 +239,7 @@ class DecodeBatch:
         """Writes the joining rows into filler slots, in place; False (nothing done) where it cannot:
         too few fillers, a row longer than the batch's write position, cache kinds other than plain KV,
         explicit positions (VLMs), a draft model's caches (merged whole) or reserved KV. n-gram
-        speculation's rewinds move rows' padding and say so (`padding_changed`)."""
+        speculation's rewinds move rows' padding (`advance`)."""
         free = [i for i, rid in enumerate(self.row_ids) if rid is None]
         if (not self.lean or self.kv_prealloc_tokens or positions is not None or draft_caches is not None
                 or self.draft_cache is not None or self.positions is not None or len(request_ids) > len(free) or not self.cache

@@ -24,11 +24,21 @@ from mlxhost.engine.runner.batch_prefill import pick_rows, why_not_batched
 from mlxhost.engine.runner.block_copy import copy_blocks
 from mlxhost.engine.runner.mm_prefill import MultimodalPrefill
 from mlxhost.engine.runner.prefill import PrefillSteps
-from mlxhost.engine.runner.sampling import (RowSampler, gather_logprobs, pending_arrays, prompt_entries,
-                                             reseed_after_failure, sample_batch, to_logprob)
+from mlxhost.engine.runner.sampling import (
+    RowSampler,
+    gather_emitted,
+    keep_logprobs,
+    pending_arrays,
+    prompt_entries,
+    reseed_after_failure,
+    sample_batch,
+    to_logprob,
+    verify_batch,
+)
 from mlxhost.engine.runner.state import RowTable
 from mlxhost.engine.scheduler import SchedulerOutput
 from mlxhost.kv.store.kv_store import KVBlockStore
+from mlxhost.kv.store.ops import run_cache_ops
 from mlxhost.lora.manager import AdapterSet
 from mlxhost.platform.backend import is_cuda
 
@@ -125,6 +135,8 @@ class ModelRunner(PrefillSteps):
         it. Either way the other requests and the prefix cache carry on."""
         out = StepTokens()
         began = time.perf_counter()
+        # The plan's cache work first (drops, SSD loads, resume checks), on every rank: the core reads the results.
+        self.cache_results = run_cache_ops(self.store, sched.cache_ops)
         if self.store is not None and self.store.ssd is not None:
             self.store.spill_pending()
         if sched.store_ops:
@@ -159,9 +171,9 @@ class ModelRunner(PrefillSteps):
                 self._join(joined, requests)
             decoding = time.perf_counter()
             self.last_join_s = decoding - started - self.last_prefill_s
-            with self.lora.rows(self.lora.rows_of(self.batch.row_ids, requests)):
-                if self.spec is None or not self.batch.num_live or not self.spec.step(self, requests, out):
-                    self._decode(out)
+            if self.batch.num_live:
+                with self.lora.rows(self.lora.rows_of(self.batch.row_ids, requests)):
+                    self._decode(out, self.spec.plan(self, requests) if self.spec is not None else None)
             self.last_decode_s = time.perf_counter() - decoding
         except Exception as exc:
             log.exception("decode step failed")
@@ -247,43 +259,14 @@ class ModelRunner(PrefillSteps):
                 out.failed_block_ids.extend(op.block_id for op in ops)
         mx.async_eval(new)
 
-    # -- what speculative decoding (spec/decoder.py) steps through ---------------------------------
-    def samplers(self, rids: list[str | None]) -> list[RowSampler | None]:
-        """The rows' samplers, row for row (None: a filler row)."""
-        rows = self.rows
-        return [rows[rid].sampler if rid is not None else None for rid in rids]
-
-    def take_fed_logprobs(self, rids: list[str | None]) -> dict[str, tuple]:
-        """The pending logprobs of the tokens the rows are fed this step: taken, they are emitted now."""
-        taken = {}
-        for rid in rids:
-            row = self.rows.get(rid) if rid is not None else None
-            if row is not None and row.pending_logprob is not None:
-                taken[rid], row.pending_logprob = row.pending_logprob, None
-        return taken
-
-    def keep_logprobs(self, rids, samplers: list[RowSampler], tokens: mx.array, logprobs: mx.array) -> list:
-        """Lazily, the logprobs of `tokens` for the rows that asked: pending on each row until the token is
-        fed and emitted. Returns the arrays made (to launch with the step's)."""
-        wanted = [i for i, r in enumerate(samplers) if r.params.logprobs]
-        if not wanted:
-            return []
-        k = max(samplers[i].params.top_logprobs for i in wanted)
-        chosen, top_ids, top_vals = gather_logprobs(tokens, logprobs, k)
-        made = []
-        for i in wanted:
-            pending = (chosen[i], (top_ids[i], top_vals[i]) if top_ids is not None else None)
-            self.rows[rids[i]].pending_logprob = pending
-            made.extend(pending_arrays(pending))
-        return made
-
-    # -- decode --------------------------------------------------------------------------------
-    def _decode(self, out: StepTokens) -> None:
+    # -- decode: the one step, plain or speculative ---------------------------------------------
+    def _decode(self, out: StepTokens, drafts: Any = None) -> None:
+        """One decode step of the batch: the forward, grammar masks, sampling, logprobs and the batch's
+        advance. With `drafts` (spec/decoder.py `Drafts`) the same step feeds each row its drafts too and
+        verifies them instead of sampling (`verify_batch`); it then waits for the accepted counts, where a
+        plain step only launches its work and reads back the tokens it fed."""
         batch = self.batch
-        if not batch.num_live:
-            return
         rids = list(batch.row_ids)
-        fed = batch.tokens
         table, samplers, fed_lp = self.rows, [], {}
         for rid in rids:
             if rid is None:
@@ -294,34 +277,40 @@ class ModelRunner(PrefillSteps):
             if row.pending_logprob is not None:
                 fed_lp[rid], row.pending_logprob = row.pending_logprob, None
 
-        if batch.positions is not None:
-            logits = self.model(fed[:, None], cache=batch.cache, positions=batch.positions[:, None])
-            batch.positions = batch.positions + 1
-        elif self.spec is not None:  # a draft head may want this forward's hidden states
-            logits = self.spec.forward(self, fed[:, None])
+        last = batch.tokens
+        if drafts is None:
+            fed, tap = last[:, None], self.spec.plain_tap(self) if self.spec is not None else None
         else:
-            logits = self.model(fed[:, None], cache=batch.cache)
-        logits = logits[:, -1, :]
+            fed, tap = drafts.fed, drafts.tap
+        if batch.positions is not None:  # vision-language models: each row's positions carry its rope delta
+            positions = batch.positions[:, None] if drafts is None else batch.positions[:, None] + mx.arange(fed.shape[1])
+            logits, hidden = self.model(fed, cache=batch.cache, positions=positions), None
+        elif tap is not None:  # the same forward, keeping the hidden states a draft head drafts from
+            logits, hidden = tap(fed, batch.cache)
+        else:
+            logits, hidden = self.model(fed, cache=batch.cache), None
+        if drafts is None:
+            logits = logits[:, -1, :]
         constrained = [(i, s.matcher) for i, s in enumerate(samplers) if s.matcher is not None]
+        fed_ids = None
         if constrained:
-            # The device runs the forward while the CPU advances each grammar by the token it is
-            # fed and computes the next mask; rows without a grammar pay nothing of this.
+            # The device runs the forward while the CPU advances each grammar by the token it is fed and
+            # computes the next masks; rows without a grammar pay nothing of this.
             mx.async_eval(logits)
             fed_ids = fed.tolist()
-            rejected = self.grammar.advance(constrained, fed_ids)
-            for i, why in rejected.items():
-                out.failed[rids[i]] = why
-            logits = self.grammar.mask(logits, [c for c in constrained if c[0] not in rejected])
-        else:
-            fed_ids = None
+            logits = self._constrain(logits, constrained, fed_ids, drafts, rids, out)
+
+        if drafts is not None:
+            self._verify(out, rids, samplers, fed, logits, hidden, drafts, fed_lp, constrained)
+            return
         nxt, logprobs = sample_batch(logits, samplers)
-        kept = self.keep_logprobs(rids, samplers, nxt, logprobs)
-        if self.spec is not None:
-            kept += self.spec.observe(self, nxt)
-        batch.tokens = nxt
+        kept = keep_logprobs(table, rids, samplers, nxt, logprobs)
+        if hidden is not None:
+            kept += self.spec.observe(self, hidden, nxt)
+        batch.advance(nxt)
         mx.async_eval(nxt, *kept)
 
-        for rid, token in zip(rids, fed_ids if fed_ids is not None else fed.tolist()):
+        for rid, token in zip(rids, [f[0] for f in fed_ids] if fed_ids is not None else last.tolist()):
             if rid is not None and rid not in out.failed:
                 out.request_ids.append(rid)
                 out.token_ids.append(token)
@@ -330,3 +319,73 @@ class ModelRunner(PrefillSteps):
                 continue
             token = out.token_ids[out.request_ids.index(rid)]
             out.logprobs[rid] = [to_logprob(token, pending, table[rid].sampler.params.top_logprobs)]
+
+    def _constrain(self, logits: mx.array, constrained: list, fed_ids: list, drafts: Any, rids: list,
+                   out: StepTokens) -> mx.array:
+        """Each grammar takes its row's fed token (a row it refuses fails); then the logits are masked: a
+        plain step's [B, V], a speculative step's [B, 1 + K, V] at every position of each row's draft, which
+        its grammar cuts at the first token it rejects (`drafts.lengths`, in place)."""
+        grammar = self.grammar
+        rejected = grammar.advance(constrained, [f[0] for f in fed_ids])
+        for i, why in rejected.items():
+            out.failed[rids[i]] = why
+        rows = [c for c in constrained if c[0] not in rejected]
+        if drafts is None:
+            return grammar.mask(logits, rows)
+        lengths = drafts.lengths
+        for i in rejected:
+            lengths[i] = 0
+        walks = [(i, m, fed_ids[i][1 : 1 + lengths[i]]) for i, m in rows]
+        logits, kept = grammar.mask_drafts(logits, walks)
+        for (i, _, _), n in zip(walks, kept):
+            lengths[i] = n
+        return logits
+
+    def _verify(self, out: StepTokens, rids: list, samplers: list[RowSampler], fed: mx.array, logits: mx.array,
+                hidden: Any, drafts: Any, fed_lp: dict, constrained: list) -> None:
+        """A speculative step's second half: verification, its one wait (accepted counts, fed tokens and
+        drafts, every logprob to emit), the rewind, and what each row emits (its fed token and accepted
+        drafts); a row's next token, and its logprob, stay pending until it is fed, as in a plain step."""
+        table, num_k = self.rows, fed.shape[1] - 1
+        accepted, final, logprobs = verify_batch(logits, samplers, fed[:, 1:], drafts.lengths)
+        wanted = [i for i, s in enumerate(samplers) if s.params.logprobs]
+        gathered = ()
+        if wanted:
+            k = max(samplers[i].params.top_logprobs for i in wanted)
+            gathered = tuple(a for a in gather_emitted(logprobs, fed[:, 1:], accepted, final, wanted, k) if a is not None)
+        head = mx.concatenate([accepted[:, None].astype(fed.dtype), fed], axis=1)
+        mx.eval(head, final, *gathered, *(a for v in fed_lp.values() for a in pending_arrays(v)))
+        host = head.tolist()
+        accepted_ids, fed_ids = [h[0] for h in host], [h[1:] for h in host]
+
+        num_drop = [num_k - a for a in accepted_ids]
+        self.batch.advance(final, accepted, num_drop)
+        for i, matcher in constrained:
+            if rids[i] not in out.failed:  # the next token is fed, and checked, next step
+                for token in fed_ids[i][1 : 1 + accepted_ids[i]]:
+                    self.grammar.feed(matcher, token)
+        num_emitted = 0
+        for i, rid in enumerate(rids):
+            if rid is None or rid in out.failed:
+                continue
+            tokens = fed_ids[i][: 1 + accepted_ids[i]]
+            out.request_ids.extend([rid] * len(tokens))
+            out.token_ids.extend(tokens)
+            num_emitted += len(tokens)
+            if rid in fed_lp:
+                out.logprobs[rid] = [to_logprob(tokens[0], fed_lp[rid], samplers[i].params.top_logprobs)]
+        self.spec.verified(drafts, hidden, final, accepted_ids, num_drop, num_emitted)
+        if not wanted:
+            return
+        chosen = gathered[0].tolist()
+        top_ids, top_vals = (gathered[1].tolist(), gathered[2].tolist()) if len(gathered) == 3 else (None, None)
+        t = num_k + 1
+        for n, i in enumerate(wanted):
+            rid, a = rids[i], accepted_ids[i]
+            if rid in out.failed:
+                continue
+            k = samplers[i].params.top_logprobs
+            entries = [(chosen[p], (top_ids[p], top_vals[p]) if top_ids is not None else None)
+                       for p in range(n * t, n * t + a + 1)]
+            out.logprobs.setdefault(rid, []).extend(to_logprob(fed_ids[i][1 + j], entries[j], k) for j in range(a))
+            table[rid].pending_logprob = entries[a]

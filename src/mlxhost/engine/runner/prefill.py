@@ -14,7 +14,13 @@ import mlx.core as mx
 from mlxhost.engine.request import Request
 from mlxhost.engine.runner.batch_prefill import prefill_rows
 from mlxhost.engine.runner.capture import capture, captured_arrays, start_captures
-from mlxhost.engine.runner.sampling import RowSampler, reseed_after_failure, sample_batch, score_positions
+from mlxhost.engine.runner.sampling import (
+    RowSampler,
+    keep_logprobs,
+    reseed_after_failure,
+    sample_batch,
+    score_positions,
+)
 from mlxhost.engine.runner.state import RowState
 from mlxhost.engine.scheduler import PrefillChunk
 
@@ -108,7 +114,7 @@ class PrefillSteps:
         if sampler.matcher is not None:
             logits = self.grammar.mask(logits, [(0, sampler.matcher)])
         tokens, logprobs = sample_batch(logits, [sampler])
-        self.keep_logprobs([rid], [sampler], tokens, logprobs)
+        keep_logprobs(self.rows, [rid], [sampler], tokens, logprobs)
         return rid, cache, tokens
 
     def _can_prefill_together(self, request: Request) -> bool:

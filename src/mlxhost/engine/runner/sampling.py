@@ -17,7 +17,8 @@ _WHOLE_GENERATION = 1 << 30
 
 
 def _filter_key(sp: SamplingParams) -> tuple:
-    return (sp.temperature, sp.top_p, sp.top_k, sp.min_p)
+    # Greedy rows take one argmax whatever their filters.
+    return ("greedy",) if sp.is_greedy else (sp.temperature, sp.top_p, sp.top_k, sp.min_p)
 
 
 @dataclass
@@ -91,6 +92,31 @@ def _sample_rows(logprobs: mx.array, sp: SamplingParams, key: mx.array | None) -
     return mx.random.categorical(apply_filters(logprobs, sp) * (1.0 / sp.temperature), key=key)
 
 
+def group_rows(rows: list[RowSampler], skip: frozenset[int] = frozenset()) -> list[list[int]]:
+    """Rows (by index) that sample in one call: those sharing filter settings. A seeded row samples with its
+    own key, so alone; rows in `skip` are left out. Plain and speculative steps group alike."""
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(rows):
+        if i not in skip:
+            key = ("seed", i) if r.key is not None and not r.params.is_greedy else _filter_key(r.params)
+            groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def in_row_order(parts: list[mx.array], groups: list[list[int]]) -> mx.array:
+    """Per-group results (`parts[g]` row for row with `groups[g]`) as one array in row order."""
+    if len(parts) == 1:
+        return parts[0]
+    inverse = [0] * sum(map(len, groups))
+    for pos, i in enumerate(i for idx in groups for i in idx):
+        inverse[i] = pos
+    return mx.concatenate(parts)[mx.array(inverse)]
+
+
+def _rows(a: mx.array, idx: list[int]) -> mx.array:
+    return a[mx.array(idx)] if len(idx) < a.shape[0] else a
+
+
 def sample_batch(logits: mx.array, rows: list[RowSampler]) -> tuple[mx.array, mx.array]:
     """Samples one token per row of `logits` [B, V]; returns (tokens [B], logprobs [B, V]).
 
@@ -103,33 +129,81 @@ def sample_batch(logits: mx.array, rows: list[RowSampler]) -> tuple[mx.array, mx
             [r.process(logits[i : i + 1]) if r.has_processors else logits[i : i + 1] for i, r in enumerate(rows)]
         )
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-    groups: dict[tuple, list[int]] = {}
-    for i, r in enumerate(rows):
-        # Seeded rows sample with their own key, so each is its own group.
-        key = ("seed", i) if r.key is not None and not r.params.is_greedy else _filter_key(r.params)
-        groups.setdefault(key, []).append(i)
-
-    if len(groups) == 1:
-        r = rows[0]
-        tokens = _sample_rows(logprobs, r.params, r.next_key() if len(rows) == 1 else None)
-    else:
-        parts, order = [], []
-        for idx in groups.values():
-            sel = logprobs[mx.array(idx)] if len(idx) < len(rows) else logprobs
-            r = rows[idx[0]]
-            parts.append(_sample_rows(sel, r.params, r.next_key() if len(idx) == 1 else None))
-            order.extend(idx)
-        tokens = mx.concatenate(parts)
-        inverse = [0] * len(order)
-        for pos, i in enumerate(order):
-            inverse[i] = pos
-        tokens = tokens[mx.array(inverse)]
-
+    groups = group_rows(rows)
+    parts = [_sample_rows(_rows(logprobs, idx), rows[idx[0]].params, rows[idx[0]].next_key() if len(idx) == 1 else None)
+             for idx in groups]
+    tokens = in_row_order(parts, groups)
     for i, r in enumerate(rows):
         if r.has_processors:
             r.append(tokens[i : i + 1])
     return tokens, logprobs
+
+
+def verify_batch(logits: mx.array, rows: list[RowSampler], drafts: mx.array,
+                 num_draft: list[int]) -> tuple[mx.array, mx.array, mx.array]:
+    """The speculative counterpart of `sample_batch`: `logits` [B, K+1, V] of rows fed `[last, d1 .. dK]`,
+    `num_draft[i]` of them row i's own. Returns (accepted counts [B], each row's next token [B], the
+    logprobs [B, K+1, V] its emitted tokens' entries come from). Rows with processors draft nothing: they
+    sample their first position through `sample_batch`, as a plain step would."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    special = [i for i, r in enumerate(rows) if r.has_processors]
+    groups = group_rows(rows, frozenset(special))
+    accepted, final = [], []
+    if special:
+        tokens, first = sample_batch(logits[mx.array(special), 0, :], [rows[i] for i in special])
+        accepted.append(mx.zeros((len(special),), dtype=mx.int32))
+        final.append(tokens.astype(drafts.dtype))
+        logprobs[mx.array(special), 0] = first
+        groups = [special, *groups]
+    num = mx.array(num_draft)
+    for idx in groups[1 if special else 0 :]:
+        r = rows[idx[0]]
+        acc, fin = verify_group(_rows(logprobs, idx), _rows(drafts, idx), _rows(num, idx), r.params,
+                                r.next_key() if len(idx) == 1 else None)
+        accepted.append(acc.astype(mx.int32))
+        final.append(fin.astype(drafts.dtype))
+    return in_row_order(accepted, groups), in_row_order(final, groups), logprobs
+
+
+def target_logprobs(logprobs: mx.array, sp: SamplingParams) -> mx.array:
+    """The distribution plain sampling draws from for `sp` (filters, then temperature), as
+    normalized log-probabilities [N, V]; `logprobs` [N, V] are the model's."""
+    scaled = apply_filters(logprobs, sp) * (1.0 / sp.temperature)
+    return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+
+
+def verify_group(
+    logprobs: mx.array, drafts: mx.array, num_draft: mx.array, sp: SamplingParams, key: mx.array | None = None
+) -> tuple[mx.array, mx.array]:
+    """Rows sharing sampling settings: `logprobs` [b, K+1, V] (the model's, normalized), `drafts`
+    [b, K], `num_draft` [b] (positions past a row's own draft are padding and never accepted).
+    Returns (accepted counts [b], each row's next token [b]).
+
+    Every draft is a point mass (copied tokens, a draft's argmax), so the rejection rule of Leviathan et
+    al. (2023) takes its simplest form: greedy rows accept while the draft is the argmax; sampled rows
+    accept draft d with probability p(d), and at the first rejection draw from p with d removed (after a
+    fully accepted draft, from p at position K). Each emitted token has the distribution plain sampling
+    gives it."""
+    b, t, v = logprobs.shape
+    k = t - 1
+    in_draft = mx.arange(k)[None, :] < num_draft[:, None]  # [b, K]
+    if sp.is_greedy:
+        best = mx.argmax(logprobs, axis=-1)  # [b, K+1]
+        ok = (best[:, :k] == drafts) & in_draft
+        accepted = mx.cumprod(ok.astype(mx.int32), axis=1).sum(axis=1)
+        return accepted, mx.take_along_axis(best, accepted[:, None], axis=1)[:, 0]
+    keys = mx.random.split(key) if key is not None else (None, None)
+    target = target_logprobs(logprobs.reshape(b * t, v), sp).reshape(b, t, v)
+    p_draft = mx.exp(mx.take_along_axis(target[:, :k], drafts[..., None], axis=-1)[..., 0])  # [b, K]
+    ok = (mx.random.uniform(shape=(b, k), key=keys[0]) < p_draft) & in_draft
+    accepted = mx.cumprod(ok.astype(mx.int32), axis=1).sum(axis=1)
+    # Where a draft token stood, the residual distribution: p without it, renormalized by categorical.
+    # Past a row's draft (and at position K) nothing is removed: plain p.
+    at = mx.take_along_axis(target, accepted[:, None, None], axis=1)[:, 0]  # [b, V]
+    rejected = mx.take_along_axis(mx.pad(drafts, [(0, 0), (0, 1)]), accepted[:, None], axis=1)  # [b, 1]
+    removed = (mx.arange(v)[None, :] == rejected) & (accepted < num_draft)[:, None]
+    at = mx.where(removed, -float("inf"), at)
+    return accepted, mx.random.categorical(at, key=keys[1])
 
 
 def gather_logprobs(
@@ -142,6 +216,34 @@ def gather_logprobs(
     top_ids = mx.argsort(-logprobs, axis=-1)[:, :top_k]
     top_vals = mx.take_along_axis(logprobs, top_ids, axis=-1)
     return chosen, top_ids, top_vals
+
+
+def keep_logprobs(table: dict, rids: list, rows: list[RowSampler], tokens: mx.array, logprobs: mx.array) -> list:
+    """Lazily, the logprobs of `tokens` [B] for the rows that asked: pending on each one's state
+    (`table[rids[i]]`) until the token is fed and emitted. Returns the arrays made (to launch with the step's)."""
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs]
+    if not wanted:
+        return []
+    chosen, top_ids, top_vals = gather_logprobs(tokens, logprobs, max(rows[i].params.top_logprobs for i in wanted))
+    made = []
+    for i in wanted:
+        pending = (chosen[i], (top_ids[i], top_vals[i]) if top_ids is not None else None)
+        table[rids[i]].pending_logprob = pending
+        made.extend(pending_arrays(pending))
+    return made
+
+
+def gather_emitted(logprobs: mx.array, drafts: mx.array, accepted: mx.array, final: mx.array, wanted: list[int],
+                   k: int) -> tuple:
+    """A speculative step's `wanted` rows: at every position 0..K the logprob of the token emitted there if
+    that many drafts are accepted (the draft, or at the row's accepted count its next token), and the top
+    `k` alternatives, flattened [len(wanted) * (K+1)]. Which positions count is read with the accepted counts."""
+    t = drafts.shape[1] + 1
+    at = mx.arange(t)[None, :] == accepted[:, None]
+    emitted = mx.where(at, final[:, None], mx.pad(drafts, [(0, 0), (0, 1)]))  # [B, K+1]
+    w = mx.array(wanted)
+    lp = logprobs[w].reshape(len(wanted) * t, logprobs.shape[-1])
+    return gather_logprobs(emitted[w].reshape(-1), lp, k)
 
 
 # Positions scored at once: a slice's float32 temporaries are this many rows of the vocabulary, not a whole
