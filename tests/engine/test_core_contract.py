@@ -124,3 +124,53 @@ def test_every_core_implements_the_contract(kind, qwen3_model_dir, tmp_path_fact
     if generates:
         assert cleared > 0 and core.stats().prefix_cached_blocks == 0
     core.close()
+
+
+@pytest.mark.parametrize("kind", CORES)
+def test_the_engine_loop_drives_every_core_through_the_contract(kind, qwen3_model_dir, tmp_path_factory):
+    import asyncio
+
+    from mlxhost.engine.loop import Assembled, AsyncEngine
+
+    core, generates = _build(kind, qwen3_model_dir, tmp_path_factory)
+    engine = AsyncEngine(lambda: Assembled(core), max_num_waiting=4)
+
+    async def main():
+        engine.start(asyncio.get_running_loop())
+        assert engine.snapshot.cache_stats == engine.snapshot.status["prefix_cache"]
+        outputs = [o async for o in engine.generate(_request("r"))]
+        assert outputs[-1].finished
+        if generates:
+            assert outputs[-1].error is None and sum(len(o.new_token_ids) for o in outputs) == 4
+            assert engine.stats.last_step is not None and engine.kv_capacity_tokens
+        else:
+            assert "cannot generate text" in outputs[-1].error  # the core's refusal, as the request's error
+        assert await engine.call(lambda c: c.adapters()) == {}
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+
+
+def test_the_assembler_loads_the_adapters_and_hands_the_warmup_over(qwen3_model_dir, tmp_path):
+    import dataclasses
+
+    from mlxhost.config import LoraSpec
+    from mlxhost.engine.warmup import BackgroundWarmup
+    from mlxhost.testing.lora_fixtures import random_adapter
+
+    loaded = load_model(str(qwen3_model_dir))
+    folder = random_adapter(qwen3_model_dir, tmp_path / "adapter", rank=4, keys=("mlp.down_proj",))
+    config = dataclasses.replace(CONFIG, warmup="background")
+    built = assemble_core(loaded.model, loaded.tokenizer, config, 256, loras=(LoraSpec("ada", str(folder)),))
+    try:
+        assert [aid.split("@")[0] for aid in built.core.adapters()] == ["ada"]
+        # Handed to the engine loop, which runs it between requests: nothing of it has run yet.
+        assert isinstance(built.warmup, BackgroundWarmup) and not built.warmup.finished
+        assert not built.core.has_work and built.warmup.report.num_steps == 0
+    finally:
+        built.warmup.close()
+    ran = assemble_core(loaded.model, loaded.tokenizer, dataclasses.replace(CONFIG, warmup="on"), 256)
+    assert ran.warmup is None and not ran.core.has_work  # run to its end before serving
+    assert ran.core.stats().prefix_cached_blocks == 0  # and its blocks dropped
