@@ -16,14 +16,14 @@ from contextvars import ContextVar
 from typing import Any
 from urllib.parse import urlsplit
 
-from opentelemetry import context as otel_context
-from opentelemetry import trace
+from opentelemetry import context as otel_context, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from mlxhost import __version__
 from mlxhost.engine.request import RequestOutput
 
 # Requests that get a server span: the API's POSTs (inference), not probes, pages or metrics scrapes.
@@ -36,6 +36,7 @@ def make_exporter(endpoint: str):
     gets the collector's standard /v1/traces path, as vLLM's flag does."""
     url = urlsplit(endpoint)
     if url.scheme == "grpc":
+        # lazy: the one exporter asked for (gRPC's brings grpcio)
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
             OTLPSpanExporter as GrpcExporter,
         )
@@ -43,6 +44,7 @@ def make_exporter(endpoint: str):
         return GrpcExporter(endpoint=url.netloc, insecure=True)
     if url.scheme not in ("http", "https"):
         raise ValueError(f"--otlp-traces-endpoint must be http(s)://... or grpc://..., got {endpoint!r}")
+    # lazy: the one exporter asked for (gRPC's brings grpcio)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
         OTLPSpanExporter as HttpExporter,
     )
@@ -51,8 +53,6 @@ def make_exporter(endpoint: str):
 
 
 def make_tracer_provider(exporter) -> TracerProvider:
-    from mlxhost import __version__
-
     provider = TracerProvider(resource=Resource.create({"service.name": "mlxhost", "service.version": __version__}))
     provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider

@@ -14,6 +14,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+import platformdirs
+
 from mlxhost.agents import AGENTS
 from mlxhost.agents.base import MAX_OUTPUT_TOKENS, Target, default_max_output_tokens
 from mlxhost.agents.prewarm import agent_version, prefill, prefix_path, save_prefix, start_prefill
@@ -75,15 +77,13 @@ def find_command(command: str) -> str | None:
 
 
 def agent_folder(name: str) -> pathlib.Path:
-    import platformdirs
-
     return pathlib.Path(platformdirs.user_cache_dir("mlxhost")) / "agents" / name
 
 
 def find_model(url: str, model: str | None, api_key: str, client: httpx.Client | None = None) -> dict | None:
     """The model card (/v1/models) of `model` (None: the server's first loaded model) at url; None when
     nothing answers there. A server without that model is a LaunchError."""
-    import httpx
+    import httpx  # lazy: httpx only when used
 
     http = client or httpx.Client(timeout=30)
     try:
@@ -108,7 +108,7 @@ def find_model(url: str, model: str | None, api_key: str, client: httpx.Client |
 
 
 def _context(url: str, card: dict, api_key: str) -> int:
-    import httpx
+    import httpx  # lazy: httpx only when used
 
     if card.get("max_model_len") is None:  # listed, not loaded yet: loading tells its context
         httpx.post(f"{url}/v1/models/{card['id']}/load", headers={"Authorization": f"Bearer {api_key}"}, timeout=None)
@@ -183,7 +183,7 @@ def _prewarm(url: str, api_key: str, saved: pathlib.Path, model: str, wait: bool
 
 
 def run(args) -> int:
-    import httpx
+    import httpx  # lazy: httpx only when used
 
     agent = AGENTS[args.agent]
     executable = find_command(agent.command)

@@ -43,7 +43,7 @@ def prefix_path(folder: pathlib.Path, version: str, model: str) -> pathlib.Path:
 
 def save_prefix(url: str, api_key: str, agent: Agent, version: str, model: str, path: pathlib.Path) -> bool:
     """Saves the prefix the server noted for this agent version and model; False if it noted none."""
-    import httpx
+    import httpx  # lazy: httpx only when used
 
     reply = httpx.get(f"{url}/v1/cache/prefixes", headers={"Authorization": f"Bearer {api_key}"}, timeout=30)
     if reply.status_code != 200:  # an older server without the route
@@ -61,7 +61,7 @@ def save_prefix(url: str, api_key: str, agent: Agent, version: str, model: str, 
 
 def prefill(url: str, api_key: str, path: pathlib.Path, model: str) -> dict | None:
     """Posts the saved prefix to /v1/cache/prefill; its answer (tokens computed, cached), None on failure."""
-    import httpx
+    import httpx  # lazy: httpx only when used
 
     try:
         body = json.loads(path.read_text(encoding="utf-8"))["body"]

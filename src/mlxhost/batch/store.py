@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import platformdirs
+
 try:  # an exclusive lock on the folder; the platforms served here all have fcntl
     import fcntl
 except ImportError:  # pragma: no cover
@@ -45,8 +47,6 @@ class Page:
 
 def default_batch_dir() -> Path:
     """Batch inputs and results are the user's data (not a cache to drop): the platform's user data folder."""
-    import platformdirs
-
     return Path(platformdirs.user_data_dir("mlxhost")) / "batches"
 
 

@@ -15,8 +15,8 @@ import sys
 
 from mlxhost.bench.compare import _free_port, _running
 from mlxhost.bench.report import format_table, write_json
-from mlxhost.bench.serve import (ServeBenchConfig, add_serve_args_argument, default_json_path, int_list,
-                                  run_serve_bench)
+from mlxhost.bench.serve import ServeBenchConfig, add_serve_args_argument, default_json_path, int_list, run_serve_bench
+from mlxhost.testing.demo import ensure_demo_model
 
 # Prompt tokens of the burst issue #19 measured on the GPU (130-1,400 words, about 180-1,900 tokens).
 DEFAULT_MIX = [180, 1900, 550, 1100, 270, 1500, 820, 400]
@@ -56,8 +56,6 @@ def columns(mix: list[int]) -> list[tuple[str, str, str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlxhost.testing.demo import ensure_demo_model
-
     model = args.model or str(ensure_demo_model())
     mix = args.prompt_tokens_mix
     rows, raw = [], []

@@ -20,8 +20,15 @@ import httpx
 
 from mlxhost.bench import plot
 from mlxhost.bench.report import format_table, write_json
-from mlxhost.bench.serve import (TABLE_COLUMNS, ServeBenchConfig, add_load_arguments, add_serve_args_argument,
-                                  default_json_path, run_serve_bench)
+from mlxhost.bench.serve import (
+    TABLE_COLUMNS,
+    ServeBenchConfig,
+    add_load_arguments,
+    add_serve_args_argument,
+    default_json_path,
+    run_serve_bench,
+)
+from mlxhost.testing.demo import ensure_demo_model
 
 _SERVERS = ("mlxhost", "mlx_lm", "vllm_mlx")
 _DEFAULT_SERVERS = ("mlxhost", "mlx_lm")
@@ -104,8 +111,6 @@ def _ratios(levels: list[dict]) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlxhost.testing.demo import ensure_demo_model
-
     model = args.model or str(ensure_demo_model())
     levels, errors = [], 0
     for server in args.servers:

@@ -13,8 +13,11 @@ import platform
 import sys
 import time
 
+import numpy as np
+
 from mlxhost.bench.report import format_table, write_json
 from mlxhost.bench.serve import default_json_path
+from mlxhost.export.coreml import MissingCoreMLError, require_coreml
 
 _COLUMNS = [("context", "context", "d"), ("prompt_tokens", "prompt tokens", "d"), ("ttft_ms", "TTFT ms", ".1f"),
             ("prompt_tok_s", "prompt tok/s", ".0f"), ("extend_tokens", "extend tokens", "d"),
@@ -41,8 +44,7 @@ def plan(max_context: int, contexts: list[int], extend_tokens: int) -> list[tupl
 
 def package_limits(model) -> tuple[int, type]:
     """The package's largest input length and the dtype its causal_mask takes."""
-    import numpy as np
-    from coremltools.proto import FeatureTypes_pb2 as ft
+    from coremltools.proto import FeatureTypes_pb2 as ft  # optional: the coreml extra
 
     spec = model.get_spec()
     inputs = {f.name: f.type.multiArrayType for f in spec.description.input}
@@ -52,9 +54,7 @@ def package_limits(model) -> tuple[int, type]:
 
 
 def _measure(model, context: int, prompt_tokens: int, extend_tokens: int, mask_dtype) -> dict:
-    import numpy as np
-
-    from mlxhost.export.wrapper import make_causal_mask
+    from mlxhost.export.wrapper import make_causal_mask  # optional: torch (coreml extra)
 
     rng = np.random.default_rng(context)
     prompt = rng.integers(0, 1000, size=(1, prompt_tokens)).astype(np.int32)
@@ -80,14 +80,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"mlxhost bench coreml: running a Core ML model needs macOS (this is {platform.system()}); "
               "`mlxhost export coreml` works here, benchmark the package on a Mac", file=sys.stderr)
         return 2
-    from mlxhost.export.coreml import MissingCoreMLError, require_coreml
 
     try:
         require_coreml()
     except MissingCoreMLError as e:
         print(f"mlxhost bench coreml: {e}", file=sys.stderr)
         return 2
-    import coremltools as ct
+    import coremltools as ct  # optional: the coreml extra
 
     start = time.perf_counter()
     model = ct.models.MLModel(args.package, compute_units=getattr(ct.ComputeUnit, args.compute_units.upper()))

@@ -20,15 +20,18 @@ import argparse
 import asyncio
 import dataclasses
 import statistics
+import sys
 import threading
 import time
 import uuid
 
 from mlxhost.bench.report import format_table, write_json
-from mlxhost.bench.serve import default_json_path
-from mlxhost.bench.serve_request import make_prompt
+from mlxhost.bench.serve import ServeBenchConfig, default_json_path
+from mlxhost.bench.serve_request import make_client, make_prompt, timed_request
 from mlxhost.config import EngineConfig
 from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.models.loader import load_model
+from mlxhost.testing.demo import ensure_demo_model
 
 PATHS = ("raw", "core", "thread", "async")
 _WAKE_TOKENS = 8  # the untimed request before each timed served one
@@ -37,8 +40,8 @@ _COLUMNS = [("path", "path", "s"), ("tok_s", "tok/s", ".1f"), ("ratio", "vs raw"
 
 
 def _raw(model, prompt_ids: list[int], max_tokens: int) -> dict:
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
+    import mlx.core as mx  # lazy: mlx only when used
+    from mlx_lm.generate import generate_step  # lazy: mlx_lm only when used
 
     # One pass: `run` makes the untimed first one (it compiles kernels) once, before the rounds, so
     # nothing stands between this pass and the served stream it is compared with.
@@ -52,7 +55,7 @@ def _raw(model, prompt_ids: list[int], max_tokens: int) -> dict:
 
 
 def _core(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens: int, label: str) -> dict:
-    from mlxhost.engine.core import EngineCore
+    from mlxhost.engine.core import EngineCore  # lazy: keeps mlx, mlx_lm, llguidance off this module's import
 
     core = EngineCore(loaded.model, loaded.tokenizer, cfg, 1 << 20)
     best = None
@@ -92,8 +95,7 @@ def _core_on_thread(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens
 
 async def _async(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens: int,
                  switch_s: float | None = None) -> dict:
-    import sys
-
+    # lazy: keeps fastapi, llguidance, prometheus_client ... off this module's import
     from mlxhost.server.app import make_engine
 
     previous = sys.getswitchinterval()
@@ -133,8 +135,6 @@ async def _served(cfg, prompt: str) -> dict:
     the server: 8B shape on an H100, 155 tok/s for the one stream timed right after another, 96-112 for the
     five timed first after the server sat idle while the raw row ran. The wake asks for few tokens so the
     timed stream stays close in time to the raw pass it is compared with."""
-    from mlxhost.bench.serve_request import make_client, timed_request
-
     async with make_client(cfg, 1) as client:
         await timed_request(client, dataclasses.replace(cfg, max_tokens=_WAKE_TOKENS), prompt)
         result = await timed_request(client, cfg, prompt)
@@ -147,10 +147,6 @@ async def _served(cfg, prompt: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlxhost.bench.serve import ServeBenchConfig
-    from mlxhost.testing.demo import ensure_demo_model
-    from mlxhost.models.loader import load_model
-
     unknown = set(args.paths) - set(PATHS)
     if unknown or not args.paths:
         raise SystemExit(f"--paths takes some of {', '.join(PATHS)}; got {', '.join(sorted(unknown)) or 'none'}")

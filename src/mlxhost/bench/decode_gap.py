@@ -17,6 +17,7 @@ import uuid
 from mlxhost.bench.serve_request import make_prompt
 from mlxhost.config import EngineConfig
 from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.models.loader import load_model
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -28,6 +29,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 async def run_gap_round(loaded, engine_config: EngineConfig, num_streams: int, stream_prompt_tokens: int,
                         long_prompt_tokens: int, seed: int) -> dict:
+    # lazy: keeps fastapi, llguidance, prometheus_client ... off this module's import
     from mlxhost.server.app import make_engine, resolve_max_model_len
 
     engine = make_engine(loaded, engine_config, resolve_max_model_len(loaded, engine_config))
@@ -80,8 +82,6 @@ async def run_gap_round(loaded, engine_config: EngineConfig, num_streams: int, s
 
 async def run_gap_bench(model_path: str, engine_config: EngineConfig, targets: list[float], num_streams: int,
                         stream_prompt_tokens: int, long_prompt_tokens: int, seed: int = 0) -> list[dict]:
-    from mlxhost.models.loader import load_model
-
     loaded = load_model(model_path)
     rows = []
     for target in targets:

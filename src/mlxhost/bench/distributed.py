@@ -26,18 +26,18 @@ import time
 from pathlib import Path
 
 import httpx
+from tokenizers import Tokenizer
 
 from mlxhost.bench.compare import _free_port
 from mlxhost.bench.report import format_table, write_json
 from mlxhost.bench.serve import ServeBenchConfig, default_json_path, int_list, run_level, run_serve_bench
+from mlxhost.testing.demo import EOS_TOKEN, PAD_TOKEN, SHAPES, _pad_vocab, _vocab_size, build_tokenizer
 
 GREEDY_PROMPTS = ["The history of the river begins", "def fibonacci(n):", "Once upon a time, in a small town",
                   "The three laws of motion are"]
 
 
 def shapes() -> dict:
-    from mlxhost.testing.demo import SHAPES
-
     # Qwen3-32B's shape (config.json of Qwen/Qwen3-32B), random weights.
     qwen3_32b = dataclasses.replace(SHAPES["qwen3-8b"], hidden_size=5120, num_hidden_layers=64,
                                     num_attention_heads=64, num_key_value_heads=8, intermediate_size=25600)
@@ -73,15 +73,10 @@ def ensure_shape(root: Path, shape: str, bits: int | None) -> Path:
 
 
 def _build_qwen2(folder: Path, dims: dict, bits: int | None) -> Path:
-    import mlx.core as mx
-    import mlx.nn as nn
-    from mlx_lm.models import qwen2
-    from mlx_lm.utils import save_config, save_model
-    from tokenizers import Tokenizer
-
-    from mlxhost.testing.demo import EOS_TOKEN, PAD_TOKEN, build_tokenizer
-
-    from mlxhost.testing.demo import _pad_vocab, _vocab_size
+    import mlx.core as mx  # lazy: mlx only when used
+    import mlx.nn as nn  # lazy: mlx only when used
+    from mlx_lm.models import qwen2  # lazy: mlx_lm only when used
+    from mlx_lm.utils import save_config, save_model  # lazy: mlx_lm only when used
 
     folder.mkdir(parents=True, exist_ok=True)
     build_tokenizer(folder)

@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import tempfile
 import time
 import uuid
 
+from mlxhost.bench.decode_gap import GAP_COLUMNS, run_gap_bench
 from mlxhost.bench.report import format_table, write_json
 from mlxhost.bench.serve import TABLE_COLUMNS, ServeBenchConfig, add_load_arguments, default_json_path, summarize_level
 from mlxhost.bench.serve_request import RequestResult, make_prompt
 from mlxhost.config import EngineConfig
 from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.models.loader import load_model
+from mlxhost.testing.demo import ensure_demo_model
 
 
 async def run_one(engine, tokenizer, cfg: ServeBenchConfig, prompt: str, eos,
@@ -45,8 +49,7 @@ async def run_one(engine, tokenizer, cfg: ServeBenchConfig, prompt: str, eos,
 
 
 async def run_engine_bench(cfg: ServeBenchConfig, model_path: str | None, engine_config: EngineConfig) -> dict:
-    from mlxhost.testing.demo import ensure_demo_model
-    from mlxhost.models.loader import load_model
+    # lazy: keeps fastapi, llguidance, prometheus_client ... off this module's import
     from mlxhost.server.app import make_engine, resolve_max_model_len
 
     loaded = load_model(model_path or str(ensure_demo_model()))
@@ -114,9 +117,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_gap(args: argparse.Namespace, engine_config: EngineConfig) -> int:
-    import tempfile
-
-    from mlxhost.bench.decode_gap import GAP_COLUMNS, run_gap_bench
     from mlxhost.testing.demo import SHAPES, build_model_folder, ensure_demo_model
 
     with tempfile.TemporaryDirectory() as tmp:

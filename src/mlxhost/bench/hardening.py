@@ -20,6 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from mlxhost.server.settings import ArgumentParser, HelpFormatter
+
 
 def _stream(url: str, model: str, max_tokens: int, gaps: list) -> None:
     body = {"model": model, "messages": [{"role": "user", "content": "Tell me a long story."}],
@@ -119,8 +121,6 @@ def startup(args) -> dict:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from mlxhost.server.settings import ArgumentParser, HelpFormatter
-
     # Its subcommands' parsers are of this class too: no abbreviated flags, the same one-line errors.
     p = ArgumentParser(prog="python -m mlxhost.bench.hardening", formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)

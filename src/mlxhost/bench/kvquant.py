@@ -31,6 +31,8 @@ from mlxhost.bench.report import format_table, write_json
 from mlxhost.bench.serve import default_json_path
 from mlxhost.config import EngineConfig
 from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.models.loader import load_model
+from mlxhost.testing.demo import SHAPES
 
 _MIB = 1 << 20
 COLUMNS = [
@@ -47,9 +49,9 @@ def _label(bits: int | None) -> str:
 
 
 def _make_core(loaded, args, bits: int | None, max_num_seqs: int, **kw):
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: mlx only when used
 
-    from mlxhost.engine.core import EngineCore
+    from mlxhost.engine.core import EngineCore  # lazy: keeps mlx, mlx_lm, llguidance off this module's import
 
     gc.collect()
     mx.clear_cache()
@@ -100,7 +102,7 @@ def _agreement(rows: list[list[int]], reference: list[list[int]]) -> float:
 
 def _measure_contexts(core, prompts: list[list[int]], max_tokens: int) -> int:
     """MLX active bytes the decode batch holds once every context has joined (above the idle core)."""
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: mlx only when used
 
     mx.synchronize()
     gc.collect()
@@ -122,8 +124,6 @@ def _measure_contexts(core, prompts: list[list[int]], max_tokens: int) -> int:
 
 
 def run_kvquant_bench(args: argparse.Namespace) -> dict:
-    from mlxhost.models.loader import load_model
-
     path = _model_path(args)
     try:
         loaded = load_model(path)
@@ -198,8 +198,6 @@ def _model_path(args: argparse.Namespace) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mlxhost.testing.demo import SHAPES
-
     parser.add_argument("--model", default=None, help="model folder (default: --shape)")
     parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES),
                         help="without --model: random weights in this shape (tiny: the demo model)")

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from mlxhost.bench.report import format_table, write_json
 from mlxhost.bench.serve import default_json_path
+from mlxhost.models.loader import LOAD_STRATEGIES, load_model, weight_files
 
 _COLUMNS = [
     ("model", "model", ""), ("weights_gb", "weights GB", ".2f"), ("strategy", "strategy", ""),
@@ -106,11 +107,8 @@ def warm_page_cache(paths: list[Path]) -> None:
 def _child(model: str, strategy: str, forward: bool) -> dict:
     """Runs in the child: imports, then the load (timed), then optionally one forward pass."""
     start = time.perf_counter()
-    import mlx.core as mx
-
-    from mlxhost.models.loader import load_model
-
-    import mlx_lm  # noqa: F401  (imported here so load_s does not pay for it)
+    import mlx.core as mx  # lazy: mlx only when used
+    import mlx_lm  # noqa: F401  (imported here so load_s does not pay for it)  # lazy: mlx_lm only when used
 
     import_s = time.perf_counter() - start
     base_rss = _status_kib("VmRSS")
@@ -156,7 +154,7 @@ def _status_kib(field: str) -> int | None:
 
 
 def _peak_rss_bytes() -> int:
-    import resource
+    import resource  # resource: POSIX only
 
     hwm = _status_kib("VmHWM")
     if hwm is not None:
@@ -178,8 +176,6 @@ def run_child(model: str, strategy: str, forward: bool, timeout: float | None = 
 
 
 def run_load_bench(args: argparse.Namespace) -> dict:
-    from mlxhost.models.loader import LOAD_STRATEGIES, weight_files
-
     strategies = args.strategies or list(LOAD_STRATEGIES)
     caches = args.cache or ["cold", "warm"]
     rows = []
@@ -229,8 +225,6 @@ def _row(model: str, weight_bytes: int, strategy: str, cache: str, runs: list[di
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mlxhost.models.loader import LOAD_STRATEGIES
-
     parser.add_argument("models", nargs="+", help="model folders (safetensors)")
     parser.add_argument("--strategies", nargs="+", choices=LOAD_STRATEGIES, default=None,
                         help="weight-loading strategies to time (default: all)")

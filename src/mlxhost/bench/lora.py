@@ -20,7 +20,11 @@ from mlxhost.bench.engine import run_one
 from mlxhost.bench.report import format_table, write_json
 from mlxhost.bench.serve import ServeBenchConfig, add_load_arguments, default_json_path, summarize_level
 from mlxhost.bench.serve_request import RequestResult, make_prompt
-from mlxhost.config import EngineConfig
+from mlxhost.config import EngineConfig, LoraSpec
+from mlxhost.lora.adapters import adapter_id, read_adapter
+from mlxhost.models.loader import load_model
+from mlxhost.testing.demo import ensure_demo_model
+from mlxhost.testing.lora_fixtures import random_adapter
 
 TABLE_COLUMNS = [
     ("mode", "mode", ""), ("concurrency", "conc", "d"), ("num_adapters", "adapters", "d"),
@@ -49,12 +53,8 @@ async def _level(engine, loaded, cfg: ServeBenchConfig, c: int, tag: str, adapte
 async def run_lora_bench(cfg: ServeBenchConfig, model_path: str | None, engine_config: EngineConfig,
                          num_adapters: int, rank: int, keys: tuple[str, ...] | None, repeats: int = 3,
                          num_layers: int | None = None) -> dict:
-    from mlxhost.config import LoraSpec
-    from mlxhost.lora.adapters import adapter_id, read_adapter
-    from mlxhost.testing.demo import ensure_demo_model
-    from mlxhost.models.loader import load_model
+    # lazy: keeps fastapi, llguidance, prometheus_client ... off this module's import
     from mlxhost.server.app import make_engine, resolve_max_model_len
-    from mlxhost.testing.lora_fixtures import random_adapter
 
     loaded = load_model(model_path or str(ensure_demo_model()))
     levels = []

@@ -22,21 +22,22 @@ from mlxhost.bench import plot
 from mlxhost.bench.report import format_table, write_json
 from mlxhost.config import EngineConfig
 from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.memory.device import read_memory
+from mlxhost.models.loader import load_model
+from mlxhost.testing.demo import ensure_demo_model
 
 _MIB = 1 << 20
 _UNLIMITED = 10**12
 
 
 def _rss() -> int:
-    from mlxhost.memory.device import read_memory
-
     return read_memory().process_rss
 
 
 def _make_core(loaded, **kw):
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: mlx only when used
 
-    from mlxhost.engine.core import EngineCore
+    from mlxhost.engine.core import EngineCore  # lazy: keeps mlx, mlx_lm, llguidance off this module's import
 
     gc.collect()
     mx.clear_cache()
@@ -55,7 +56,7 @@ def _prompt(i: int, n: int) -> list[int]:
 
 def run_timeline(loaded, prompt_tokens: int, num_tokens: int, kv_prealloc_tokens: int) -> dict:
     """Per step: MLX active and peak memory above the engine's baseline, and RSS."""
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: mlx only when used
 
     core = _make_core(loaded, max_num_seqs=1, kv_prealloc_tokens=kv_prealloc_tokens)
     base = mx.get_active_memory()
@@ -90,7 +91,7 @@ def run_timeline(loaded, prompt_tokens: int, num_tokens: int, kv_prealloc_tokens
 
 
 def run_burst(loaded, num_requests: int, prompt_tokens: int, max_tokens: int, kv_budget_tokens: int) -> dict:
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: mlx only when used
 
     core = _make_core(loaded, max_num_seqs=num_requests, kv_budget_tokens=kv_budget_tokens,
                       max_num_waiting=num_requests)
@@ -160,9 +161,6 @@ def summary_row(name: str, r: dict) -> dict:
 
 
 def run_memory_bench(args: argparse.Namespace) -> dict:
-    from mlxhost.testing.demo import ensure_demo_model
-    from mlxhost.models.loader import load_model
-
     loaded = load_model(args.model or str(ensure_demo_model()))
     reserve = args.kv_prealloc or args.prompt_tokens + args.num_tokens
     # Warm-up past a 256-position step: the process's first allocations (~10-20 MiB of RSS here) stay

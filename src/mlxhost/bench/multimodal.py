@@ -20,9 +20,12 @@ import time
 
 import httpx
 import numpy as np
+from PIL import Image
 
 from mlxhost.bench.report import format_table, write_json
 from mlxhost.bench.serve import default_json_path, int_list
+from mlxhost.config import EngineConfig, ServerConfig
+from mlxhost.testing.vlm_demo import build_vlm_folder
 
 SETTINGS = {  # name: (prefix cache on, vision cache on)
     "none": (False, False),
@@ -39,8 +42,6 @@ _COLUMNS = [
 
 
 def _image_uri(rng: np.random.Generator, size: int) -> str:
-    from PIL import Image
-
     # Smooth gradients plus noise: compresses like a photo, never equal to another run's picture.
     y, x = np.mgrid[0:size, 0:size]
     base = np.stack([x * 255 // size, y * 255 // size, (x + y) * 127 // size], axis=-1)
@@ -51,7 +52,7 @@ def _image_uri(rng: np.random.Generator, size: int) -> str:
 
 
 def _video_uri(rng: np.random.Generator, num_frames: int, size: int, fps: float) -> str:
-    import av
+    import av  # optional: the vision extra
 
     buf = io.BytesIO()
     with av.open(buf, "w", format="mp4") as out:
@@ -105,9 +106,9 @@ def _conversation(client, url, model, part: dict, max_tokens: int) -> tuple[list
 
 
 def _start_server(model: str, prefix: bool, vision: bool, args):
-    import uvicorn
+    import uvicorn  # lazy: uvicorn only when used
 
-    from mlxhost.config import EngineConfig, ServerConfig
+    # lazy: keeps fastapi, llguidance, prometheus_client ... off this module's import
     from mlxhost.server.app import build_app
 
     engine = EngineConfig(enable_prefix_cache=prefix, vision_cache_bytes=(512 << 20) if vision else 0,
@@ -125,8 +126,6 @@ def _start_server(model: str, prefix: bool, vision: bool, args):
 
 
 def run_multimodal_bench(args) -> dict:
-    from mlxhost.testing.vlm_demo import build_vlm_folder
-
     model = args.model
     if model is None:
         model = str(build_vlm_folder(tempfile.mkdtemp(prefix="mlxhost-vlm-"), family=args.family))

@@ -44,7 +44,7 @@ def load_series(paths: list[str | Path]) -> list[tuple[str, list[dict]]]:
 def _charts(num_charts: int):
     """(pyplot, figure, axes): `num_charts` charts side by side, FIGSIZE x DPI pixels each."""
     try:
-        import matplotlib
+        import matplotlib  # optional: the plot extra
     except ImportError:
         raise PlotUnavailableError(f"plots need matplotlib: {PLOT_HINT}") from None
     matplotlib.use("Agg")  # no display: write files only

@@ -24,6 +24,9 @@ from mlxhost.bench.report import format_table, write_json
 from mlxhost.bench.serve import default_json_path, int_list
 from mlxhost.config import EngineConfig
 from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.models.loader import load_model
+from mlxhost.testing.demo import ensure_demo_model
+from mlxhost.testing.families import build_family_folder
 
 _COLUMNS = [
     ("block_size", "block", "d"), ("prefix_tokens", "prefix", "d"), ("ttft_cold_ms", "ttft cold", ".1f"),
@@ -76,8 +79,6 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 def run_prefix_bench(args) -> dict:
     with contextlib.ExitStack() as stack:
         if args.shape:
-            from mlxhost.testing.families import build_family_folder
-
             # GPU shapes write gigabytes: the folder goes when the run ends.
             folder = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"mlxhost-bench-{args.shape}-"))
             started = time.perf_counter()
@@ -112,7 +113,9 @@ def _run_together(core, prompt: list[int], max_tokens: int) -> dict:
 
 
 def _together_rows(loaded, args, vocab: int) -> list[dict]:
-    from mlxhost.engine.core import EngineCore
+    from mlxhost.engine.core import EngineCore  # lazy: keeps mlx, mlx_lm, llguidance off this module's import
+
+    # lazy: keeps fastapi, llguidance, prometheus_client ... off this module's import
     from mlxhost.server.app import model_key, resolve_max_model_len
 
     rows = []
@@ -142,9 +145,9 @@ def _together_rows(loaded, args, vocab: int) -> list[dict]:
 
 
 def _run_prefix_bench(args) -> dict:
-    from mlxhost.engine.core import EngineCore
-    from mlxhost.testing.demo import ensure_demo_model
-    from mlxhost.models.loader import load_model
+    from mlxhost.engine.core import EngineCore  # lazy: keeps mlx, mlx_lm, llguidance off this module's import
+
+    # lazy: keeps fastapi, llguidance, prometheus_client ... off this module's import
     from mlxhost.server.app import model_key, resolve_max_model_len
 
     loaded = load_model(args.model or str(ensure_demo_model()))
@@ -207,7 +210,9 @@ def _run_prefix_bench(args) -> dict:
 
 def _decode_on_off(loaded, args, vocab: int) -> dict:
     """Decode tokens/s of the same requests with the cache on and off (alternating, median)."""
-    from mlxhost.engine.core import EngineCore
+    from mlxhost.engine.core import EngineCore  # lazy: keeps mlx, mlx_lm, llguidance off this module's import
+
+    # lazy: keeps fastapi, llguidance, prometheus_client ... off this module's import
     from mlxhost.server.app import model_key, resolve_max_model_len
 
     rates: dict[bool, list[float]] = {True: [], False: []}

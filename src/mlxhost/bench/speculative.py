@@ -25,6 +25,9 @@ from mlxhost.bench.report import format_table, write_json
 from mlxhost.bench.serve import default_json_path, int_list
 from mlxhost.config import EngineConfig
 from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.models.loader import load_model
+from mlxhost.platform.cudnn_attention import apply_cudnn_attention
+from mlxhost.testing.perturb import perturbed_copy, truncated_copy
 
 _COLUMNS = [
     ("workload", "workload", ""), ("concurrency", "c", "d"), ("mode", "speculative", ""),
@@ -40,8 +43,7 @@ _HEADS = ("eagle3", "mtp")
 def build_models(shape: str, bits: int | None, drafts: list[str], root: Path) -> tuple[Path, dict[str, Path]]:
     """The target folder (a random model of `shape`) and one folder per draft spec."""
     from mlxhost.testing.demo import SHAPES, build_model_folder
-    from mlxhost.testing.perturb import perturbed_copy, truncated_copy
-    from mlxhost.testing.spec_heads import build_head_folder
+    from mlxhost.testing.spec_heads import build_head_folder  # lazy: keeps mlx, mlx_lm off this module's import
 
     config = SHAPES[shape]
     if bits is not None:
@@ -91,7 +93,7 @@ def run_wave(core, prompts: list[list[int]], max_tokens: int) -> tuple[int, floa
 
 
 def measure(loaded, mode: str, draft_dir: Path | None, args, workload: str, c: int, vocab: int) -> dict:
-    from mlxhost.engine.core import EngineCore
+    from mlxhost.engine.core import EngineCore  # lazy: keeps mlx, mlx_lm, llguidance off this module's import
 
     spec = {"speculative": "ngram"} if mode == "ngram" else ({"draft_model": str(draft_dir)} if draft_dir else {})
     if mode.partition(":")[0] in _HEADS:
@@ -120,9 +122,6 @@ def measure(loaded, mode: str, draft_dir: Path | None, args, workload: str, c: i
 
 
 def run_spec_bench(args) -> dict:
-    from mlxhost.platform.cudnn_attention import apply_cudnn_attention
-    from mlxhost.models.loader import load_model
-
     # One attention path for every row, the "off" baseline included (MLX decides once per process).
     print(f"cuDNN attention: {apply_cudnn_attention(args.cudnn_attention)}", flush=True)
     drafts = [d for d in args.drafts.split(",") if d]

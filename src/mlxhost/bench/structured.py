@@ -19,6 +19,8 @@ from mlxhost.bench.serve import ServeBenchConfig, add_load_arguments, default_js
 from mlxhost.bench.serve_request import make_prompt
 from mlxhost.config import EngineConfig
 from mlxhost.engine.request import SamplingParams
+from mlxhost.models.loader import load_model
+from mlxhost.testing.demo import ensure_demo_model
 
 
 def row_schema(i: int, min_items: int) -> dict:
@@ -46,10 +48,9 @@ async def _pass(engine, loaded, cfg: ServeBenchConfig, concurrency: int, params:
 
 async def run_structured_bench(cfg: ServeBenchConfig, model_path: str | None, engine_config: EngineConfig,
                                min_items: int) -> dict:
-    from mlxhost.testing.demo import ensure_demo_model
-    from mlxhost.models.loader import load_model
+    # lazy: keeps fastapi, llguidance, prometheus_client ... off this module's import
     from mlxhost.server.app import make_engine, resolve_max_model_len
-    from mlxhost.structured.grammar import json_schema_constraint
+    from mlxhost.structured.grammar import json_schema_constraint  # lazy: keeps llguidance off this module's import
 
     loaded = load_model(model_path or str(ensure_demo_model()))
     engine = make_engine(loaded, engine_config, resolve_max_model_len(loaded, engine_config))

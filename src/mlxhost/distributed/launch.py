@@ -3,9 +3,11 @@ launcher, mlxhost starts the other local ranks itself, as subprocesses, over loo
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -127,7 +129,7 @@ def _gpus_per_rank(n: int, backend: str) -> list[str] | None:
 
 
 def init_group(backend: str, world_size: int) -> Any:
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: mlx only when used
 
     group = mx.distributed.init(strict=True, backend=backend)
     if group.size() != world_size:
@@ -139,7 +141,7 @@ def init_group(backend: str, world_size: int) -> Any:
 def _cuda_build() -> bool:
     """Whether MLX's CUDA build is installed, asked without starting CUDA here: rank 0's own
     CUDA_VISIBLE_DEVICES is set only after this, and CUDA reads it once, at its start."""
-    from importlib.metadata import PackageNotFoundError, distributions
+    from importlib.metadata import PackageNotFoundError, distributions  # lazy: importlib.metadata only when used
 
     try:
         return any((d.metadata["Name"] or "").lower().replace("_", "-").startswith("mlx-cuda") for d in distributions())
@@ -170,8 +172,8 @@ def control_host() -> str:
 def share_control_address(group: Any, backend: str, address: str | None) -> str:
     """Under a launcher: rank 0's control address to every rank, in the one collective of start-up
     that is not the model's (the ranks know nothing else of each other)."""
-    import mlx.core as mx
-    import numpy as np
+    import mlx.core as mx  # lazy: mlx only when used
+    import numpy as np  # lazy: numpy only when used
 
     buf = np.zeros(256, dtype=np.uint8)
     if group.rank() == 0:
@@ -194,8 +196,5 @@ def _free_ports(n: int) -> list[int]:
 
 def dump_stacks_on_sigusr1() -> None:
     """`kill -USR1 PID` prints every thread's Python stack to the rank's log: where a stuck rank waits."""
-    import faulthandler
-    import signal
-
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)

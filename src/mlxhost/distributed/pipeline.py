@@ -60,7 +60,7 @@ class PipelineStage(nn.Module):
         return self.layers
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None) -> mx.array:
-        from mlx_lm.models.base import create_attention_mask
+        from mlx_lm.models.base import create_attention_mask  # lazy: mlx_lm only when used
 
         h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
         if cache is None:

@@ -14,18 +14,33 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
+import os
 import random
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from mlxhost import __version__
 from mlxhost.config import EngineConfig, ServerConfig
 from mlxhost.distributed.channel import Channel, ControlServer, LostRank, connect
 from mlxhost.distributed.config import DistributedConfig
-from mlxhost.distributed.launch import (control_host, cuda_graphs_setting, dump_stacks_on_sigusr1, init_group,
-                                         share_control_address, spawn_local_ranks, under_launcher)
+from mlxhost.distributed.launch import (
+    LocalRanks,
+    control_host,
+    cuda_graphs_setting,
+    dump_stacks_on_sigusr1,
+    init_group,
+    share_control_address,
+    spawn_local_ranks,
+    under_launcher,
+)
+from mlxhost.distributed.shard import check_shardable, fingerprint, load_sharded, load_text_side, local_folder
 from mlxhost.distributed.supervisor import Supervisor
+from mlxhost.platform.kernel_cache import use_persistent_kernel_cache
+from mlxhost.server.banner import make_ready_hook
 
 # The ranks mlxhost starts connect within this (they import MLX first); a launcher's may take longer.
 _CONNECT_S = 120.0
@@ -54,12 +69,9 @@ class Identity:
 
 
 def identity(rank: int, source: str) -> Identity:
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import PackageNotFoundError, version  # lazy: importlib.metadata only when used
 
-    import mlx.core as mx
-
-    from mlxhost import __version__
-    from mlxhost.distributed.shard import fingerprint, local_folder
+    import mlx.core as mx  # lazy: mlx only when used
 
     try:
         mlx_lm = version("mlx-lm")
@@ -97,8 +109,7 @@ def _check_ranks(channel: Channel, source: str) -> bool:
 
 def serve_distributed(config: ServerConfig, dist: DistributedConfig) -> int:
     """Runs this process's rank: rank 0 serves until shut down, the others follow it."""
-    from mlxhost.distributed.launch import LocalRanks
-    from mlxhost.server import process
+    from mlxhost.server import process  # lazy: keeps uvicorn off this module's import
 
     if config.models:
         raise ValueError("--tensor-parallel / --pipeline-parallel serve one model: name it as MODEL")
@@ -149,11 +160,6 @@ def serve_distributed(config: ServerConfig, dist: DistributedConfig) -> int:
 
 
 def _check_local_model(source: str | None, dist: DistributedConfig) -> None:
-    import json
-    from pathlib import Path
-
-    from mlxhost.distributed.shard import check_shardable
-
     if source is not None and (Path(source) / "config.json").is_file():
         check_shardable(json.loads((Path(source) / "config.json").read_text()), dist)
 
@@ -161,10 +167,11 @@ def _check_local_model(source: str | None, dist: DistributedConfig) -> None:
 def _build_lead(config: ServerConfig, dist: DistributedConfig, channel: Any, supervisor: Any, port: int,
                 group: Any = None):
     """Rank 0's app: the model is loaded on the engine thread (`_lead_core`), tokenizer and config here."""
+    # lazy: keeps mlx, mlx_lm, llguidance ... off this module's import
     from mlxhost.distributed.engine import RankContext
-    from mlxhost.distributed.shard import load_text_side
+
+    # lazy: keeps fastapi, httpx, llguidance ... off this module's import
     from mlxhost.server.app import build_app, model_specs
-    from mlxhost.server.banner import make_ready_hook
 
     source = model_specs(config)[0].source  # the demo model when none is named
     setup = Setup(source, config.engine, dist, random.getrandbits(32))
@@ -189,8 +196,8 @@ def _lead_core(model: Any, tokenizer: Any, engine: EngineConfig, max_model_len: 
                *, ctx: Any, group: Any, source: str):
     """Rank 0's engine core, built on its engine thread: the group, the shard and every forward after
     belong to that one thread (`model` is None: nothing was loaded on the main thread)."""
+    # lazy: keeps mlx, mlx_lm, llguidance ... off this module's import
     from mlxhost.distributed.engine import DistributedEngineCore
-    from mlxhost.distributed.shard import load_sharded
 
     ctx.channel.broadcast("join")  # the others join the group now
     group = group if group is not None else init_group(ctx.dist.backend, ctx.dist.world_size)
@@ -202,8 +209,6 @@ def _lead_core(model: Any, tokenizer: Any, engine: EngineConfig, max_model_len: 
 def follower_main(address: str, rank: int, size: int, group: Any = None, own_source: str | None = None) -> int:
     """A rank > 0 from connecting to rank 0 to its exit; an error is reported to rank 0 (which ends the
     start-up, or the server, with it) before this rank exits."""
-    import os
-
     def lost(reason: str) -> None:  # rank 0 is gone: this rank may be stuck in a collective, so exit now
         log.error("rank %d stops: %s", rank, reason)
         logging.shutdown()
@@ -225,8 +230,10 @@ def run_follower(channel: Any, group: Any = None, own_source: str | None = None)
     """A rank > 0: takes rank 0's setup, loads its shard, follows rank 0's steps until shutdown.
     `own_source`: this host's path of the model (mlx.launch runs the same command everywhere); the
     ranks mlxhost starts itself use rank 0's. All of its MLX work runs on this (the main) thread."""
+    # lazy: keeps mlx, mlx_lm, llguidance ... off this module's import
     from mlxhost.distributed.engine import DistributedEngineCore, RankContext, follow_until_shutdown
-    from mlxhost.distributed.shard import fingerprint, load_sharded, local_folder
+
+    # lazy: keeps fastapi, httpx, llguidance ... off this module's import
     from mlxhost.server.app import resolve_max_model_len
 
     channel.set_phase("waiting for the setup")
@@ -236,7 +243,6 @@ def run_follower(channel: Any, group: Any = None, own_source: str | None = None)
     channel.set_phase("waiting for rank 0 to join the group")
     channel.broadcast()
     channel.set_phase("joining the group")
-    from mlxhost.platform.kernel_cache import use_persistent_kernel_cache
 
     use_persistent_kernel_cache()  # rank 0's folder (build_app points it there), before this rank compiles
     group = group if group is not None else init_group(setup.dist.backend, setup.dist.world_size)

@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mlxhost.distributed.config import (DistributedConfig, SENDRECV_BACKENDS, STAGE_FAMILIES, can_stage,
-                                        choose_handoff)
+from mlxhost.distributed.config import SENDRECV_BACKENDS, STAGE_FAMILIES, DistributedConfig, can_stage, choose_handoff
+from mlxhost.models.encoder import encoder_type
 from mlxhost.models.loader import LoadedModel, check_safetensors, materialize, weight_files
+from mlxhost.models.vlm import is_vlm_config
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ def local_folder(source: str) -> Path:
     path = Path(source)
     if path.is_dir():
         return path
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # lazy: huggingface_hub only when used
 
     return Path(snapshot_download(source))
 
@@ -42,9 +43,6 @@ def fingerprint(folder: Path) -> str:
 
 def check_shardable(config: dict, dist: DistributedConfig) -> None:
     """Refuses what mlx-lm cannot split this way, before any weight is read."""
-    from mlxhost.models.encoder import encoder_type
-    from mlxhost.models.vlm import is_vlm_config
-
     if is_vlm_config(config) or encoder_type(config) is not None:
         raise ValueError("tensor / pipeline parallel serve text generation models only (mlx-lm families)")
     tp = dist.tensor_parallel
@@ -67,9 +65,9 @@ def drop_gradient_hooks(model: Any) -> int:
     of the gradient backward. Serving has no backward, and a 64-layer model pays 320 of them a step in host
     time (adding and evaluating the nodes). Each becomes an `nn.Linear` holding the same arrays: the same matmul.
     The quantized shards are left as they are (platform/quantized_rows.py folds those). Returns how many."""
-    import mlx.nn as nn
-    from mlx.nn.layers.distributed import AllToShardedLinear
-    from mlx.utils import tree_map_with_path
+    import mlx.nn as nn  # lazy: mlx only when used
+    from mlx.nn.layers.distributed import AllToShardedLinear  # lazy: mlx only when used
+    from mlx.utils import tree_map_with_path  # lazy: mlx only when used
 
     replaced = 0
 
@@ -91,10 +89,10 @@ def drop_gradient_hooks(model: Any) -> int:
 
 
 def load_sharded(source: str, group: Any, dist: DistributedConfig) -> LoadedModel:
-    from mlx_lm.utils import load_model, load_tokenizer
+    from mlx_lm.utils import load_model, load_tokenizer  # lazy: mlx_lm only when used
 
-    from mlxhost.distributed.pipeline import make_stage
-    from mlxhost.platform.quantized_rows import fold_on_cuda
+    from mlxhost.distributed.pipeline import make_stage  # lazy: keeps mlx off this module's import
+    from mlxhost.platform.quantized_rows import fold_on_cuda  # lazy: keeps mlx off this module's import
 
     folder = local_folder(source)
     for path in weight_files(folder):
@@ -129,7 +127,7 @@ def load_sharded(source: str, group: Any, dist: DistributedConfig) -> LoadedMode
 def load_text_side(source: str) -> LoadedModel:
     """The tokenizer and config.json of a model, no weights (rank 0 loads its shard on its engine
     thread): what the HTTP side needs to start."""
-    from mlx_lm.utils import load_tokenizer
+    from mlx_lm.utils import load_tokenizer  # lazy: mlx_lm only when used
 
     folder = local_folder(source)
     config = json.loads((folder / "config.json").read_text())

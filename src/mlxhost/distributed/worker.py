@@ -13,7 +13,8 @@ import sys
 import threading
 import time
 
-from mlxhost.distributed.launch import CONTROL_ENV, LOG_LEVEL_ENV, PARENT_ENV, WORLD_ENV
+from mlxhost.distributed.launch import CONTROL_ENV, LOG_LEVEL_ENV, PARENT_ENV, WORLD_ENV, dump_stacks_on_sigusr1
+from mlxhost.distributed.serve import follower_main
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -31,8 +32,6 @@ def main() -> int:
     parent = int(os.environ.get(PARENT_ENV, "0"))
     if parent:
         threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    from mlxhost.distributed.launch import dump_stacks_on_sigusr1
-    from mlxhost.distributed.serve import follower_main
 
     dump_stacks_on_sigusr1()
 

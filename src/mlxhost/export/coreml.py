@@ -13,10 +13,16 @@ Conversion works on Linux; running the package (`mlxhost bench coreml`) needs ma
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import logging
 import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from mlxhost.export import UnsupportedModelError
+from mlxhost.export.package_info import summarize
+from mlxhost.server.progress import StageLog
 
 COREML_HINT = 'pip install "mlxhost[coreml]"'
 QUANTIZE_CHOICES = ("none", "int4")
@@ -51,8 +57,6 @@ class MissingCoreMLError(RuntimeError):
 
 
 def require_coreml() -> None:
-    import importlib.util
-
     missing = [name for name in ("coremltools", "torch") if importlib.util.find_spec(name) is None]
     if missing:
         raise MissingCoreMLError(f"the Core ML export needs {' and '.join(missing)}: {COREML_HINT} "
@@ -63,12 +67,14 @@ def _allow_numpy_24() -> None:
     """NumPy 2.4 made int() of a one-element array an error; coremltools 9.0's converter for the
     `aten::Int` node (traced `x.shape[-1] // 2` in rope's rotate_half) still does it. Registers the
     same conversion with `.item()` through coremltools' public op registry, only where needed."""
-    import numpy as np
+    import numpy as np  # lazy: numpy only when used
 
     if tuple(int(p) for p in np.__version__.split(".")[:2]) < (2, 4):
         return
-    from coremltools.converters.mil import Builder as mb
-    from coremltools.converters.mil.frontend.torch.ops import _get_inputs
+    from coremltools.converters.mil import Builder as mb  # optional: the coreml extra
+    from coremltools.converters.mil.frontend.torch.ops import _get_inputs  # optional: the coreml extra
+
+    # optional: the coreml extra
     from coremltools.converters.mil.frontend.torch.torch_op_registry import register_torch_op
 
     @register_torch_op(torch_alias=["int"], override=True)
@@ -86,9 +92,9 @@ def _allow_numpy_24() -> None:
 def trace_wrapper(wrapper, example_tokens: int = 4):
     """TorchScript of the wrapper: shapes stay symbolic (sizes are traced), so one trace serves any
     prompt length and every extend step; its buffers are the wrapper's."""
-    import torch
+    import torch  # optional: the coreml extra
 
-    from mlxhost.export.wrapper import make_causal_mask
+    from mlxhost.export.wrapper import make_causal_mask  # optional: torch (coreml extra)
 
     n = min(example_tokens, wrapper.context)
     example = (torch.zeros((1, n), dtype=torch.int64), torch.from_numpy(make_causal_mask(n, n)))
@@ -101,8 +107,8 @@ def trace_wrapper(wrapper, example_tokens: int = 4):
 
 def convert_wrapper(wrapper, config: CoreMLExportConfig):
     """The traced wrapper as a Core ML ML program (not loaded: Linux cannot, and saving does not need it)."""
-    import coremltools as ct
-    import numpy as np
+    import coremltools as ct  # optional: the coreml extra
+    import numpy as np  # lazy: numpy only when used
 
     _allow_numpy_24()
     np_dtype = np.float16 if config.precision == "float16" else np.float32
@@ -124,7 +130,7 @@ def convert_wrapper(wrapper, config: CoreMLExportConfig):
 
 def quantize_int4(mlmodel, block_size: int):
     """Weight-only int4, symmetric, one scale per `block_size` input channels (constexpr_blockwise_shift_scale)."""
-    import coremltools.optimize as cto
+    import coremltools.optimize as cto  # optional: the coreml extra
 
     op_config = cto.coreml.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int4",
                                                    granularity="per_block", block_size=block_size)
@@ -139,7 +145,7 @@ def export_coreml(source: str | Path, out: str | Path, config: CoreMLExportConfi
     out = Path(out)
     if out.suffix != ".mlpackage":
         raise ValueError(f"{out} must end in .mlpackage")
-    from mlxhost.export.wrapper import StatefulCausalLM, load_hf_model
+    from mlxhost.export.wrapper import StatefulCausalLM, load_hf_model  # optional: torch (coreml extra)
 
     stage(f"loading {source} in PyTorch (float32)")
     wrapper = StatefulCausalLM(load_hf_model(source), config.context, logits=config.logits)
@@ -179,11 +185,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from mlxhost.export import UnsupportedModelError
-    from mlxhost.server.progress import StageLog
-
-    import logging
-
     if logging.getLogger().level > logging.DEBUG:
         # Its INFO lines name every op it touches; its warnings on Linux say it cannot run models (known).
         logging.getLogger("coremltools").setLevel(logging.ERROR)
@@ -197,7 +198,6 @@ def run(args) -> int:
         print(f"mlxhost export coreml: {e}", file=sys.stderr)
         return 2
     progress.done()
-    from mlxhost.export.package_info import summarize
 
     print(summarize(path).describe())
     return 0

@@ -52,15 +52,15 @@ class PackageSummary:
 
 
 def _array_dtype(array_type) -> str:
-    from coremltools.proto import FeatureTypes_pb2 as ft
+    from coremltools.proto import FeatureTypes_pb2 as ft  # optional: the coreml extra
 
     return ft.ArrayFeatureType.ArrayDataType.Name(array_type.dataType).lower()
 
 
 def load_program(path: str | Path):
     """The package's MIL program (pymil), with its weights, without loading the model into Core ML."""
-    import coremltools as ct
-    from coremltools.converters.mil.frontend.milproto.load import load
+    import coremltools as ct  # optional: the coreml extra
+    from coremltools.converters.mil.frontend.milproto.load import load  # optional: the coreml extra
 
     mlmodel = ct.models.MLModel(str(path), skip_model_load=True)
     spec = mlmodel.get_spec()
@@ -75,7 +75,7 @@ def _operations(block):
 
 
 def summarize(path: str | Path) -> PackageSummary:
-    from coremltools.converters.mil.mil.types import builtin_to_string
+    from coremltools.converters.mil.mil.types import builtin_to_string  # optional: the coreml extra
 
     program, spec = load_program(path)
     summary = PackageSummary(spec_version=spec.specificationVersion)
@@ -109,7 +109,7 @@ def summarize(path: str | Path) -> PackageSummary:
 def dequantized_weights(path: str | Path) -> dict:
     """Every block-wise quantized weight of the package as float32, scale * (data - offset): what the
     Core ML runtime computes from the int4 data."""
-    import numpy as np
+    import numpy as np  # lazy: numpy only when used
 
     program, _ = load_program(path)
     weights = {}

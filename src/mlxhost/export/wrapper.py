@@ -52,7 +52,7 @@ def _sdpa(module, query, key, value, attention_mask, scaling=None, **_):
 
 
 def _register_attention() -> None:
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # lazy: transformers only when used
 
     AttentionInterface.register(ATTENTION_NAME, _sdpa)
 
@@ -74,7 +74,7 @@ def check_supported(config) -> None:
 
 def load_hf_model(source: str | Path):
     """The model in float32 through transformers (a folder or a hub id), with our attention kernel."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM  # lazy: transformers only when used
 
     text = str(source)
     if not Path(text).is_dir() and (text.startswith(("/", ".", "~")) or text.count("/") > 1):

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlxhost.lora.adapters import AdapterBusy, AdapterError, AdapterFiles, AdapterNoRoom
+from mlxhost.lora.adapters import AdapterBusy, AdapterError, AdapterFiles, AdapterNoRoom, adapter_id, read_adapter
+from mlxhost.lora.fused import CudaFused
 from mlxhost.lora.layers import MultiLoRALinear, RowAdapters, group_layers, layer_bytes, linear_dims
 from mlxhost.memory.budget import MemoryBudgetError
+from mlxhost.memory.release import give_back_memory
 
 log = logging.getLogger(__name__)
 
@@ -222,8 +225,6 @@ LAYOUTS = ("dense", "gather", "fused")
 def _layout(choice: str | None, fused) -> tuple[str, Any]:
     """(layout, fused kernel or None). The fused layout needs a kernel: MLX-CUDA's (fused.py), only where MLX
     computes on CUDA, or the one passed in (tests); without one it falls back to the gathered ops."""
-    import os
-
     from mlxhost.platform.backend import is_cuda
 
     choice = choice or os.environ.get("MLXHOST_LORA_LAYOUT", "")
@@ -232,8 +233,6 @@ def _layout(choice: str | None, fused) -> tuple[str, Any]:
     if choice != "fused":
         return choice, None
     if fused is None and is_cuda():
-        from mlxhost.lora.fused import CudaFused
-
         fused = CudaFused()
     return ("fused", fused) if fused is not None else ("gather", None)
 
@@ -292,7 +291,6 @@ def unload_adapter(core: Any, adapter_id: str) -> int:
                                "request(s); unload it when they end")
     freed = core.runner.lora.unload(adapter_id)
     _charge(core)
-    from mlxhost.memory.release import give_back_memory
 
     give_back_memory()
     return freed
@@ -310,8 +308,6 @@ def _charge(core: Any) -> None:
 def load_configured(core: Any, loras: Sequence[Any]) -> None:
     """On the engine thread as it starts: the adapters configured for this model (LoraSpec: --lora, a models
     file), so one that does not fit the model fails the model's load with the reason."""
-    from mlxhost.lora.adapters import adapter_id, read_adapter
-
     for lora in loras:
         files = read_adapter(lora.path)
         try:

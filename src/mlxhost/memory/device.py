@@ -235,7 +235,7 @@ def read_memory() -> MemoryReadings:
     if total:
         available = min(available, total)  # a container's MemAvailable can exceed its sysconf total
     try:
-        import mlx.core as mx
+        import mlx.core as mx  # lazy: mlx only when used
     except Exception:  # noqa: BLE001 - budget still works from OS numbers alone
         mx = None
     backend, hint, device_free = _gpu_probe(mx) if mx is not None else ("cpu", None, None)

@@ -18,6 +18,7 @@ from typing import Any, Callable
 from mlxhost.memory.budget import MemoryBudget, MemoryBudgetError, kv_tokens, shrink_for_pressure
 from mlxhost.memory.capacity import KVCapacity
 from mlxhost.memory.device import MemoryReadings, read_memory
+from mlxhost.memory.release import give_back_memory
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +122,6 @@ class MemoryGovernor:
         self.num_changes += 1
         evicted = self._apply(self._limits(new))
         if evicted:
-            from mlxhost.memory.release import give_back_memory
-
             give_back_memory(collect=False)  # evicted blocks' buffers back to the system, not MLX's cache
         if self.vision_cache is not None:
             self.vision_cache.set_max_bytes(new.vision_cache)  # what the budget takes, the cache gives back

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,7 +22,7 @@ _MARGIN = 2
 
 
 def weights_bytes(model: Any) -> int:
-    from mlx.utils import tree_flatten
+    from mlx.utils import tree_flatten  # lazy: mlx only when used
 
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
@@ -36,9 +37,7 @@ def activation_bytes(model: Any, chunk_tokens: int, make_cache: Callable[[Any], 
     get (under --kv-bits the prefill's attention goes through quantized matmuls, which materialise the
     scores a fused float kernel does not). `agree`: the ranks of a distributed model must run the same
     forwards, so it turns this rank's timing verdict into rank 0's."""
-    import time
-
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: mlx only when used
 
     mx.eval(model.parameters())
     started = time.perf_counter()
@@ -65,8 +64,8 @@ def activation_bytes(model: Any, chunk_tokens: int, make_cache: Callable[[Any], 
 
 
 def _forward_peak(model: Any, num_tokens: int, make_cache: Callable[[Any], list] | None = None) -> int:
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
+    import mlx.core as mx  # lazy: mlx only when used
+    from mlx_lm.models.cache import make_prompt_cache  # lazy: mlx_lm only when used
 
     before = mx.get_active_memory()
     mx.reset_peak_memory()
@@ -115,9 +114,9 @@ def measurement_key(model: Any, chunk_tokens: int, make_cache: Callable[[Any], l
     """What decides a prefill chunk's activation peak: every parameter's name, shape and dtype (not its
     values), the layer classes, the chunk, the cache layout, MLX's version and the device. None where the
     cache layout has no stable description (then nothing is remembered)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models.cache import make_prompt_cache
+    import mlx.core as mx  # lazy: mlx only when used
+    from mlx.utils import tree_flatten  # lazy: mlx only when used
+    from mlx_lm.models.cache import make_prompt_cache  # lazy: mlx_lm only when used
 
     if make_cache is None or make_cache is make_prompt_cache:
         layout = "plain"
@@ -165,7 +164,7 @@ def remembered_activation_bytes(model: Any, chunk_tokens: int, make_cache: Calla
 
 
 def _device_name() -> str:
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: mlx only when used
 
     try:
         info = mx.device_info()

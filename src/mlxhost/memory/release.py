@@ -50,7 +50,7 @@ def give_back_memory(collect: bool = True) -> None:
         if frozen:
             gc.freeze()
     try:
-        import mlx.core as mx
+        import mlx.core as mx  # lazy: mlx only when used
 
         mx.clear_cache()
     except Exception as exc:  # e.g. no MLX backend in a test process: the heap still shrinks

@@ -14,8 +14,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlxhost.audio.detect import AUDIO_HINT, audio_kind, has_audio
 from mlxhost.config import ModelSpec
 from mlxhost.models.convert import format_size
+from mlxhost.models.vlm import VLM_FAMILIES, is_vlm_config
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +60,7 @@ def quantization_bits(config: dict) -> int | None:
 def can_serve(config: dict) -> tuple[bool, str]:
     """(True, "") when mlxhost can serve this config: a VLM type we support (with the vision extra
     installed), or a model_type mlx-lm has a module for."""
-    from mlxhost.audio.detect import AUDIO_HINT, audio_kind, has_audio
     from mlxhost.models.extras import VISION_HINT, has_vision
-    from mlxhost.models.vlm import VLM_FAMILIES, is_vlm_config
 
     if audio_kind(config) is not None:  # a faster-whisper config.json has no model_type
         return (True, "") if has_audio() else (False, AUDIO_HINT)
@@ -105,7 +105,7 @@ def _folder_bytes(folder: Path) -> int:
 
 
 def hf_cache_dir() -> Path:
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # lazy: huggingface_hub only when used
 
     return Path(constants.HF_HUB_CACHE)
 
@@ -183,7 +183,7 @@ def demo_models() -> list[LocalModel]:
 
 def served_lines(url: str, timeout: float = 1.0) -> list[str]:
     """What the server at `url` serves, one line per model (its /v1/models), or one line saying none answers."""
-    import httpx
+    import httpx  # lazy: httpx only when used
 
     key = os.environ.get("MLXHOST_API_KEY", "").split(",")[0].strip()
     headers = {"Authorization": f"Bearer {key}"} if key else {}

@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxhost.models.loader import LoadedModel, ModelLoadError
+from mlxhost.models.loader import LoadedModel, ModelLoadError, materialize
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +60,12 @@ class CrossEncoder(nn.Module):
         self.kind = kind
         hidden, labels = int(config["hidden_size"]), num_labels(config)
         if kind == "bert":
-            from mlx_embeddings.models.bert import Model, ModelArgs
+            from mlx_embeddings.models.bert import Model, ModelArgs  # optional: the embeddings extra
 
             self.bert = Model(ModelArgs.from_dict({**config, "model_type": "bert"}))
             self.classifier = nn.Linear(hidden, labels)
         else:
-            from mlx_embeddings.models.xlm_roberta import Model, ModelArgs
+            from mlx_embeddings.models.xlm_roberta import Model, ModelArgs  # optional: the embeddings extra
 
             self.roberta = Model(ModelArgs.from_dict({**config, "model_type": "xlm-roberta",
                                                       "add_pooling_layer": False}))
@@ -123,9 +123,7 @@ def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 
 
 def load_cross_encoder(source: str, config: dict) -> LoadedModel:
-    from transformers import AutoTokenizer
-
-    from mlxhost.models.loader import materialize
+    from transformers import AutoTokenizer  # lazy: transformers only when used
 
     folder = Path(source)
     kind = cross_encoder_type(config)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxhost.models.loader import LoadedModel, ModelLoadError
+from mlxhost.models.loader import LoadedModel, ModelLoadError, materialize
 
 log = logging.getLogger(__name__)
 
@@ -82,15 +82,15 @@ class EncoderModel:
 def load_encoder(source: str, config: dict) -> LoadedModel:
     """Loads an encoder folder with mlx-embeddings' `load` (weights, sanitize, quantization, tokenizer)."""
     try:
-        from mlx_embeddings.utils import load
+        from mlx_embeddings.utils import load  # optional: the embeddings extra
     except ImportError as exc:
         raise ModelLoadError(f"{source} is an encoder embedding model ({config.get('model_type')}); serving it "
                              "needs mlx-embeddings: pip install 'mlxhost[embeddings]'") from exc
+    # lazy: keeps mlx off this module's import
     from mlxhost.models.cross_encoder import cross_encoder_type, load_cross_encoder
 
     if cross_encoder_type(config) is not None:  # a reranker: a classification head over the encoder
         return load_cross_encoder(source, config)
-    from mlxhost.models.loader import materialize
 
     folder = Path(source)
     if not folder.is_dir():

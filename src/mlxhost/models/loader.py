@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlxhost.audio.detect import audio_kind
 from mlxhost.config import LOAD_STRATEGIES
+from mlxhost.models.vlm import is_vlm_config, load_vlm, read_config
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ def load_model(source: str, strategy: str = "auto") -> LoadedModel:
     """Loads weights and tokenizer; a hub id comes from the Hugging Face cache or is downloaded once.
     `strategy` is "auto" (choose_load_strategy by the weights' size) or one of LOAD_STRATEGIES.
     Every array the model holds is evaluated before this returns (`materialize`)."""
-    from mlxhost.platform.quantized_rows import fold_on_cuda
+    from mlxhost.platform.quantized_rows import fold_on_cuda  # lazy: keeps mlx off this module's import
 
     loaded = _load(source, strategy)
     materialize(loaded.model)
@@ -77,8 +79,8 @@ def materialize(model: Any) -> None:
     with `_`, such as the rope frequency tables mlx-lm builds lazily for llama3 / yarn / longrope
     scaling). A lazy array belongs to the stream of the thread that made it: left lazy, the engine
     thread cannot evaluate it ("There is no Stream(cpu, 0) in current thread")."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
+    import mlx.core as mx  # lazy: mlx only when used
+    from mlx.utils import tree_flatten  # lazy: mlx only when used
 
     # A module is a dict of everything it holds, so this walks private entries too.
     mx.eval([v for _, v in tree_flatten(model) if isinstance(v, mx.array)])
@@ -88,9 +90,7 @@ def model_kind(config: dict | None) -> str:
     """Which library loads a folder with this config.json: "vlm" (vision-language models: mlx-vlm, its own
     weight layout and processor), "encoder" (BERT-style encoders: mlx-embeddings, as mlx-lm has none),
     "audio" (Whisper, Kokoro: mlx-audio, audio/) or "text" (mlx-lm)."""
-    from mlxhost.audio.detect import audio_kind
-    from mlxhost.models.encoder import encoder_type
-    from mlxhost.models.vlm import is_vlm_config
+    from mlxhost.models.encoder import encoder_type  # cycle: models.encoder imports this module
 
     if config is not None and is_vlm_config(config):
         return "vlm"
@@ -104,13 +104,12 @@ def model_kind(config: dict | None) -> str:
 def _load(source: str, strategy: str) -> LoadedModel:
     if strategy != "auto" and strategy not in LOAD_STRATEGIES:
         raise ValueError(f"load strategy must be auto or one of {LOAD_STRATEGIES}, got {strategy!r}")
-    from mlxhost.models.encoder import load_encoder
-    from mlxhost.models.source import resolve_source
-    from mlxhost.models.vlm import load_vlm, read_config
+    from mlxhost.models.encoder import load_encoder  # cycle: models.encoder imports this module
+    from mlxhost.models.source import resolve_source  # cycle: models.source imports this module
 
     # A local path as is; a hub id from the Hugging Face cache, else downloaded (models/source.py).
     folder = resolve_source(source)
-    from mlxhost.models.gguf import gguf_folder
+    from mlxhost.models.gguf import gguf_folder  # cycle: models.gguf imports this module
 
     folder = gguf_folder(folder)  # a GGUF: the MLX folder converted from it once (models/gguf/)
     for path in sorted(folder.glob("*.safetensors")):
@@ -125,13 +124,13 @@ def _load(source: str, strategy: str) -> LoadedModel:
         loaded.source = source
         return loaded
     if kind == "audio":
-        from mlxhost.audio.engine import load_audio_model
+        from mlxhost.audio.engine import load_audio_model  # cycle: audio.engine imports this module
 
         return load_audio_model(str(folder), config, source)
     files = weight_files(folder)
     if strategy == "auto":
         strategy = choose_load_strategy(sum(p.stat().st_size for p in files))
-    from mlx_lm.utils import load_tokenizer
+    from mlx_lm.utils import load_tokenizer  # lazy: mlx_lm only when used
 
     loaders = {"mlx-lm": _load_mlx_lm, "chunked": _load_chunked, "mmap": _load_mmap}
     start = time.perf_counter()
@@ -173,15 +172,15 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def _load_mlx_lm(folder: Path):
-    from mlx_lm.utils import load_model as mlx_lm_load_model
+    from mlx_lm.utils import load_model as mlx_lm_load_model  # lazy: mlx_lm only when used
 
     return mlx_lm_load_model(folder)
 
 
 def _load_chunked(folder: Path):
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import load_model as mlx_lm_load_model
+    import mlx.core as mx  # lazy: mlx only when used
+    from mlx.utils import tree_flatten  # lazy: mlx only when used
+    from mlx_lm.utils import load_model as mlx_lm_load_model  # lazy: mlx_lm only when used
 
     model, config = mlx_lm_load_model(folder, lazy=True)
     chunk, chunk_bytes = [], 0
@@ -196,8 +195,8 @@ def _load_chunked(folder: Path):
 
 
 def _load_mmap(folder: Path):
-    import mlx.core as mx
-    from mlx_lm.utils import load_model as mlx_lm_load_model
+    import mlx.core as mx  # lazy: mlx only when used
+    from mlx_lm.utils import load_model as mlx_lm_load_model  # lazy: mlx_lm only when used
 
     # lazy: mlx-lm's own file reads are never evaluated, our arrays replace them.
     model, config = mlx_lm_load_model(folder, lazy=True)
@@ -225,8 +224,8 @@ _ST_DTYPES = {
 def read_safetensors_mmap(path: Path) -> dict:
     """Every tensor of one safetensors file as an evaluated MLX array, read through a memory map.
     numpy has no bfloat16: BF16 bytes are copied as uint16 and viewed as bfloat16 (no conversion)."""
-    import mlx.core as mx
-    import numpy as np
+    import mlx.core as mx  # lazy: mlx only when used
+    import numpy as np  # lazy: numpy only when used
 
     header_len, header = _read_header(path)
     tensors = sorted(((name, t) for name, t in header.items() if name != "__metadata__"),

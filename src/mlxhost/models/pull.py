@@ -7,10 +7,13 @@ partial files, parallel downloads. Its progress bars hide themselves when stderr
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
 from tqdm.auto import tqdm
+
+from mlxhost.models.catalog import describe, format_size
 
 
 class _VisibleTqdm(tqdm):
@@ -31,9 +34,16 @@ def check_on_hub(repo_id: str, revision: str | None = None, timeout: float = 3.0
     """Asks the hub once, within `timeout` and with no retries, whether it serves `repo_id`; HubError if not.
     A download's own requests retry, which is right once the hub has answered but turns a machine with no
     network into half a minute of warnings. `pulling`: the next step for `mlxhost pull` itself."""
-    from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub import HfApi, constants  # lazy: huggingface_hub only when used
+
+    # lazy: huggingface_hub only when used
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     here = "" if "/" in repo_id or pulling else " and no such folder here"
     if constants.is_offline_mode() and pulling:
@@ -70,7 +80,7 @@ def check_on_hub(repo_id: str, revision: str | None = None, timeout: float = 3.0
 def pull(repo_id: str, revision: str | None = None, local_dir: str | None = None,
          allow_patterns: list[str] | None = None) -> Path:
     """Downloads `repo_id` at `revision` (a branch, tag or commit; default main) and returns the folder."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # lazy: huggingface_hub only when used
 
     path = snapshot_download(repo_id, revision=revision, local_dir=local_dir, allow_patterns=allow_patterns,
                              tqdm_class=_VisibleTqdm)
@@ -78,11 +88,8 @@ def pull(repo_id: str, revision: str | None = None, local_dir: str | None = None
 
 
 def run(args) -> int:
+    # lazy: huggingface_hub only when used
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    from mlxhost.models.catalog import describe, format_size
-
-    import logging
 
     for name in ("httpx", "httpx2"):  # one INFO line per request would drown the progress bars
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from mlxhost.models.loader import ModelLoadError
+from mlxhost.models.specs import parse_model_flag
 
 # Enough for a reachable hub to answer a metadata request; an unreachable one fails well inside it.
 HUB_TIMEOUT_S = 3.0
@@ -40,7 +41,7 @@ def resolve_source(source: str, download: bool = True) -> Path | None:
         return path
     if looks_local(source):
         raise ModelLoadError(_no_such_folder(source, path))
-    from mlxhost.models.pull import HubError, check_on_hub, pull
+    from mlxhost.models.pull import HubError, check_on_hub, pull  # lazy: keeps tqdm off this module's import
 
     cached = cached_snapshot(source)
     if cached is not None:
@@ -59,8 +60,6 @@ def resolve_source(source: str, download: bool = True) -> Path | None:
 def check_serve_sources(model: str | None, extra_models: list[str], draft_model: str | None) -> None:
     """What `mlxhost serve` names, checked before anything heavy loads: the single model in full (the hub asked
     once, nothing downloaded yet), --model entries and --draft-model by their paths."""
-    from mlxhost.models.specs import parse_model_flag
-
     if model is not None:
         resolve_source(model, download=False)
     paths = [parse_model_flag(text).source for text in extra_models] + ([draft_model] if draft_model else [])
@@ -76,7 +75,7 @@ def check_local(path: Path, source: str) -> None:
     """An existing path must be a model folder (config.json) or a GGUF file / a folder holding one (the GGUF
     loader reads those)."""
     if path.is_file():
-        from mlxhost.models.gguf.reader import is_gguf_file
+        from mlxhost.models.gguf.reader import is_gguf_file  # lazy: keeps numpy off this module's import
 
         if is_gguf_file(path):  # also an Ollama blob, which has no suffix
             return
@@ -105,8 +104,8 @@ def _no_such_folder(source: str, path: Path) -> str:
 
 def cached_snapshot(repo_id: str) -> Path | None:
     """The folder of `repo_id` in the Hugging Face cache (the snapshot `main` points to), or None."""
-    from huggingface_hub import try_to_load_from_cache
-    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub import try_to_load_from_cache  # lazy: huggingface_hub only when used
+    from huggingface_hub.errors import HFValidationError  # lazy: huggingface_hub only when used
 
     try:
         found = try_to_load_from_cache(repo_id, "config.json")

@@ -23,7 +23,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from mlxhost.config import EngineConfig, LoraSpec, ModelSpec, parse_memory
+from mlxhost.memory.device import total_ram
 
 _ENTRY_KEYS = {"name", "path", "pinned", "ttl", "aliases", "engine", "loras"}
 _TTL_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -132,8 +135,6 @@ def _spec(entry, name: str | None, base: EngineConfig, where: Path) -> ModelSpec
 
 def load_models_file(path: str | Path, base: EngineConfig) -> ModelsFile:
     """Parses a models YAML; ValueError names what is wrong."""
-    import yaml
-
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -153,8 +154,6 @@ def load_models_file(path: str | Path, base: EngineConfig) -> ModelsFile:
         specs = [_spec(e, None, base, path) for e in entries]
     memory = data.get("max_loaded_memory")
     if memory is not None:
-        from mlxhost.memory.device import total_ram
-
         memory = parse_memory(str(memory), total_ram())
     return ModelsFile(
         tuple(specs),

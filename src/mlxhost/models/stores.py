@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlxhost.models.catalog import LocalModel, describe
 from mlxhost.models.loader import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -119,8 +120,6 @@ def scan_store(root: Path) -> list:
     """What `--model-dir` finds beyond folders with a config.json: an Ollama store's models, else the GGUF
     files of a folder (directly inside, one level down, or LM Studio's publisher/repo two levels down)
     and LM Studio's MLX folders. catalog.LocalModel rows."""
-    from mlxhost.models.catalog import LocalModel, describe
-
     root = Path(root)
     if is_ollama_store(root):
         return [_gguf_row(m.name, m.blob, m.num_bytes) for m in scan_ollama(root)]
@@ -140,7 +139,7 @@ def scan_store(root: Path) -> list:
 
 def _gguf_files(root: Path, depth: int = 2) -> list[Path]:
     """GGUF models (a split set by its first part) up to `depth` folders down, hidden ones skipped."""
-    from mlxhost.models.gguf.reader import SPLIT_NAME
+    from mlxhost.models.gguf.reader import SPLIT_NAME  # lazy: keeps numpy off this module's import
 
     patterns = ["*.gguf", "*/*.gguf", "*/*/*.gguf"][:depth + 1]
     found = sorted({p for pattern in patterns for p in root.glob(pattern)
@@ -149,7 +148,7 @@ def _gguf_files(root: Path, depth: int = 2) -> list[Path]:
 
 
 def _split_set(path: Path) -> list[Path]:
-    from mlxhost.models.gguf.reader import GGUFError, split_files
+    from mlxhost.models.gguf.reader import GGUFError, split_files  # lazy: keeps numpy off this module's import
 
     try:
         return split_files(path)
@@ -158,9 +157,8 @@ def _split_set(path: Path) -> list[Path]:
 
 
 def _gguf_row(name: str, path: Path, num_bytes: int):
-    from mlxhost.models.catalog import LocalModel
-    from mlxhost.models.gguf.arch import ARCHITECTURES
-    from mlxhost.models.gguf.reader import peek_metadata
+    from mlxhost.models.gguf.arch import ARCHITECTURES  # lazy: keeps numpy off this module's import
+    from mlxhost.models.gguf.reader import peek_metadata  # lazy: keeps numpy off this module's import
 
     arch = peek_metadata(path).get("general.architecture")
     ok = arch in ARCHITECTURES

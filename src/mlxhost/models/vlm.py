@@ -35,7 +35,7 @@ def read_config(source: str) -> dict | None:
     path = Path(source) / "config.json"
     if not Path(source).exists():
         try:
-            from huggingface_hub import hf_hub_download
+            from huggingface_hub import hf_hub_download  # lazy: huggingface_hub only when used
 
             path = Path(hf_hub_download(source, "config.json"))
         except Exception:  # offline, unknown id: mlx-lm's loader reports it properly
@@ -86,7 +86,7 @@ class VisionLanguageModel:
 
     def make_cache(self) -> list:
         """mlx-lm's caches (what its batch caches merge and extend), one per language-model layer."""
-        from mlx_lm.models.cache import KVCache
+        from mlx_lm.models.cache import KVCache  # lazy: mlx_lm only when used
 
         return [KVCache() for _ in self.layers]
 
@@ -94,7 +94,7 @@ class VisionLanguageModel:
     def __call__(self, inputs, cache=None, positions=None):
         """Logits for token ids [B, L]. `positions` [B, L] (rope delta included) is required for a
         batch whose rows sit at different positions; a single sequence can take them from its cache."""
-        import mlx.core as mx
+        import mlx.core as mx  # lazy: mlx only when used
 
         batch, length = inputs.shape
         if positions is None:
@@ -114,7 +114,7 @@ class VisionLanguageModel:
 
     # -- vision ----------------------------------------------------------------------------------
     def encode(self, pixel_values, grid_thw: tuple[int, int, int]) -> VisionFeatures:
-        import mlx.core as mx
+        import mlx.core as mx  # lazy: mlx only when used
 
         tower = self.vlm.vision_tower
         pixels = mx.array(pixel_values).astype(tower.patch_embed.proj.weight.dtype)
@@ -127,7 +127,7 @@ class VisionLanguageModel:
     def rope_index(self, prompt_ids: list[int], media) -> tuple[Any, int]:
         """Positions [3, 1, L] of a whole prompt and the delta that decode positions carry
         (position = tokens so far + delta), from the model's own `get_rope_index`."""
-        import mlx.core as mx
+        import mlx.core as mx  # lazy: mlx only when used
 
         images = [list(m.grid_thw) for m in media if m.kind == "image"]
         videos = [list(m.grid_thw) for m in media if m.kind == "video"]
@@ -147,7 +147,7 @@ class VisionLanguageModel:
 
     def preprocess_video(self, frames) -> tuple[Any, tuple[int, int, int]]:
         """(pixel_values, grid_thw) of sampled RGB frames, through the model's video processor."""
-        import numpy as np
+        import numpy as np  # lazy: numpy only when used
 
         out = self.processor.video_processor(videos=[np.stack([np.asarray(f) for f in frames])])
         return _numpy(out["pixel_values_videos"]), tuple(int(x) for x in _numpy(out["video_grid_thw"])[0])
@@ -175,7 +175,7 @@ class Gemma3Model(VisionLanguageModel):
         self._side = round(model.config.text_config.mm_tokens_per_image**0.5)
 
     def make_cache(self) -> list:
-        from mlx_lm.models.cache import KVCache, RotatingKVCache
+        from mlx_lm.models.cache import KVCache, RotatingKVCache  # lazy: mlx_lm only when used
 
         # The layout of mlx-vlm's `make_cache`, in mlx-lm's classes: a global layer ends each pattern.
         text = self.lm.config
@@ -190,7 +190,7 @@ class Gemma3Model(VisionLanguageModel):
         return self.lm(inputs, inputs_embeds=embeds, cache=cache).logits
 
     def encode(self, pixel_values, grid_thw: tuple[int, int, int]) -> VisionFeatures:
-        import mlx.core as mx
+        import mlx.core as mx  # lazy: mlx only when used
 
         embed = self.lm.model.embed_tokens
         # The token embeddings' dtype, as mlx-vlm casts the pixels (a quantized table: its scales').
@@ -203,7 +203,7 @@ class Gemma3Model(VisionLanguageModel):
         return VisionFeatures(features[0])
 
     def rope_index(self, prompt_ids: list[int], media) -> tuple[Any, int]:
-        import mlx.core as mx
+        import mlx.core as mx  # lazy: mlx only when used
 
         return _mrope(mx.arange(len(prompt_ids))[None]), 0
 
@@ -226,13 +226,13 @@ class Gemma3Model(VisionLanguageModel):
 
 
 def _mrope(positions):
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: mlx only when used
 
     return mx.broadcast_to(positions[None], (3, *positions.shape))
 
 
 def _numpy(x):
-    import numpy as np
+    import numpy as np  # lazy: numpy only when used
 
     return np.asarray(x)
 
@@ -240,9 +240,9 @@ def _numpy(x):
 def load_vlm(source: str, config: dict):
     """(VisionLanguageModel, tokenizer) through mlx-vlm's `load`; the tokenizer is mlx-lm's wrapper
     over the same folder, so detokenizing and stop tokens work as for text models."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from mlx_lm.tokenizer_utils import load as load_tokenizer  # lazy: mlx_lm only when used
 
-    from mlxhost.models.extras import require_vision
+    from mlxhost.models.extras import require_vision  # cycle: models.extras imports this module
 
     require_vision(source)  # mlx-vlm is the optional `vision` extra
     from mlx_vlm import load

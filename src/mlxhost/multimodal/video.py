@@ -98,7 +98,7 @@ def _pick_frames(container, stream, targets: list[float], rate: float, config: M
                  param: str | None) -> list[tuple[Image.Image, float]]:
     """Nearest decoded frame to each target time, in one forward pass that skips long gaps by seeking
     and stops once the last target is served."""
-    from av.error import FFmpegError
+    from av.error import FFmpegError  # optional: the vision extra
 
     picked: list[tuple[Image.Image, float]] = []
     last_t: float | None = None  # time of the last picked frame, so one frame is never taken twice
@@ -164,7 +164,7 @@ def _duration(stream, container) -> float | None:
     if stream.duration and stream.time_base:
         return float(stream.duration * stream.time_base)
     if container.duration:
-        import av
+        import av  # optional: the vision extra
 
         return container.duration / av.time_base
     if stream.frames and stream.average_rate:

@@ -3,7 +3,7 @@
 
 def is_cuda() -> bool:
     """Whether MLX computes on a CUDA GPU here."""
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: mlx only when used
 
     return hasattr(mx, "cuda") and mx.cuda.is_available() and mx.default_device() == mx.gpu
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ def use_persistent_kernel_cache(environ=os.environ) -> Path | None:
 
     if not is_cuda():
         return None
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: mlx only when used
 
     arch = str(mx.device_info().get("architecture", "gpu"))
     path = default_kernel_dir(mx.__version__, arch, environ)
@@ -57,9 +58,8 @@ def kernel_dir(environ=os.environ) -> Path:
     """The folder MLX-CUDA reads and writes compiled modules in: MLX_PTX_CACHE_DIR, else MLX's default."""
     if environ.get(CACHE_ENV):
         return Path(environ[CACHE_ENV])
-    import tempfile
 
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: mlx only when used
 
     return Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
 

@@ -23,6 +23,8 @@ import sys
 import threading
 from pathlib import Path
 
+from mlxhost.platform.tile_compile import publish, start_staged
+
 log = logging.getLogger(__name__)
 
 # Three processes, so the pair each first decode step needs lands first in two of them (the count was not
@@ -102,7 +104,7 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 def run(kind: str, dtype: str, index: str):
     """The op that makes MLX compile the module, on tiny arrays."""
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: mlx only when used
 
     src = mx.zeros((4, 8), dtype=getattr(mx, dtype))
     if kind == "gather":
@@ -116,8 +118,6 @@ def run(kind: str, dtype: str, index: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mlxhost.platform.tile_compile import publish, start_staged
-
     spec, cache, staging, linked = start_staged(argv)  # before MLX's first compile, which reads the folder
     import mlx.core as mx
 

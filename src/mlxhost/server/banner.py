@@ -9,6 +9,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlxhost import __version__
+from mlxhost.memory.budget import BudgetConfig, compute_ceiling
+from mlxhost.memory.device import read_memory
+from mlxhost.platform.blas import INSTALL_HINT
+
 # One line per front door: the paths a client is pointed at, not every route (/docs lists them all).
 ENDPOINTS = (("OpenAI", "/v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, /v1/models"),
              ("Anthropic", "/v1/messages"),
@@ -110,17 +115,12 @@ def memory_line(budget, kv_tokens: int | None) -> str:
 
 def ceiling_line(mode: str, utilization: float) -> str:
     """Before any model is loaded (all lazy): the process ceiling the budget would start from."""
-    from mlxhost.memory.budget import BudgetConfig, compute_ceiling
-    from mlxhost.memory.device import read_memory
-
     ceiling = compute_ceiling(read_memory(), BudgetConfig(mode=mode, memory_utilization=utilization))
     return f"{mode} ceiling {ceiling / (1 << 30):.2f} GiB for all models (each budgets its KV when it loads)"
 
 
 def blas_hint(blas) -> str | None:
     """A line for a CPU user whose MLX multiplies with its slow reference BLAS (platform/blas.py)."""
-    from mlxhost.platform.blas import INSTALL_HINT
-
     if blas is None or not blas.slow:
         return None
     return (f"MLX's CPU matmul here is the slow reference BLAS: `{INSTALL_HINT}` and restart"
@@ -129,8 +129,6 @@ def blas_hint(blas) -> str | None:
 
 def make_ready_hook(config, manager, specs, port: int, out=None, speed_hint: str | None = None):
     """The coroutine the app's lifespan awaits once the models' engines run: prints the banner."""
-    from mlxhost import __version__
-
     async def on_ready() -> None:
         cards = manager.cards()
         models = [BannerModel(c["id"], spec.source, c["status"]) for c, spec in zip(cards, specs)]

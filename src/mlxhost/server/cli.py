@@ -3,23 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib
 import logging
 import os
 import sys
 
+from mlxhost import __version__
 from mlxhost.server import foreign_flags
 from mlxhost.server.serve_command import add_serve_command
+from mlxhost.server.settings import ArgumentParser, HelpFormatter
 
 log = logging.getLogger(__name__)
 
 
 def _demo_model(args) -> int:
-    import dataclasses
-
+    # lazy: keeps the command line's start-up short
     from mlxhost.testing.demo import SHAPES, build_model_folder, ensure_demo_model
+
+    # lazy: keeps the command line's start-up short
     from mlxhost.testing.families import FAMILIES, FAMILY_SHAPES, build_family_folder
+
+    # lazy: keeps the command line's start-up short
     from mlxhost.testing.vlm_demo import CLI_SHAPES as VLM_SHAPES, build_vlm_folder
 
     if args.shape in FAMILIES or args.shape in FAMILY_SHAPES:
@@ -30,6 +36,7 @@ def _demo_model(args) -> int:
     if args.shape in VLM_SHAPES:
         if args.path is None or args.bits is not None:
             raise SystemExit("VLM shapes need a PATH and take no --bits")
+        # lazy: keeps the command line's start-up short
         from mlxhost.models.extras import MissingExtraError, require_vision
 
         try:
@@ -38,7 +45,7 @@ def _demo_model(args) -> int:
             raise SystemExit(f"mlxhost demo-model: {e}") from None
         print(build_vlm_folder(args.path, shape=args.shape))
         return 0
-    from mlxhost.server.progress import StageLog
+    from mlxhost.server.progress import StageLog  # lazy: keeps the command line's start-up short
 
     progress = StageLog("demo model")
     if args.shape == "tiny" and args.bits is None:
@@ -57,9 +64,9 @@ def _demo_model(args) -> int:
 
 
 def _convert(args) -> int:
-    from mlxhost.models import convert
-    from mlxhost.models.loader import ModelLoadError
-    from mlxhost.models.source import resolve_source
+    from mlxhost.models import convert  # lazy: keeps the command line's start-up short
+    from mlxhost.models.loader import ModelLoadError  # lazy: keeps the command line's start-up short
+    from mlxhost.models.source import resolve_source  # lazy: keeps the command line's start-up short
 
     try:  # the same checks and the same one hub request as `serve`; a hub id is converted from its download
         args.hf_path = str(resolve_source(args.hf_path))
@@ -72,8 +79,6 @@ def _convert(args) -> int:
 def make_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     """The whole command line; `with_bench=False` leaves out the bench commands' flags, whose modules take
     seconds to import (a mistyped `serve` path is reported faster)."""
-    from mlxhost.server.settings import ArgumentParser, HelpFormatter
-
     # Every parser shows each flag's default in --help and says an error in one line (settings.py).
     make = functools.partial(ArgumentParser, formatter_class=HelpFormatter)
     parser = make(prog="mlxhost", description="MLX-native OpenAI-compatible server")
@@ -84,7 +89,7 @@ def make_parser(with_bench: bool = True) -> argparse.ArgumentParser:
 
     add_serve_command(sub)
 
-    from mlxhost.models import catalog, pull
+    from mlxhost.models import catalog, pull  # lazy: keeps the command line's start-up short
 
     pull_cmd = sub.add_parser("pull", help="download a model from the Hugging Face hub into its cache")
     pull.add_arguments(pull_cmd)
@@ -97,7 +102,7 @@ def make_parser(with_bench: bool = True) -> argparse.ArgumentParser:
                           help="also list what the server at URL serves (its /v1/models); '' to skip")
     list_cmd.set_defaults(func=catalog.run_list)
 
-    from mlxhost.testing.families import FAMILIES, FAMILY_SHAPES
+    from mlxhost.testing.families import FAMILIES, FAMILY_SHAPES  # lazy: keeps the command line's start-up short
 
     demo = sub.add_parser("demo-model", help="build the offline demo model (tiny, random weights)")
     demo.add_argument("path", nargs="?", default=None, help="output folder (default: the user cache dir)")
@@ -111,7 +116,7 @@ def make_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     demo.add_argument("--group-size", type=int, default=64, help="quantization group size (with --bits)")
     demo.set_defaults(func=_demo_model)
 
-    from mlxhost.agents import launch
+    from mlxhost.agents import launch  # lazy: keeps the command line's start-up short
 
     launch_cmd = sub.add_parser("launch", help="run a coding agent (claude, codex, opencode, qwen) against a served"
                                                " model, starting a server if none answers; -- ARGS go to the agent")
@@ -178,9 +183,7 @@ def make_parser(with_bench: bool = True) -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    from mlxhost import __version__
+    from importlib.metadata import PackageNotFoundError, version  # lazy: importlib.metadata only when used
 
     def of(name: str) -> str:
         try:
@@ -197,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     from mlxhost.platform.blas import use_system_blas
 
     blas = use_system_blas()
-    from mlxhost.agents.launch import split_agent_args
+    from mlxhost.agents.launch import split_agent_args  # lazy: keeps the command line's start-up short
 
     argv, agent_args = split_agent_args(argv)  # `launch ... -- ARGS`: ARGS reach the agent untouched
     parser = make_parser(with_bench="bench" in argv)
@@ -220,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for note in notes:
         log.info(note)
-    from mlxhost.server.banner import blas_hint
+    from mlxhost.server.banner import blas_hint  # lazy: keeps the command line's start-up short
 
     # Plain data (bench writes its args to JSON): serve's banner tells a CPU user without OpenBLAS how to get it.
     args.speed_hint = blas_hint(blas)

@@ -14,6 +14,9 @@ import re
 import sys
 from pathlib import Path
 
+from mlxhost.server.cli import make_parser
+from mlxhost.server.settings import ArgumentParser
+
 # The commands whose flags the page lists; demo-model, export and bench are listed by their --help alone.
 COMMANDS = ("serve", "launch", "pull", "list", "convert")
 DOC = Path(__file__).resolve().parents[3] / "docs" / "flags.md"  # the checkout's docs (editable install)
@@ -23,8 +26,6 @@ _END = "<!-- end of flags of `mlxhost {}` -->"
 
 def command_parsers() -> dict[str, argparse.ArgumentParser]:
     """COMMANDS' parsers, from the parser `mlxhost` itself uses."""
-    from mlxhost.server.cli import make_parser
-
     parser = make_parser(with_bench=False)
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return {name: sub.choices[name] for name in COMMANDS}
@@ -110,8 +111,6 @@ def render(text: str, parsers: dict[str, argparse.ArgumentParser]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mlxhost.server.settings import ArgumentParser
-
     p = ArgumentParser(prog="python -m mlxhost.server.flags_doc", description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="only say whether the page is current (exit 1 when not)")
     p.add_argument("--path", type=Path, default=DOC, help="the page (default: docs/flags.md of this checkout)")

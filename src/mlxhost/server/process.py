@@ -94,7 +94,7 @@ class GracefulServer(uvicorn.Server):
             self._loop.call_soon_threadsafe(self._force)
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-        import asyncio
+        import asyncio  # lazy: asyncio only when used
 
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)

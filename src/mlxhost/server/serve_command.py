@@ -8,12 +8,21 @@ import signal
 import sys
 from pathlib import Path
 
+import platformdirs
+
+from mlxhost.config import (
+    LOAD_STRATEGIES,
+    SERVE_MAX_DECODE_GAP_S,
+    EngineConfig,
+    MediaConfig,
+    SecurityConfig,
+    ServerConfig,
+    parse_memory,
+)
 from mlxhost.engine.spec.registry import proposer_names
 from mlxhost.platform.backend import default_prefill_step_size
-from mlxhost.config import (LOAD_STRATEGIES, SERVE_MAX_DECODE_GAP_S, EngineConfig, MediaConfig, SecurityConfig,
-                            ServerConfig, parse_memory)
 from mlxhost.server.settings import fraction, size
-from mlxhost.structured.tool_formats import get_tool_parser
+from mlxhost.structured.tool_formats import TOOL_PARSER_NAMES, get_tool_parser
 
 
 def add_serve_command(sub) -> argparse.ArgumentParser:
@@ -42,7 +51,6 @@ def add_serve_command(sub) -> argparse.ArgumentParser:
                        help="text model weights on MLX's CPU backend: auto serves them as float32 (dequantized) when"
                             " that takes at most a quarter of RAM, MLX's fastest CPU layout; keep: as loaded."
                             " Metal and CUDA always keep them")
-    from mlxhost.structured.tool_formats import TOOL_PARSER_NAMES
 
     serve.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSER_NAMES,
                        help="how the model writes tool calls (default: read off its chat template / model type)")
@@ -51,7 +59,7 @@ def add_serve_command(sub) -> argparse.ArgumentParser:
                             " marker tokens: auto (those named as code models), on (any), off (docs/api.md)")
     _add_models_flags(serve.add_argument_group("several models"))
     _add_engine_flags(serve)
-    from mlxhost.distributed.config import add_distributed_flags
+    from mlxhost.distributed.config import add_distributed_flags  # lazy: keeps the command line's start-up short
 
     add_distributed_flags(serve.add_argument_group("distributed (docs/distributed.md)"))
     _add_media_flags(serve.add_argument_group("images and video in requests"))
@@ -201,7 +209,7 @@ def _media_config(args) -> MediaConfig:
 
 
 def _add_mcp_flags(p) -> None:
-    from mlxhost.mcp.config import McpConfig
+    from mlxhost.mcp.config import McpConfig  # lazy: keeps the command line's start-up short
 
     d = McpConfig()
     p.add_argument("--mcp-config", default=None, metavar="JSON",
@@ -217,7 +225,7 @@ def _add_mcp_flags(p) -> None:
 
 
 def _mcp_config(args):
-    from mlxhost.mcp.config import McpConfig, read_mcp_servers
+    from mlxhost.mcp.config import McpConfig, read_mcp_servers  # lazy: keeps the command line's start-up short
 
     if args.mcp_config is None and not args.mcp_allow_remote:
         return None
@@ -264,7 +272,7 @@ def _batch_dir(args) -> str | None:
     if args.batch_dir == "off":
         return None
     if args.batch_dir == "auto":
-        from mlxhost.batch.store import default_batch_dir
+        from mlxhost.batch.store import default_batch_dir  # lazy: keeps the command line's start-up short
 
         return str(default_batch_dir())
     return args.batch_dir
@@ -278,7 +286,7 @@ def _reload_keys_on_sighup(app) -> None:
 
 
 def _security_config(args) -> SecurityConfig:
-    from mlxhost.memory.device import total_ram
+    from mlxhost.memory.device import total_ram  # lazy: keeps the command line's start-up short
 
     # Flags win over the environment, so a one-off key on the command line replaces a shell-wide one.
     keys = args.api_key or os.environ.get("MLXHOST_API_KEY", "").split(",")
@@ -307,13 +315,12 @@ def _measurements_dir() -> str | None:
     """Start-up measurements kept between starts, beside the other caches; MLXHOST_MEASUREMENTS=0: none."""
     if os.environ.get("MLXHOST_MEASUREMENTS", "") == "0":
         return None
-    import platformdirs
 
     return str(Path(platformdirs.user_cache_dir("mlxhost")) / "measurements")
 
 
 def _engine_config(args) -> EngineConfig:
-    from mlxhost.memory.device import total_ram
+    from mlxhost.memory.device import total_ram  # lazy: keeps the command line's start-up short
 
     return EngineConfig(enable_prefix_cache=not args.no_prefix_cache, block_size=args.block_size,
                         kv_budget_tokens=args.kv_budget_tokens,
@@ -341,7 +348,9 @@ def _engine_config(args) -> EngineConfig:
 
 def _models_fields(args) -> dict:
     """ServerConfig's multi-model fields from --model / --models-config (flags win over the file)."""
-    from mlxhost.memory.device import total_ram
+    from mlxhost.memory.device import total_ram  # lazy: keeps the command line's start-up short
+
+    # lazy: keeps the command line's start-up short
     from mlxhost.models.specs import load_models_file, parse_lora_flag, parse_model_flag
 
     specs, max_models, max_bytes = [], None, None
@@ -366,7 +375,7 @@ def _models_fields(args) -> dict:
 def _text_models_only(args) -> bool:
     """Whether every model this serve loads is a text model mlx-lm loads (the demo model, or one local folder
     and its draft model): then the process needs no PyTorch."""
-    from mlxhost.models.torch_free import is_text_model
+    from mlxhost.models.torch_free import is_text_model  # lazy: keeps the command line's start-up short
 
     if args.extra_models or args.model_dir or args.models_config:
         return False
@@ -374,10 +383,9 @@ def _text_models_only(args) -> bool:
 
 
 def _serve(args) -> int:
-    from mlxhost.server import process
-    from mlxhost.models.loader import ModelLoadError
-
-    from mlxhost.models.source import check_serve_sources
+    from mlxhost.models.loader import ModelLoadError  # lazy: keeps the command line's start-up short
+    from mlxhost.models.source import check_serve_sources  # lazy: keeps the command line's start-up short
+    from mlxhost.server import process  # lazy: keeps the command line's start-up short
 
     try:  # a bad setting, a mistyped path or an unreachable hub id is reported before anything heavy loads
         process.switch_interval_s()
@@ -385,7 +393,7 @@ def _serve(args) -> int:
     except (ModelLoadError, ValueError) as e:
         print(f"mlxhost serve: {e}", file=sys.stderr)
         return 2
-    from mlxhost.server.app import build_app
+    from mlxhost.server.app import build_app  # lazy: keeps the command line's start-up short
 
     sock = None
     try:
@@ -398,7 +406,7 @@ def _serve(args) -> int:
                               otlp_traces_endpoint=args.otlp_traces_endpoint,
                               security=_security_config(args), mcp=_mcp_config(args), **_models_fields(args))
         check_registered_names(config)
-        from mlxhost.distributed.config import distributed_config
+        from mlxhost.distributed.config import distributed_config  # lazy: keeps the command line's start-up short
 
         dist = distributed_config(args)
         if dist.is_distributed:  # every rank runs from here (distributed/serve.py)
@@ -415,7 +423,7 @@ def _serve(args) -> int:
         # build_app loads every pinned model (a single one always) with config.load_strategy.
         app = build_app(config)
         _reload_keys_on_sighup(app)
-        from mlxhost.server.banner import make_ready_hook
+        from mlxhost.server.banner import make_ready_hook  # lazy: keeps the command line's start-up short
 
         app.state.on_ready = make_ready_hook(config, app.state.models, app.state.model_specs,
                                              sock.getsockname()[1] if sock is not None else config.port,

@@ -14,6 +14,11 @@ import os
 import re
 from pathlib import Path
 
+import yaml
+
+from mlxhost.config import parse_memory
+from mlxhost.server.foreign_flags import FOREIGN, refusal
+
 ENV_PREFIX = "MLXHOST_"
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 
@@ -61,8 +66,6 @@ class ArgumentParser(argparse.ArgumentParser):
 def size(text: str) -> str:
     """type= of the size flags: the text as given (a percentage needs the machine's RAM, read later), once it
     reads as a size."""
-    from mlxhost.config import parse_memory
-
     try:
         ok = parse_memory(text, 1 << 40) >= 0
     except (ValueError, OverflowError):
@@ -147,8 +150,6 @@ def _model_setting(actions: dict, raw, where: str) -> dict:
 
 
 def read_config_file(path: str | Path) -> dict:
-    import yaml
-
     path = Path(path).expanduser()
     try:
         data = yaml.safe_load(path.read_text())
@@ -197,8 +198,6 @@ def settings_defaults(parser: argparse.ArgumentParser, config_file: str | None,
 def _foreign_key(key: str, where: str, actions: dict, notes: list) -> tuple[str | None, dict]:
     """A key another server's config uses (vLLM's gpu_memory_utilization): ours and the keys it implies, None
     for one that is ignored; ValueError for one with no same meaning here or no such key at all."""
-    from mlxhost.server.foreign_flags import FOREIGN, refusal
-
     flag = "--" + key.replace("_", "-")
     foreign = FOREIGN.get(flag)
     if foreign is None:

@@ -161,7 +161,7 @@ def tool_call_constraint(
     subs, calls = [], []
     for i, (tool, params, strict) in enumerate(specs):
         if fmt.body == "qwen3_xml":
-            from mlxhost.structured.tool_xml import xml_call_rules
+            from mlxhost.structured.tool_xml import xml_call_rules  # cycle: structured.tool_xml imports this module
 
             rules, xml_subs = xml_call_rules(i, tool, params, strict)
             calls += rules
@@ -170,7 +170,7 @@ def tool_call_constraint(
         subs.append(_json_subgrammar(params, strict, f"args_{i}", f"parameters schema of tool {tool!r}"))
         calls.append(f'call_{i}: {_lit(_call_prefix(tool, fmt))} @args_{i} "}}"')
     if fmt.body == "qwen3_xml":
-        from mlxhost.structured.tool_xml import xml_rules
+        from mlxhost.structured.tool_xml import xml_rules  # cycle: structured.tool_xml imports this module
 
         calls += xml_rules()
     auto_start = f"{_free_text_rule(fmt)} | tool_calls" + (" | call" if fmt.bare_call else "")

@@ -5,11 +5,14 @@ the protocol and the audio's validity, real speech is the real-weights tier's jo
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers.pre_tokenizers import ByteLevel
 
 # Whisper's special tokens after the byte-level vocabulary, in the English-only models' order.
 _WHISPER_SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|translate|>", "<|transcribe|>",
@@ -19,9 +22,6 @@ _TIMESTAMPS = [f"<|{i * 0.02:.2f}|>" for i in range(1501)]
 
 def whisper_tokenizer_json(path: Path) -> int:
     """A byte-level BPE with no merges plus Whisper's specials; returns the vocabulary size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-
     alphabet = ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -34,7 +34,7 @@ def whisper_tokenizer_json(path: Path) -> int:
 
 def build_tiny_whisper(out: str | Path, seed: int = 0, n_text_ctx: int = 64) -> Path:
     """An English-only Whisper: 1 encoder + 1 decoder layer of width 64, mlx-whisper's folder layout."""
-    from mlx_audio.stt.models.whisper.whisper import Model, ModelDimensions
+    from mlx_audio.stt.models.whisper.whisper import Model, ModelDimensions  # optional: the audio extra
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -52,7 +52,7 @@ def build_tiny_whisper(out: str | Path, seed: int = 0, n_text_ctx: int = 64) -> 
 
 def build_tiny_kokoro(out: str | Path, seed: int = 0, voices=("af_test", "am_test")) -> Path:
     """A Kokoro with one layer where it can (its decoder's 512 and 1024 widths are fixed by mlx-audio)."""
-    from mlx_audio.tts.models.kokoro.kokoro import Model, ModelConfig
+    from mlx_audio.tts.models.kokoro.kokoro import Model, ModelConfig  # optional: the audio extra
 
     out = Path(out)
     (out / "voices").mkdir(parents=True, exist_ok=True)
@@ -141,7 +141,6 @@ def build_tiny_whisper_ct2(out: str | Path, mlx_folder: str | Path, float16: boo
     _write_model_bin(out / "model.bin", variables, scalars, float16)
     (out / "config.json").write_text(json.dumps({"alignment_heads": [[0, 0]], "lang_ids": [],
                                                  "suppress_ids": [], "suppress_ids_begin": [220]}))
-    from tokenizers import Tokenizer
 
     tok = json.loads(Tokenizer.from_file(str(mlx_folder / "tokenizer.json")).to_str())
     tok["added_tokens"] = [t for t in tok["added_tokens"] if t["content"] not in _TIMESTAMPS]
@@ -151,8 +150,6 @@ def build_tiny_whisper_ct2(out: str | Path, mlx_folder: str | Path, float16: boo
 
 def _write_model_bin(path: Path, variables, scalars, float16: bool) -> None:
     """CTranslate2's binary layout (version 6), as audio/ct2.py reads it."""
-    import struct
-
     def string(text: str) -> bytes:
         raw = text.encode() + b"\0"
         return struct.pack("<H", len(raw)) + raw

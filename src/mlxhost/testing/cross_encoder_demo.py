@@ -47,10 +47,10 @@ def _hf_config(config: CrossEncoderDemoConfig, vocab_size: int) -> dict:
 
 def build_cross_encoder_folder(out_dir, config: CrossEncoderDemoConfig = CrossEncoderDemoConfig()) -> pathlib.Path:
     """Builds the tiny reranker folder at out_dir (created if missing) and returns its path."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
+    import mlx.core as mx  # lazy: mlx only when used
+    from mlx.utils import tree_flatten  # lazy: mlx only when used
 
-    from mlxhost.models.cross_encoder import CrossEncoder
+    from mlxhost.models.cross_encoder import CrossEncoder  # lazy: keeps mlx off this module's import
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

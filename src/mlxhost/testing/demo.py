@@ -17,7 +17,11 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
+import platformdirs
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
 from mlxhost.structured.templates import AGENT_CHAT_TEMPLATE
+from mlxhost.testing.tokenizer_corpus import make_corpus
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"
@@ -90,10 +94,6 @@ class DemoModelConfig:
 
 
 def _train_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    from mlxhost.testing.tokenizer_corpus import make_corpus
-
     tokenizer = Tokenizer(models.BPE())
     # Byte-level with no normalizer: any UTF-8 string survives encode -> decode unchanged.
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -153,8 +153,6 @@ def build_tokenizer(out_dir) -> None:
 
 
 def _token_id(out_dir: pathlib.Path, token: str) -> int:
-    from tokenizers import Tokenizer
-
     token_id = Tokenizer.from_file(str(out_dir / "tokenizer.json")).token_to_id(token)
     if token_id is None:
         raise RuntimeError(f"{token} missing from the demo tokenizer")
@@ -205,8 +203,8 @@ def _hf_config(config: DemoModelConfig, vocab_size: int, eos_token_id: int, pad_
 
 
 def _random_model(config: DemoModelConfig, hf_config: dict):
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_unflatten
+    import mlx.core as mx  # lazy: mlx only when used
+    from mlx.utils import tree_flatten, tree_unflatten  # lazy: mlx only when used
 
     arch = importlib.import_module(f"mlx_lm.models.{config.arch}")
     model = arch.Model(arch.ModelArgs.from_dict(hf_config))
@@ -228,7 +226,7 @@ def _random_model(config: DemoModelConfig, hf_config: dict):
 
 
 def _write_float_folder(out: pathlib.Path, config: DemoModelConfig, progress=None) -> None:
-    from mlx_lm.utils import save_config, save_model
+    from mlx_lm.utils import save_config, save_model  # lazy: mlx_lm only when used
 
     stage = progress or (lambda _: None)
     stage("training the tokenizer")
@@ -244,7 +242,7 @@ def _write_float_folder(out: pathlib.Path, config: DemoModelConfig, progress=Non
     stage("making random weights")
     model = _random_model(config, hf_config)
     if config.quantize_bits is not None and not config.quantize_with_converter:
-        import mlx.nn as nn
+        import mlx.nn as nn  # lazy: mlx only when used
 
         nn.quantize(model, group_size=config.group_size, bits=config.quantize_bits)
         hf_config["quantization"] = {"group_size": config.group_size, "bits": config.quantize_bits}
@@ -276,7 +274,7 @@ def _vocab_size(tokenizer_json: dict) -> int:
 
 
 def _quantize_folder(src: pathlib.Path, out: pathlib.Path, config: DemoModelConfig) -> None:
-    from mlx_lm.convert import convert
+    from mlx_lm.convert import convert  # lazy: mlx_lm only when used
 
     # The converter prints progress lines; a fixture builder should stay quiet.
     with contextlib.redirect_stdout(io.StringIO()):
@@ -323,8 +321,6 @@ SERVED_DEMO_CONFIG = DemoModelConfig(max_position_embeddings=131072)
 
 
 def default_demo_model_dir() -> pathlib.Path:
-    import platformdirs
-
     return pathlib.Path(platformdirs.user_cache_dir("mlxhost")) / DEMO_MODEL_DIRNAME
 
 

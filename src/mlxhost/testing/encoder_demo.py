@@ -11,6 +11,10 @@ import json
 import pathlib
 from dataclasses import dataclass
 
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from mlxhost.testing.tokenizer_corpus import make_corpus
+
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # BERT's order: [PAD] is id 0
 TOKENIZER_VOCAB_SIZE = 1024
 
@@ -35,10 +39,6 @@ class EncoderDemoConfig:
 
 
 def _train_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-
-    from mlxhost.testing.tokenizer_corpus import make_corpus
-
     tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     # bert-base-uncased's pipeline: lowercase, split on spaces and punctuation, [CLS] ... [SEP].
     tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
@@ -91,9 +91,9 @@ def _hf_config(config: EncoderDemoConfig, vocab_size: int) -> dict:
 
 
 def _write_weights(out: pathlib.Path, config: EncoderDemoConfig, hf_config: dict) -> None:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_embeddings.models.bert import Model, ModelArgs
+    import mlx.core as mx  # lazy: mlx only when used
+    from mlx.utils import tree_flatten  # lazy: mlx only when used
+    from mlx_embeddings.models.bert import Model, ModelArgs  # optional: the embeddings extra
 
     mx.random.seed(config.seed)
     model = Model(ModelArgs.from_dict(hf_config))

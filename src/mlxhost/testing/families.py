@@ -16,6 +16,8 @@ import importlib
 import json
 import pathlib
 
+from tokenizers import Tokenizer
+
 from mlxhost.testing.demo import EOS_TOKEN, PAD_TOKEN, build_tokenizer
 
 INIT_STD = 0.1  # std 0.1 gives varied output (std 0.02 repeats one token)
@@ -181,7 +183,7 @@ _KEEP_NAMES = ("D", "dt_bias", "sinks", "e_score_correction_bias")
 
 def cache_kind(prompt_cache) -> str:
     """Classify a prompt cache from make_prompt_cache; MLA needs it filled by one forward first."""
-    from mlxhost.kv.kinds import KINDS
+    from mlxhost.kv.kinds import KINDS  # lazy: keeps mlx, mlx_lm off this module's import
 
     kinds = {KINDS.kind_of(c).name for c in prompt_cache}
     if "recurrent" in kinds:
@@ -228,8 +230,8 @@ def make_model(config: dict):
 
 
 def _random_model(config: dict, seed: int):
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_unflatten
+    import mlx.core as mx  # lazy: mlx only when used
+    from mlx.utils import tree_flatten, tree_unflatten  # lazy: mlx only when used
 
     model = make_model(config)
     dtype = getattr(mx, config.get("dtype", "float32"))
@@ -260,8 +262,7 @@ def _random_model(config: dict, seed: int):
 def build_family_folder(out_dir, family: str, seed: int = 0, overrides: dict | None = None) -> pathlib.Path:
     """Write a random-weight model folder of `family` (a FAMILIES or FAMILY_SHAPES key, `overrides` on its
     config) at out_dir and return its path."""
-    from mlx_lm.utils import save_config, save_model
-    from tokenizers import Tokenizer
+    from mlx_lm.utils import save_config, save_model  # lazy: mlx_lm only when used
 
     _require_family(family)  # before writing anything
     out = pathlib.Path(out_dir)

@@ -15,6 +15,7 @@ import os
 import time
 
 from mlxhost.config import ServerConfig
+from mlxhost.models.loader import load_model
 
 # A held forward lets go after this long even if the file stays: a leaked server ends its step in time.
 MAX_HOLD_S = 120.0
@@ -42,9 +43,8 @@ def hold_forward(model, hold_file: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mlxhost.models.loader import load_model
-    from mlxhost.server import process
-    from mlxhost.server.app import build_app
+    from mlxhost.server import process  # lazy: keeps uvicorn off this module's import
+    from mlxhost.server.app import build_app  # lazy: keeps fastapi, httpx, llguidance ... off this module's import
 
     parser = argparse.ArgumentParser(prog="python -m mlxhost.testing.held_step")
     parser.add_argument("model")

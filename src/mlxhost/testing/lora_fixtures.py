@@ -14,9 +14,9 @@ _DEFAULT_STEPS = 4
 
 
 def _lora_model(model_dir: str | Path, seed: int, rank: int, scale: float, keys, num_layers: int):
-    import mlx.core as mx
-    import mlx_lm
-    from mlx_lm.tuner.utils import linear_to_lora_layers
+    import mlx.core as mx  # lazy: mlx only when used
+    import mlx_lm  # lazy: mlx_lm only when used
+    from mlx_lm.tuner.utils import linear_to_lora_layers  # lazy: mlx_lm only when used
 
     model, _ = mlx_lm.load(str(model_dir))
     model.freeze()
@@ -29,8 +29,8 @@ def _lora_model(model_dir: str | Path, seed: int, rank: int, scale: float, keys,
 
 
 def _save(model, params: dict, num_layers: int, out: str | Path) -> Path:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
+    import mlx.core as mx  # lazy: mlx only when used
+    from mlx.utils import tree_flatten  # lazy: mlx only when used
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -45,9 +45,9 @@ def train_adapter(model_dir: str | Path, out: str | Path, seed: int = 0, rank: i
                   learning_rate: float = 2e-2) -> Path:
     """Fine-tunes LoRA layers (the last `num_layers` blocks, `keys` or every linear layer) for `steps` Adam
     steps on a fixed token sequence of this seed; saved in mlx-lm's format at `out`."""
-    import mlx.core as mx
-    import mlx.nn as nn
-    import mlx.optimizers as optim
+    import mlx.core as mx  # lazy: mlx only when used
+    import mlx.nn as nn  # lazy: mlx only when used
+    import mlx.optimizers as optim  # lazy: mlx only when used
 
     model, params = _lora_model(model_dir, seed, rank, scale, keys, num_layers)
     vocab = model.args.vocab_size
@@ -71,12 +71,12 @@ def random_adapter(model, out: str | Path, seed: int = 0, rank: int = 8, scale: 
     or of the last `num_layers` blocks only, as mlx_lm.lora's `--num-layers`), A and B random (mlx-lm starts
     B at zero, which would change nothing). `model`: a loaded mlx-lm model, or a model folder. Benchmarks
     need only the shapes."""
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: mlx only when used
 
-    from mlxhost.lora.layers import linear_dims
+    from mlxhost.lora.layers import linear_dims  # lazy: keeps mlx off this module's import
 
     if isinstance(model, (str, Path)):
-        import mlx_lm
+        import mlx_lm  # lazy: mlx_lm only when used
 
         model, _ = mlx_lm.load(str(model))
     key = mx.random.key(seed)
@@ -105,7 +105,7 @@ def random_adapter(model, out: str | Path, seed: int = 0, rank: int = 8, scale: 
 def to_peft(mlx_dir: str | Path, out: str | Path, lora_alpha: float | None = None) -> Path:
     """The adapter at `mlx_dir` (mlx-lm's format) in PEFT's: transposed A/B under PEFT's names, scale as
     lora_alpha / r (the same scale unless `lora_alpha` says otherwise)."""
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: mlx only when used
 
     mlx_dir, out = Path(mlx_dir), Path(out)
     config = json.loads((mlx_dir / "adapter_config.json").read_text())

@@ -83,6 +83,9 @@ OPTIONAL: dict[str, Prerequisite] = {
     # Real MCP servers from PyPI, run over stdio (the test extra installs them).
     "mcp-server-time": Prerequisite(_program("mcp-server-time"), "pip install mcp-server-time"),
     "mcp-server-git": Prerequisite(_program("mcp-server-git"), "pip install mcp-server-git"),
+    # The reference MCP server from npm, pinned with the agent CLIs (tests/external/clients.txt).
+    "mcp-server-everything": Prerequisite(_agent_cli("mcp-server-everything"),
+                                          f"{_AGENT_CLIS_INSTALL} mcp-server-everything"),
     "cuda": Prerequisite(_cuda, 'an NVIDIA GPU and pip install -e ".[cuda]"', ci_installs=False),
     **{command: Prerequisite(_agent_cli(command), f"{_AGENT_CLIS_INSTALL} {command}")
        for command in ("claude", "codex", "opencode", "qwen", "aider", "llm")},
@@ -104,7 +107,7 @@ def missing_reason(name: str) -> str:
 def need(*names: str) -> str:
     """Where the first of `names` is; skips the test (or the module, at its top) naming the first missing one and
     its install line, or fails under CI=true when .ci/run installs it."""
-    import pytest
+    import pytest  # optional: the test extra
 
     found = []
     for name in names:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import shutil
 
 
@@ -13,7 +14,7 @@ def perturb_weights(weights: dict, noise: float, seed: int = 0) -> dict:
     """`weights` name -> mx.array; every float matrix gets Gaussian noise of `noise` times its own std,
     and quantized ones relative noise of `noise` on their group scales. 1-D parameters (norm gains) and
     the packed integers are kept as they are."""
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: mlx only when used
 
     key = mx.random.key(seed)
     out = {}
@@ -32,7 +33,7 @@ def perturb_weights(weights: dict, noise: float, seed: int = 0) -> dict:
 
 def perturbed_copy(source, out_dir, noise: float, seed: int = 0) -> pathlib.Path:
     """A copy of the model folder `source` at `out_dir` with `perturb_weights` applied (float weights)."""
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: mlx only when used
 
     src, out = pathlib.Path(source), pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -48,9 +49,7 @@ def perturbed_copy(source, out_dir, noise: float, seed: int = 0) -> pathlib.Path
 def truncated_copy(source, out_dir, num_layers: int) -> pathlib.Path:
     """A copy of `source` keeping its first `num_layers` decoder layers (embeddings, final norm and LM
     head as they are): a draft that costs num_layers / all of the target's layers."""
-    import re
-
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: mlx only when used
 
     src, out = pathlib.Path(source), pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

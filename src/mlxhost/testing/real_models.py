@@ -27,6 +27,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from platformdirs import user_cache_dir
+
 ENV_CACHE = "MLXHOST_REAL_MODELS"
 _MARKER = ".complete.json"
 
@@ -78,7 +80,6 @@ def default_cache() -> Path:
     env = os.environ.get(ENV_CACHE)
     if env:
         return Path(env).expanduser()
-    from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("mlxhost")) / "real-models"
 
@@ -196,7 +197,7 @@ def verify(name: str, cache: Path | None = None) -> bool:
 def require(name: str) -> Path:
     """For tests: the model's path, else a skip with the command that fetches it. Under CI=true a
     missing real model fails instead, so a broken fetch step can never turn the tier into skips."""
-    import pytest
+    import pytest  # optional: the test extra
 
     path = real_model_path(name)
     if path is not None:

@@ -11,14 +11,18 @@ that is rarely right).
 from __future__ import annotations
 
 import pathlib
+import random
 from typing import Any
 
 import mlx.core as mx
 import mlx.optimizers as optim
 from mlx import nn
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.cache import make_prompt_cache
 
 from mlxhost.engine.spec.heads import HEADS, save_head
 from mlxhost.engine.spec.hidden import HiddenTap
+from mlxhost.models.loader import load_model
 
 
 def head_config(kind: str, target: Any) -> dict:
@@ -43,8 +47,6 @@ def head_config(kind: str, target: Any) -> dict:
 
 def greedy_sequence(target: Any, prompt: list[int], num_new: int) -> list[int]:
     """The prompt continued greedily by `num_new` tokens."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     cache = make_prompt_cache(target)
     logits = target(mx.array([prompt]), cache=cache)
     out = list(prompt)
@@ -61,8 +63,6 @@ def train_head(head: Any, target: Any, sequences: list[list[int]], starts: list[
     loss on positions whose label the target produced (t + 2 >= the sequence's start). `skip_prompt`: the
     head is fed only the pairs from the first output token on, as it is when serving (its KV starts at
     the first decode step). Returns the last loss."""
-    import random
-
     tap = HiddenTap(target, head.layer_ids)
     data = []
     for seq, start in zip(sequences, starts):
@@ -99,10 +99,6 @@ def train_head(head: Any, target: Any, sequences: list[list[int]], starts: list[
 def build_head_folder(out: str | pathlib.Path, model_dir: str | pathlib.Path, kind: str, train_steps: int = 300,
                       prompts: list[list[int]] | None = None, num_new: int = 64, seed: int = 0) -> pathlib.Path:
     """`prompts`: what the head is trained on (their greedy continuations); default 16 random ones."""
-    import random
-
-    from mlxhost.models.loader import load_model
-
     target = load_model(str(model_dir)).model
     config = head_config(kind, target)
     mx.random.seed(seed)
@@ -125,14 +121,10 @@ def _logits(head: Any, g: mx.array) -> mx.array:
 
 
 def _leaves(tree) -> list:
-    from mlx.utils import tree_flatten
-
     return [v for _, v in tree_flatten(tree)]
 
 
 def _drop_shared(module: nn.Module, grads: dict, frozen: set) -> dict:
     """The gradients without the parameters the head shares with the target (the bound embedding)."""
-    from mlx.utils import tree_flatten, tree_unflatten
-
     params = dict(tree_flatten(module.parameters()))
     return tree_unflatten([(k, g) for k, g in tree_flatten(grads) if id(params[k]) not in frozen])

@@ -15,8 +15,9 @@ import json
 import pathlib
 from dataclasses import dataclass
 
-from mlxhost.testing import demo
-from mlxhost.testing import vlm_demo_gemma3 as gemma3
+from tokenizers import AddedToken, Tokenizer
+
+from mlxhost.testing import demo, vlm_demo_gemma3 as gemma3
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3")
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
@@ -170,8 +171,6 @@ def _build_tokenizer(out: pathlib.Path, config: VlmDemoConfig, extra_tokens: tup
                      chat_template: str = CHAT_TEMPLATE, overrides: dict | None = None) -> dict:
     """The text demo's tokenizer (same ids for the same text) plus `extra_tokens` (special) after its
     vocabulary; `overrides` go into tokenizer_config.json. Returns {token: id} for the special tokens."""
-    from tokenizers import AddedToken, Tokenizer
-
     demo.build_tokenizer(out)
     if config.vocab_size:
         # A benchmark-sized vocabulary: pad the text ids first, so the vision tokens come right after a
@@ -300,7 +299,7 @@ def _processor_files(config: VlmDemoConfig) -> dict:
 
 def make_vlm_model(hf_config: dict):
     """mlx-vlm's Model for a config.json dict, with mlx's default (lazy, never evaluated) initial weights."""
-    from mlx_vlm.utils import get_model_and_args, update_module_configs
+    from mlx_vlm.utils import get_model_and_args, update_module_configs  # optional: the vision extra
 
     # The same steps as mlx_vlm.utils.load_model, minus the weights; from_dict edits its argument.
     params = copy.deepcopy(hf_config)
@@ -312,8 +311,8 @@ def make_vlm_model(hf_config: dict):
 
 def make_random_vlm(config: VlmDemoConfig, hf_config: dict):
     """mlx-vlm's Model for hf_config with seeded random weights (norm gains 1, norm biases 0)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_unflatten
+    import mlx.core as mx  # lazy: mlx only when used
+    from mlx.utils import tree_flatten, tree_unflatten  # lazy: mlx only when used
 
     model = make_vlm_model(hf_config)
     flat = tree_flatten(model.parameters())
@@ -362,7 +361,7 @@ def build_vlm_folder(out_dir, family: str = "qwen2_5_vl", shape: str = "tiny", s
 
 
 def build_vlm_folder_from_config(out_dir, config: VlmDemoConfig) -> pathlib.Path:
-    from mlx_vlm.utils import save_weights
+    from mlx_vlm.utils import save_weights  # optional: the vision extra
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

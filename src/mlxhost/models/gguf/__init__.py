@@ -17,8 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from platformdirs import user_cache_dir
+
+from mlxhost.models.gguf.arch import check_architecture, make_config
 from mlxhost.models.gguf.reader import GGUFError, find_gguf, read_header, split_files
-from mlxhost.models.gguf.weights import GGUFConvertConfig
+from mlxhost.models.gguf.tokenizer import stop_token_ids, write_tokenizer
+from mlxhost.models.gguf.weights import GGUFConvertConfig, convert_weights
 
 __all__ = ["GGUFConvertConfig", "GGUFError", "convert_gguf", "find_gguf", "gguf_cache_dir", "gguf_folder", "prepare_gguf"]
 
@@ -32,12 +36,8 @@ _HEAD_BYTES = 1 << 20
 def convert_gguf(source: str | Path, out: str | Path, cfg: GGUFConvertConfig | None = None) -> Path:
     """Converts a GGUF (a file, the first or any part of a split set, or a folder holding one) into
     the MLX folder `out`, which must not exist or be empty."""
-    import mlx.core as mx
-    from mlx_lm.utils import make_shards
-
-    from mlxhost.models.gguf.arch import check_architecture, make_config
-    from mlxhost.models.gguf.tokenizer import stop_token_ids, write_tokenizer
-    from mlxhost.models.gguf.weights import convert_weights
+    import mlx.core as mx  # lazy: mlx only when used
+    from mlx_lm.utils import make_shards  # lazy: mlx_lm only when used
 
     cfg = cfg or GGUFConvertConfig()
     path = _gguf_path(source)
@@ -88,7 +88,6 @@ def gguf_cache_dir() -> Path:
     env = os.environ.get(ENV_CACHE)
     if env:
         return Path(env).expanduser()
-    from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("mlxhost")) / "gguf"
 

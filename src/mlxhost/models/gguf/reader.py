@@ -58,7 +58,7 @@ class GGUFHeader:
 
     @property
     def tensor_types(self) -> set[str]:
-        from gguf import GGMLQuantizationType
+        from gguf import GGMLQuantizationType  # lazy: gguf only when used
 
         return {GGMLQuantizationType(t.ggml_type).name for t in self.tensors}
 
@@ -113,7 +113,7 @@ class _Cursor:
 
 def read_file_header(path: Path) -> GGUFHeader:
     """One file's metadata and tensor table; raises GGUFError on anything malformed or truncated."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # lazy: gguf only when used
 
     path = Path(path)
     try:

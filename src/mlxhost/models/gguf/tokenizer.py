@@ -11,6 +11,8 @@ import json
 import logging
 from pathlib import Path
 
+from tokenizers import processors
+
 from mlxhost.models.gguf.reader import GGUFError, GGUFHeader
 
 log = logging.getLogger(__name__)
@@ -23,10 +25,11 @@ def _builder():
     """transformers' GGUF tokenizer builder: `convert_gguf_tokenizer(architecture, tokenizer_dict)` and
     its metadata key map (module moved in transformers 5)."""
     try:
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import (GGUF_TOKENIZER_MAPPING,
-                                                                           convert_gguf_tokenizer)
+        # lazy: transformers only when used
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
     except ImportError:
         try:
+            # lazy: transformers only when used
             from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
         except ImportError as exc:
             raise GGUFError("building a tokenizer from GGUF metadata needs transformers' GGUF tokenizer "
@@ -74,8 +77,6 @@ def _add_bos_eos(backend, meta: dict, tokens: list[str]) -> None:
     """BOS / EOS added by the tokenizer itself, as llama.cpp does when the file asks for it (Gemma's and
     Llama's sentencepiece vocabularies): tokenizer_config's add_bos_token alone does not change
     tokenizer.json, which is what a fast tokenizer runs."""
-    from tokenizers import processors
-
     default_bos = meta.get("tokenizer.ggml.model") == "llama"
     wrap = []
     for key, flag, default in (("bos", "add_bos_token", default_bos), ("eos", "add_eos_token", False)):

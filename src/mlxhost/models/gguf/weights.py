@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mlxhost.models.gguf.arch import (GEMMA_NORM_SHIFT, PERMUTED_QK, ROPE_TENSORS, hf_name,
-                                       unpermute_rows)
+from mlxhost.models.gguf.arch import GEMMA_NORM_SHIFT, PERMUTED_QK, ROPE_TENSORS, hf_name, unpermute_rows
 from mlxhost.models.gguf.reader import GGUFError, GGUFHeader, TensorInfo
 
 log = logging.getLogger(__name__)
@@ -61,7 +60,7 @@ def can_load_natively(header: GGUFHeader) -> bool:
 
 
 def convert_weights(header: GGUFHeader, arch: str, cfg: GGUFConvertConfig) -> ConvertedWeights:
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: mlx only when used
 
     names = {t.name for t in header.tensors}
     has_gate = any(n.endswith("ffn_gate.weight") for n in names)
@@ -110,13 +109,13 @@ def convert_weights(header: GGUFHeader, arch: str, cfg: GGUFConvertConfig) -> Co
 
 
 def _type_name(info: TensorInfo) -> str:
-    from gguf import GGMLQuantizationType
+    from gguf import GGMLQuantizationType  # lazy: gguf only when used
 
     return GGMLQuantizationType(info.ggml_type).name
 
 
 def _native_source(header: GGUFHeader):
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: mlx only when used
 
     loaded = {}
     for path in header.files:
@@ -135,8 +134,8 @@ def _native_source(header: GGUFHeader):
 
 
 def _dequantized_source(header: GGUFHeader):
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+    from gguf import GGMLQuantizationType  # lazy: gguf only when used
+    from gguf.quants import dequantize  # lazy: gguf only when used
 
     maps = {path: np.memmap(path, dtype=np.uint8, mode="r") for path in header.files}
 
