@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the agent CLIs pinned in tests/external/clients.txt into one prefix (default
+# Installs the agent CLIs (and the reference MCP server) pinned in tests/external/clients.txt into one prefix (default
 # ~/.cache/mlxhost/agent-clis, or MLXHOST_AGENT_CLIS): npm packages with `npm install -g --prefix`, each PyPI
 # package in a venv of its own (aider pins many packages). Commands land in PREFIX/bin. Idempotent: a client
 # already at its pinned version is left alone, so CI can cache PREFIX between runs.

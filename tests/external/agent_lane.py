@@ -71,7 +71,7 @@ class DemoServer:
 
 
 def start_demo_server(log_path: pathlib.Path, default_max_tokens: int = MAX_OUTPUT_TOKENS,
-                      timeout_s: float = 600) -> DemoServer:
+                      timeout_s: float = 600, extra_args: tuple[str, ...] = ()) -> DemoServer:
     import socket
     import sys
 
@@ -85,7 +85,7 @@ def start_demo_server(log_path: pathlib.Path, default_max_tokens: int = MAX_OUTP
     if openblas and "LD_PRELOAD" not in env:
         env["LD_PRELOAD"] = openblas
     cmd = [sys.executable, "-m", "mlxhost.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--default-max-tokens", str(default_max_tokens), "--no-web-ui"]
+           "--default-max-tokens", str(default_max_tokens), "--no-web-ui", *extra_args]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
