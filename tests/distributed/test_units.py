@@ -14,9 +14,10 @@ import pytest
 import mlxhost.distributed.channel as channel_module
 from mlxhost.distributed.channel import Channel, ControlServer, LostRank, connect
 from mlxhost.distributed.config import DistributedConfig, choose_handoff
-from mlxhost.distributed.engine import DistributedRunner, DivergenceError, RankContext, RecordingStore, StepPlan
+from mlxhost.distributed.engine import DistributedRunner, DivergenceError, RankContext, StepPlan, step_digest
 from mlxhost.distributed.serve import Identity, differences
 from mlxhost.engine.scheduler import SchedulerOutput
+from mlxhost.kv.cache_ops import CacheResults, DropBlock, LoadBlock
 
 
 def test_config_checks_and_layout():
@@ -214,28 +215,6 @@ def tiny(qwen3_model_dir):
     return loaded, probe_kv(loaded.model).layout
 
 
-def test_recording_store_replays_the_schedulers_calls(tiny):
-    from mlxhost.kv.store.kv_store import KVBlock
-
-    _, layout = tiny
-    lead, other = RecordingStore(layout, 16), RecordingStore(layout, 16)
-    for store in (lead, other):
-        for b in (1, 2):
-            store.put(b, bytes([b]), KVBlock({"kv": mx.zeros((1, 1, 16, 1))}))
-    lead.drop(1)  # not recording yet: a runner step's own call
-    assert lead.take_calls() == []
-    other.drop(1)
-    lead.recording = True
-    lead.drop(2)
-    assert not lead.load_from_ssd(b"\x03", (1, 2), 3)  # no SSD tier: a miss, recorded with its result
-    calls = lead.take_calls()
-    assert [c[0] for c in calls] == ["drop", "load_from_ssd"]
-    other.replay(calls)
-    assert other.stats()["memory"]["num_blocks"] == lead.stats()["memory"]["num_blocks"] == 0
-    with pytest.raises(DivergenceError, match="load_from_ssd"):
-        other.replay([("load_from_ssd", (b"\x03", (1, 2), 3), True)])  # rank 0 had it, this rank not
-
-
 class _FakeChannel(Channel):
     def __init__(self, plans):
         self.rank, self.size, self._plans = 1, 2, list(plans)
@@ -251,6 +230,27 @@ def test_a_rank_that_sampled_other_tokens_stops(tiny):
     runner.attach(RankContext(DistributedConfig(tensor_parallel=2), _FakeChannel(plans), seed=0))
     assert runner.follow()  # an empty step: digest of no tokens
     with pytest.raises(DivergenceError, match="diverged"):
+        runner.follow()
+
+
+def test_every_rank_runs_the_plans_cache_ops_and_their_results_are_checked(tiny):
+    from mlxhost.engine.runner.model_runner import StepTokens
+    from mlxhost.kv.store.kv_store import KVBlock, KVBlockStore
+
+    loaded, layout = tiny
+    store = KVBlockStore(layout, 16)
+    for b in (1, 2):
+        store.put(b, bytes([b]), KVBlock({"kv": mx.zeros((1, 1, 16, 1))}))
+    # Rank 0's plan: block 2 evicted, block 3 loaded from disk (rank 0's load succeeded: its digest says so).
+    ops = [DropBlock(2), LoadBlock(3, b"\x03", tuple(range(16)))]
+    lead = step_digest(StepTokens(), CacheResults())
+    plans = [StepPlan(0, SchedulerOutput(cache_ops=ops), digest=0), StepPlan(1, SchedulerOutput(), digest=lead)]
+    runner = DistributedRunner(loaded.model, store=store, block_size=16)
+    runner.attach(RankContext(DistributedConfig(tensor_parallel=2), _FakeChannel(plans), seed=0))
+    assert runner.follow()
+    assert store.stats()["memory"]["num_blocks"] == 1  # the same drop as rank 0's
+    assert runner.cache_results == CacheResults(failed_loads=(3,))  # no SSD tier here: the load failed
+    with pytest.raises(DivergenceError, match="loads"):
         runner.follow()
 
 
@@ -303,8 +303,8 @@ class _ScriptedFollower(Channel):
 def test_every_rank_takes_rank_0s_decode_buckets(tiny):
     # Rank 0 picks buckets for its backend (on MLX-CUDA by default); a follower that padded its batch
     # otherwise would run decode forwards, and so collectives, of other sizes.
-    from mlxhost.distributed.engine import DistributedEngineCore
     from mlxhost.config import EngineConfig
+    from mlxhost.distributed.engine import DistributedEngineCore
 
     loaded, _ = tiny
     ctx = RankContext(DistributedConfig(tensor_parallel=2), _ScriptedFollower([1, 2, 4]), seed=0)

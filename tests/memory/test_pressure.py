@@ -139,12 +139,12 @@ def test_blocks_held_by_running_requests_stay_the_cap_is_soft():
     (tokens,) = fill(prefix, 1)
     commit(sched, "running", 1536)
     held = prefix.lookup("r", list(tokens) + [7])  # a running request attached the block
-    assert len(held) == 1
+    assert len(held.block_ids) == 1
     gov.refresh(readings(3 * GIB))
     assert prefix.max_cached_blocks == 0
     assert prefix.pool.num_cached == 1  # still referenced: kept until the request releases it
     assert not prefix.plan_store(tuple(range(500, 500 + BS)))  # but nothing new is stored
-    prefix.release("r")
+    held.release()
     assert prefix.pool.num_cached == 0  # released past the cap: given back at once
 
 

@@ -1,13 +1,13 @@
 """The engine core of a distributed server: rank 0 plans, every rank runs the same step.
 
-Each step rank 0 sends a `StepPlan`: the scheduler's output, the requests that start prefilling (plain
-data), and the calls the scheduler made on the prefix cache's physical half since the last step
-(evictions, SSD loads, resume checks). The other ranks replay those calls on their own shard of the
-cache and run the same `ModelRunner.execute`, so their KV caches, prefix blocks and random state
-stay the same as rank 0's. Sampling needs no exchange: after mlx-lm's all-reduce (tensor parallel)
-or all-gather (pipeline) every rank holds the same logits, and all ranks start from one seed. That
-is checked, not assumed: each plan carries a checksum of the tokens rank 0 sampled last step, and a
-rank that sampled others stops (and with it the server) instead of serving a diverged model.
+Each step rank 0 sends a `StepPlan`: the scheduler's output, which carries the prefix cache's physical
+work as ops (evictions, SSD loads, resume checks), and the requests that start prefilling (plain data).
+Every rank runs the same `ModelRunner.execute`, which runs those ops on its own shard of the cache first,
+so their KV caches, prefix blocks and random state stay the same as rank 0's. Sampling needs no exchange:
+after mlx-lm's all-reduce (tensor parallel) or all-gather (pipeline) every rank holds the same logits, and
+all ranks start from one seed. That is checked, not assumed: each plan carries a checksum of the tokens rank
+0 sampled last step, and a rank that sampled others stops (and with it the server) instead of serving a diverged model. The
+checksum covers what the ops found too (a load that failed on one rank only: its SSD shard differs).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pickle
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import mlx.core as mx
 
@@ -31,7 +31,7 @@ from mlxhost.engine.request import Request
 from mlxhost.engine.runner.model_runner import ModelRunner, StepTokens
 from mlxhost.engine.scheduler import SchedulerOutput
 from mlxhost.engine.warmup import BackgroundWarmup, tile_compiler
-from mlxhost.kv.store.kv_store import KVBlockStore
+from mlxhost.kv.cache_ops import CacheResults
 from mlxhost.memory.profile import startup_budget
 from mlxhost.platform.quantized_rows import row_layers, set_tiled_rows
 
@@ -60,7 +60,6 @@ class StepPlan:
     step: int
     sched: SchedulerOutput | None  # None: shut down
     new_requests: list[Request] = field(default_factory=list)
-    store_calls: list[tuple[str, tuple, Any]] = field(default_factory=list)
     digest: int = 0  # of the tokens rank 0 got from the previous step
     # Rank 0's tiled-kernel limit (platform/quantized_rows.py `tiled_rows`), None where the model has no
     # row-folding layers: every rank switches a row count to the tiled kernel at the same step, so the layers
@@ -68,61 +67,8 @@ class StepPlan:
     tiled_rows: int | None = None
 
 
-def step_digest(out: StepTokens) -> int:
-    return zlib.crc32(pickle.dumps((out.request_ids, out.token_ids, sorted(out.failed))))
-
-
-class RecordingStore(KVBlockStore):
-    """Rank 0's physical half of the prefix cache, recording the calls the scheduler makes on it
-    between runner steps, for the other ranks to replay on their shards (same block ids, same
-    hashes). Calls made inside a runner step are not recorded: every rank makes those itself."""
-
-    _REPLAYED = ("drop", "load_from_ssd", "can_resume", "release", "clear_ssd")
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.recording = False
-        self._calls: list[tuple[str, tuple, Any]] = []
-        self._depth = 0
-
-    def _call(self, name: str, args: tuple) -> Any:
-        self._depth += 1
-        try:
-            result = getattr(super(), name)(*args)
-        finally:
-            self._depth -= 1
-        if self.recording and self._depth == 0:  # not the calls a recorded call makes itself
-            self._calls.append((name, args, result))
-        return result
-
-    def drop(self, block_id: int) -> None:
-        self._call("drop", (block_id,))
-
-    def load_from_ssd(self, block_hash: bytes, token_ids: Sequence[int], block_id: int) -> bool:
-        return self._call("load_from_ssd", (block_hash, tuple(token_ids), block_id))
-
-    def can_resume(self, request_id: str, block_ids: Sequence[int], block_hash: bytes,
-                   token_ids: Sequence[int]) -> bool:
-        return self._call("can_resume", (request_id, list(block_ids), block_hash, tuple(token_ids)))
-
-    def release(self, request_id: str) -> None:
-        self._call("release", (request_id,))
-
-    def clear_ssd(self) -> int:
-        return self._call("clear_ssd", ())
-
-    def take_calls(self) -> list[tuple[str, tuple, Any]]:
-        calls, self._calls = self._calls, []
-        return calls
-
-    def replay(self, calls: list[tuple[str, tuple, Any]]) -> None:
-        for name, args, expected in calls:
-            if name not in self._REPLAYED:
-                raise DivergenceError(f"unknown prefix-cache call {name!r} from rank 0")
-            result = getattr(KVBlockStore, name)(self, *args)
-            if name in ("load_from_ssd", "can_resume") and result != expected:
-                raise DivergenceError(f"prefix cache: {name}{args[:1]} gave {result} here, {expected} on rank 0 "
-                                      "(this rank's SSD tier or snapshots differ)")
+def step_digest(out: StepTokens, cache_results: CacheResults = CacheResults()) -> int:
+    return zlib.crc32(pickle.dumps((out.request_ids, out.token_ids, sorted(out.failed), cache_results)))
 
 
 class DistributedRunner(ModelRunner):
@@ -151,9 +97,8 @@ class DistributedRunner(ModelRunner):
         ctx = self.ctx
         new = [requests[c.request_id] for c in sched.prefill_chunks if c.request_id not in self._sent]
         self._sent.update(r.request_id for r in new)
-        calls = self.store.take_calls() if isinstance(self.store, RecordingStore) else []
         tiled = self._row_layers[0].tiled_rows if self._row_layers else None
-        plan = StepPlan(self._step, sched, new, calls, self._digest, tiled)
+        plan = StepPlan(self._step, sched, new, digest=self._digest, tiled_rows=tiled)
         what = describe(sched, self._step)
         started = time.perf_counter()
         ctx.supervisor.step_started(what)
@@ -190,21 +135,12 @@ class DistributedRunner(ModelRunner):
             del mine[step]
 
     def shutdown(self) -> None:
-        # Calls made since the last step (e.g. DELETE /v1/cache's SSD clear) still reach every rank.
-        calls = self.store.take_calls() if isinstance(self.store, RecordingStore) else []
-        self.ctx.channel.broadcast_last(StepPlan(self._step, None, store_calls=calls))
+        self.ctx.channel.broadcast_last(StepPlan(self._step, None))
 
     # -- every rank ----------------------------------------------------------------------------
     def _run(self, sched: SchedulerOutput, requests: dict[str, Request]) -> StepTokens:
-        recording = isinstance(self.store, RecordingStore) and self.store.recording
-        if recording:
-            self.store.recording = False  # the step's own store calls happen on every rank
-        try:
-            out = super().execute(sched, requests)
-        finally:
-            if recording:
-                self.store.recording = True
-        self._digest = step_digest(out)
+        out = super().execute(sched, requests)
+        self._digest = step_digest(out, self.cache_results)
         calls = self.model.take_calls() if hasattr(self.model, "take_calls") else []
         if self.ctx.rank == 0:
             self._forwards[self._step] = calls
@@ -224,12 +160,9 @@ class DistributedRunner(ModelRunner):
         waiting = time.perf_counter()
         plan: StepPlan = channel.broadcast()
         if plan.sched is not None and (plan.step != self._step or plan.digest != self._digest):
-            raise DivergenceError(f"step {self._step}: rank 0 sampled other tokens in the previous step (or is at "
-                                  f"step {plan.step}); the ranks diverged")
-        if plan.store_calls:
-            if not isinstance(self.store, RecordingStore):
-                raise DivergenceError("rank 0 has a prefix cache and this rank has none")
-            self.store.replay(plan.store_calls)
+            raise DivergenceError(f"step {self._step}: rank 0 sampled other tokens in the previous step, or its "
+                                  f"prefix cache's loads found other blocks (or it is at step {plan.step}); the "
+                                  "ranks diverged")
         if plan.sched is None:
             return False
         if plan.tiled_rows is not None and self._row_layers and self._row_layers[0].tiled_rows != plan.tiled_rows:
@@ -258,7 +191,6 @@ def describe(sched: SchedulerOutput, step: int) -> str:
 
 class DistributedEngineCore(EngineCore):
     runner_cls = DistributedRunner
-    store_cls = RecordingStore
 
     def __init__(self, model: Any, tokenizer: Any, config: Any, max_model_len: int, buckets: list[int] | None = None,
                  model_key: str = "", *, ctx: RankContext) -> None:
@@ -274,8 +206,6 @@ class DistributedEngineCore(EngineCore):
         # The rank layout is part of the key: blocks of another layout (other shards) never match.
         super().__init__(model, tokenizer, config, max_model_len, buckets, f"{model_key}:{ctx.dist.layout}")
         self.runner.attach(ctx)
-        if isinstance(self.runner.store, RecordingStore):
-            self.runner.store.recording = ctx.rank == 0
         self._agree_on_capacity()
 
     def _startup_budget(self, model: Any, chunk_tokens: int, rules: Any, make_cache: Any = None):

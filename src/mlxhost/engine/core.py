@@ -221,6 +221,8 @@ class EngineCore:
             now = time.monotonic()
             log.debug("prefill: %s", "; ".join(describe_progress(request_progress(self._requests[c.request_id], now))
                                                for c in sched.prefill_chunks if c.request_id in self._requests))
+        if self.prefix is not None:
+            self.prefix.finish_ops(self.runner.cache_results)  # what the plan's loads and checks found
         if step.failed_block_ids:
             self.prefix.discard_stores(step.failed_block_ids)
         outputs = [self._fail(rid, why) for rid, why in step.failed.items() if rid in self._requests]
@@ -391,15 +393,16 @@ class EngineCore:
         return vision_stats(self.vision_cache, self.runner.mm)
 
     def clear_cache(self) -> int:
-        """Both tiers (and the vision cache); blocks held by running requests stay until those finish."""
+        """Both tiers (and the vision cache); blocks held by running requests stay until those finish. Returns
+        the memory blocks dropped; their arrays and the SSD files go with the next step's plan (on every rank),
+        which the engine loop runs right after this call."""
         from mlxhost.memory.release import give_back_memory
 
         if self.vision_cache is not None:
             self.vision_cache.clear()
         n = 0
         if self.prefix is not None:
-            n = self.prefix.clear()
-            n += self.runner.store.clear_ssd()  # both tiers, blocks and snapshots
+            n = self.prefix.clear(disk=True)
         give_back_memory()  # on the engine thread, which owns the MLX stream whose buffers are cached
         return n
 

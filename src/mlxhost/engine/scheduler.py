@@ -18,11 +18,12 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from mlxhost.kv.inflight import InflightBlocks
-from mlxhost.kv.prefix_cache import PrefixCacheManager, StoreOp
 from mlxhost.config import EngineConfig
 from mlxhost.engine.request import Request, RequestStatus
 from mlxhost.engine.step_cost import StepCostModel
+from mlxhost.kv.cache_ops import CacheOp
+from mlxhost.kv.inflight import InflightBlocks
+from mlxhost.kv.prefix_cache import PrefixCacheManager, PrefixHold, StoreOp
 from mlxhost.memory.capacity import KVCapacity
 
 
@@ -50,10 +51,12 @@ class SchedulerOutput:
     # Requests sent back to the queue to make room for better-priority ones (also in finished_request_ids:
     # the runner drops their state the same way; the engine core keeps them).
     preempted_request_ids: list[str] = field(default_factory=list)
+    # The prefix cache's physical work (drops, SSD loads, resume checks), run by the store before anything else.
+    cache_ops: list[CacheOp] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.prefill_chunks or self.decode_request_ids or self.finished_request_ids)
+        return not (self.prefill_chunks or self.decode_request_ids or self.finished_request_ids or self.cache_ops)
 
 
 def split_prefill_budget(num_left: list[int], budget: int, max_rows: int) -> list[int]:
@@ -103,6 +106,8 @@ class Scheduler:
         # recurrent state (a snapshot exists only where a forward stopped): set for such models.
         self.align_chunks = align_chunks and prefix is not None
         self._next_store_block: dict[str, int] = {}  # prefilling request -> its first block not planned
+        self._holds: dict[str, PrefixHold] = {}  # running request -> its hold on the prefix cache
+        self._settling: list[str] = []  # running requests whose hit waits for the plan's loads or check
         self.waiting: deque[Request] = deque()
         # Insertion order is admission order: prefill work goes to the oldest request first.
         self.running: dict[str, Request] = {}
@@ -177,6 +182,10 @@ class Scheduler:
         self._finished_ids = []
         if self.prefix is not None:
             self._plan_stores(out)
+        else:
+            for request in self._finished:
+                self._leave(request)
+            self._finished = []
 
         # Requests whose prompt finished in an earlier step decode now.
         out.decode_request_ids = [r.request_id for r in self.running.values() if r.is_prefill_done]
@@ -184,7 +193,8 @@ class Scheduler:
         self._num_steps += 1
         self._admit(out)
 
-        prefilling = [r for r in self.running.values() if not r.is_prefill_done]
+        # A request whose hit waits for the plan's loads or check prefills once their results are in.
+        prefilling = [r for r in self.running.values() if not r.is_prefill_done and not self._is_loading(r)]
         if len(prefilling) > 1:  # stable: within a class, the oldest admitted first
             prefilling.sort(key=lambda r: self._admitted_rank[r.request_id])
         sizes = split_prefill_budget([r.num_prompt_tokens_left for r in prefilling], self._prefill_budget(out),
@@ -200,7 +210,13 @@ class Scheduler:
             out.prefill_chunks.append(
                 PrefillChunk(request.request_id, start, n, is_last=request.is_prefill_done)
             )
+        if self.prefix is not None:
+            out.cache_ops = self.prefix.take_ops()
         return out
+
+    def _is_loading(self, request: Request) -> bool:
+        hold = self._holds.get(request.request_id)
+        return hold is not None and hold.loading
 
     def _prefill_budget(self, out: SchedulerOutput) -> int:
         """Prompt tokens this step prefills: `prefill_step_size`, or less while rows decode, as much as keeps
@@ -284,9 +300,7 @@ class Scheduler:
             # resumption hits them and recomputes only the tail.
             ops = self._ops(request) if request.is_prefill_done else self._prefill_ops(request)
             self._keep(out, request, ops, prompt_done=True)
-            self.prefix.release(rid)
-        if request in self._at_boundary:
-            self._at_boundary.remove(request)
+        self._leave(request)
         del self.running[rid]
         del self._admitted_rank[rid]
         if rid in out.decode_request_ids:
@@ -306,9 +320,21 @@ class Scheduler:
         rid, prefix, tokens = request.request_id, self.prefix, request.prefill_token_ids
         hashes = prefix.hashes(tokens, request.block_key_spans, request.block_hashes)
         # A scored prompt needs every position's logits: nothing comes from the cache (its blocks are stored).
-        request.cached_block_ids = ([] if request.sampling.prompt_logprobs is not None else
-                                    prefix.lookup(rid, tokens, request.block_key_spans, hashes))
-        request.num_cached_tokens = len(request.cached_block_ids) * prefix.block_size
+        scored = request.sampling.prompt_logprobs is not None
+        self._holds[rid] = prefix.lookup(rid, tokens, request.block_key_spans, hashes, max_blocks=0 if scored else None)
+        request.cached_block_ids = []
+        request.num_cached_tokens = request.num_computed_tokens = 0
+        if self._holds[rid].loading:
+            self._settling.append(rid)
+        else:
+            self._use_hit(request)
+
+    def _use_hit(self, request: Request) -> None:
+        """The request starts after its hold's blocks (known now, or once the plan's loads and check are in)."""
+        rid, prefix, hold = request.request_id, self.prefix, self._holds[request.request_id]
+        hashes = prefix.hashes(request.prefill_token_ids, request.block_key_spans, request.block_hashes)
+        request.cached_block_ids = hold.block_ids
+        request.num_cached_tokens = hold.num_tokens
         request.num_computed_tokens = request.num_cached_tokens
         if request.cache_ttl_s:  # a hit renews the client's keep hint, as a hit renews Anthropic's TTL
             prefix.keep(hashes[: len(request.cached_block_ids)], request.cache_ttl_s)
@@ -399,12 +425,7 @@ class Scheduler:
         del self.running[request_id]
         self._forget(request_id)
         self._finished_ids.append(request_id)
-        if request in self._at_boundary:
-            self._at_boundary.remove(request)
-        if self.prefix is not None:
-            self.prefix.release(request_id)
-            self.inflight.release(request_id)  # none of it will be stored: waiters compute it themselves
-            self._next_store_block.pop(request_id, None)
+        self._leave(request)  # none of its KV is stored: waiters compute it themselves
 
     def _check_stop(self, request: Request, token: int, num_output_tokens: int) -> RequestStatus | None:
         """Whether `token`, as the request's `num_output_tokens`-th output token, ends it."""
@@ -423,9 +444,9 @@ class Scheduler:
         """After a failed step: every request was aborted; drop the bookkeeping for them."""
         self._finished_ids = []
         self._at_boundary = []
+        for request in self._finished:
+            self._leave(request)
         if self.prefix is not None:
-            for request in self._finished:
-                self.prefix.release(request.request_id)
             self.prefix.finish_stores()
             self.prefix.clear()
         self._finished = []
@@ -435,6 +456,9 @@ class Scheduler:
     def _plan_stores(self, out: SchedulerOutput) -> None:
         self.prefix.finish_stores()  # the last step's planned copies were made
         self.inflight.copied()
+        for rid in [rid for rid in self._settling if not self._holds[rid].loading]:
+            self._settling.remove(rid)  # its hit's loads and check came back in the last step
+            self._use_hit(self.running[rid])
         for request in self.running.values():
             if not request.is_prefill_done:
                 # The chunks prefilled so far: their full blocks are stored now, not when the prompt ends,
@@ -450,7 +474,7 @@ class Scheduler:
             # in its prefill has the prefill cache of the chunks it computed.
             ops = self._ops(request) if request.num_output_tokens > 0 else self._prefill_ops(request)
             self._keep(out, request, ops, prompt_done=True)
-            self.prefix.release(request.request_id)
+            self._leave(request)
             if request.cache_ttl_s:  # its prompt's blocks (stored now or before) stay ahead of plain LRU eviction
                 self.prefix.keep(self.prefix.hashes(request.prompt_token_ids, request.block_key_spans,
                                                     request.block_hashes), request.cache_ttl_s)
@@ -476,6 +500,20 @@ class Scheduler:
         if prompt_done:  # every prompt block it could store is planned: it computes no more of them
             self.inflight.release(request.request_id)
             self._next_store_block.pop(request.request_id, None)
+
+    def _leave(self, request: Request) -> None:
+        """The one place a request's hold on the prefix cache goes: finished or aborted (at the next schedule,
+        once its stores are planned), failed (at once: nothing of it is stored) or preempted."""
+        rid = request.request_id
+        hold = self._holds.pop(rid, None)
+        if hold is not None:
+            hold.release()
+        self.inflight.release(rid)
+        self._next_store_block.pop(rid, None)
+        if rid in self._settling:
+            self._settling.remove(rid)
+        if request in self._at_boundary:
+            self._at_boundary.remove(request)
 
     def _forget(self, request_id: str) -> None:
         self._arrived.pop(request_id, None)

@@ -5,36 +5,33 @@ Stored blocks are immutable copies: a running request attaches them to its own c
 and writes its new tokens there, never into a shared block. Divergence inside a block therefore
 needs no copy-on-write at run time: the diverging block simply has another hash and is computed.
 Blocks stay referenced while a request that hit them runs, so eviction never takes them.
+
+The physical half is never called from here: evictions, reads from the SSD tier and the checks of where a hit
+can resume are queued as ops (`cache_ops.py`) that the step plan carries to the store; their results come back
+through `finish_ops` before the next step is scheduled. A hit that needs them waits for them (`PrefixHold.loading`).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
-
-EvictCallback = Callable[[bytes, int], None]
-# Asked on a memory miss (a second tier, e.g. SSD): fill block `block_id` with the data stored under
-# this hash and these tokens, and say whether it could.
-ColdLookup = Callable[[bytes, Sequence[int], int], bool]
-# Cheap "does the second tier hold this hash?", asked before a block is taken for a cold load.
-ColdContains = Callable[[bytes], bool]
-# (start, end, content hash) of a prompt's image/video placeholder runs; see hashing.extend_block_hashes.
-MediaSpans = Sequence[tuple[int, int, str]]
-
-
-class ResumeCheck(Protocol):
-    """The physical half's say on where a hit may end (sliding windows, recurrent snapshots)."""
-
-    def can_resume(self, request_id: str, block_ids: Sequence[int], block_hash: bytes,
-                   token_ids: Sequence[int]) -> bool: ...
-
-    def release(self, request_id: str) -> None: ...
-
-    def take_lost_windows(self) -> list[int]: ...
+from typing import Callable, Sequence
 
 from mlxhost.kv.block_pool import Block, BlockPool
+from mlxhost.kv.cache_ops import (
+    CacheOp,
+    CacheResults,
+    CheckResume,
+    ClearDisk,
+    DiskIndex,
+    DropBlock,
+    LoadBlock,
+    UnpinSnapshot,
+)
 from mlxhost.kv.hashing import extend_block_hashes
+
+# (start, end, content hash) of a prompt's image/video placeholder runs; see hashing.extend_block_hashes.
+MediaSpans = Sequence[tuple[int, int, str]]
 
 
 @dataclass(frozen=True)
@@ -49,27 +46,54 @@ class StoreOp:
     is_row_end: bool = False
 
 
+class PrefixHold:
+    """A request's hold on the prefix cache, from its lookup to the one place it leaves the scheduler: the hit
+    blocks it references and, where the store checks hits (sliding windows, recurrent state), the snapshot that
+    check pinned for it. `loading` while the plan's loads or check for it are out: its prefill waits for them.
+    `release()` gives everything back once; calling it again does nothing."""
+
+    def __init__(self, manager: PrefixCacheManager, request_id: str, blocks: list[Block]) -> None:
+        self._manager = manager
+        self.request_id = request_id
+        self.blocks = blocks
+        self.pinned = False  # a CheckResume ran or is planned for it: the store may pin a snapshot
+        self.loading = False
+        self.released = False
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.blocks) * self._manager.block_size
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._manager._release(self)
+
+
 class PrefixCacheManager:
     def __init__(
         self,
         num_blocks: int,
         block_size: int,
         model_key: str,
-        on_evict: EvictCallback | None = None,
-        lookup_cold: ColdLookup | None = None,
-        has_cold: ColdContains | None = None,
-        resume: ResumeCheck | None = None,
+        disk: DiskIndex | None = None,
+        check_resume: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.block_size = block_size
         self.model_key = model_key
-        # Called the moment a block's hash is dropped, before its id is handed out again, so the
-        # physical store can free (or spill) the data in time.
-        self.pool = BlockPool(num_blocks, block_size, on_evict=on_evict, clock=clock)
-        self._lookup_cold = lookup_cold
-        self._has_cold = has_cold
-        self._resume = resume
-        self._held: dict[str, list[Block]] = {}
+        # An evicted block's arrays are dropped by the store at the start of the next step (a DropBlock op),
+        # before the block's new data (a copy or a load planned in the same step) arrives.
+        self.pool = BlockPool(num_blocks, block_size, on_evict=self._on_evict, clock=clock)
+        self.disk = disk  # hashes the SSD tier holds: a memory miss found there is loaded by the plan
+        self.check_resume = check_resume  # the store says where a hit may end (sliding windows, snapshots)
+        self._ops: list[CacheOp] = []  # for the next plan, in the order they were decided
+        self._loads: dict[int, LoadBlock] = {}  # block id -> its load, until the plan's results come back
+        self._waiting: list[PrefixHold] = []  # holds whose loads or check are out
         self._writing: list[Block] = []  # planned stores, held until the runner has copied them
         self.max_cached_blocks = num_blocks  # lowered under memory pressure, see set_max_cached_blocks
         self.num_queried_tokens = 0
@@ -103,57 +127,99 @@ class PrefixCacheManager:
 
     # -- admission -----------------------------------------------------------------------------
     def lookup(self, request_id: str, token_ids: Sequence[int], media_spans: MediaSpans = (),
-               hashes: list[bytes] | None = None) -> list[int]:
-        """Ids of the longest run of cached full blocks at the start of the prompt, now held by
-        `request_id`. At least one prompt token is always left to compute (it yields the logits).
-        `hashes`: the prompt's block hashes if the caller keeps them (see `hashes`)."""
+               hashes: list[bytes] | None = None, max_blocks: int | None = None) -> PrefixHold:
+        """The hold of `request_id` on the longest run of cached full blocks at the start of the prompt (at most
+        `max_blocks`). At least one prompt token is always left to compute (it yields the logits). Blocks
+        only on disk are loaded by the plan, and where the store checks hits a check is planned: such a hold
+        is `loading` until `finish_ops` settles it. `hashes`: the prompt's block hashes if the caller keeps
+        them (see `hashes`)."""
         bs = self.block_size
-        hashes = self.hashes(token_ids, media_spans, hashes)[: (len(token_ids) - 1) // bs]
-        hits: list[Block] = []
+        hashes = self.hashes(token_ids, media_spans, hashes)[: (len(token_ids) - 1) // bs][:max_blocks]
+        hold = PrefixHold(self, request_id, [])
+        if max_blocks == 0:
+            return hold
         for i, h in enumerate(hashes):
             tokens = token_ids[i * bs : (i + 1) * bs]
             block = self.pool.lookup(h, tokens)
-            if block is None and self._lookup_cold is not None:
+            if block is None:
                 block = self._load_cold(h, tokens)
             if block is None:
                 break
             self.pool.touch([block])
-            hits.append(block)
-        if self._resume is not None:
-            # Stop at the deepest block where the physical half can resume (its window blocks carry
-            # sliding KV, a state snapshot exists there); the deeper blocks are handed back.
-            while hits and not self._resume.can_resume(request_id, [b.block_id for b in hits],
-                                                       hits[-1].block_hash, hits[-1].token_ids):
-                self.pool.free([hits.pop()])
-            for block_id in self._resume.take_lost_windows():
-                self.pool.uncache(self.pool.blocks[block_id])  # stored whole again by the recompute
-        self._held[request_id] = hits
+            hold.blocks.append(block)
+            hold.loading = hold.loading or block.block_id in self._loads  # its data comes with this plan
+        if hold.blocks and self.check_resume:
+            blocks = hold.blocks
+            self._ops.append(CheckResume(request_id, tuple(b.block_id for b in blocks),
+                                         tuple(b.block_hash for b in blocks), tuple(b.token_ids for b in blocks)))
+            hold.pinned = hold.loading = True
         self.num_queried_tokens += len(token_ids)
-        self.num_hit_tokens += len(hits) * bs
-        return [b.block_id for b in hits]
+        if hold.loading:
+            self._waiting.append(hold)
+        else:
+            self.num_hit_tokens += hold.num_tokens
+        return hold
 
     def _load_cold(self, block_hash: bytes, tokens: Sequence[int]) -> Block | None:
-        if self.pool.num_free == 0:
-            return None
-        # Taking a block may evict the LRU cached one: without this check every cold miss (any new
+        """A block taken for the SSD tier's copy of this hash (loaded by the plan), or None."""
+        # Taking a block may evict the LRU cached one: without the index check every cold miss (any new
         # prompt's first uncached block) cost a memory block that later prompts could have hit.
-        if self._has_cold is not None and not self._has_cold(block_hash):
+        if self.disk is None or self.pool.num_free == 0 or not self.disk.contains(block_hash):
             return None
         if not self._make_room():
             return None
         (block,) = self.pool.allocate(1)
-        if not self._lookup_cold(block_hash, tokens, block.block_id):
-            self.pool.free([block])
+        if self.pool.cache_full_block(block, block_hash, tokens) is not block or not block.is_cached:
+            self.pool.free([block])  # a collision: never served
             return None
-        self.pool.cache_full_block(block, block_hash, tokens)
         self.pool.free([block])  # the caller touches it like any memory hit
+        load = LoadBlock(block.block_id, block_hash, tuple(tokens))
+        self._ops.append(load)
+        self._loads[block.block_id] = load
         return block
 
-    def release(self, request_id: str) -> None:
+    def finish_ops(self, results: CacheResults) -> None:
+        """The last plan's ops ran: a block whose load failed is forgotten (the requests that hit it compute it),
+        and every waiting hold ends before its first such block and where its check found it can resume."""
+        failed = set(results.failed_loads)
+        for block_id in failed:
+            load, block = self._loads.get(block_id), self.pool.blocks[block_id]
+            if load is not None and block.block_hash == load.block_hash:
+                self.pool.uncache(block)
+        self._loads.clear()
+        for hold in self._waiting:
+            n = next((i for i, b in enumerate(hold.blocks) if b.block_id in failed), len(hold.blocks))
+            if hold.pinned:  # no check made (none in the plan that ran): no depth it may resume at
+                n = min(n, results.depth_of(hold.request_id) or 0)
+            self.pool.free(reversed(hold.blocks[n:]))  # handed back, still cached (unless their load failed)
+            del hold.blocks[n:]
+            hold.loading = False
+            self.num_hit_tokens += hold.num_tokens
+        self._waiting = []
+        for block_id in results.lost_windows:
+            block = self.pool.blocks[block_id]
+            if block.ref_count == 0:  # without its sliding KV: forgotten, so a recompute stores it whole
+                self.pool.uncache(block)
+
+    def take_ops(self) -> list[CacheOp]:
+        """The ops decided since the last call, for the step plan."""
+        ops, self._ops = self._ops, []
+        return ops
+
+    def _on_evict(self, block_hash: bytes, block_id: int) -> None:
+        load = self._loads.pop(block_id, None)
+        if load is not None and load in self._ops:  # evicted before the plan left: never loaded
+            self._ops.remove(load)
+        self._ops.append(DropBlock(block_id))
+
+    def _release(self, hold: PrefixHold) -> None:
         # Tail first: a prompt's last blocks are evicted before the head other requests share.
-        self.pool.free(reversed(self._held.pop(request_id, [])))
-        if self._resume is not None:
-            self._resume.release(request_id)
+        self.pool.free(reversed(hold.blocks))
+        hold.blocks = []
+        if hold.pinned:
+            self._ops.append(UnpinSnapshot(hold.request_id))
+        if hold in self._waiting:
+            self._waiting.remove(hold)
         if self.pool.num_cached > self.max_cached_blocks:  # held past a lowered cap: give them back now
             self.evict_to(self.max_cached_blocks)
 
@@ -232,11 +298,14 @@ class PrefixCacheManager:
         """Hit counters from zero (after start-up's warm-up traffic, which is no one's)."""
         self.num_queried_tokens = self.num_hit_tokens = 0
 
-    def clear(self) -> int:
-        """Drops every unreferenced block. Call between steps only: the blocks planned in the last
-        step are then copied, but stay held until the next `schedule()`, which never comes while
-        the engine is idle; without finishing them here DELETE /v1/cache left them cached."""
+    def clear(self, disk: bool = False) -> int:
+        """Drops every unreferenced block (their arrays go with the next plan), and with `disk` the SSD tier's
+        files too. Call between steps only: the blocks planned in the last step are then copied, but stay held
+        until the next `schedule()`, which never comes while the engine is idle; without finishing them here
+        DELETE /v1/cache left them cached."""
         self.finish_stores()
+        if disk and self.disk is not None:
+            self._ops.append(ClearDisk())
         return self.pool.evict_unreferenced(self.pool.num_cached)
 
     def stats(self) -> dict:

@@ -6,13 +6,13 @@ import logging
 import os
 from typing import Any
 
+from mlxhost.config import EngineConfig
 from mlxhost.kv.kinds.kv_quant import KVQuantPlan
 from mlxhost.kv.kinds.probe import KVProbe
 from mlxhost.kv.prefix_cache import PrefixCacheManager
 from mlxhost.kv.store.kv_store import KVBlockStore
 from mlxhost.kv.store.ssd_format import BlockMeta
 from mlxhost.kv.store.ssd_tier import SSDTier
-from mlxhost.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +63,9 @@ def make_prefix_cache(
         log.info("SSD tier at %s: %d blocks found", config.ssd_cache_dir, ssd.stats()["num_blocks"])
     store = store_cls(layout, config.block_size, ssd, dtype, snapshot_bytes, tiers)
     needs_check = any(role.optional for role in layout.roles)
-    manager = PrefixCacheManager(num_blocks, config.block_size, model_key, on_evict=lambda h, b: store.drop(b),
-                                 lookup_cold=store.load_from_ssd if ssd else None,
-                                 has_cold=ssd.contains if ssd else None,
-                                 resume=store if needs_check else None)
+    # The manager reads the SSD tier's index (plain data) and calls nothing of the store: its decisions reach
+    # the store as ops in the step plan (kv/cache_ops.py).
+    manager = PrefixCacheManager(num_blocks, config.block_size, model_key, disk=ssd, check_resume=needs_check)
     log.info("prefix cache: %d blocks of %d tokens (%.1f MB each, %.2f GB in all)%s", num_blocks,
              config.block_size, block_bytes / 1e6, num_blocks * block_bytes / 1e9,
              f", state snapshots {snapshot_bytes / 1e6:.1f} MB" if snapshot_bytes else "")
