@@ -55,7 +55,7 @@ def _raw(model, prompt_ids: list[int], max_tokens: int) -> dict:
 
 
 def _core(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens: int, label: str) -> dict:
-    from mlxhost.engine.core import EngineCore  # lazy: keeps mlx, mlx_lm, llguidance off this module's import
+    from mlxhost.engine.core import EngineCore  # lazy: pulls in mlx_lm
 
     core = EngineCore(loaded.model, loaded.tokenizer, cfg, 1 << 20)
     best = None
@@ -95,8 +95,7 @@ def _core_on_thread(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens
 
 async def _async(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens: int,
                  switch_s: float | None = None) -> dict:
-    # lazy: keeps fastapi, llguidance, prometheus_client ... off this module's import
-    from mlxhost.server.app import make_engine
+    from mlxhost.server.app import make_engine  # lazy: pulls in fastapi
 
     previous = sys.getswitchinterval()
     if switch_s is not None:

@@ -29,8 +29,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 async def run_gap_round(loaded, engine_config: EngineConfig, num_streams: int, stream_prompt_tokens: int,
                         long_prompt_tokens: int, seed: int) -> dict:
-    # lazy: keeps fastapi, llguidance, prometheus_client ... off this module's import
-    from mlxhost.server.app import make_engine, resolve_max_model_len
+    from mlxhost.server.app import make_engine, resolve_max_model_len  # lazy: pulls in fastapi
 
     engine = make_engine(loaded, engine_config, resolve_max_model_len(loaded, engine_config))
     engine.start(asyncio.get_running_loop())

@@ -31,7 +31,15 @@ from tokenizers import Tokenizer
 from mlxhost.bench.compare import _free_port
 from mlxhost.bench.report import format_table, write_json
 from mlxhost.bench.serve import ServeBenchConfig, default_json_path, int_list, run_level, run_serve_bench
-from mlxhost.testing.demo import EOS_TOKEN, PAD_TOKEN, SHAPES, _pad_vocab, _vocab_size, build_tokenizer
+from mlxhost.testing.demo import (
+    EOS_TOKEN,
+    PAD_TOKEN,
+    SHAPES,
+    _pad_vocab,
+    _vocab_size,
+    build_model_folder,
+    build_tokenizer,
+)
 
 GREEDY_PROMPTS = ["The history of the river begins", "def fibonacci(n):", "Once upon a time, in a small town",
                   "The three laws of motion are"]
@@ -66,7 +74,6 @@ def ensure_shape(root: Path, shape: str, bits: int | None) -> Path:
     print(f"building {folder} (random weights)", flush=True)
     if shape in QWEN2_SHAPES:
         return _build_qwen2(folder, QWEN2_SHAPES[shape], bits)
-    from mlxhost.testing.demo import build_model_folder
 
     config = dataclasses.replace(shapes()[shape], quantize_bits=bits or None, quantize_with_converter=False)
     return build_model_folder(folder, config)

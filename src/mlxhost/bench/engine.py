@@ -18,7 +18,8 @@ from mlxhost.bench.serve_request import RequestResult, make_prompt
 from mlxhost.config import EngineConfig
 from mlxhost.engine.request import Request, SamplingParams
 from mlxhost.models.loader import load_model
-from mlxhost.testing.demo import ensure_demo_model
+from mlxhost.platform.backend import default_prefill_step_size
+from mlxhost.testing.demo import SHAPES, build_model_folder, ensure_demo_model
 
 
 async def run_one(engine, tokenizer, cfg: ServeBenchConfig, prompt: str, eos,
@@ -49,8 +50,7 @@ async def run_one(engine, tokenizer, cfg: ServeBenchConfig, prompt: str, eos,
 
 
 async def run_engine_bench(cfg: ServeBenchConfig, model_path: str | None, engine_config: EngineConfig) -> dict:
-    # lazy: keeps fastapi, llguidance, prometheus_client ... off this module's import
-    from mlxhost.server.app import make_engine, resolve_max_model_len
+    from mlxhost.server.app import make_engine, resolve_max_model_len  # lazy: pulls in fastapi
 
     loaded = load_model(model_path or str(ensure_demo_model()))
     engine = make_engine(loaded, engine_config, resolve_max_model_len(loaded, engine_config))
@@ -103,7 +103,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = ServeBenchConfig(url="http://in-process", model=args.model or "demo", concurrency=args.concurrency,
                            prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                            num_requests=args.num_requests, label=args.label, output_json=args.output_json)
-    from mlxhost.platform.backend import default_prefill_step_size
 
     step = args.prefill_step_size if args.prefill_step_size is not None else default_prefill_step_size()
     engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, prefill_step_size=step)
@@ -117,8 +116,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_gap(args: argparse.Namespace, engine_config: EngineConfig) -> int:
-    from mlxhost.testing.demo import SHAPES, build_model_folder, ensure_demo_model
-
     with tempfile.TemporaryDirectory() as tmp:
         model = (str(build_model_folder(tmp, SHAPES[args.shape])) if args.shape
                  else args.model or str(ensure_demo_model()))

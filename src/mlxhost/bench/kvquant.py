@@ -32,7 +32,7 @@ from mlxhost.bench.serve import default_json_path
 from mlxhost.config import EngineConfig
 from mlxhost.engine.request import Request, SamplingParams
 from mlxhost.models.loader import load_model
-from mlxhost.testing.demo import SHAPES
+from mlxhost.testing.demo import SHAPES, build_model_folder, ensure_demo_model
 
 _MIB = 1 << 20
 COLUMNS = [
@@ -51,7 +51,7 @@ def _label(bits: int | None) -> str:
 def _make_core(loaded, args, bits: int | None, max_num_seqs: int, **kw):
     import mlx.core as mx  # lazy: mlx only when used
 
-    from mlxhost.engine.core import EngineCore  # lazy: keeps mlx, mlx_lm, llguidance off this module's import
+    from mlxhost.engine.core import EngineCore  # lazy: pulls in mlx_lm
 
     gc.collect()
     mx.clear_cache()
@@ -185,8 +185,6 @@ def run_kvquant_bench(args: argparse.Namespace) -> dict:
 
 
 def _model_path(args: argparse.Namespace) -> str:
-    from mlxhost.testing.demo import SHAPES, build_model_folder, ensure_demo_model
-
     if args.model:
         return args.model
     if args.shape == "tiny" and args.bits is None:

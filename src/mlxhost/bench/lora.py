@@ -23,6 +23,7 @@ from mlxhost.bench.serve_request import RequestResult, make_prompt
 from mlxhost.config import EngineConfig, LoraSpec
 from mlxhost.lora.adapters import adapter_id, read_adapter
 from mlxhost.models.loader import load_model
+from mlxhost.platform.backend import default_prefill_step_size
 from mlxhost.testing.demo import ensure_demo_model
 from mlxhost.testing.lora_fixtures import random_adapter
 
@@ -53,8 +54,7 @@ async def _level(engine, loaded, cfg: ServeBenchConfig, c: int, tag: str, adapte
 async def run_lora_bench(cfg: ServeBenchConfig, model_path: str | None, engine_config: EngineConfig,
                          num_adapters: int, rank: int, keys: tuple[str, ...] | None, repeats: int = 3,
                          num_layers: int | None = None) -> dict:
-    # lazy: keeps fastapi, llguidance, prometheus_client ... off this module's import
-    from mlxhost.server.app import make_engine, resolve_max_model_len
+    from mlxhost.server.app import make_engine, resolve_max_model_len  # lazy: pulls in fastapi
 
     loaded = load_model(model_path or str(ensure_demo_model()))
     levels = []
@@ -112,8 +112,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlxhost.platform.backend import default_prefill_step_size
-
     cfg = ServeBenchConfig(url="http://in-process", model=args.model or "demo", concurrency=args.concurrency,
                            prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                            num_requests=args.num_requests, label=args.label, output_json=args.output_json)

@@ -37,7 +37,7 @@ def _rss() -> int:
 def _make_core(loaded, **kw):
     import mlx.core as mx  # lazy: mlx only when used
 
-    from mlxhost.engine.core import EngineCore  # lazy: keeps mlx, mlx_lm, llguidance off this module's import
+    from mlxhost.engine.core import EngineCore  # lazy: pulls in mlx_lm
 
     gc.collect()
     mx.clear_cache()

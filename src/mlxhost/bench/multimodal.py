@@ -108,8 +108,7 @@ def _conversation(client, url, model, part: dict, max_tokens: int) -> tuple[list
 def _start_server(model: str, prefix: bool, vision: bool, args):
     import uvicorn  # lazy: uvicorn only when used
 
-    # lazy: keeps fastapi, llguidance, prometheus_client ... off this module's import
-    from mlxhost.server.app import build_app
+    from mlxhost.server.app import build_app  # lazy: pulls in fastapi
 
     engine = EngineConfig(enable_prefix_cache=prefix, vision_cache_bytes=(512 << 20) if vision else 0,
                           prefill_step_size=args.prefill_step_size, max_num_seqs=4)

@@ -113,10 +113,8 @@ def _run_together(core, prompt: list[int], max_tokens: int) -> dict:
 
 
 def _together_rows(loaded, args, vocab: int) -> list[dict]:
-    from mlxhost.engine.core import EngineCore  # lazy: keeps mlx, mlx_lm, llguidance off this module's import
-
-    # lazy: keeps fastapi, llguidance, prometheus_client ... off this module's import
-    from mlxhost.server.app import model_key, resolve_max_model_len
+    from mlxhost.engine.core import EngineCore  # lazy: pulls in mlx_lm
+    from mlxhost.server.app import model_key, resolve_max_model_len  # lazy: pulls in fastapi
 
     rows = []
     config = EngineConfig(block_size=args.block_size[0], prefill_step_size=args.prefill_step_size,
@@ -145,10 +143,8 @@ def _together_rows(loaded, args, vocab: int) -> list[dict]:
 
 
 def _run_prefix_bench(args) -> dict:
-    from mlxhost.engine.core import EngineCore  # lazy: keeps mlx, mlx_lm, llguidance off this module's import
-
-    # lazy: keeps fastapi, llguidance, prometheus_client ... off this module's import
-    from mlxhost.server.app import model_key, resolve_max_model_len
+    from mlxhost.engine.core import EngineCore  # lazy: pulls in mlx_lm
+    from mlxhost.server.app import model_key, resolve_max_model_len  # lazy: pulls in fastapi
 
     loaded = load_model(args.model or str(ensure_demo_model()))
     vocab = min(len(loaded.tokenizer), 2000)
@@ -210,10 +206,8 @@ def _run_prefix_bench(args) -> dict:
 
 def _decode_on_off(loaded, args, vocab: int) -> dict:
     """Decode tokens/s of the same requests with the cache on and off (alternating, median)."""
-    from mlxhost.engine.core import EngineCore  # lazy: keeps mlx, mlx_lm, llguidance off this module's import
-
-    # lazy: keeps fastapi, llguidance, prometheus_client ... off this module's import
-    from mlxhost.server.app import model_key, resolve_max_model_len
+    from mlxhost.engine.core import EngineCore  # lazy: pulls in mlx_lm
+    from mlxhost.server.app import model_key, resolve_max_model_len  # lazy: pulls in fastapi
 
     rates: dict[bool, list[float]] = {True: [], False: []}
     for rep in range(args.repeats):

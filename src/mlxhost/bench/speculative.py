@@ -27,6 +27,7 @@ from mlxhost.config import EngineConfig
 from mlxhost.engine.request import Request, SamplingParams
 from mlxhost.models.loader import load_model
 from mlxhost.platform.cudnn_attention import apply_cudnn_attention
+from mlxhost.testing.demo import SHAPES, build_model_folder
 from mlxhost.testing.perturb import perturbed_copy, truncated_copy
 
 _COLUMNS = [
@@ -42,8 +43,7 @@ _HEADS = ("eagle3", "mtp")
 
 def build_models(shape: str, bits: int | None, drafts: list[str], root: Path) -> tuple[Path, dict[str, Path]]:
     """The target folder (a random model of `shape`) and one folder per draft spec."""
-    from mlxhost.testing.demo import SHAPES, build_model_folder
-    from mlxhost.testing.spec_heads import build_head_folder  # lazy: keeps mlx, mlx_lm off this module's import
+    from mlxhost.testing.spec_heads import build_head_folder  # lazy: pulls in mlx_lm
 
     config = SHAPES[shape]
     if bits is not None:
@@ -93,7 +93,7 @@ def run_wave(core, prompts: list[list[int]], max_tokens: int) -> tuple[int, floa
 
 
 def measure(loaded, mode: str, draft_dir: Path | None, args, workload: str, c: int, vocab: int) -> dict:
-    from mlxhost.engine.core import EngineCore  # lazy: keeps mlx, mlx_lm, llguidance off this module's import
+    from mlxhost.engine.core import EngineCore  # lazy: pulls in mlx_lm
 
     spec = {"speculative": "ngram"} if mode == "ngram" else ({"draft_model": str(draft_dir)} if draft_dir else {})
     if mode.partition(":")[0] in _HEADS:

@@ -48,9 +48,8 @@ async def _pass(engine, loaded, cfg: ServeBenchConfig, concurrency: int, params:
 
 async def run_structured_bench(cfg: ServeBenchConfig, model_path: str | None, engine_config: EngineConfig,
                                min_items: int) -> dict:
-    # lazy: keeps fastapi, llguidance, prometheus_client ... off this module's import
-    from mlxhost.server.app import make_engine, resolve_max_model_len
-    from mlxhost.structured.grammar import json_schema_constraint  # lazy: keeps llguidance off this module's import
+    from mlxhost.server.app import make_engine, resolve_max_model_len  # lazy: pulls in fastapi
+    from mlxhost.structured.grammar import json_schema_constraint  # lazy: pulls in llguidance
 
     loaded = load_model(model_path or str(ensure_demo_model()))
     engine = make_engine(loaded, engine_config, resolve_max_model_len(loaded, engine_config))

@@ -109,7 +109,7 @@ def _check_ranks(channel: Channel, source: str) -> bool:
 
 def serve_distributed(config: ServerConfig, dist: DistributedConfig) -> int:
     """Runs this process's rank: rank 0 serves until shut down, the others follow it."""
-    from mlxhost.server import process  # lazy: keeps uvicorn off this module's import
+    from mlxhost.server import process  # lazy: pulls in uvicorn
 
     if config.models:
         raise ValueError("--tensor-parallel / --pipeline-parallel serve one model: name it as MODEL")
@@ -167,11 +167,8 @@ def _check_local_model(source: str | None, dist: DistributedConfig) -> None:
 def _build_lead(config: ServerConfig, dist: DistributedConfig, channel: Any, supervisor: Any, port: int,
                 group: Any = None):
     """Rank 0's app: the model is loaded on the engine thread (`_lead_core`), tokenizer and config here."""
-    # lazy: keeps mlx, mlx_lm, llguidance ... off this module's import
-    from mlxhost.distributed.engine import RankContext
-
-    # lazy: keeps fastapi, httpx, llguidance ... off this module's import
-    from mlxhost.server.app import build_app, model_specs
+    from mlxhost.distributed.engine import RankContext  # lazy: pulls in mlx_lm
+    from mlxhost.server.app import build_app, model_specs  # lazy: pulls in fastapi
 
     source = model_specs(config)[0].source  # the demo model when none is named
     setup = Setup(source, config.engine, dist, random.getrandbits(32))
@@ -196,8 +193,7 @@ def _lead_core(model: Any, tokenizer: Any, engine: EngineConfig, max_model_len: 
                *, ctx: Any, group: Any, source: str):
     """Rank 0's engine core, built on its engine thread: the group, the shard and every forward after
     belong to that one thread (`model` is None: nothing was loaded on the main thread)."""
-    # lazy: keeps mlx, mlx_lm, llguidance ... off this module's import
-    from mlxhost.distributed.engine import DistributedEngineCore
+    from mlxhost.distributed.engine import DistributedEngineCore  # lazy: pulls in mlx_lm
 
     ctx.channel.broadcast("join")  # the others join the group now
     group = group if group is not None else init_group(ctx.dist.backend, ctx.dist.world_size)
@@ -230,11 +226,9 @@ def run_follower(channel: Any, group: Any = None, own_source: str | None = None)
     """A rank > 0: takes rank 0's setup, loads its shard, follows rank 0's steps until shutdown.
     `own_source`: this host's path of the model (mlx.launch runs the same command everywhere); the
     ranks mlxhost starts itself use rank 0's. All of its MLX work runs on this (the main) thread."""
-    # lazy: keeps mlx, mlx_lm, llguidance ... off this module's import
+    # lazy: pulls in mlx_lm
     from mlxhost.distributed.engine import DistributedEngineCore, RankContext, follow_until_shutdown
-
-    # lazy: keeps fastapi, httpx, llguidance ... off this module's import
-    from mlxhost.server.app import resolve_max_model_len
+    from mlxhost.server.app import resolve_max_model_len  # lazy: pulls in fastapi
 
     channel.set_phase("waiting for the setup")
     setup: Setup = channel.broadcast()

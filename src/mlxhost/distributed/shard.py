@@ -91,8 +91,8 @@ def drop_gradient_hooks(model: Any) -> int:
 def load_sharded(source: str, group: Any, dist: DistributedConfig) -> LoadedModel:
     from mlx_lm.utils import load_model, load_tokenizer  # lazy: mlx_lm only when used
 
-    from mlxhost.distributed.pipeline import make_stage  # lazy: keeps mlx off this module's import
-    from mlxhost.platform.quantized_rows import fold_on_cuda  # lazy: keeps mlx off this module's import
+    from mlxhost.distributed.pipeline import make_stage  # lazy: pulls in mlx
+    from mlxhost.platform.quantized_rows import fold_on_cuda  # lazy: pulls in mlx
 
     folder = local_folder(source)
     for path in weight_files(folder):

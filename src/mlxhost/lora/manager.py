@@ -22,6 +22,7 @@ from mlxhost.lora.fused import CudaFused
 from mlxhost.lora.layers import MultiLoRALinear, RowAdapters, group_layers, layer_bytes, linear_dims
 from mlxhost.memory.budget import MemoryBudgetError
 from mlxhost.memory.release import give_back_memory
+from mlxhost.platform import backend
 
 log = logging.getLogger(__name__)
 
@@ -225,14 +226,12 @@ LAYOUTS = ("dense", "gather", "fused")
 def _layout(choice: str | None, fused) -> tuple[str, Any]:
     """(layout, fused kernel or None). The fused layout needs a kernel: MLX-CUDA's (fused.py), only where MLX
     computes on CUDA, or the one passed in (tests); without one it falls back to the gathered ops."""
-    from mlxhost.platform.backend import is_cuda
-
     choice = choice or os.environ.get("MLXHOST_LORA_LAYOUT", "")
     if choice not in LAYOUTS:
-        choice = "fused" if is_cuda() else "dense"
+        choice = "fused" if backend.is_cuda() else "dense"
     if choice != "fused":
         return choice, None
-    if fused is None and is_cuda():
+    if fused is None and backend.is_cuda():
         fused = CudaFused()
     return ("fused", fused) if fused is not None else ("gather", None)
 

@@ -110,7 +110,7 @@ class AdapterRegistry:
         """The ServedModel for a request under `adapter` on its base (`served`, `engine`), loading the adapter
         into the engine first if it is not there."""
         if not self.is_loaded(adapter, engine):
-            from mlxhost.lora.manager import load_adapter  # lazy: keeps mlx off this module's import
+            from mlxhost.lora.manager import load_adapter  # lazy: pulls in mlx
 
             aid, files = adapter.id, adapter.files
             await engine.call(lambda core: load_adapter(core, aid, files))
@@ -130,7 +130,7 @@ class AdapterRegistry:
         if not self.is_loaded(adapter, engine):
             adapter.engine = None
             return
-        from mlxhost.lora.manager import unload_adapter  # lazy: keeps mlx off this module's import
+        from mlxhost.lora.manager import unload_adapter  # lazy: pulls in mlx
 
         aid = adapter.id
         # Marked unloaded first: a request arriving meanwhile queues a load behind this unload, not a request

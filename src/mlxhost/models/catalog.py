@@ -16,8 +16,10 @@ from pathlib import Path
 
 from mlxhost.audio.detect import AUDIO_HINT, audio_kind, has_audio
 from mlxhost.config import ModelSpec
+from mlxhost.models import extras
 from mlxhost.models.convert import format_size
 from mlxhost.models.vlm import VLM_FAMILIES, is_vlm_config
+from mlxhost.testing import demo
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +62,13 @@ def quantization_bits(config: dict) -> int | None:
 def can_serve(config: dict) -> tuple[bool, str]:
     """(True, "") when mlxhost can serve this config: a VLM type we support (with the vision extra
     installed), or a model_type mlx-lm has a module for."""
-    from mlxhost.models.extras import VISION_HINT, has_vision
-
     if audio_kind(config) is not None:  # a faster-whisper config.json has no model_type
         return (True, "") if has_audio() else (False, AUDIO_HINT)
     model_type = config.get("model_type")
     if not model_type:
         return False, "config.json has no model_type"
     if is_vlm_config(config):
-        return (True, "") if has_vision() else (False, f"vision-language: {VISION_HINT}")
+        return (True, "") if extras.has_vision() else (False, f"vision-language: {extras.VISION_HINT}")
     if "vision_config" in config and model_type not in VLM_FAMILIES:
         return False, f"vision-language {model_type!r} is not supported (supported: {', '.join(VLM_FAMILIES)})"
     if importlib.util.find_spec(f"mlx_lm.models.{_mlx_lm_module(model_type)}") is None:
@@ -175,9 +175,7 @@ def format_table(models: list[LocalModel]) -> str:
 
 def demo_models() -> list[LocalModel]:
     """The built-in demo model, once `mlxhost serve` (or `demo-model`) has built it in the user cache."""
-    from mlxhost.testing.demo import DEMO_MODEL_DIRNAME, default_demo_model_dir
-
-    model = describe(DEMO_MODEL_DIRNAME, default_demo_model_dir())
+    model = describe(demo.DEMO_MODEL_DIRNAME, demo.default_demo_model_dir())
     return [model] if model is not None else []
 
 

@@ -98,7 +98,7 @@ def convert_model(hf_path: str, out: str | Path, bits: int = 4, group_size: int 
 
 
 def run(args) -> int:
-    from mlxhost.audio.convert import is_ct2_whisper  # lazy: keeps numpy off this module's import
+    from mlxhost.audio.convert import is_ct2_whisper  # lazy: pulls in numpy
 
     if is_ct2_whisper(args.hf_path):  # a faster-whisper folder: rewritten in MLX's layout (audio/convert.py)
         from mlxhost.audio import convert as whisper_convert
@@ -106,7 +106,7 @@ def run(args) -> int:
         return whisper_convert.run(args)
     src = Path(args.hf_path)
     if src.exists():
-        from mlxhost.models.gguf import GGUFError, find_gguf  # lazy: keeps numpy off this module's import
+        from mlxhost.models.gguf import GGUFError, find_gguf  # lazy: pulls in numpy
 
         try:
             if find_gguf(src) is not None:
@@ -131,9 +131,8 @@ def run(args) -> int:
 def _run_gguf(args, src: Path) -> int:
     """A GGUF into an MLX folder (models/gguf/): natively read quantized tensors stay as they are;
     --bits quantizes the ones that had to be dequantized (K-quants), else they stay float."""
-    # lazy: keeps numpy off this module's import
-    from mlxhost.models.gguf import GGUFConvertConfig, GGUFError, convert_gguf, find_gguf
-    from mlxhost.models.gguf.reader import read_header  # lazy: keeps numpy off this module's import
+    from mlxhost.models.gguf import GGUFConvertConfig, GGUFError, convert_gguf, find_gguf  # lazy: pulls in numpy
+    from mlxhost.models.gguf.reader import read_header  # lazy: pulls in numpy
 
     before = folder_size(src) if src.is_dir() else src.stat().st_size
     try:
@@ -153,7 +152,7 @@ def _run_gguf(args, src: Path) -> int:
 def requantized_types(tensor_types: set[str], cfg) -> str:
     """The GGUF tensor types `cfg.bits` applies to ("Q4_K/Q6_K"), "" when there are none: a file MLX reads as
     it is (Q4_0, Q4_1, Q8_0, floats) keeps its own bits."""
-    from mlxhost.models.gguf.weights import NATIVE_BITS, NATIVE_FLOATS  # lazy: keeps numpy off this module's import
+    from mlxhost.models.gguf.weights import NATIVE_BITS, NATIVE_FLOATS  # lazy: pulls in numpy
 
     if not cfg.bits or tensor_types <= NATIVE_FLOATS | set(NATIVE_BITS):
         return ""

@@ -86,8 +86,7 @@ def load_encoder(source: str, config: dict) -> LoadedModel:
     except ImportError as exc:
         raise ModelLoadError(f"{source} is an encoder embedding model ({config.get('model_type')}); serving it "
                              "needs mlx-embeddings: pip install 'mlxhost[embeddings]'") from exc
-    # lazy: keeps mlx off this module's import
-    from mlxhost.models.cross_encoder import cross_encoder_type, load_cross_encoder
+    from mlxhost.models.cross_encoder import cross_encoder_type, load_cross_encoder  # lazy: pulls in mlx
 
     if cross_encoder_type(config) is not None:  # a reranker: a classification head over the encoder
         return load_cross_encoder(source, config)

@@ -65,7 +65,7 @@ def load_model(source: str, strategy: str = "auto") -> LoadedModel:
     """Loads weights and tokenizer; a hub id comes from the Hugging Face cache or is downloaded once.
     `strategy` is "auto" (choose_load_strategy by the weights' size) or one of LOAD_STRATEGIES.
     Every array the model holds is evaluated before this returns (`materialize`)."""
-    from mlxhost.platform.quantized_rows import fold_on_cuda  # lazy: keeps mlx off this module's import
+    from mlxhost.platform.quantized_rows import fold_on_cuda  # lazy: pulls in mlx
 
     loaded = _load(source, strategy)
     materialize(loaded.model)

@@ -41,7 +41,7 @@ def resolve_source(source: str, download: bool = True) -> Path | None:
         return path
     if looks_local(source):
         raise ModelLoadError(_no_such_folder(source, path))
-    from mlxhost.models.pull import HubError, check_on_hub, pull  # lazy: keeps tqdm off this module's import
+    from mlxhost.models.pull import HubError, check_on_hub, pull  # lazy: pulls in tqdm
 
     cached = cached_snapshot(source)
     if cached is not None:
@@ -75,7 +75,7 @@ def check_local(path: Path, source: str) -> None:
     """An existing path must be a model folder (config.json) or a GGUF file / a folder holding one (the GGUF
     loader reads those)."""
     if path.is_file():
-        from mlxhost.models.gguf.reader import is_gguf_file  # lazy: keeps numpy off this module's import
+        from mlxhost.models.gguf.reader import is_gguf_file  # lazy: pulls in numpy
 
         if is_gguf_file(path):  # also an Ollama blob, which has no suffix
             return

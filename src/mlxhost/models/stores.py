@@ -139,7 +139,7 @@ def scan_store(root: Path) -> list:
 
 def _gguf_files(root: Path, depth: int = 2) -> list[Path]:
     """GGUF models (a split set by its first part) up to `depth` folders down, hidden ones skipped."""
-    from mlxhost.models.gguf.reader import SPLIT_NAME  # lazy: keeps numpy off this module's import
+    from mlxhost.models.gguf.reader import SPLIT_NAME  # lazy: pulls in numpy
 
     patterns = ["*.gguf", "*/*.gguf", "*/*/*.gguf"][:depth + 1]
     found = sorted({p for pattern in patterns for p in root.glob(pattern)
@@ -148,7 +148,7 @@ def _gguf_files(root: Path, depth: int = 2) -> list[Path]:
 
 
 def _split_set(path: Path) -> list[Path]:
-    from mlxhost.models.gguf.reader import GGUFError, split_files  # lazy: keeps numpy off this module's import
+    from mlxhost.models.gguf.reader import GGUFError, split_files  # lazy: pulls in numpy
 
     try:
         return split_files(path)
@@ -157,8 +157,8 @@ def _split_set(path: Path) -> list[Path]:
 
 
 def _gguf_row(name: str, path: Path, num_bytes: int):
-    from mlxhost.models.gguf.arch import ARCHITECTURES  # lazy: keeps numpy off this module's import
-    from mlxhost.models.gguf.reader import peek_metadata  # lazy: keeps numpy off this module's import
+    from mlxhost.models.gguf.arch import ARCHITECTURES  # lazy: pulls in numpy
+    from mlxhost.models.gguf.reader import peek_metadata  # lazy: pulls in numpy
 
     arch = peek_metadata(path).get("general.architecture")
     ok = arch in ARCHITECTURES

@@ -17,6 +17,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from mlxhost.platform import backend
+
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "MLX_PTX_CACHE_DIR"
@@ -34,9 +36,7 @@ def use_persistent_kernel_cache(environ=os.environ) -> Path | None:
     run before the process's first kernel compile: MLX reads the variable once, at that compile."""
     if environ.get(CACHE_ENV):
         return Path(environ[CACHE_ENV])
-    from mlxhost.platform.backend import is_cuda
-
-    if not is_cuda():
+    if not backend.is_cuda():
         return None
     import mlx.core as mx  # lazy: mlx only when used
 

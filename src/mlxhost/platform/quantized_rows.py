@@ -30,6 +30,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
+from mlxhost.platform import backend
+
 log = logging.getLogger(__name__)
 
 # Below this many rows MLX-CUDA takes its matrix-vector kernel, which costs the same either way; folding
@@ -175,9 +177,7 @@ def set_tiled_rows(model: "nn.Module | list[nn.Module]", rows: int) -> int:
 def fold_on_cuda(model: nn.Module, environ=os.environ) -> int:
     """fold_quantized_rows where it pays: on MLX-CUDA, unless MLXHOST_FOLD_ROWS=0 (for A/B benchmarks);
     MLXHOST_DEQUANT_ROWS=N moves the dequantize threshold (0: off). Returns how many layers were replaced."""
-    from mlxhost.platform.backend import is_cuda
-
-    if not is_cuda() or environ.get("MLXHOST_FOLD_ROWS", "1") == "0":
+    if not backend.is_cuda() or environ.get("MLXHOST_FOLD_ROWS", "1") == "0":
         return 0
     text = environ.get("MLXHOST_DEQUANT_ROWS", str(DEQUANT_ROWS))
     try:

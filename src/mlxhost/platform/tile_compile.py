@@ -57,7 +57,7 @@ def tile_checkpoints(buckets: list[int] | None, limit: int) -> list[int]:
 def tiled_row_limit(model: Any, default: int = 256) -> int:
     """Rows from which the model's row-folding layers dequantize anyway (their smallest `dequant_rows`), or
     `default` where none does: the row counts worth compiling tiled kernels for lie below it."""
-    from mlxhost.platform.quantized_rows import row_layers  # lazy: keeps mlx off this module's import
+    from mlxhost.platform.quantized_rows import row_layers  # lazy: pulls in mlx
 
     limits = [m.dequant_rows for m in row_layers(model) if m.dequant_rows > 0]
     return min(limits, default=default)
@@ -66,7 +66,7 @@ def tiled_row_limit(model: Any, default: int = 256) -> int:
 def quantized_shapes(model: Any) -> list[list]:
     """The distinct matmul problems of the model's row-folding quantized layers (quantized_rows.py), as
     [out features, in features, bits, group size, mode, activation dtype, has biases]."""
-    from mlxhost.platform.quantized_rows import row_layers  # lazy: keeps mlx off this module's import
+    from mlxhost.platform.quantized_rows import row_layers  # lazy: pulls in mlx
 
     shapes = set()
     for layer in row_layers(model):

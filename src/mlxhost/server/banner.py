@@ -13,6 +13,7 @@ from mlxhost import __version__
 from mlxhost.memory.budget import BudgetConfig, compute_ceiling
 from mlxhost.memory.device import read_memory
 from mlxhost.platform.blas import INSTALL_HINT
+from mlxhost.testing import demo
 
 # One line per front door: the paths a client is pointed at, not every route (/docs lists them all).
 ENDPOINTS = (("OpenAI", "/v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, /v1/models"),
@@ -37,10 +38,8 @@ class BannerModel:
 
 def is_demo_source(source: str) -> bool:
     """The built-in demo model (`mlxhost serve` with no model): tiny, random weights."""
-    from mlxhost.testing.demo import default_demo_model_dir
-
     try:
-        return Path(source).expanduser().resolve() == default_demo_model_dir().resolve()
+        return Path(source).expanduser().resolve() == demo.default_demo_model_dir().resolve()
     except OSError:
         return False
 

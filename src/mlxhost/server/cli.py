@@ -19,13 +19,9 @@ log = logging.getLogger(__name__)
 
 
 def _demo_model(args) -> int:
-    # lazy: keeps the command line's start-up short
+    # lazy: keeps the command line's start-up short (each command imports what it runs)
     from mlxhost.testing.demo import SHAPES, build_model_folder, ensure_demo_model
-
-    # lazy: keeps the command line's start-up short
     from mlxhost.testing.families import FAMILIES, FAMILY_SHAPES, build_family_folder
-
-    # lazy: keeps the command line's start-up short
     from mlxhost.testing.vlm_demo import CLI_SHAPES as VLM_SHAPES, build_vlm_folder
 
     if args.shape in FAMILIES or args.shape in FAMILY_SHAPES:

@@ -50,7 +50,7 @@ def build_cross_encoder_folder(out_dir, config: CrossEncoderDemoConfig = CrossEn
     import mlx.core as mx  # lazy: mlx only when used
     from mlx.utils import tree_flatten  # lazy: mlx only when used
 
-    from mlxhost.models.cross_encoder import CrossEncoder  # lazy: keeps mlx off this module's import
+    from mlxhost.models.cross_encoder import CrossEncoder  # lazy: pulls in mlx
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -183,7 +183,7 @@ _KEEP_NAMES = ("D", "dt_bias", "sinks", "e_score_correction_bias")
 
 def cache_kind(prompt_cache) -> str:
     """Classify a prompt cache from make_prompt_cache; MLA needs it filled by one forward first."""
-    from mlxhost.kv.kinds import KINDS  # lazy: keeps mlx, mlx_lm off this module's import
+    from mlxhost.kv.kinds import KINDS  # lazy: pulls in mlx_lm
 
     kinds = {KINDS.kind_of(c).name for c in prompt_cache}
     if "recurrent" in kinds:

@@ -43,8 +43,8 @@ def hold_forward(model, hold_file: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mlxhost.server import process  # lazy: keeps uvicorn off this module's import
-    from mlxhost.server.app import build_app  # lazy: keeps fastapi, httpx, llguidance ... off this module's import
+    from mlxhost.server import process  # lazy: pulls in uvicorn
+    from mlxhost.server.app import build_app  # lazy: pulls in fastapi
 
     parser = argparse.ArgumentParser(prog="python -m mlxhost.testing.held_step")
     parser.add_argument("model")

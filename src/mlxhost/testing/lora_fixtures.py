@@ -73,7 +73,7 @@ def random_adapter(model, out: str | Path, seed: int = 0, rank: int = 8, scale: 
     need only the shapes."""
     import mlx.core as mx  # lazy: mlx only when used
 
-    from mlxhost.lora.layers import linear_dims  # lazy: keeps mlx off this module's import
+    from mlxhost.lora.layers import linear_dims  # lazy: pulls in mlx
 
     if isinstance(model, (str, Path)):
         import mlx_lm  # lazy: mlx_lm only when used
