@@ -12,9 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from mlxhost.server import cli
 from mlxhost.agents import AGENTS, Target, launch
 from mlxhost.agents.base import default_max_output_tokens
+from mlxhost.server import cli
 
 TARGET = Target(url="http://127.0.0.1:8123", model="demo", api_key="k1", context_tokens=131072,
                 max_output_tokens=512)

@@ -25,7 +25,7 @@ def test_every_path_gets_a_row(qwen3_model_dir, tmp_path, capsys):
     assert "engine core loop (own thread)" in capsys.readouterr().out
 
 
-def test_served_rows_interleave_with_the_reference(qwen3_model_dir, fake_server, tmp_path, capsys):
+def test_served_rows_interleave_with_the_reference(qwen3_model_dir, fake_server, tmp_path, capsys):  # noqa: F811
     """`--url`: each round times the reference and one stream from the server (a fake SSE server here: its
     5 content events carry 6 tokens) back to back, raw first in even rounds and served first in odd ones,
     and the JSON keeps every round's served/raw ratio and order."""

@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from mlxhost.server import cli  # noqa: E402
 from mlxhost.bench import plot  # noqa: E402
+from mlxhost.server import cli  # noqa: E402
 
 
 def _result(label: str, scale: float) -> dict:

@@ -209,8 +209,8 @@ def test_cli_plot_writes_a_png_of_the_expected_size(server, tmp_path):
     pytest.importorskip("matplotlib")
     import struct
 
-    from mlxhost.server import cli
     from mlxhost.bench import plot
+    from mlxhost.server import cli
 
     url, _ = server
     out = tmp_path / "run.json"

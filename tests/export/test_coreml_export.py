@@ -11,8 +11,8 @@ from tests.export.conftest import CONTEXT
 
 need("torch", "coremltools")  # at collection: every test here converts or runs through them
 
-from mlxhost.server.cli import main  # noqa: E402
 from mlxhost.export.package_info import BLOCKWISE_OP, dequantized_weights, summarize  # noqa: E402
+from mlxhost.server.cli import main  # noqa: E402
 
 
 @pytest.fixture(scope="module")

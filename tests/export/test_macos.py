@@ -16,8 +16,8 @@ if sys.platform != "darwin":
                 allow_module_level=True)
 need("torch", "coremltools")  # at collection: every test here converts or runs through them
 
-from mlxhost.server.cli import main  # noqa: E402
 from mlxhost.export.wrapper import StatefulCausalLM, load_hf_model, make_causal_mask, stateful_logits  # noqa: E402
+from mlxhost.server.cli import main  # noqa: E402
 
 # Core ML states are float16, so even the float32-compute package rounds keys and values: PyTorch with its
 # weights in float16 moves these logits by ~5e-3 (measured), float16 compute throughout by about as much.

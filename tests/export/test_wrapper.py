@@ -7,14 +7,12 @@ import numpy as np
 import pytest
 
 from mlxhost.testing.needs import need
-from tests.export.conftest import (CONTEXT, EXTEND_STEPS, PROMPT_LEN, mlx_logits,
-                                   transformers_logits)
+from tests.export.conftest import CONTEXT, EXTEND_STEPS, PROMPT_LEN, mlx_logits, transformers_logits
 
 need("torch", "coremltools")  # at collection: every test here converts or runs through them
 
 from mlxhost.export import UnsupportedModelError  # noqa: E402
-from mlxhost.export.wrapper import (StatefulCausalLM, check_supported, load_hf_model,  # noqa: E402
-                                     make_causal_mask, stateful_logits)
+from mlxhost.export.wrapper import StatefulCausalLM, check_supported, load_hf_model, make_causal_mask, stateful_logits  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["llama", "llama3", "qwen2", "qwen3"])

@@ -8,9 +8,9 @@ import struct
 
 import pytest
 
-from mlxhost.kv.hashing import block_hashes
 from mlxhost.config import EngineConfig, LoraSpec, ModelSpec
 from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.kv.hashing import block_hashes
 from mlxhost.lora.adapters import AdapterError, read_adapter
 from mlxhost.lora.registry import with_flag_loras
 from mlxhost.models.specs import load_models_file, parse_lora_flag

@@ -10,10 +10,10 @@ import asyncio
 
 import pytest
 
+from mlxhost.config import LoraSpec, ServerConfig
 from mlxhost.engine.request import Request, SamplingParams
 from mlxhost.lora.adapters import AdapterBusy
 from mlxhost.server.app import build_app
-from mlxhost.config import LoraSpec, ServerConfig
 
 PROMPT = [5, 77, 300, 12, 9, 400, 23, 8, 61, 1200, 7]
 MAX_NEW = 10  # as conftest.py's references

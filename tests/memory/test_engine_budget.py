@@ -8,13 +8,13 @@ from dataclasses import replace
 
 import pytest
 
-from mlxhost.server.cli import make_parser
-from mlxhost.server.serve_command import _engine_config
 from mlxhost.config import EngineConfig
 from mlxhost.engine.core import EngineCore
 from mlxhost.memory.budget import compute_ceiling
 from mlxhost.memory.device import read_memory
 from mlxhost.models.loader import load_model
+from mlxhost.server.cli import make_parser
+from mlxhost.server.serve_command import _engine_config
 
 BS = 16
 

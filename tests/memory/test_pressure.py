@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from mlxhost.kv.prefix_cache import PrefixCacheManager
 from mlxhost.config import EngineConfig
 from mlxhost.engine.request import Request, SamplingParams
 from mlxhost.engine.scheduler import Scheduler
-from mlxhost.memory.capacity import KVCapacity
+from mlxhost.kv.prefix_cache import PrefixCacheManager
 from mlxhost.memory.budget import BudgetConfig, compute_budget
+from mlxhost.memory.capacity import KVCapacity
 from mlxhost.memory.device import MemoryReadings
 from mlxhost.memory.pressure import MemoryGovernor, limits_for
 

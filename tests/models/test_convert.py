@@ -5,8 +5,8 @@ import mlx_lm
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from mlxhost.server.cli import main
 from mlxhost.models.convert import convert_model
+from mlxhost.server.cli import main
 
 
 def test_convert_to_4_bits(qwen3_model_dir, tmp_path, capsys):

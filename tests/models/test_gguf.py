@@ -13,7 +13,6 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxhost.models.gguf import GGUFConvertConfig, GGUFError, convert_gguf, find_gguf, gguf_folder, prepare_gguf
 from mlxhost.models.gguf.reader import read_header
-
 from tests.models.gguf_files import SPECIALS, byte_tokens, roundtrip, write_gguf
 
 pytest.importorskip("gguf")

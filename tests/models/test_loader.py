@@ -3,7 +3,6 @@ import struct
 
 import pytest
 
-from mlxhost.server.cli import main
 from mlxhost.config import ServerConfig
 from mlxhost.models.loader import (
     LOAD_STRATEGIES,
@@ -12,6 +11,7 @@ from mlxhost.models.loader import (
     load_model,
     read_safetensors_mmap,
 )
+from mlxhost.server.cli import main
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from mlxhost.server.cli import main
 from mlxhost.models.loader import ModelLoadError
 from mlxhost.models.source import looks_local, resolve_source
+from mlxhost.server.cli import main
 from tests.models.fake_hub import FakeHub
 
 REPO = "tiny-org/tiny-qwen3"

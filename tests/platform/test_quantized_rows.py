@@ -13,8 +13,13 @@ from mlxhost.config import EngineConfig
 from mlxhost.engine.core import EngineCore
 from mlxhost.engine.request import Request, SamplingParams
 from mlxhost.models.loader import load_model
-from mlxhost.platform.quantized_rows import (RowsQuantizedEmbedding, RowsQuantizedLinear, fold_on_cuda,
-                                            fold_quantized_rows, set_tiled_rows)
+from mlxhost.platform.quantized_rows import (
+    RowsQuantizedEmbedding,
+    RowsQuantizedLinear,
+    fold_on_cuda,
+    fold_quantized_rows,
+    set_tiled_rows,
+)
 
 
 @pytest.fixture(autouse=True)

@@ -14,8 +14,14 @@ import mlx.nn as nn
 import mlxhost.platform.backend as backend
 from mlxhost.platform import kernel_cache, tile_compile
 from mlxhost.platform.quantized_rows import ALL_TILED_ROWS, fold_quantized_rows, set_tiled_rows
-from mlxhost.platform.tile_compile import (TileCompiler, make_staging, publish, quantized_shapes, tile_checkpoints,
-                                           tile_groups)
+from mlxhost.platform.tile_compile import (
+    TileCompiler,
+    make_staging,
+    publish,
+    quantized_shapes,
+    tile_checkpoints,
+    tile_groups,
+)
 
 
 def test_checkpoints_cover_every_tile_below_the_dequantize_threshold():

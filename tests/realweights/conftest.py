@@ -12,7 +12,6 @@ file).
 from __future__ import annotations
 
 import os
-
 from pathlib import Path
 
 import pytest

@@ -9,7 +9,6 @@ from fastapi.testclient import TestClient
 from mlxhost.frontends.admin.web import add_web_routes
 from mlxhost.frontends.app import create_app
 from mlxhost.server.banner import ENDPOINTS, BannerModel, format_banner
-
 from tests.frontends.fake_models import FakeModels
 
 URL = "http://127.0.0.1:8000"

@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from mlxhost.server import cli
 from mlxhost.bench import hardening
+from mlxhost.server import cli
 from mlxhost.server.settings import HelpFormatter
 
 

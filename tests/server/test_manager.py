@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import pytest
 
 from mlxhost.config import EngineConfig, ModelSpec, ServerConfig
-from mlxhost.server.manager import ModelManager, ModelState, ModelUnavailableError, UnknownModelError
 from mlxhost.models.specs import load_models_file, parse_model_flag, parse_ttl, with_source_aliases
+from mlxhost.server.manager import ModelManager, ModelState, ModelUnavailableError, UnknownModelError
 
 MB = 10**6
 

@@ -8,7 +8,6 @@ import llguidance.hf
 import pytest
 from transformers import AutoTokenizer
 
-from mlxhost.testing.demo import build_tokenizer
 from mlxhost.structured.grammar import (
     HERMES,
     LLAMA3_JSON,
@@ -21,6 +20,7 @@ from mlxhost.structured.grammar import (
     tool_call_constraint,
     with_reasoning_prefix,
 )
+from mlxhost.testing.demo import build_tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": {
     "type": "object",

@@ -7,7 +7,6 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from mlxhost.testing.demo import ensure_demo_model
 from mlxhost.structured.grammar import (
     Constraint,
     ConstraintError,
@@ -15,6 +14,7 @@ from mlxhost.structured.grammar import (
     tool_call_constraint,
 )
 from mlxhost.structured.matcher import GrammarCompiler, allocate_bitmask, apply_bitmask
+from mlxhost.testing.demo import ensure_demo_model
 
 SCHEMA = {
     "type": "object",

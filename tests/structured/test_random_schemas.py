@@ -15,7 +15,6 @@ import mlx_lm
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxhost.testing.demo import ensure_demo_model
 from mlxhost.structured.grammar import (
     HERMES,
     LLAMA3_JSON,
@@ -24,6 +23,7 @@ from mlxhost.structured.grammar import (
     tool_call_constraint,
 )
 from mlxhost.structured.matcher import GrammarCompiler, allocate_bitmask, apply_bitmask
+from mlxhost.testing.demo import ensure_demo_model
 
 MAX_TOKENS = 256
 NUM_SCHEMAS = 100

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from mlxhost.testing.demo import CHAT_TEMPLATE, build_tokenizer
 from mlxhost.structured.templates import AGENT_CHAT_TEMPLATE
 from mlxhost.structured.tool_parsers import parse_complete
+from mlxhost.testing.demo import CHAT_TEMPLATE, build_tokenizer
 
 TOOLS = [
     {

@@ -215,8 +215,8 @@ def test_tags_match_mlx_lm_modules():
 
 
 def test_choose_tool_parser():
-    from mlxhost.testing.demo import CHAT_TEMPLATE
     from mlxhost.structured.templates import AGENT_CHAT_TEMPLATE
+    from mlxhost.testing.demo import CHAT_TEMPLATE
 
     qwen3_coder = "{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}"
     assert choose_tool_parser(qwen3_coder, "qwen3_moe", None) == "qwen3_coder"

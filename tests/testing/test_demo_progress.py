@@ -1,7 +1,7 @@
 """Building the demo model says what it is doing on stderr: `demo-model`, and a first `serve` with no model."""
 
-from mlxhost.server import cli
 from mlxhost.config import ServerConfig
+from mlxhost.server import cli
 from mlxhost.server.app import model_specs
 
 

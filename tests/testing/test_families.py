@@ -8,8 +8,14 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxhost.server.cli import main
-from mlxhost.testing.families import (FAMILIES, FAMILY_CACHE_KIND, build_family_folder, cache_kind, family_config,
-                                      make_model)
+from mlxhost.testing.families import (
+    FAMILIES,
+    FAMILY_CACHE_KIND,
+    build_family_folder,
+    cache_kind,
+    family_config,
+    make_model,
+)
 
 PROMPT = "def hello(name):\n    return"
 NUM_TOKENS = 12

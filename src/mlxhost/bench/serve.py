@@ -18,8 +18,14 @@ from urllib.parse import urlsplit
 
 from mlxhost.bench import plot
 from mlxhost.bench.report import format_table, mean, percentile, write_json
-from mlxhost.bench.serve_request import (RequestResult, make_client, make_prompt, pooled_rate, quiet_client_logs,
-                                          timed_request)
+from mlxhost.bench.serve_request import (
+    RequestResult,
+    make_client,
+    make_prompt,
+    pooled_rate,
+    quiet_client_logs,
+    timed_request,
+)
 
 ENDPOINT_PATHS = {"completions": "/completions", "chat": "/chat/completions"}
 

@@ -16,12 +16,11 @@ import logging
 import time
 from typing import Any, AsyncIterator, Callable, Sequence
 
+from mlxhost.config import LoraSpec, ModelSpec
 from mlxhost.lora.registry import AdapterRegistry
 from mlxhost.memory.release import freeze_heap
 from mlxhost.models.specs import weights_on_disk
-from mlxhost.config import LoraSpec, ModelSpec
-from mlxhost.server.model_slot import (Loader, ModelSlot, ModelState, ModelUnavailableError, UnknownModelError,
-                                        mb)
+from mlxhost.server.model_slot import Loader, ModelSlot, ModelState, ModelUnavailableError, UnknownModelError, mb
 
 log = logging.getLogger(__name__)
 
