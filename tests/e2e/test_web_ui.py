@@ -8,6 +8,8 @@ skip without Chromium and its driver (`apt-get install chromium chromium-driver`
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 
 import httpx
@@ -221,3 +223,99 @@ def test_docs_render_offline_in_chromium(qwen3_model_dir, serve_module_app, brow
     wait_for(browser, lambda d: "/v1/chat/completions" in d.find_element(By.TAG_NAME, "body").text,
              "ReDoc drew nothing")
     browser.save_screenshot(str(tmp_path / "redoc.png"))
+
+
+@pytest.fixture(scope="module")
+def mcp_live(serve_module_app):
+    """The page over a scripted fake model (tests/mcp/conftest.py) and two MCP servers of tests/mcp: `slow`,
+    and `gated`, the same program configured to ask for approval of every call."""
+    from mlxhost.frontends.admin.web import add_web_routes
+    from mlxhost.frontends.app import create_app
+    from mlxhost.mcp.client import McpManager
+    from mlxhost.mcp.config import McpConfig
+    from tests.frontends.fake_models import FakeModels
+    from tests.mcp.conftest import SLOW_SERVER, ScriptedEngine, tool_call
+
+    models = FakeModels()
+    models.engine = ScriptedEngine([
+        tool_call("big", n=3), "The tool said xxx.",  # turn 1: a call and its output
+        tool_call("sleep", seconds=60), "The tool timed out.",  # turn 2: a call that fails
+        tool_call("pid"), "Approved, it ran.",  # turn 3: a call the config gates, approved on the page
+        "No tools this time."])  # turn 4: every server off
+    gated = dataclasses.replace(SLOW_SERVER, label="gated", require_approval="always")
+    app = create_app(models, McpManager(McpConfig(servers=(SLOW_SERVER, gated), call_timeout_s=2)))
+    add_web_routes(app)
+    return serve_module_app(app), models
+
+
+@IN_CHROMIUM
+def test_chat_with_mcp_tools_in_chromium(mcp_live, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    live, models = mcp_live
+    d = browser
+    find = lambda sel: d.find_element(By.CSS_SELECTOR, sel)  # noqa: E731
+    all_of = lambda sel: d.find_elements(By.CSS_SELECTOR, sel)  # noqa: E731
+    d.get(live.url + "/")
+    wait_for(d, lambda _: len(all_of("#mcp-servers input")) == 2, "no MCP server toggles")
+    assert find("#mcp").is_displayed()
+    assert "slow" in find("#mcp-servers").text and "asks approval" in find("#mcp-servers").text
+    # The page's requests, recorded: with a server on, the chat goes through /v1/responses and its mcp tools.
+    d.execute_script("""window.sent = []; const f = window.fetch;
+        window.fetch = (url, opts) => { if (opts && opts.body) window.sent.push([url, JSON.parse(opts.body)]);
+                                        return f(url, opts); };""")
+
+    def turn(prompt: str, n: int) -> None:
+        find("#prompt").send_keys(prompt)
+        find("#send").click()
+        wait_for(d, lambda _: len(all_of(".msg.assistant .stats")) == n and text_of(d, ".msg.assistant .stats"),
+                 f"no reply to {prompt!r}")
+
+    click(d, "#mcp-servers input[data-server='slow']")
+    turn("Use big", 1)
+    path, body = d.execute_script("return window.sent.at(-1)")
+    assert path == "/v1/responses" and body["stream"] is True
+    assert [t for t in body["tools"] if t["type"] == "mcp"] == [
+        {"type": "mcp", "server_label": "slow", "require_approval": "never"}]
+    assert text_of(d, ".msg.assistant .mcp-tool") == "slow · big"
+    assert json.loads(text_of(d, ".msg.assistant .mcp-arguments")) == {"n": 3}
+    assert text_of(d, ".msg.assistant .mcp-output") == "xxx"
+    assert text_of(d, ".msg.assistant .content") == "The tool said xxx."
+    assert "1 MCP call" in text_of(d, ".msg.assistant .stats")
+
+    # A failing call shows its error; the conversation sent back holds the first turn's call.
+    turn("Now sleep", 2)
+    _, body = d.execute_script("return window.sent.at(-1)")
+    [earlier] = [i for i in body["input"] if i.get("type") == "mcp_call"]
+    assert (earlier["name"], earlier["output"]) == ("big", "xxx")
+    last = all_of(".msg.assistant")[-1]
+    assert "timed out after 2 s" in last.find_element(By.CSS_SELECTOR, ".mcp-call.failed .mcp-error").text
+    assert last.find_element(By.CSS_SELECTOR, ".content").text == "The tool timed out."
+
+    # A server whose config asks approval: the page shows the call with Approve, and approving runs it.
+    click(d, "#mcp-servers input[data-server='slow']")
+    click(d, "#mcp-servers input[data-server='gated']")
+    turn("Your pid?", 3)
+    assert "awaiting approval" in text_of(d, ".msg.assistant .stats")
+    assert text_of(d, ".msg.assistant .approval .mcp-tool") == "gated · pid"
+    click(d, ".msg.assistant .approval button[aria-label='Approve gated pid']")
+    wait_for(d, lambda _: len(all_of(".msg.assistant .stats")) == 4 and text_of(d, ".msg.assistant .stats"),
+             "approving did not continue the response")
+    _, body = d.execute_script("return window.sent.at(-1)")
+    assert body["previous_response_id"] and body["input"][0]["type"] == "mcp_approval_response"
+    assert body["input"][0]["approve"] is True
+    assert text_of(d, ".msg.assistant .mcp-tool") == "gated · pid"
+    assert text_of(d, ".msg.assistant .mcp-output").isdigit()  # the server's process id
+    assert text_of(d, ".msg.assistant .content") == "Approved, it ran."
+
+    # Every server off: chat completions again, with no MCP fields in the messages.
+    click(d, "#mcp-servers input[data-server='gated']")
+    turn("Plain", 5)
+    path, body = d.execute_script("return window.sent.at(-1)")
+    assert path == "/v1/chat/completions" and not any("mcp" in m for m in body["messages"])
+    assert text_of(d, ".msg.assistant .content") == "No tools this time."
+    d.save_screenshot(str(tmp_path / "chat-mcp.png"))
+    print("\nweb page screenshot:", tmp_path / "chat-mcp.png")
+    # Script errors only (a missing favicon is logged as a failed resource load).
+    errors = [e for e in d.get_log("browser") if e["level"] == "SEVERE" and "Failed to load resource" not in e["message"]]
+    assert not errors, errors

@@ -1,5 +1,6 @@
-// mlxhost's web page: a chat over /v1/chat/completions and a dashboard over /v1/models, /v1/status,
-// /v1/cache/stats and /metrics. No framework, no build step; model output is only ever set as text.
+// mlxhost's web page: a chat over /v1/chat/completions (over /v1/responses when MCP servers are switched on)
+// and a dashboard over /v1/models, /v1/status, /v1/cache/stats and /metrics. No framework, no build step;
+// model output and tool output are only ever set as text.
 "use strict";
 
 const $ = (sel) => document.querySelector(sel);
@@ -119,17 +120,47 @@ function addMessage(role, text, image) {
   return msg;
 }
 
-// The assistant's reply as it streams: reasoning (collapsed), text or JSON, tool calls, then stats.
+// One MCP call as the transcript shows it: server and tool, its arguments, then its output or error.
+function mcpCallView(item) {
+  const failed = item.error != null;
+  return el("div", { className: "mcp-call" + (failed ? " failed" : "") },
+    el("span", { className: "badge" + (failed ? " bad" : ""), textContent: failed ? "MCP call failed" : "MCP call" }), " ",
+    el("code", { className: "mcp-tool", textContent: `${item.server_label} · ${item.name}` }),
+    el("pre", { className: "mcp-arguments", textContent: item.arguments }),
+    failed ? el("div", { className: "error mcp-error", textContent: String(item.error) })
+      : el("pre", { className: "mcp-output", textContent: item.output ?? "" }));
+}
+
+// A call the server's config says needs approval: Approve / Decline continue the response.
+function approvalView(item, decide) {
+  const buttons = [["Approve", true], ["Decline", false]].map(([text, approve]) => {
+    const button = el("button", { type: "button", textContent: text });
+    button.setAttribute("aria-label", `${text} ${item.server_label} ${item.name}`);
+    button.onclick = () => {
+      for (const b of buttons) b.disabled = true;
+      decide(item, approve);
+    };
+    return button;
+  });
+  return el("div", { className: "mcp-call approval" },
+    el("span", { className: "badge", textContent: "MCP approval" }), " ",
+    el("code", { className: "mcp-tool", textContent: `${item.server_label} · ${item.name}` }),
+    el("pre", { className: "mcp-arguments", textContent: item.arguments }), el("div", { className: "actions" }, ...buttons));
+}
+
+// The assistant's reply as it streams: MCP calls, reasoning (collapsed), text or JSON, tool calls, then stats.
 function replyView() {
   const msg = addMessage("assistant", "");
+  const calls = el("div", { className: "mcp-calls" });
   const reasoning = el("details", { className: "reasoning", hidden: true },
     el("summary", { textContent: "Reasoning" }), el("div", { className: "reasoning-text" }));
   const tools = el("div", { className: "tool-calls" });
   const stats = el("div", { className: "stats" });
-  msg.querySelector(".content").before(reasoning);
+  msg.querySelector(".content").before(calls, reasoning);
   msg.append(tools, stats);
   return {
     update(reply) {
+      if (calls.childElementCount !== reply.mcpCalls.length) calls.replaceChildren(...reply.mcpCalls.map(mcpCallView));
       reasoning.hidden = !reply.reasoning;
       reasoning.querySelector(".reasoning-text").textContent = reply.reasoning;
       msg.querySelector(".content").textContent = reply.content;
@@ -138,6 +169,7 @@ function replyView() {
         el("code", { textContent: c.name || "…" }), el("pre", { textContent: c.arguments }))));
       msg.scrollIntoView({ block: "end" });
     },
+    approvals(items, decide) { tools.append(...items.map((item) => approvalView(item, decide))); },
     asJSON(text) {
       const content = msg.querySelector(".content");
       let shown = text, valid = true;
@@ -151,31 +183,161 @@ function replyView() {
   };
 }
 
-function requestBody() {
-  const system = $("#system").value.trim();
+// ---- MCP servers ------------------------------------------------------------------------------
+// The servers the server has configured (GET /v1/mcp/servers), one toggle each; none: the section stays hidden.
+async function loadMcpServers() {
+  let data = [];
+  try { ({ data } = await getJSON("/v1/mcp/servers")); } catch { /* no key yet, or an older server */ }
+  const on = new Set(mcpServersOn());
+  $("#mcp-servers").replaceChildren(...data.map((s) => {
+    const box = el("input", { type: "checkbox", checked: on.has(s.label) });
+    box.dataset.server = s.label;
+    const detail = `${s.num_tools} tool${s.num_tools === 1 ? "" : "s"}, ${s.state}` +
+      (s.require_approval === "always" ? ", asks approval" : "");
+    return el("label", { className: "check" }, box, ` ${s.label} `, el("small", { textContent: `(${detail})` }));
+  }));
+  $("#mcp").hidden = !data.length;
+}
+
+const mcpServersOn = () => [...document.querySelectorAll("#mcp-servers input:checked")].map((b) => b.dataset.server);
+
+// ---- requests -------------------------------------------------------------------------------------
+// History entries are chat messages; an assistant message may carry `mcp`, the MCP calls made for it
+// (Responses mcp_call items), which only the Responses request sends back.
+const chatMessage = ({ mcp, ...message }) => message;
+
+function settings() {
+  return {
+    system: $("#system").value.trim(),
+    maxTokens: parseInt($("#max-tokens").value, 10) || undefined,
+    temperature: parseFloat($("#temperature").value),
+    json: $("#json-mode").checked,
+    tools: $("#tools").value.trim() ? JSON.parse($("#tools").value) : null,  // a parse error is shown by send()
+  };
+}
+
+function chatRequest(s) {
   const body = {
     model: $("#model").value,
-    messages: [...(system ? [{ role: "system", content: system }] : []), ...state.history],
+    messages: [...(s.system ? [{ role: "system", content: s.system }] : []), ...state.history.map(chatMessage)],
     stream: true,
     stream_options: { include_usage: true },
-    max_tokens: parseInt($("#max-tokens").value, 10) || undefined,
-    temperature: parseFloat($("#temperature").value),
+    max_tokens: s.maxTokens,
+    temperature: s.temperature,
   };
   if (isNaN(body.temperature)) delete body.temperature;
-  if ($("#json-mode").checked) body.response_format = { type: "json_object" };
-  const tools = $("#tools").value.trim();
-  if (tools) body.tools = JSON.parse(tools);  // a parse error is shown by send()
-  return body;
+  if (s.json) body.response_format = { type: "json_object" };
+  if (s.tools) body.tools = s.tools;
+  return { path: "/v1/chat/completions", body, json: s.json };
+}
+
+// The conversation as Responses input items: messages, the client's tool calls, earlier MCP calls.
+function responsesInput() {
+  const items = [];
+  for (const m of state.history) {
+    if (m.role === "user") {
+      items.push({ role: "user", content: typeof m.content === "string" ? m.content : m.content.map((p) =>
+        p.type === "image_url" ? { type: "input_image", image_url: p.image_url.url } : { type: "input_text", text: p.text }) });
+      continue;
+    }
+    for (const call of m.mcp || []) {
+      items.push({ type: "mcp_call", id: call.id, server_label: call.server_label, name: call.name,
+        arguments: call.arguments, output: call.output, error: call.error });
+    }
+    if (m.content) items.push({ role: "assistant", content: m.content });
+    for (const c of m.tool_calls || []) {
+      items.push({ type: "function_call", call_id: c.id, name: c.function.name, arguments: c.function.arguments });
+    }
+  }
+  return items;
+}
+
+// With MCP servers on, the Responses API runs their tools between the model's rounds and streams each call.
+function responsesRequest(s, servers, continuing) {
+  const tools = servers.map((label) => ({ type: "mcp", server_label: label, require_approval: "never" }));
+  for (const t of s.tools || []) {  // chat-style function tools, as Responses writes them
+    tools.push(t.type === "function" && t.function ? { type: "function", ...t.function } : t);
+  }
+  const body = { model: $("#model").value, input: continuing ? continuing.input : responsesInput(), tools,
+    stream: true, max_output_tokens: s.maxTokens, temperature: s.temperature };
+  if (continuing) body.previous_response_id = continuing.previous;
+  if (s.system) body.instructions = s.system;
+  if (isNaN(body.temperature)) delete body.temperature;
+  if (s.json) body.text = { format: { type: "json_object" } };
+  return { path: "/v1/responses", body, json: s.json, servers };
+}
+
+// ---- streams -------------------------------------------------------------------------------------
+// Each reader folds one streamed event into `reply`; it returns true when the event carried output.
+function readChatChunk(chunk, reply) {
+  if (chunk.error) throw new Error(chunk.error.message);
+  if (chunk.usage) {
+    const u = chunk.usage;
+    reply.usage = { output: u.completion_tokens, cached: u.prompt_tokens_details?.cached_tokens };
+  }
+  let output = false;
+  for (const choice of chunk.choices || []) {
+    const d = choice.delta || {};
+    output ||= Boolean(d.content || d.reasoning_content || d.tool_calls);
+    reply.content += d.content || "";
+    reply.reasoning += d.reasoning_content || "";
+    for (const tc of d.tool_calls || []) {
+      const call = (reply.toolCalls[tc.index ?? 0] ??= { id: "", name: "", arguments: "" });
+      call.id = tc.id || call.id;
+      call.name += tc.function?.name || "";
+      call.arguments += tc.function?.arguments || "";
+    }
+    reply.finish = choice.finish_reason || reply.finish;
+  }
+  return output;
+}
+
+function readResponseEvent(event, reply) {
+  switch (event.type) {
+    case "response.created":
+      reply.responseId = event.response.id;
+      return false;
+    case "response.output_text.delta":
+      reply.content += event.delta;
+      return true;
+    case "response.reasoning_text.delta":
+      reply.reasoning += event.delta;
+      return true;
+    case "response.output_item.done": {
+      const item = event.item;
+      if (item.type === "mcp_call") reply.mcpCalls.push(item);
+      else if (item.type === "mcp_approval_request") reply.approvals.push(item);
+      else if (item.type === "function_call") reply.toolCalls.push({ id: item.call_id, name: item.name, arguments: item.arguments });
+      else return false;
+      return true;
+    }
+    case "response.completed":
+    case "response.incomplete": {
+      const r = event.response, u = r.usage || {};
+      reply.usage = { output: u.output_tokens, cached: u.input_tokens_details?.cached_tokens };
+      reply.finish = r.status === "incomplete" ? "length" : reply.approvals.length ? "awaiting approval" : "stop";
+      return false;
+    }
+    case "response.failed":
+      throw new Error(event.response?.error?.message || "the response failed");
+    case "error":
+      throw new Error(event.message || event.error?.message || "the response failed");
+    default:
+      return false;
+  }
 }
 
 async function send(ev) {
   ev.preventDefault();
   const text = $("#prompt").value.trim();
   if ((!text && !state.image) || state.controller) return;
-  let body;
   const content = state.image ? [{ type: "text", text }, { type: "image_url", image_url: { url: state.image } }] : text;
   state.history.push({ role: "user", content });
-  try { body = requestBody(); } catch (e) {
+  let request;
+  try {
+    const s = settings(), servers = mcpServersOn();
+    request = servers.length ? responsesRequest(s, servers) : chatRequest(s);
+  } catch (e) {
     state.history.pop();
     notice("Tools must be a JSON array: " + e.message);
     return;
@@ -183,54 +345,57 @@ async function send(ev) {
   addMessage("user", text, state.image);
   $("#prompt").value = "";
   setImage(null);
+  await streamReply(request);
+}
 
+// A call needing approval ended the response: the answer (approve or not) continues it in a new reply.
+async function decide(reply, request, item, approve) {
+  if (state.controller) return;
+  let s;
+  try { s = settings(); } catch (e) { notice("Tools must be a JSON array: " + e.message); return; }
+  await streamReply(responsesRequest(s, request.servers, { previous: reply.responseId,
+    input: [{ type: "mcp_approval_response", approval_request_id: item.id, approve }] }));
+}
+
+async function streamReply(request) {
   const view = replyView();
-  const reply = { content: "", reasoning: "", toolCalls: [] };
+  const reply = { content: "", reasoning: "", toolCalls: [], mcpCalls: [], approvals: [], usage: null, finish: null,
+    responseId: null };
+  const read = request.path === "/v1/responses" ? readResponseEvent : readChatChunk;
   const controller = (state.controller = new AbortController());
   setBusy(true);
   const t0 = performance.now();
-  let tFirst = null, usage = null, finish = null;
+  let tFirst = null;
   try {
-    const r = await api("/v1/chat/completions", { method: "POST", body: JSON.stringify(body), signal: controller.signal });
-    for await (const chunk of sseData(r.body)) {
-      if (chunk.error) throw new Error(chunk.error.message);
-      if (chunk.usage) usage = chunk.usage;
-      for (const choice of chunk.choices || []) {
-        const d = choice.delta || {};
-        if (d.content || d.reasoning_content || d.tool_calls) tFirst ??= performance.now();
-        reply.content += d.content || "";
-        reply.reasoning += d.reasoning_content || "";
-        for (const tc of d.tool_calls || []) {
-          const call = (reply.toolCalls[tc.index ?? 0] ??= { id: "", name: "", arguments: "" });
-          call.id = tc.id || call.id;
-          call.name += tc.function?.name || "";
-          call.arguments += tc.function?.arguments || "";
-        }
-        finish = choice.finish_reason || finish;
-      }
+    const r = await api(request.path, { method: "POST", body: JSON.stringify(request.body), signal: controller.signal });
+    for await (const event of sseData(r.body)) {
+      if (read(event, reply)) tFirst ??= performance.now();
       view.update(reply);
     }
   } catch (e) {
-    if (e.name === "AbortError") finish = "stopped";
+    if (e.name === "AbortError") reply.finish = "stopped";
     else view.error(e.message);
   } finally {
     state.controller = null;
     setBusy(false);
   }
-  if (body.response_format && reply.content) view.asJSON(reply.content);
+  if (request.json && reply.content) view.asJSON(reply.content);
+  if (reply.approvals.length) view.approvals(reply.approvals, (item, approve) => decide(reply, request, item, approve));
   const tEnd = performance.now();
-  const n = usage?.completion_tokens;
+  const n = reply.usage?.output;
   const parts = [];
   if (tFirst != null) parts.push(`TTFT ${Math.round(tFirst - t0)} ms`);
   if (n > 1 && tEnd > tFirst) parts.push(`${((n - 1) / ((tEnd - tFirst) / 1000)).toFixed(1)} tok/s`);
   if (n != null) parts.push(`${n} tokens`);
-  if (usage?.prompt_tokens_details?.cached_tokens) parts.push(`${usage.prompt_tokens_details.cached_tokens} prompt tokens cached`);
-  if (finish) parts.push(finish);
+  if (reply.usage?.cached) parts.push(`${reply.usage.cached} prompt tokens cached`);
+  if (reply.mcpCalls.length) parts.push(`${reply.mcpCalls.length} MCP call${reply.mcpCalls.length === 1 ? "" : "s"}`);
+  if (reply.finish) parts.push(reply.finish);
   view.stats(parts.join(" · "));
   const message = { role: "assistant", content: reply.content };
   if (reply.toolCalls.length) {
     message.tool_calls = reply.toolCalls.map((c) => ({ id: c.id, type: "function", function: { name: c.name, arguments: c.arguments } }));
   }
+  if (reply.mcpCalls.length) message.mcp = reply.mcpCalls;
   state.history.push(message);
 }
 
@@ -387,6 +552,7 @@ function init() {
     if (key) localStorage.setItem(KEY_STORE, key); else localStorage.removeItem(KEY_STORE);
     notice("");
     loadModels();
+    loadMcpServers();
   });
   $("#tab-chat").addEventListener("click", () => showTab("chat"));
   $("#tab-dash").addEventListener("click", () => showTab("dash"));
@@ -413,6 +579,7 @@ function init() {
   });
   $("#attachment-remove").addEventListener("click", () => setImage(null));
   loadModels();
+  loadMcpServers();
 }
 
 init();
