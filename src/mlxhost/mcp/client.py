@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import logging
 import time
@@ -165,12 +166,12 @@ class McpServer:
         """What the SDK's Client connects to, and an HTTP client to close afterwards (or None)."""
         c = self.config
         if c.command is not None:
-            from mcp import StdioServerParameters
+            from mcp import StdioServerParameters  # optional: the mcp extra
 
             return StdioServerParameters(command=c.command, args=list(c.args), env=dict(c.env) or None,
                                          cwd=c.cwd), None
-        import httpx2
-        from mcp.client.streamable_http import streamable_http_client
+        import httpx2  # optional: the mcp extra
+        from mcp.client.streamable_http import streamable_http_client  # optional: the mcp extra
 
         transport = None
         if self.resolve is not None:
@@ -205,8 +206,8 @@ class McpServer:
             self.num_restarts += 1
 
     async def _serve(self) -> None:
-        import anyio
-        from mcp import Client
+        import anyio  # lazy: anyio only when used
+        from mcp import Client  # optional: the mcp extra
 
         target, http = self._target()
         try:
@@ -239,8 +240,8 @@ class McpServer:
                 return tools
 
     async def _ping(self, client: Any) -> None:
-        import anyio
-        from mcp import MCPError
+        import anyio  # lazy: anyio only when used
+        from mcp import MCPError  # optional: the mcp extra
 
         while True:
             await anyio.sleep(_PING_S)
@@ -259,8 +260,8 @@ class McpServer:
                 raise _Broken(f"ping failed: {_describe(exc)}") from exc
 
     async def _call(self, client: Any, job: _Job) -> None:
-        import anyio
-        from mcp import MCPError
+        import anyio  # lazy: anyio only when used
+        from mcp import MCPError  # optional: the mcp extra
 
         if job.done.done():  # the caller gave up already
             return
@@ -303,14 +304,15 @@ def _settle(job: _Job, output: ToolOutput | None = None, exc: Exception | None =
 
 
 def _is_connection_error(exc: Exception) -> bool:
-    from mcp_types.jsonrpc import CONNECTION_CLOSED
+    from mcp_types.jsonrpc import CONNECTION_CLOSED  # optional: the mcp extra
 
     return getattr(exc, "code", None) == CONNECTION_CLOSED
 
 
 def _describe(exc: BaseException) -> str:
     """The innermost useful message of an exception group (anyio wraps a task's failure in one)."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+    # An exception group by its `exceptions` tuple: Python 3.10 has no BaseExceptionGroup builtin.
+    while isinstance(getattr(exc, "exceptions", None), tuple) and exc.exceptions:
         exc = exc.exceptions[0]
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
@@ -320,8 +322,6 @@ class McpManager:
     connections to the URLs requests name (`open_remote`)."""
 
     def __init__(self, config: McpConfig, resolve: Resolve = resolve_host) -> None:
-        import importlib.util
-
         if importlib.util.find_spec("mcp") is None:
             raise RuntimeError('MCP servers need the mcp SDK: pip install "mlxhost[mcp]"')
         self.config = config

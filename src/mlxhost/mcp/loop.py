@@ -76,7 +76,7 @@ class Toolset:
         self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> Toolset:
-        import asyncio
+        import asyncio  # lazy: asyncio only when used
 
         try:
             for choice in self.choices:
