@@ -12,6 +12,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from mlxhost.memory.device import total_ram
+from mlxhost.models.loader import materialize
+
 log = logging.getLogger(__name__)
 
 CHOICES = ("auto", "float32", "keep")
@@ -27,8 +30,8 @@ class WeightPlan:
 
 def float32_bytes(model) -> int:
     """What the model's weights take as float32, every quantized matrix at its full size."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
+    import mlx.core as mx  # lazy: mlx only when used
+    from mlx.utils import tree_flatten  # lazy: mlx only when used
 
     total, counted = 0, set()
     for _, module in model.named_modules():
@@ -59,10 +62,8 @@ def plan(model, choice: str, on_cpu: bool, ram_bytes: int) -> WeightPlan:
 
 def apply(model, weight_plan: WeightPlan) -> None:
     """Changes the model in place to the plan's layout and evaluates it on this (the loading) thread."""
-    import mlx.core as mx
-    from mlx_lm.utils import dequantize_model
-
-    from mlxhost.models.loader import materialize
+    import mlx.core as mx  # lazy: mlx only when used
+    from mlx_lm.utils import dequantize_model  # lazy: mlx_lm only when used
 
     if weight_plan.layout == "keep":
         return
@@ -75,9 +76,7 @@ def apply(model, weight_plan: WeightPlan) -> None:
 
 def serve_layout(model, choice: str) -> WeightPlan:
     """Plans and applies the layout for a served text model, logging the choice in one line."""
-    import mlx.core as mx
-
-    from mlxhost.memory.device import total_ram
+    import mlx.core as mx  # lazy: mlx only when used
 
     weight_plan = plan(model, choice, mx.default_device() == mx.cpu, total_ram())
     apply(model, weight_plan)
@@ -87,8 +86,8 @@ def serve_layout(model, choice: str) -> WeightPlan:
 
 
 def _all_float32(model) -> bool:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
+    import mlx.core as mx  # lazy: mlx only when used
+    from mlx.utils import tree_flatten  # lazy: mlx only when used
 
     return all(v.dtype == mx.float32 for _, v in tree_flatten(model.parameters())
                if mx.issubdtype(v.dtype, mx.floating) or v.dtype == mx.uint32)
