@@ -1,6 +1,7 @@
 """MCP URLs a request names, against DNS rebinding: every connection resolves and checks the host itself and
 opens its socket to a checked address (mcp/guarded_http.py), while TLS still verifies the URL's host name.
-A fake resolver answers a public address to the first lookup and 127.0.0.1 to later ones."""
+A fake resolver answers a public address to the first lookup and 127.0.0.1 to later ones; where a test needs a
+server, the innermost network backend maps the checked public address onto one on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -108,6 +109,52 @@ def test_the_backend_connects_to_the_checked_address_only():
         assert inner.connects == []
 
     asyncio.run(run())
+
+
+@pytest.fixture
+def http_mcp_server():
+    """A streamable-HTTP MCP server of the SDK on 127.0.0.1 that answers to the Host mcp.example.com; its port."""
+    import uvicorn
+    from mcp.server.mcpserver import MCPServer
+    from mcp.server.transport_security import TransportSecuritySettings
+
+    app = MCPServer("calc")
+
+    @app.tool()
+    def add(a: int, b: int) -> str:
+        """Adds two integers."""
+        return str(a + b)
+
+    security = TransportSecuritySettings(allowed_hosts=["mcp.example.com"])
+    server = uvicorn.Server(uvicorn.Config(app.streamable_http_app(transport_security=security), host="127.0.0.1",
+                                           port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(6000):  # a bound against hangs
+        if server.started:
+            break
+        threading.Event().wait(0.01)
+    yield server.servers[0].sockets[0].getsockname()[1]
+    server.should_exit = True
+    thread.join(30)
+
+
+def test_an_mcp_session_runs_through_the_guarded_transport(http_mcp_server):
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    async def run():
+        inner = Recording(then=httpcore2.AnyIOBackend(), to=("127.0.0.1", http_mcp_server))
+        http = httpx2.AsyncClient(transport=GuardedTransport(lambda host, port: [PUBLIC], inner))
+        async with http, Client(streamable_http_client("http://mcp.example.com/mcp", http_client=http),
+                                read_timeout_seconds=60) as client:
+            names = [t.name for t in (await client.list_tools()).tools]
+            result = await client.call_tool("add", {"a": 2, "b": 3})
+        return names, result.content[0].text, inner.connects
+
+    names, text, connects = asyncio.run(run())
+    assert names == ["add"] and text == "5"
+    assert connects and set(connects) == {(PUBLIC, 80)}
 
 
 def _certificate(hostname: str, ca=None):
