@@ -86,9 +86,6 @@ OPTIONAL: dict[str, Prerequisite] = {
     # The reference MCP server from npm, pinned with the agent CLIs (tests/external/clients.txt).
     "mcp-server-everything": Prerequisite(_agent_cli("mcp-server-everything"),
                                           f"{_AGENT_CLIS_INSTALL} mcp-server-everything"),
-    # The reference MCP server from npm, pinned with the agent CLIs (tests/external/clients.txt).
-    "mcp-server-everything": Prerequisite(_agent_cli("mcp-server-everything"),
-                                          f"{_AGENT_CLIS_INSTALL} mcp-server-everything"),
     "cuda": Prerequisite(_cuda, 'an NVIDIA GPU and pip install -e ".[cuda]"', ci_installs=False),
     **{command: Prerequisite(_agent_cli(command), f"{_AGENT_CLIS_INSTALL} {command}")
        for command in ("claude", "codex", "opencode", "qwen", "aider", "llm")},
