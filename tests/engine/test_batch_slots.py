@@ -143,7 +143,7 @@ def test_blocks_stored_from_slot_rows_give_the_same_tokens_on_a_hit(loaded, fill
     config = EngineConfig(max_num_seqs=8, block_size=16, cache_memory_bytes=64 << 20)
     core = EngineCore(loaded.model, loaded.tokenizer, config, max_model_len=4096, buckets=[1, 2, 4, 8])
     if cuda_like:
-        core.runner.prefill_pad_to, core.runner.sync_phases = 32, True
+        core.runner.prefiller.pad_to, core.runner.sync_phases = 32, True
     arrivals = [(0, prompt(11, 20), 50), (0, prompt(12, 26), 50)]
     arrivals += [(4 + 5 * k, prompt(300 + k, 34 + 3 * k), 4) for k in range(6)]
     first = run_staggered(loaded, arrivals, core=core, tag="a")

@@ -188,7 +188,7 @@ def test_a_last_chunk_in_one_forward_on_cuda(fx, step, monkeypatch):
     split = core(fx, step)
     monkeypatch.setattr("mlxhost.engine.runner.model_runner.is_cuda", lambda: True)
     whole = core(fx, step)
-    assert split.runner.one_forward_logits == 0 < whole.runner.one_forward_logits
+    assert split.runner.prefiller.one_forward_logits == 0 < whole.runner.prefiller.one_forward_logits
     turn1 = ask(fx, [user()], [noise(0)], 12)
     first = one(split, turn1)
     assert_same(one(whole, turn1), first)

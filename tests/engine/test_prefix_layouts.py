@@ -95,12 +95,12 @@ def with_logprobs(core: EngineCore, prompt: list[int], max_tokens: int = 8) -> t
 
 def one_forward_matches_the_split(loaded, monkeypatch, name: str) -> None:
     """On CUDA a short last chunk runs as one forward instead of its body and its last token apart
-    (runner.one_forward_logits). Same tokens and logprobs, with chunks split over steps and a turn 2 that hits."""
+    (the prefiller's one_forward_logits). Same tokens and logprobs, with chunks split over steps and a turn 2 that hits."""
     monkeypatch.setattr("mlxhost.engine.runner.model_runner.is_cuda", lambda: False)
     split = make_core(loaded, prefill_step_size=32)
     monkeypatch.setattr("mlxhost.engine.runner.model_runner.is_cuda", lambda: True)
     whole = make_core(loaded, prefill_step_size=32)
-    assert split.runner.one_forward_logits == 0 < whole.runner.one_forward_logits
+    assert split.runner.prefiller.one_forward_logits == 0 < whole.runner.prefiller.one_forward_logits
     turn1 = tokens(5, 3 * BS + 13)
     first = with_logprobs(split, turn1, 12)
     assert_same(first, with_logprobs(whole, turn1, 12), name)

@@ -91,12 +91,12 @@ def test_a_scored_prompt_beside_a_decoding_row_and_one_that_fails_alone(loaded, 
     assert [e.top for e in beside[1:]] == [e.top for e in alone[1:]] or all(
         [t for t, _ in a.top][:1] == [t for t, _ in b.top][:1] for a, b in zip(alone[1:], beside[1:]))
 
-    import mlxhost.engine.runner.model_runner as model_runner
+    import mlxhost.engine.runner.prefill as prefill
 
     def fails(*args):
         raise RuntimeError("out of memory reading the scores")
 
-    monkeypatch.setattr(model_runner, "prompt_entries", fails)
+    monkeypatch.setattr(prefill, "prompt_entries", fails)
     core.add_request(Request("other", prompt[:12], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)))
     core.add_request(Request("doomed", prompt, SamplingParams(max_tokens=5, temperature=0.0, prompt_logprobs=0)))
     errors, finished = {}, set()

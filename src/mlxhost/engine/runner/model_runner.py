@@ -20,16 +20,15 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxhost.engine.grammar import GrammarSource
 from mlxhost.engine.request import Request, SamplingParams, TokenLogprob
 from mlxhost.engine.runner.batch import DecodeBatch
-from mlxhost.engine.runner.batch_prefill import pick_rows, why_not_batched
+from mlxhost.engine.runner.batch_prefill import why_not_batched
 from mlxhost.engine.runner.block_copy import copy_blocks
 from mlxhost.engine.runner.mm_prefill import MultimodalPrefill
-from mlxhost.engine.runner.prefill import PrefillSteps
+from mlxhost.engine.runner.prefill import Prefiller
 from mlxhost.engine.runner.sampling import (
     RowSampler,
     gather_emitted,
     keep_logprobs,
     pending_arrays,
-    prompt_entries,
     reseed_after_failure,
     sample_batch,
     to_logprob,
@@ -74,7 +73,7 @@ _ONE_FORWARD_LOGITS = 1 << 25
 _PREFILL_PAD_TO = 32
 
 
-class ModelRunner(PrefillSteps):
+class ModelRunner:
     def __init__(
         self,
         model: Any,
@@ -90,16 +89,9 @@ class ModelRunner(PrefillSteps):
         logits_width: int = 0,
         lora: AdapterSet | None = None,
     ) -> None:
-        self.model = model
+        self._model = model
         # LoRA adapters on this model (lora/): each forward runs inside `lora.rows(...)`, one id per row.
-        self.lora = lora if lora is not None else AdapterSet(model)
-        self.logits_width = logits_width  # the LM head's width (vocab); 0: unknown, taken as 1M
-        self.one_forward_logits = _ONE_FORWARD_LOGITS if is_cuda() else 0
-        # Batched prefill's first pass padded to a multiple of this many tokens on MLX-CUDA, so the server
-        # meets few distinct forward shapes: with `--cudnn-attention on` every new attention shape costs a
-        # graph (platform/cudnn_attention.py); its own effect was not measured apart (docs/BENCHMARKS.md,
-        # "cuDNN attention"). Elsewhere shapes cost nothing, padding would.
-        self.prefill_pad_to = _PREFILL_PAD_TO if is_cuda() else 1
+        self._lora = lora if lora is not None else AdapterSet(model)
         self.make_cache = make_cache  # a request's fresh caches (quantized layers under --kv-bits)
         self.grammar = grammar
         self.spec = spec  # speculative decoding (spec/decoder.py SpeculativeDecoder); None: off
@@ -109,8 +101,14 @@ class ModelRunner(PrefillSteps):
         self.kv_prealloc_tokens = kv_prealloc_tokens
         # Vision-language models: multimodal prefill, and decode positions carried per row.
         self.mm = MultimodalPrefill(model, vision_cache) if getattr(model, "is_vlm", False) else None
-        # Prompts prefilled together in one forward where the model's caches take padding.
-        self._batch_prefill = batch_prefill and why_not_batched(model, make_cache) is None
+        self.rows = RowTable()  # request id -> RowState: everything kept per request (state.py)
+        self.prefiller = Prefiller(
+            model, self.rows, make_cache=make_cache, store=store, block_size=block_size, grammar=grammar,
+            lora=self._lora, mm=self.mm, batch_prefill=batch_prefill and why_not_batched(model, make_cache) is None,
+            logits_width=logits_width, one_forward_logits=_ONE_FORWARD_LOGITS if is_cuda() else 0,
+            # On MLX-CUDA the server meets few distinct forward shapes: with `--cudnn-attention on` every new
+            # attention shape costs a graph (platform/cudnn_attention.py). Elsewhere padding would cost.
+            pad_to=_PREFILL_PAD_TO if is_cuda() else 1)
         # Where the last step's time went, for the slow-step log line and MLXHOST_STEP_TRACE.
         self.last_prefill_s = self.last_store_s = self.last_join_s = self.last_decode_s = 0.0
         # MLXHOST_STEP_SYNC (diagnosis only, slows every step): wait for the device after the stores, the
@@ -121,9 +119,26 @@ class ModelRunner(PrefillSteps):
     def reset(self) -> None:
         """Forgets every request and starts an empty decode batch: at start-up, and after a step failed
         in a way no request could be blamed for (its caches may be half-written)."""
-        self.rows = RowTable()  # request id -> RowState: everything kept per request (state.py)
+        self.rows.clear()  # the same table: the prefiller starts rows in it
         self.batch = DecodeBatch(self.buckets, self.kv_prealloc_tokens)
         self._joined_last_step: list[str] = []
+
+    @property
+    def model(self) -> Any:
+        return self._model
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        # A model wrapped after start-up (a distributed rank's) prefills too.
+        self._model = self.prefiller.model = model
+
+    @property
+    def lora(self) -> AdapterSet:
+        return self._lora
+
+    @lora.setter
+    def lora(self, lora: AdapterSet) -> None:
+        self._lora = self.prefiller.lora = lora
 
     @property
     def num_rows(self) -> int:
@@ -150,19 +165,11 @@ class ModelRunner(PrefillSteps):
             if row is not None:
                 row.captured = row.prefill_snap = None
         self._free(sched.finished_request_ids)
-        joined: list[tuple[str, list[Any], mx.array]] = []
         started = time.perf_counter()
-        together = [c for c in sched.prefill_chunks if self._can_prefill_together(requests[c.request_id])]
-        together = [together[i] for i in pick_rows([c.start + c.num_tokens for c in together])]
-        for chunk in sched.prefill_chunks:
-            done = None if chunk in together else self._prefill_or_fail(chunk, requests[chunk.request_id], out)
-            if done is not None:
-                joined.append(done)
-        if together:
-            joined.extend(self._prefill_together(together, requests, out))
+        joined = self.prefiller.run(sched.prefill_chunks, requests, out, decoding=bool(self.batch.num_live))
         if joined:
             self._sync_phase(*(j[2] for j in joined))
-            joined = self._take_prompt_scores(joined, requests, out)
+            joined = self.prefiller.take_prompt_scores(joined, requests, out)
         self.last_prefill_s = time.perf_counter() - started  # for the slow-step log line
         self.last_join_s = 0.0
         try:
@@ -185,24 +192,6 @@ class ModelRunner(PrefillSteps):
             reseed_after_failure()
             out.request_ids, out.token_ids, out.logprobs = [], [], {}
         return out
-
-    def _take_prompt_scores(self, joined: list, requests: dict[str, Request], out: StepTokens) -> list:
-        """Scored prompts that finished: their entries read back now (a scoring request waits for its
-        prompt's forwards here; no other request asks for it). One whose read-back fails (its last forward
-        runs here) fails alone and does not join. Returns the prompts that join."""
-        kept = []
-        for done in joined:
-            rid = done[0]
-            row = self.rows[rid]
-            if row.prompt_scores is not None:
-                try:
-                    out.prompt_logprobs[rid] = prompt_entries(requests[rid].prompt_token_ids, row.prompt_scores)
-                except Exception as exc:
-                    self._fail_prefill(rid, exc, out)
-                    continue
-                row.prompt_scores = None
-            kept.append(done)
-        return kept
 
     def _join(self, joined: list[tuple[str, list[Any], mx.array]], requests: dict[str, Request]) -> None:
         """Prompts whose prefill finished join the decode batch with their first tokens."""

@@ -8,27 +8,91 @@ fails its own request only.
 from __future__ import annotations
 
 import logging
+from typing import Any, Callable
 
 import mlx.core as mx
 
+from mlxhost.engine.grammar import GrammarSource
 from mlxhost.engine.request import Request
-from mlxhost.engine.runner.batch_prefill import prefill_rows
+from mlxhost.engine.runner.batch_prefill import pick_rows, prefill_rows
 from mlxhost.engine.runner.capture import capture, captured_arrays, start_captures
+from mlxhost.engine.runner.mm_prefill import MultimodalPrefill
 from mlxhost.engine.runner.sampling import (
     RowSampler,
     keep_logprobs,
+    prompt_entries,
     reseed_after_failure,
     sample_batch,
     score_positions,
 )
-from mlxhost.engine.runner.state import RowState
+from mlxhost.engine.runner.state import RowState, RowTable
 from mlxhost.engine.scheduler import PrefillChunk
+from mlxhost.kv.store.kv_store import KVBlockStore
+from mlxhost.lora.manager import AdapterSet
 
 log = logging.getLogger(__name__)
 
+# A finished prompt: its request id, its caches, its first token (lazy).
+Joined = tuple[str, list[Any], mx.array]
 
-class PrefillSteps:
-    """Mixed into `ModelRunner` (model_runner.py), whose attributes it uses."""
+
+class Prefiller:
+    """Runs a step's prefill chunks. The runner owns it and hands it the row table it starts rows in; the
+    rest it is given (model, caches' factory, block store, grammar, adapters, multimodal prefill) it only
+    calls. How prompts are prefilled (together or alone, the last chunk in one forward or two, the first
+    pass's padding) is its own state."""
+
+    def __init__(self, model: Any, rows: RowTable, *, make_cache: Callable[[Any], list[Any]],
+                 store: KVBlockStore | None, block_size: int, grammar: GrammarSource | None, lora: AdapterSet,
+                 mm: MultimodalPrefill | None, batch_prefill: bool, logits_width: int, one_forward_logits: int,
+                 pad_to: int) -> None:
+        self.model = model
+        self.rows = rows
+        self.make_cache = make_cache
+        self.store = store
+        self.block_size = block_size
+        self.grammar = grammar
+        self.lora = lora
+        self.mm = mm
+        self.batch_prefill = batch_prefill  # prompts prefilled together where the model's caches take padding
+        self.logits_width = logits_width  # the LM head's width (vocab); 0: unknown, taken as 1M
+        # A last chunk whose logits (tokens x vocab) stay under this runs as one forward (model_runner.py).
+        self.one_forward_logits = one_forward_logits
+        self.pad_to = pad_to  # batched prefill's first pass padded to a multiple of this many tokens
+        self._decoding = False  # rows decode this step: chunks' graphs are launched, not waited for
+
+    def run(self, chunks: list[PrefillChunk], requests: dict[str, Request], out: Any, decoding: bool) -> list[Joined]:
+        """This step's chunks; returns the prompts they finished, in the order they finished. `decoding`:
+        rows of the decode batch run this step too (their read-back bounds the prefill's work)."""
+        self._decoding = decoding
+        together = [c for c in chunks if self._can_prefill_together(requests[c.request_id])]
+        together = [together[i] for i in pick_rows([c.start + c.num_tokens for c in together])]
+        joined = []
+        for chunk in chunks:
+            done = None if chunk in together else self._prefill_or_fail(chunk, requests[chunk.request_id], out)
+            if done is not None:
+                joined.append(done)
+        if together:
+            joined.extend(self._prefill_together(together, requests, out))
+        return joined
+
+    def take_prompt_scores(self, joined: list[Joined], requests: dict[str, Request], out: Any) -> list[Joined]:
+        """Scored prompts that finished: their entries read back now (a scoring request waits for its
+        prompt's forwards here; no other request asks for it). One whose read-back fails (its last forward
+        runs here) fails alone and does not join. Returns the prompts that join."""
+        kept = []
+        for done in joined:
+            rid = done[0]
+            row = self.rows[rid]
+            if row.prompt_scores is not None:
+                try:
+                    out.prompt_logprobs[rid] = prompt_entries(requests[rid].prompt_token_ids, row.prompt_scores)
+                except Exception as exc:
+                    self._fail_prefill(rid, exc, out)
+                    continue
+                row.prompt_scores = None
+            kept.append(done)
+        return kept
 
     def _begin_prefill(self, request: Request) -> list:
         """The request's prefill cache, made (and its row state set up) at its first chunk."""
@@ -39,7 +103,7 @@ class PrefillSteps:
             cache = self.make_cache(self.model)
             if request.cached_block_ids:
                 # Timed on its own (a synced restore) only where it delays nothing: no rows decoding.
-                self.store.make_cache(request.cached_block_ids, cache, sync=not self.batch.num_live)
+                self.store.make_cache(request.cached_block_ids, cache, sync=not self._decoding)
             sampler = RowSampler.make(request.sampling, request.prompt_token_ids)
             if request.sampling.constraint is not None:
                 sampler.matcher = self.grammar.compiler.compile(request.sampling.constraint)
@@ -121,7 +185,7 @@ class PrefillSteps:
         # A request whose prefill captures prefix-cache data (sliding windows, recurrent snapshots) runs
         # its own forwards (`capture` reads batch-1 caches); those families never batch anyway.
         row = self.rows.get(request.request_id)
-        return (self._batch_prefill and not request.media and request.sampling.prompt_logprobs is None
+        return (self.batch_prefill and not request.media and request.sampling.prompt_logprobs is None
                 and (row is None or row.captured is None))
 
     def _prefill_together(self, chunks: list[PrefillChunk], requests: dict[str, Request], out):
@@ -139,7 +203,7 @@ class PrefillSteps:
             with self.lora.rows([requests[c.request_id].adapter for c, _ in rows]):
                 logits, grown = prefill_rows(self.model, [cache for _, cache in rows], [
                     requests[c.request_id].prefill_token_ids[c.start : c.start + c.num_tokens] for c, _ in rows],
-                    bound=self._bound, pad_to=self.prefill_pad_to, joining=[c.is_last for c, _ in rows])
+                    bound=self._bound, pad_to=self.pad_to, joining=[c.is_last for c, _ in rows])
             going_on = [layers for (c, _), layers in zip(rows, grown) if not c.is_last]
             if going_on:  # bound the lazy graph, as `_prefill` does between chunks
                 self._bound([c.state for layers in going_on for c in layers])
@@ -171,7 +235,7 @@ class PrefillSteps:
         launched: the decode's read-back at the end of the step waits for them anyway, and waiting here
         would leave the device idle while the host builds the rest of the step (the join, the decode
         graph). With no decode rows nothing else would bound the work queued, so it is waited for."""
-        if self.batch.num_live:
+        if self._decoding:
             mx.async_eval(*arrays)
         else:
             mx.eval(*arrays)
@@ -187,6 +251,6 @@ class PrefillSteps:
     def _fail_prefill(self, rid: str, exc: Exception, out) -> None:
         log.error("prefill of request %s failed", rid, exc_info=exc)
         out.failed[rid] = f"prefill failed: {exc}"
-        self._free([rid])
+        self.rows.free([rid])  # all it has: a prompt that has not joined holds no row of the decode batch
         reseed_after_failure()
 
