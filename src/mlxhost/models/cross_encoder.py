@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxhost.models.loader import LoadedModel, ModelLoadError, materialize
+from mlxhost.models.loaded import LoadedModel, ModelLoadError, materialize
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxhost.models.loader import LoadedModel, ModelLoadError, materialize
+from mlxhost.models.loaded import LoadedModel, ModelLoadError, materialize
 
 log = logging.getLogger(__name__)
 

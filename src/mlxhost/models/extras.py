@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from mlxhost.models.loader import ModelLoadError
+from mlxhost.models.loaded import ModelLoadError
 
 VISION_HINT = 'pip install "mlxhost[vision]"'
 

@@ -7,58 +7,18 @@ import logging
 import mmap
 import struct
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from mlxhost.audio.detect import audio_kind
 from mlxhost.config import LOAD_STRATEGIES
+from mlxhost.models.encoder import encoder_type, load_encoder
+from mlxhost.models.loaded import LoadedModel, ModelLoadError, materialize
+from mlxhost.models.source import resolve_source
 from mlxhost.models.vlm import is_vlm_config, load_vlm, read_config
 
 log = logging.getLogger(__name__)
 
-_DEFAULT_MAX_MODEL_LEN = 4096
-
 _CHUNK_BYTES = 256 << 20
-
-
-class ModelLoadError(Exception):
-    """A model folder that cannot be loaded; the message names the file and what is wrong."""
-
-
-@dataclass
-class LoadedModel:
-    model: Any
-    tokenizer: Any  # mlx-lm's TokenizerWrapper
-    config: dict
-    source: str  # what the user named: a folder or a hub id
-    strategy: str = "mlx-lm"  # how the weights were read (LOAD_STRATEGIES)
-    # Seconds per stage ("weights": files to evaluated parameters, "tokenizer"), for logs and benchmarks.
-    timings: dict = field(default_factory=dict)
-    # What builds this model's engine core (EngineCore's signature); None: EngineCore. A distributed
-    # server's rank 0 puts its own (distributed/engine.py).
-    make_engine_core: Any = None
-
-    @property
-    def is_vlm(self) -> bool:
-        return getattr(self.model, "is_vlm", False)
-
-    @property
-    def is_encoder(self) -> bool:
-        """An encoder embedding model (models/encoder.py): served for /v1/embeddings only."""
-        return getattr(self.model, "is_encoder", False)
-
-    @property
-    def max_position_embeddings(self) -> int:
-        cfg = self.config.get("text_config", self.config)
-        return int(cfg.get("max_position_embeddings") or _DEFAULT_MAX_MODEL_LEN)
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        ids = set(getattr(self.tokenizer, "eos_token_ids", None) or ())
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return frozenset(ids)
 
 
 def load_model(source: str, strategy: str = "auto") -> LoadedModel:
@@ -74,24 +34,10 @@ def load_model(source: str, strategy: str = "auto") -> LoadedModel:
     return loaded
 
 
-def materialize(model: Any) -> None:
-    """Evaluates every array the model holds, private ones too (`parameters()` skips names that start
-    with `_`, such as the rope frequency tables mlx-lm builds lazily for llama3 / yarn / longrope
-    scaling). A lazy array belongs to the stream of the thread that made it: left lazy, the engine
-    thread cannot evaluate it ("There is no Stream(cpu, 0) in current thread")."""
-    import mlx.core as mx  # lazy: mlx only when used
-    from mlx.utils import tree_flatten  # lazy: mlx only when used
-
-    # A module is a dict of everything it holds, so this walks private entries too.
-    mx.eval([v for _, v in tree_flatten(model) if isinstance(v, mx.array)])
-
-
 def model_kind(config: dict | None) -> str:
     """Which library loads a folder with this config.json: "vlm" (vision-language models: mlx-vlm, its own
     weight layout and processor), "encoder" (BERT-style encoders: mlx-embeddings, as mlx-lm has none),
     "audio" (Whisper, Kokoro: mlx-audio, audio/) or "text" (mlx-lm)."""
-    from mlxhost.models.encoder import encoder_type  # cycle: models.encoder imports this module
-
     if config is not None and is_vlm_config(config):
         return "vlm"
     if config is not None and encoder_type(config) is not None:
@@ -104,12 +50,9 @@ def model_kind(config: dict | None) -> str:
 def _load(source: str, strategy: str) -> LoadedModel:
     if strategy != "auto" and strategy not in LOAD_STRATEGIES:
         raise ValueError(f"load strategy must be auto or one of {LOAD_STRATEGIES}, got {strategy!r}")
-    from mlxhost.models.encoder import load_encoder  # cycle: models.encoder imports this module
-    from mlxhost.models.source import resolve_source  # cycle: models.source imports this module
-
     # A local path as is; a hub id from the Hugging Face cache, else downloaded (models/source.py).
     folder = resolve_source(source)
-    from mlxhost.models.gguf import gguf_folder  # cycle: models.gguf imports this module
+    from mlxhost.models.gguf import gguf_folder  # lazy: pulls in numpy
 
     folder = gguf_folder(folder)  # a GGUF: the MLX folder converted from it once (models/gguf/)
     for path in sorted(folder.glob("*.safetensors")):

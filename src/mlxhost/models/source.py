@@ -12,7 +12,7 @@ import difflib
 import os
 from pathlib import Path
 
-from mlxhost.models.loader import ModelLoadError
+from mlxhost.models.loaded import ModelLoadError
 from mlxhost.models.specs import parse_model_flag
 
 # Enough for a reachable hub to answer a metadata request; an unreachable one fails well inside it.

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxhost.models.catalog import LocalModel, describe
-from mlxhost.models.loader import ModelLoadError
+from mlxhost.models.loaded import ModelLoadError
 
 log = logging.getLogger(__name__)
 

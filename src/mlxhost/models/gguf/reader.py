@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlxhost.models.loader import ModelLoadError
+from mlxhost.models.loaded import ModelLoadError
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
