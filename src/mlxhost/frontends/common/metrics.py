@@ -77,7 +77,7 @@ class _EngineGauges:
         g.add_metric([], waiting)
         yield g
         g = GaugeMetricFamily("mlxhost_kv_capacity_tokens", "KV tokens running requests may hold at once")
-        # Read from each engine's one KV capacity owner, live: a copy in the step counters would lag.
+        # Each core's capacity as of its last step, idle wake-up or call: desktop mode moves it only in those.
         g.add_metric([], sum(e.kv_capacity_tokens or 0 for e in engines))
         yield g
         g = GaugeMetricFamily("mlxhost_kv_bytes_per_token",
