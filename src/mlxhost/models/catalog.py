@@ -143,7 +143,7 @@ def scan_model_dir(model_dir: str | Path) -> list[LocalModel]:
         raise ValueError(f"--model-dir {model_dir}: not a folder")
     found = (describe(child.name, child) for child in sorted(root.iterdir()) if child.is_dir()
              and not child.name.startswith("."))
-    from mlxhost.models.stores import scan_store  # an Ollama store, GGUF files, LM Studio folders
+    from mlxhost.models.stores import scan_store  # cycle: stores.py builds on LocalModel and describe
 
     return [m for m in found if m is not None] + scan_store(root)
 
@@ -205,7 +205,7 @@ def run_list(args) -> int:
     sections = [] if args.no_hf_cache else [(f"Hugging Face cache ({hf_cache_dir()})", scan_hf_cache)]
     dirs = args.model_dir or [d for d in os.environ.get("MLXHOST_MODEL_DIR", "").split(",") if d]
     sections += [(f"--model-dir {d}", lambda d=d: scan_model_dir(d)) for d in dirs]
-    from mlxhost.models.stores import default_store_sections  # Ollama's and LM Studio's, when present
+    from mlxhost.models.stores import default_store_sections  # cycle: stores.py builds on LocalModel
 
     sections += [(title, lambda d=d: scan_model_dir(d)) for title, d in default_store_sections()
                  if str(d) not in {str(Path(x).expanduser()) for x in dirs}]
