@@ -24,6 +24,9 @@ from typing import Any
 
 from llguidance import LLMatcher
 
+from mlxhost.structured.lark_rules import ConstraintError, first_lines, json_subgrammar, lit
+from mlxhost.structured.tool_xml import xml_call_rules, xml_rules
+
 TOOL_CHOICE_MODES = ("auto", "required", "named")
 _TOOL_BODIES = ("hermes_json", "llama3_json", "mistral", "qwen3_xml")
 
@@ -34,10 +37,6 @@ class Constraint:
 
     grammar: str
     kind: str
-
-
-class ConstraintError(ValueError):
-    """A schema or tool definition that cannot be enforced; the message is meant for the client (a 400)."""
 
 
 class GrammarFailure(str):
@@ -124,13 +123,13 @@ def json_schema_constraint(schema: dict, strict: bool = False) -> Constraint:
     """
     if not isinstance(schema, dict):
         raise ConstraintError("the JSON schema must be a JSON object")
-    sub = _json_subgrammar(schema, strict, name="json_schema", what="JSON schema")
+    sub = json_subgrammar(schema, strict, name="json_schema", what="JSON schema")
     return Constraint(_document([sub]), "json_schema")
 
 
 def json_object_constraint() -> Constraint:
     """Output must be one JSON object (any keys, any values)."""
-    sub = _json_subgrammar({"type": "object"}, strict=True, name="json_object", what="JSON object")
+    sub = json_subgrammar({"type": "object"}, strict=True, name="json_object", what="JSON object")
     return Constraint(_document([sub]), "json_object")
 
 
@@ -161,17 +160,13 @@ def tool_call_constraint(
     subs, calls = [], []
     for i, (tool, params, strict) in enumerate(specs):
         if fmt.body == "qwen3_xml":
-            from mlxhost.structured.tool_xml import xml_call_rules  # cycle: structured.tool_xml imports this module
-
             rules, xml_subs = xml_call_rules(i, tool, params, strict)
             calls += rules
             subs += xml_subs
             continue
-        subs.append(_json_subgrammar(params, strict, f"args_{i}", f"parameters schema of tool {tool!r}"))
-        calls.append(f'call_{i}: {_lit(_call_prefix(tool, fmt))} @args_{i} "}}"')
+        subs.append(json_subgrammar(params, strict, f"args_{i}", f"parameters schema of tool {tool!r}"))
+        calls.append(f'call_{i}: {lit(_call_prefix(tool, fmt))} @args_{i} "}}"')
     if fmt.body == "qwen3_xml":
-        from mlxhost.structured.tool_xml import xml_rules  # cycle: structured.tool_xml imports this module
-
         calls += xml_rules()
     auto_start = f"{_free_text_rule(fmt)} | tool_calls" + (" | call" if fmt.bare_call else "")
     lines = [
@@ -207,31 +202,13 @@ def with_reasoning_prefix(
         f"start: reasoning{'' if starts_in_reasoning else '?'} REASONING_GAP @{inner}",
         "reasoning: " + _join("" if starts_in_reasoning else tags.text(start), "reasoning_body"),
         # Lazy: the reasoning ends at the first `end`, so text after it is held to the constraint.
-        f"reasoning_text[lazy]: REASONING_TEXT {_lit(end)}",
+        f"reasoning_text[lazy]: REASONING_TEXT {lit(end)}",
         "reasoning_body: " + tags.closing("reasoning_text", "REASONING_TEXT", end),
         r"REASONING_TEXT: /(.|\n)*/",
         # Chat templates put a blank line or two between the reasoning and the answer.
         r"REASONING_GAP: /[ \n]{0,4}/",
     ]) + "\n"
     return _checked(Constraint(_document([{"lark_grammar": lark}, *grammars]), constraint.kind))
-
-
-def _json_options(strict: bool) -> dict:
-    # Compact JSON, except the ", " and ": " that json.dumps and chat templates write; nowhere else may
-    # whitespace go, so a model cannot loop on it. These override any `x-guidance` in the user's schema.
-    compact = {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?"}
-    return {**compact, "lenient": not strict}
-
-
-def _json_subgrammar(schema: dict, strict: bool, name: str, what: str) -> dict:
-    try:
-        grammar = LLMatcher.grammar_from_json_schema(schema, overrides=_json_options(strict))
-    except (ValueError, TypeError) as e:
-        raise ConstraintError(f"invalid {what}: {e}") from None
-    error = LLMatcher.validate_grammar(grammar)
-    if error:
-        raise ConstraintError(f"invalid or unsupported {what}: {_first_lines(error)}")
-    return {**json.loads(grammar)["grammars"][0], "name": name}
 
 
 def _tool_specs(tools: list[dict]) -> list[tuple[str, dict, bool]]:
@@ -274,9 +251,9 @@ def _calls_expr(fmt: ToolFormat, parallel: bool, lazy_open: bool, tags: "_Tags")
         opening = _join(opening, f"{tags.token(fmt.opening_token)}?")
     start, end = tags.text(fmt.start), tags.text(fmt.end)
     if fmt.tags_per_call:
-        more = f" ({_lit(fmt.separator)} {start} call {end})*" if parallel else ""
+        more = f" ({lit(fmt.separator)} {start} call {end})*" if parallel else ""
         return _join(opening, "call", end) + more
-    more = f"({_lit(fmt.separator)} call)*" if parallel else ""
+    more = f"({lit(fmt.separator)} call)*" if parallel else ""
     if fmt.body == "mistral":
         return _join(opening, '"["', "call", more, '"]"', end)
     return _join(opening, "call", more, end)
@@ -299,7 +276,7 @@ def _auto_rules(fmt: ToolFormat, tags: "_Tags") -> list[str]:
         # that is one token ends the text as that token: the model opens a call its own way.
         # With bare calls, text may not start with `{`: that is how a bare call begins.
         text = r"/([^{](.|\n)*)?/" if fmt.bare_call else r"/(.|\n)*/"
-        return [f"FREE_TEXT: {text}", f"tool_trigger[lazy]: FREE_TEXT {_lit(_trigger(fmt))}",
+        return [f"FREE_TEXT: {text}", f"tool_trigger[lazy]: FREE_TEXT {lit(_trigger(fmt))}",
                 "tool_open: " + tags.closing("tool_trigger", "FREE_TEXT", _trigger(fmt))]
     first = "\\[" if fmt.body == "mistral" else "\\{"
     return ["PLAIN_TEXT: /([^" + first + r"](.|\n)*)?/"]
@@ -322,8 +299,8 @@ class _Tags:
     def text(self, text: str) -> str:
         """`text` as a grammar expression: literal pieces, and each known tag as `(<[id]> | "tag")`."""
         if self._split is None or not text:
-            return _lit(text)
-        parts = [f"({self.token(p)} | {_lit(p)})" if p in self._ids else _lit(p) for p in self._split.split(text)]
+            return lit(text)
+        parts = [f"({self.token(p)} | {lit(p)})" if p in self._ids else lit(p) for p in self._split.split(text)]
         return _join(*parts)
 
     def closing(self, lazy_rule: str, text_terminal: str, tag: str) -> str:
@@ -348,19 +325,9 @@ def _document(grammars: list[dict]) -> str:
 def _checked(constraint: Constraint) -> Constraint:
     error = LLMatcher.validate_grammar(constraint.grammar)
     if error:
-        raise ConstraintError(f"cannot build the {constraint.kind} grammar: {_first_lines(error)}")
+        raise ConstraintError(f"cannot build the {constraint.kind} grammar: {first_lines(error)}")
     return constraint
-
-
-def _lit(text: str) -> str:
-    # Lark string literals take JSON escapes; an empty literal is left out of the rule.
-    return json.dumps(text, ensure_ascii=False) if text else ""
 
 
 def _join(*parts: str) -> str:
     return " ".join(p for p in parts if p)
-
-
-def _first_lines(message: str, max_lines: int = 4) -> str:
-    # llguidance appends parser state dumps to some errors; the client needs the first lines only.
-    return "\n".join(message.strip().splitlines()[:max_lines])

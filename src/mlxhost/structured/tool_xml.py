@@ -16,7 +16,7 @@ required ones always, optional ones may be left out, others not at all.
 
 from __future__ import annotations
 
-from mlxhost.structured.grammar import ConstraintError, _json_subgrammar, _lit
+from mlxhost.structured.lark_rules import ConstraintError, json_subgrammar, lit
 
 CLOSE = "\n</parameter>\n"
 _STRUCTURE = ("properties", "items", "anyOf", "oneOf", "allOf", "$ref", "enum", "const")
@@ -33,18 +33,18 @@ def xml_call_rules(index: int, tool: str, params: dict, strict: bool) -> tuple[l
     for j, (name, schema) in enumerate(props.items()):
         rule, value = f"param_{index}_{j}", f"value_{index}_{j}"
         schema = schema if isinstance(schema, dict) else {}
-        rules.append(f"{rule}: {_lit(f'<parameter={name}>' + chr(10))} {value}")
+        rules.append(f"{rule}: {lit(f'<parameter={name}>' + chr(10))} {value}")
         strings = _strings(schema)
         if strings is not None:  # a fixed choice of strings, each closed by the tag
-            rules.append(f"{value}: " + " | ".join(_lit(s + CLOSE) for s in strings))
+            rules.append(f"{value}: " + " | ".join(lit(s + CLOSE) for s in strings))
         elif _is_text(schema):  # raw text: a lazy lexeme that ends at the first closing tag
-            rules.append(f"{value}[lazy]: XML_TEXT {_lit(CLOSE)}")
+            rules.append(f"{value}[lazy]: XML_TEXT {lit(CLOSE)}")
         else:
             sub = f"json_{index}_{j}"
-            subs.append(_json_subgrammar({**schema, **defs}, strict, sub, f"parameter {name!r} of tool {tool!r}"))
-            rules.append(f"{value}: @{sub} {_lit(CLOSE)}")
+            subs.append(json_subgrammar({**schema, **defs}, strict, sub, f"parameter {name!r} of tool {tool!r}"))
+            rules.append(f"{value}: @{sub} {lit(CLOSE)}")
         parts.append(rule if name in required else f"{rule}?")
-    body = " ".join([_lit(f"<function={tool}>\n"), *parts, '"</function>"'])
+    body = " ".join([lit(f"<function={tool}>\n"), *parts, '"</function>"'])
     return [f"call_{index}: {body}", *rules], subs
 
 
