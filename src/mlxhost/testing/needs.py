@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from mlxhost.platform import backend
 from mlxhost.testing import real_models
 
 OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
@@ -62,9 +63,7 @@ def _real_model(name: str) -> Callable[[], str | None]:
 
 
 def _cuda() -> str | None:
-    from mlxhost.platform.backend import is_cuda
-
-    return "cuda" if is_cuda() else None
+    return "cuda" if backend.is_cuda() else None
 
 
 OPTIONAL: dict[str, Prerequisite] = {
