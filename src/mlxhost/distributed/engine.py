@@ -240,7 +240,10 @@ class DistributedEngineCore(EngineCore):
         helpers have left once the pieces are done goes on while serving (returned: the engine loop polls it);
         otherwise it is waited for. Ranks on other hosts would meet a switch to the tiled kernels
         with an empty cache and compile inside a serving step: there the warm-up compiles them itself.
-        `compile_tiles` (MLX-CUDA) asks for the tile helpers; no piece helper (`source`) runs beside the ranks."""
+        `compile_tiles` (MLX-CUDA) asks for the tile helpers; no piece helper (`source`) runs beside the ranks.
+        On the other ranks a no-op: they run rank 0's warm-up steps as they follow its plans."""
+        if self.ctx.rank != 0:
+            return None
         log.info("warm-up over %d ranks starts", self.ctx.dist.world_size)
         compiler = tile_compiler(self.warmup_target()) if compile_tiles and self.ctx.one_host else None
         warm = BackgroundWarmup(max_batch, self.runner.buckets, prompt_len, compiler=compiler, model=self.runner.model)

@@ -228,6 +228,7 @@ def run_follower(channel: Any, group: Any = None, own_source: str | None = None)
     ranks mlxhost starts itself use rank 0's. All of its MLX work runs on this (the main) thread."""
     # lazy: pulls in mlx_lm
     from mlxhost.distributed.engine import DistributedEngineCore, RankContext, follow_until_shutdown
+    from mlxhost.engine.assemble import assemble_core  # lazy: pulls in mlx_lm
     from mlxhost.server.app import resolve_max_model_len  # lazy: pulls in fastapi
 
     channel.set_phase("waiting for the setup")
@@ -246,9 +247,11 @@ def run_follower(channel: Any, group: Any = None, own_source: str | None = None)
     channel.set_phase("building its engine (memory profile)")
     engine = setup.engine
     ctx = RankContext(setup.dist, channel, setup.seed)
-    # buckets=None: the core takes rank 0's (DistributedEngineCore), as every shape must match rank 0's.
-    core = DistributedEngineCore(loaded.model, loaded.tokenizer, engine, resolve_max_model_len(loaded, engine),
-                                 None, fingerprint(local_folder(source)), ctx=ctx)
+    # Assembled as rank 0's core is: the core takes rank 0's decode buckets (every shape must match rank 0's),
+    # and its warm-up is rank 0's steps, run below as they come.
+    core = assemble_core(loaded.model, loaded.tokenizer, engine, resolve_max_model_len(loaded, engine),
+                         model_key=fingerprint(local_folder(source)),
+                         make_core=functools.partial(DistributedEngineCore, ctx=ctx)).core
     log.info("rank %d/%d ready: following rank 0", channel.rank, channel.size)
     follow_until_shutdown(core)
     log.info("rank %d: rank 0 shut down", channel.rank)
