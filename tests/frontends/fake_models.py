@@ -4,6 +4,7 @@ HTTP layer runs as served (schemas, translation, gateway, preparation, grammars,
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 
@@ -12,6 +13,7 @@ from fastapi.testclient import TestClient
 from mlxhost.engine.request import RequestOutput
 from mlxhost.frontends.app import create_app
 from mlxhost.serving.model import ServedModel
+from mlxhost.structured.grammar import GrammarFailure
 
 NAME = "tiny"
 REPLY = "hello"
@@ -38,24 +40,49 @@ class RecordingTokenizer:
         return self.encode(text) if tokenize else text
 
 
+# How a request ends when `InstantEngine.failure` names it: the last output the engine sends then.
+FAILURES = {
+    "shutdown": {"finish_reason": "abort", "error": "server shutting down"},  # AsyncEngine.end_all's
+    "grammar": {"error": GrammarFailure("the grammar could not continue")},  # the request's own grammar
+    "crash": {"error": "engine failed"},  # anything else the engine reports
+}
+
+
 class InstantEngine:
     """Answers every request with one output: `reply` if set, JSON under a json_schema grammar, else a
-    short text."""
+    short text. With `failure` a FAILURES key, a first piece of text and then that failure; "hang": nothing
+    until `release` is set. `closed` lists the requests whose output stream ended (finished or aborted)."""
 
     kv_capacity_tokens = None
 
     def __init__(self) -> None:
         self.requests: list = []
         self.reply: str | None = None
+        self.failure: str | None = None
+        self.closed: list[str] = []
+        self.reached: asyncio.Event | None = None  # set once a request reaches the engine (made on first use)
+        self.release: asyncio.Event | None = None
 
     def generate(self, request):
         self.requests.append(request)
+        if self.reached is None:
+            self.reached, self.release = asyncio.Event(), asyncio.Event()
+        self.reached.set()
         constraint = request.sampling.constraint
         text = self.reply or (JSON_REPLY if constraint is not None and constraint.kind == "json_schema" else REPLY)
+        rid, num_prompt, failure = request.request_id, request.num_prompt_tokens, self.failure
 
         async def outputs():
-            yield RequestOutput(request.request_id, [1] * len(text), text, request.num_prompt_tokens, len(text),
-                                "stop")
+            try:
+                if failure == "hang":
+                    await self.release.wait()
+                if failure in FAILURES:
+                    yield RequestOutput(rid, [1, 1], text[:2], num_prompt, 2)
+                    yield RequestOutput(rid, [], "", num_prompt, 2, **FAILURES[failure])
+                    return
+                yield RequestOutput(rid, [1] * len(text), text, num_prompt, len(text), "stop")
+            finally:
+                self.closed.append(rid)
 
         return outputs()
 

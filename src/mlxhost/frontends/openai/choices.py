@@ -49,7 +49,13 @@ async def _whole_choices(gateway: Gateway, body: SamplingFields, opened: Opened,
     for b in builders[1:]:
         b.echo_logprobs = head.prompt_logprobs
     timers = [gateway.timer() for _ in streams]
-    wholes = await asyncio.gather(*(gateway.join(s, timer) for s, timer in zip(streams, timers)))
+    tasks = [asyncio.ensure_future(gateway.join(s, timer)) for s, timer in zip(streams, timers)]
+    try:
+        wholes = await asyncio.gather(*tasks)
+    finally:  # one choice failed (or the client left): the others stop too, their requests aborted
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     for whole, timer in zip(wholes, timers):
         timer.done(whole.last)
     return wholes
