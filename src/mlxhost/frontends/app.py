@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -29,8 +30,10 @@ from mlxhost.frontends.openai.routes import add_model_list_route, add_openai_rou
 from mlxhost.frontends.rerank import add_rerank_routes
 from mlxhost.frontends.responses.routes import add_responses_routes
 from mlxhost.frontends.responses.translate import prefill_request as responses_prefill
-from mlxhost.server.manager import ModelManager
 from mlxhost.serving.prompt_bound import PrepPool
+
+if TYPE_CHECKING:  # a type only: frontends/ sits below server/
+    from mlxhost.server.manager import ModelManager
 
 log = logging.getLogger(__name__)
 

@@ -40,12 +40,13 @@ async def embed_token_lists(model: Any, engine: Any, token_lists: list[list[int]
     """[N, D] unit-norm float32 vectors (numpy) of `token_lists` from a leased model; None when
     `is_gone()` (an async check between chunks) says the client left. `max_batch_tokens`: padded tokens
     per batch (default: MAX_BATCH_TOKENS for an encoder, one prefill chunk for a decoder)."""
+    # The engine's jobs import MLX: loaded when one runs, so frontends/ and serving/ import none.
     from mlxhost.engine.embeddings import DimensionsTooLargeError, EmbeddingJob, EmbeddingsUnsupportedError
 
     if model.multimodal is not None:
         raise APIError(400, "embeddings are not supported for vision-language models", "model")
     if model.embedding_only:
-        from mlxhost.engine.encoder import EncoderJob
+        from mlxhost.engine.encoder import EncoderJob  # as above: MLX, loaded when the job runs
 
         job = EncoderJob(token_lists, dimensions, max_batch_tokens=max_batch_tokens or MAX_BATCH_TOKENS)
     else:

@@ -25,6 +25,7 @@ from mlxhost.serving.schemas import (
 
 def _render_multimodal(model: ServedModel, body: ChatCompletionRequest) -> tuple[list[int], tuple]:
     """Fetches and decodes the media (blocking: the caller runs this off the event loop)."""
+    # Media fetching and decoding (images, video): loaded only for a request that carries media.
     from mlxhost.multimodal.media import MediaError
     from mlxhost.multimodal.prompt import MediaPart, PromptError
 

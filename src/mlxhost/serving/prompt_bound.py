@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 from typing import Any, Callable, TypeVar
 
@@ -52,7 +53,6 @@ def max_token_chars(tokenizer: Any, vocab: dict | None = None) -> int:
 
 
 def _normalizer_is_safe(tokenizer: Any) -> bool:
-    import json
 
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
     to_str = getattr(backend, "to_str", None)

@@ -5,6 +5,7 @@ blank page on an offline laptop or an air-gapped server). Its Swagger UI is 5.x,
 
 from __future__ import annotations
 
+from importlib.resources import files
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -20,8 +21,6 @@ _MISSING = "API docs need fastapi-offline: pip install fastapi-offline. The API'
 
 def docs_assets_dir() -> Path | None:
     try:
-        from importlib.resources import files
-
         folder = Path(str(files("fastapi_offline") / "static"))
     except ImportError:
         return None

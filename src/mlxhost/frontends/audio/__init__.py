@@ -7,6 +7,7 @@ from fastapi import FastAPI
 
 
 def add_audio_routes(app: FastAPI, gateway) -> None:
+    # Both import this package (`from mlxhost.frontends.audio import render`): at module level, a cycle.
     from mlxhost.frontends.audio.speech import add_speech_routes
     from mlxhost.frontends.audio.transcriptions import add_transcription_routes
 

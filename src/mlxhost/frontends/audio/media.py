@@ -20,7 +20,7 @@ class AudioDecodeError(ValueError):
 
 def decode_audio(data: bytes, rate: int = WHISPER_RATE) -> np.ndarray:
     """The first audio stream of `data` (wav, mp3, m4a, ogg, flac, webm, ...) as mono float32 at `rate`."""
-    import av
+    import av  # PyAV (the audio extra): loaded only when audio is decoded
 
     if not data:
         raise AudioDecodeError("the file is empty")
@@ -96,7 +96,7 @@ class SpeechEncoder:
         self._header_sent = False
         self._container = self._stream = self._sink = None
         if fmt in _CODECS:
-            import av
+            import av  # PyAV (the audio extra): loaded only when audio is encoded
 
             container_name, codec, self._sample_format = _CODECS[fmt]
             self._sink = _Sink()
@@ -112,7 +112,7 @@ class SpeechEncoder:
             head = b"" if self._header_sent else wav_header(self.rate)
             self._header_sent = True
             return head + _pcm16(samples)
-        import av
+        import av  # PyAV (the audio extra): loaded only when audio is encoded
 
         frame = av.AudioFrame.from_ndarray(np.asarray(samples, np.float32).reshape(1, -1), format="flt",
                                            layout="mono")

@@ -70,7 +70,7 @@ def add_speech_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/v1/audio/voices")
     async def voices(raw: Request, model: Optional[str] = None):
         """Each text-to-speech model's voices, read off its folder (listing loads nothing)."""
-        from mlxhost.audio.detect import audio_kind, read_voices
+        from mlxhost.audio.detect import audio_kind, read_voices  # the models' side: only when voices are listed
 
         specs = getattr(raw.app.state, "model_specs", ())
         if model is not None:

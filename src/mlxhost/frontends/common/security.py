@@ -11,9 +11,11 @@ import ipaddress
 import json
 import logging
 
+from starlette.middleware.cors import CORSMiddleware
+
+from mlxhost.config import SecurityConfig
 from mlxhost.frontends.common.errors import ErrorShapes, error_shapes
 from mlxhost.frontends.common.keys import KeyRing, current_grant
-from mlxhost.config import SecurityConfig
 
 log = logging.getLogger(__name__)
 
@@ -266,8 +268,6 @@ def install_security(app, config: SecurityConfig, host: str, web_page: bool = Fa
     rebound page gets nothing, not even a preflight), CORS (a preflight is answered without a key, and
     401s carry CORS headers a browser can read), then the key check (a caller without one gets a 401
     before its body is read), the JSON content type, then the body limit."""
-    from starlette.middleware.cors import CORSMiddleware
-
     shapes = error_shapes(app)  # read per refusal: dialects registered later count too
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes, shapes=shapes)
     app.add_middleware(JSONContentTypeMiddleware, routes=app.router.routes, shapes=shapes)

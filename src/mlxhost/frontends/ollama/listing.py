@@ -32,7 +32,7 @@ def _config(source: str) -> dict:
     candidate: Any = path / "config.json" if path.is_dir() else None
     if candidate is None and "/" in source and not path.exists():
         try:
-            from huggingface_hub import try_to_load_from_cache
+            from huggingface_hub import try_to_load_from_cache  # the hub client: only for a hub id
 
             found = try_to_load_from_cache(source, "config.json")
             candidate = Path(found) if isinstance(found, str) else None

@@ -41,14 +41,14 @@ def hub_id(name: str) -> str:
 def default_pull(repo_id: str) -> str:
     """Checks the hub answers for `repo_id` (one quick request), then downloads it; returns the folder.
     Runs on a worker thread. Raises HubError (no such repository, no network) or OSError."""
-    from mlxhost.models.pull import check_on_hub, pull
+    from mlxhost.models.pull import check_on_hub, pull  # the hub client and tqdm: only when pulling
 
     check_on_hub(repo_id)
     return str(pull(repo_id))
 
 
 def pull_error(exc: Exception) -> APIError:
-    from mlxhost.models.pull import HubError
+    from mlxhost.models.pull import HubError  # as above: only once a pull failed
 
     if isinstance(exc, HubError):
         # The hub refused or could not be reached: an upstream failure, said as `mlxhost pull` says it.

@@ -13,6 +13,7 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
+
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import Gateway
 from mlxhost.frontends.common.sse import client_gone
