@@ -58,7 +58,17 @@ def test_the_hold_is_released_once(leave):
             s.abort("r")
     settle(s)
     assert s.prefix.released == {"r": 1}
-    assert s.prefix.pool.num_used == 0 and not s._holds
+    assert s.prefix.pool.num_used == 0 and not s._holds and not len(s.inflight)  # blocks, pin and claim
+
+
+def test_the_claim_on_blocks_being_computed_is_part_of_the_hold():
+    s = make(prefill_step_size=4)
+    s.add_request(r := make_request("r", prompt_of(13)))
+    s.schedule()
+    assert s.inflight.owner(s.prefix.hashes(r.prompt_token_ids)[2]) == "r"  # a block it is still to compute
+    s.abort("r")
+    settle(s)
+    assert not len(s.inflight) and s.prefix.released == {"r": 1}
 
 
 def test_a_waiting_request_holds_nothing():

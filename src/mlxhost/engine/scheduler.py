@@ -339,7 +339,7 @@ class Scheduler:
         if request.cache_ttl_s:  # a hit renews the client's keep hint, as a hit renews Anthropic's TTL
             prefix.keep(hashes[: len(request.cached_block_ids)], request.cache_ttl_s)
         self._next_store_block[rid] = len(request.cached_block_ids)
-        self.inflight.claim(rid, [h for h in hashes[len(request.cached_block_ids):] if not prefix.is_cached(h)])
+        hold.claim(self.inflight, [h for h in hashes[len(request.cached_block_ids):] if not prefix.is_cached(h)])
 
     def _waits_for_inflight(self, request: Request) -> bool:
         if not self.wait_for_inflight or self.prefix is None or not len(self.inflight):
@@ -498,7 +498,9 @@ class Scheduler:
             out.store_ops.setdefault(request.request_id, []).extend(ops)
             self.inflight.planned(op.block_hash for op in ops)
         if prompt_done:  # every prompt block it could store is planned: it computes no more of them
-            self.inflight.release(request.request_id)
+            hold = self._holds.get(request.request_id)
+            if hold is not None:
+                hold.release_claim()
             self._next_store_block.pop(request.request_id, None)
 
     def _leave(self, request: Request) -> None:
@@ -508,7 +510,6 @@ class Scheduler:
         hold = self._holds.pop(rid, None)
         if hold is not None:
             hold.release()
-        self.inflight.release(rid)
         self._next_store_block.pop(rid, None)
         if rid in self._settling:
             self._settling.remove(rid)

@@ -29,6 +29,7 @@ from mlxhost.kv.cache_ops import (
     UnpinSnapshot,
 )
 from mlxhost.kv.hashing import extend_block_hashes
+from mlxhost.kv.inflight import InflightBlocks
 
 # (start, end, content hash) of a prompt's image/video placeholder runs; see hashing.extend_block_hashes.
 MediaSpans = Sequence[tuple[int, int, str]]
@@ -48,9 +49,10 @@ class StoreOp:
 
 class PrefixHold:
     """A request's hold on the prefix cache, from its lookup to the one place it leaves the scheduler: the hit
-    blocks it references and, where the store checks hits (sliding windows, recurrent state), the snapshot that
-    check pinned for it. `loading` while the plan's loads or check for it are out: its prefill waits for them.
-    `release()` gives everything back once; calling it again does nothing."""
+    blocks it references, where the store checks hits (sliding windows, recurrent state) the snapshot that
+    check pinned for it, and its claim on the blocks it computes (`InflightBlocks`). `loading` while the plan's
+    loads or check for it are out: its prefill waits for them. `release()` gives everything back once; calling
+    it again does nothing."""
 
     def __init__(self, manager: PrefixCacheManager, request_id: str, blocks: list[Block]) -> None:
         self._manager = manager
@@ -59,6 +61,7 @@ class PrefixHold:
         self.pinned = False  # a CheckResume ran or is planned for it: the store may pin a snapshot
         self.loading = False
         self.released = False
+        self._inflight: InflightBlocks | None = None
 
     @property
     def block_ids(self) -> list[int]:
@@ -68,9 +71,21 @@ class PrefixHold:
     def num_tokens(self) -> int:
         return len(self.blocks) * self._manager.block_size
 
+    def claim(self, inflight: InflightBlocks, hashes: Sequence[bytes]) -> None:
+        """It computes these blocks: requests that need them wait for them instead of computing them too."""
+        inflight.claim(self.request_id, hashes)
+        self._inflight = inflight
+
+    def release_claim(self) -> None:
+        """Every block it could store is planned (or it ends): it computes no more of them for others."""
+        if self._inflight is not None:
+            self._inflight.release(self.request_id)
+            self._inflight = None
+
     def release(self) -> None:
         if not self.released:
             self.released = True
+            self.release_claim()
             self._manager._release(self)
 
 
