@@ -108,6 +108,6 @@ def test_many_block_boundaries_with_the_prefix_cache_on(family):
     # The prompt and the whole answer: resumed at the last block boundary of the answer at least.
     follow = p + first + prompt(98, 3)
     core.add_request(Request("follow", follow, greedy()))
-    out = core.step() or core.step()  # a hit the store checks (windows, snapshots) starts a step later
+    out = core.step()
     assert out and out[0].num_cached_tokens >= len(p + first) // BS * BS - BS, name
     assert out[0].new_token_ids + drain(core)["follow"] == reference(loaded.model, follow), name

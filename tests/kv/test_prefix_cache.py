@@ -8,7 +8,16 @@ import sys
 from pathlib import Path
 
 import mlxhost.kv
-from mlxhost.kv.cache_ops import CacheResults, CheckResume, ClearDisk, DropBlock, LoadBlock, UnpinSnapshot
+from mlxhost.kv.cache_ops import (
+    CacheResults,
+    CheckResume,
+    ClearDisk,
+    DropBlock,
+    LoadBlock,
+    PinSnapshot,
+    ResumeIndex,
+    UnpinSnapshot,
+)
 from mlxhost.kv.hashing import block_hashes
 from mlxhost.kv.prefix_cache import PrefixCacheManager, PrefixHold, StoreOp
 
@@ -343,7 +352,7 @@ def test_a_load_evicted_before_the_plan_left_is_never_made():
 
 
 def test_a_hit_on_a_checked_model_waits_for_the_stores_check_and_pins_once():
-    mgr, _ = make(check_resume=True)
+    mgr, _ = make(resume=ResumeIndex(needs_snapshot=True))
     tokens = toks(1, 5 * BS + 1)
     ops = store(mgr, tokens[: 5 * BS])
     assert [op.is_row_end for op in ops] == [False] * 4 + [True]  # the last block ends the KV
@@ -366,7 +375,7 @@ def test_a_hit_on_a_checked_model_waits_for_the_stores_check_and_pins_once():
 
 
 def test_lost_windows_are_forgotten_once_unreferenced():
-    mgr, _ = make(check_resume=True)
+    mgr, _ = make(resume=ResumeIndex(needs_snapshot=True))
     tokens = toks(1, 2 * BS + 1)
     ops = store(mgr, tokens[: 2 * BS])
     hold = mgr.lookup("r", tokens)
@@ -403,3 +412,31 @@ def test_blocks_under_a_cache_breakpoint_outlive_unmarked_blocks_of_the_same_age
     now[0] = 301.0  # the TTL ran out: plain LRU again
     store(mgr, toks(4, 4 * BS))
     assert mgr.hit("s", marked + [7]) == []
+
+
+def test_a_hit_the_index_answers_from_memory_pins_at_once_without_a_check():
+    snapshots: set[bytes] = set()
+    resume = ResumeIndex({"swa": set()}, {"swa": lambda n: max(0, n - 2 * BS)}, True, snapshots)
+    mgr, _ = make(resume=resume)
+    tokens = toks(1, 3 * BS + 1)
+    ops = store(mgr, tokens[: 3 * BS])
+    ids = [op.block_id for op in ops]
+    resume.parts["swa"].update(ids[1:])  # the window's two blocks carry sliding KV
+    snapshots.add(ops[-1].block_hash)
+    hold = mgr.lookup("r", tokens)
+    assert not hold.loading and hold.block_ids == ids
+    assert mgr.take_ops() == [PinSnapshot("r", ops[-1].block_hash)]
+    hold.release()
+    assert mgr.take_ops() == [UnpinSnapshot("r")]
+    # A window block without its sliding KV in memory: the store is asked (it may be on disk).
+    resume.parts["swa"].discard(ids[2])
+    hold = mgr.lookup("q", tokens)
+    assert hold.loading and [type(op) for op in mgr.take_ops()] == [CheckResume]
+    hold.release()
+    # The store's index is stale for blocks evicted since the last plan left: not trusted.
+    resume.parts["swa"].add(ids[2])
+    mgr.take_ops()
+    mgr.pool.uncache(mgr.pool.blocks[ids[2]])  # e.g. a discarded store: its DropBlock has not run yet
+    mgr.finish_stores()
+    assert mgr.lookup("p", tokens).block_ids == ids[:2]  # the hit ends before it, and the snapshot is not there
+    assert [type(op) for op in mgr.take_ops()] == [DropBlock, CheckResume]

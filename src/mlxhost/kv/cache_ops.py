@@ -9,8 +9,8 @@ distributed server alike. What the store found comes back as `CacheResults` befo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, Union
+from dataclasses import dataclass, field
+from typing import Callable, Container, Protocol, Union
 
 
 class DiskIndex(Protocol):
@@ -47,6 +47,14 @@ class CheckResume:
 
 
 @dataclass(frozen=True)
+class PinSnapshot:
+    """The snapshot at the end of `request_id`'s hit, in memory when it was decided: kept until it unpins."""
+
+    request_id: str
+    block_hash: bytes
+
+
+@dataclass(frozen=True)
 class UnpinSnapshot:
     """The request's hold ended: the snapshot its check pinned may be evicted again."""
 
@@ -58,7 +66,20 @@ class ClearDisk:
     """Delete every block and snapshot file (and the blocks still queued for writing)."""
 
 
-CacheOp = Union[DropBlock, LoadBlock, CheckResume, UnpinSnapshot, ClearDisk]
+CacheOp = Union[DropBlock, LoadBlock, CheckResume, PinSnapshot, UnpinSnapshot, ClearDisk]
+
+
+@dataclass
+class ResumeIndex:
+    """Where a hit can resume without reading the disk, as plain data the store keeps up to date as it runs the
+    ops and copies blocks: a hit whose whole depth passes needs no CheckResume (and no step's wait)."""
+
+    # Optional per-block role (sliding KV) -> ids of the blocks whose part is in memory.
+    parts: dict[str, set[int]] = field(default_factory=dict)
+    # Role -> the first position whose part a request resumed after n tokens reads (a pure function).
+    first_needed: dict[str, Callable[[int], int]] = field(default_factory=dict)
+    needs_snapshot: bool = False
+    snapshots: Container[bytes] = frozenset()  # hashes with a snapshot in memory
 
 
 @dataclass(frozen=True)

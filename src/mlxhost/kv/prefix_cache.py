@@ -26,6 +26,8 @@ from mlxhost.kv.cache_ops import (
     DiskIndex,
     DropBlock,
     LoadBlock,
+    PinSnapshot,
+    ResumeIndex,
     UnpinSnapshot,
 )
 from mlxhost.kv.hashing import extend_block_hashes
@@ -96,7 +98,7 @@ class PrefixCacheManager:
         block_size: int,
         model_key: str,
         disk: DiskIndex | None = None,
-        check_resume: bool = False,
+        resume: ResumeIndex | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.block_size = block_size
@@ -105,8 +107,13 @@ class PrefixCacheManager:
         # before the block's new data (a copy or a load planned in the same step) arrives.
         self.pool = BlockPool(num_blocks, block_size, on_evict=self._on_evict, clock=clock)
         self.disk = disk  # hashes the SSD tier holds: a memory miss found there is loaded by the plan
-        self.check_resume = check_resume  # the store says where a hit may end (sliding windows, snapshots)
+        # Where the store says a hit may end (sliding windows, snapshots): None, anywhere. Read as plain data;
+        # what it cannot answer from memory a CheckResume op asks.
+        self.resume = resume
         self._ops: list[CacheOp] = []  # for the next plan, in the order they were decided
+        # Evicted since the plan was last taken: the store still holds their old data until the plan runs.
+        self._dropped_ids: set[int] = set()
+        self._dropped_hashes: set[bytes] = set()
         self._loads: dict[int, LoadBlock] = {}  # block id -> its load, until the plan's results come back
         self._waiting: list[PrefixHold] = []  # holds whose loads or check are out
         self._writing: list[Block] = []  # planned stores, held until the runner has copied them
@@ -163,17 +170,34 @@ class PrefixCacheManager:
             self.pool.touch([block])
             hold.blocks.append(block)
             hold.loading = hold.loading or block.block_id in self._loads  # its data comes with this plan
-        if hold.blocks and self.check_resume:
+        if hold.blocks and self.resume is not None:
             blocks = hold.blocks
-            self._ops.append(CheckResume(request_id, tuple(b.block_id for b in blocks),
-                                         tuple(b.block_hash for b in blocks), tuple(b.token_ids for b in blocks)))
-            hold.pinned = hold.loading = True
+            hold.pinned = True
+            if hold.loading or not self._resumes_now(blocks):
+                self._ops.append(CheckResume(request_id, tuple(b.block_id for b in blocks),
+                                             tuple(b.block_hash for b in blocks), tuple(b.token_ids for b in blocks)))
+                hold.loading = True
+            elif self.resume.needs_snapshot:
+                self._ops.append(PinSnapshot(request_id, blocks[-1].block_hash))
         self.num_queried_tokens += len(token_ids)
         if hold.loading:
             self._waiting.append(hold)
         else:
             self.num_hit_tokens += hold.num_tokens
         return hold
+
+    def _resumes_now(self, blocks: list[Block]) -> bool:
+        """Whether a hit on `blocks` can resume after all of them from what memory holds: the parts each optional
+        role needs there, and the snapshot at their end (blocks evicted or planned since the last plan left
+        count as not holding them: the store has not seen that yet)."""
+        resume, bs, depth = self.resume, self.block_size, len(blocks) * self.block_size
+        stale = self._dropped_ids | {b.block_id for b in self._writing} | set(self._loads)
+        for role, ids in resume.parts.items():
+            needed = blocks[resume.first_needed[role](depth) // bs :]
+            if any(b.block_id not in ids or b.block_id in stale for b in needed):
+                return False
+        last = blocks[-1].block_hash
+        return not resume.needs_snapshot or (last in resume.snapshots and last not in self._dropped_hashes)
 
     def _load_cold(self, block_hash: bytes, tokens: Sequence[int]) -> Block | None:
         """A block taken for the SSD tier's copy of this hash (loaded by the plan), or None."""
@@ -219,6 +243,8 @@ class PrefixCacheManager:
     def take_ops(self) -> list[CacheOp]:
         """The ops decided since the last call, for the step plan."""
         ops, self._ops = self._ops, []
+        self._dropped_ids.clear()
+        self._dropped_hashes.clear()
         return ops
 
     def _on_evict(self, block_hash: bytes, block_id: int) -> None:
@@ -226,6 +252,8 @@ class PrefixCacheManager:
         if load is not None and load in self._ops:  # evicted before the plan left: never loaded
             self._ops.remove(load)
         self._ops.append(DropBlock(block_id))
+        self._dropped_ids.add(block_id)
+        self._dropped_hashes.add(block_hash)
 
     def _release(self, hold: PrefixHold) -> None:
         # Tail first: a prompt's last blocks are evicted before the head other requests share.

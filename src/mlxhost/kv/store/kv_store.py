@@ -17,10 +17,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Sequence
 
 import mlx.core as mx
 
+from mlxhost.kv.cache_ops import ResumeIndex
 from mlxhost.kv.kinds.layout import KVLayout
 from mlxhost.kv.roles import ROLES, CacheRole
 from mlxhost.kv.store.snapshots import SnapshotStore
@@ -76,6 +78,11 @@ class KVBlockStore:
         self._on_disk: dict[tuple[str, int], tuple[bytes, tuple[int, ...]]] = {}
         self.dtype = dtype
         self._spill = SpillQueue()
+        # What the prefix cache reads to decide where a hit resumes, kept as plain data (kv/cache_ops.py).
+        optional = [role for role in layout.roles if role.per_block and role.optional]
+        self.index = ResumeIndex({role.name: set() for role in optional},
+                                 {role.name: partial(role.first_needed, layout) for role in optional},
+                                 bool(layout.snapshot_roles), self.snapshots)
         # Where a hit's time goes besides its prefill (`bench prefix` prints them): filling caches from
         # blocks, and reading blocks and snapshots back from the SSD tier.
         self.num_restores = 0
@@ -100,6 +107,9 @@ class KVBlockStore:
         self._blocks[block_id] = block
         self._hash_of[block_id] = block_hash
         self._block_bytes += block.nbytes
+        for name, ids in self.index.parts.items():
+            if block.parts.get(name) is not None:
+                ids.add(block_id)
 
     def drop(self, block_id: int) -> None:
         for role in self.layout.roles:
@@ -107,6 +117,8 @@ class KVBlockStore:
         block = self._blocks.pop(block_id, None)
         if block is not None:
             self._block_bytes -= block.nbytes
+        for ids in self.index.parts.values():
+            ids.discard(block_id)
         block_hash = self._hash_of.pop(block_id, None)
         if block_hash is not None:  # a snapshot is reached only through its block
             self.snapshots.drop(block_hash)
@@ -256,6 +268,7 @@ class KVBlockStore:
             self._lost_parts.append(block_id)
             return False
         block.parts[role.name] = part
+        self.index.parts[role.name].add(block_id)
         self._block_bytes += sum(a.nbytes for a in role.arrays(part))
         return True
 

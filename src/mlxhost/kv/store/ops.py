@@ -6,7 +6,16 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from mlxhost.kv.cache_ops import CacheOp, CacheResults, CheckResume, ClearDisk, DropBlock, LoadBlock, UnpinSnapshot
+from mlxhost.kv.cache_ops import (
+    CacheOp,
+    CacheResults,
+    CheckResume,
+    ClearDisk,
+    DropBlock,
+    LoadBlock,
+    PinSnapshot,
+    UnpinSnapshot,
+)
 
 log = logging.getLogger(__name__)
 
@@ -18,9 +27,19 @@ def run_cache_ops(store: Any, ops: Sequence[CacheOp]) -> CacheResults:
     is a result, never an error: its block is a miss for the requests that hit it."""
     if store is None or not ops:
         return NO_RESULTS
+    # Pins and unpins first, in order: a snapshot pinned for a hit is then safe from the ones this plan's checks
+    # read from disk (which may evict unpinned snapshots to make room).
+    ended: dict[str, int] = {}  # request id -> the plan's last unpin of it: its hold ended there
+    for i, op in enumerate(ops):
+        match op:
+            case PinSnapshot(request_id, block_hash):
+                store.snapshots.pin(request_id, block_hash)
+            case UnpinSnapshot(request_id):
+                store.release(request_id)
+                ended[request_id] = i
     failed: list[int] = []
     depths: list[tuple[str, int]] = []
-    for op in ops:
+    for i, op in enumerate(ops):
         match op:
             case DropBlock(block_id):
                 store.drop(block_id)
@@ -32,14 +51,16 @@ def run_cache_ops(store: Any, ops: Sequence[CacheOp]) -> CacheResults:
                     ok = False
                 if not ok:
                     failed.append(block_id)
+            case CheckResume(request_id, block_ids, block_hashes, token_ids) if ended.get(request_id, -1) > i:
+                depths.append((request_id, 0))  # its hold ended later in this plan: nothing to pin for it
             case CheckResume(request_id, block_ids, block_hashes, token_ids):
                 # A hit ends before its first block whose load failed, then where the store can resume.
-                n = next((i for i, b in enumerate(block_ids) if b in failed), len(block_ids))
+                n = next((j for j, b in enumerate(block_ids) if b in failed), len(block_ids))
                 while n and not store.can_resume(request_id, block_ids[:n], block_hashes[n - 1], token_ids[n - 1]):
                     n -= 1
                 depths.append((request_id, n))
-            case UnpinSnapshot(request_id):
-                store.release(request_id)
+            case PinSnapshot() | UnpinSnapshot():
+                pass  # done above
             case ClearDisk():
                 store.clear_ssd()
             case _:

@@ -65,7 +65,8 @@ def make_prefix_cache(
     needs_check = any(role.optional for role in layout.roles)
     # The manager reads the SSD tier's index (plain data) and calls nothing of the store: its decisions reach
     # the store as ops in the step plan (kv/cache_ops.py).
-    manager = PrefixCacheManager(num_blocks, config.block_size, model_key, disk=ssd, check_resume=needs_check)
+    manager = PrefixCacheManager(num_blocks, config.block_size, model_key, disk=ssd,
+                                 resume=store.index if needs_check else None)
     log.info("prefix cache: %d blocks of %d tokens (%.1f MB each, %.2f GB in all)%s", num_blocks,
              config.block_size, block_bytes / 1e6, num_blocks * block_bytes / 1e9,
              f", state snapshots {snapshot_bytes / 1e6:.1f} MB" if snapshot_bytes else "")
