@@ -20,7 +20,8 @@ from mlxhost.config import LoraSpec, ModelSpec
 from mlxhost.lora.registry import AdapterRegistry
 from mlxhost.memory.release import freeze_heap
 from mlxhost.models.specs import weights_on_disk
-from mlxhost.server.model_slot import Loader, ModelSlot, ModelState, ModelUnavailableError, UnknownModelError, mb
+from mlxhost.server.model_slot import Loader, ModelSlot, ModelState, mb
+from mlxhost.serving.model import ModelUnavailableError, UnknownModelError
 
 log = logging.getLogger(__name__)
 

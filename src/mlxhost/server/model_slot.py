@@ -1,12 +1,12 @@
-"""A served model's load state (one slot per configured model) and the errors a lookup or a load raises;
-the model manager (manager.py) owns the slots."""
+"""A served model's load state (one slot per configured model); the model manager (manager.py) owns the
+slots. The errors a lookup or a load raises live in serving/model.py, where the front doors read them."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from mlxhost.config import ModelSpec
 
@@ -16,18 +16,6 @@ class ModelState(str, Enum):
     LOADING = "loading"
     LOADED = "loaded"
     UNLOADING = "unloading"
-
-
-class UnknownModelError(LookupError):
-    def __init__(self, requested: str, names: Sequence[str]) -> None:
-        shown = requested if len(requested) <= 200 else f"{requested[:200]}... ({len(requested)} characters)"
-        super().__init__(f"The model `{shown}` does not exist; this server serves "
-                         + ", ".join(f"`{n}`" for n in names) + ".")
-        self.requested, self.names = requested, list(names)
-
-
-class ModelUnavailableError(RuntimeError):
-    """A model that cannot be loaded now: no room (all others busy or pinned), or its load failed."""
 
 
 @dataclass

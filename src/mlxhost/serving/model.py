@@ -4,7 +4,7 @@ are read (no MLX objects besides the tokenizer)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from mlxhost.serving.errors import APIError, clip
 
@@ -39,3 +39,15 @@ class ServedModel:
         if requested != self.name and requested not in self.aliases:
             raise APIError(404, f"The model `{clip(requested)}` does not exist; this server serves `{self.name}`.",
                            "model", "model_not_found")
+
+
+class UnknownModelError(LookupError):
+    def __init__(self, requested: str, names: Sequence[str]) -> None:
+        shown = requested if len(requested) <= 200 else f"{requested[:200]}... ({len(requested)} characters)"
+        super().__init__(f"The model `{shown}` does not exist; this server serves "
+                         + ", ".join(f"`{n}`" for n in names) + ".")
+        self.requested, self.names = requested, list(names)
+
+
+class ModelUnavailableError(RuntimeError):
+    """A model that cannot be loaded now: no room (all others busy or pinned), or its load failed."""

@@ -13,7 +13,7 @@ from mlxhost.frontends.common.errors import APIError, error_response
 from mlxhost.frontends.common.gateway import RETRY_AFTER_S
 from mlxhost.lora.adapters import AdapterBusy, AdapterError, AdapterNoRoom
 from mlxhost.models.extras import MissingExtraError
-from mlxhost.server.manager import ModelUnavailableError, UnknownModelError
+from mlxhost.serving.model import ModelUnavailableError, UnknownModelError
 from mlxhost.serving.schemas import StrictModel
 
 
