@@ -15,8 +15,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxhost.config import MediaConfig
 from mlxhost.engine.request import MediaItem, Request
 from mlxhost.models.vlm import VisionFeatures, VisionLanguageModel
+from mlxhost.multimodal.media import decode_image
 from mlxhost.multimodal.vision_cache import VisionCacheEntry
 
 
@@ -112,9 +114,6 @@ class MultimodalPrefill:
 def _preprocess(model: VisionLanguageModel, item: MediaItem):
     """Pixels of an image the HTTP side did not preprocess (it relied on the vision cache, which has
     dropped the features since): decoded again from the bytes it sent. Videos always carry pixels."""
-    from mlxhost.config import MediaConfig
-    from mlxhost.multimodal.media import decode_image
-
     if item.image is not None:
         return model.preprocess_image(item.image)
     # These bytes passed the request's limits when first decoded; decoding them again needs none.

@@ -16,7 +16,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxhost.engine.request import Request
 from mlxhost.engine.spec.proposer import DraftStep, Proposer
+from mlxhost.engine.spec.setup import rewindable
 from mlxhost.engine.spec.verify import rewind
+from mlxhost.models.loader import load_model
 
 _PREFILL_STEP = 512
 
@@ -26,9 +28,6 @@ class DraftProposer(Proposer):
     keeps_cache = True
 
     def __init__(self, config: Any, vocab_width: int = 0) -> None:
-        from mlxhost.engine.spec.setup import rewindable
-        from mlxhost.models.loader import load_model
-
         model = load_model(config.draft_model).model
         if getattr(model, "is_vlm", False) or not rewindable(model):
             raise ValueError(f"draft model {config.draft_model}: needs a text model with plain KV caches")

@@ -25,6 +25,8 @@ from typing import Any
 import mlx.core as mx
 
 from mlxhost.engine.request import Request
+from mlxhost.engine.spec.heads import load_head
+from mlxhost.engine.spec.hidden import HiddenTap, why_no_tap
 from mlxhost.engine.spec.proposer import DraftStep, Proposer
 from mlxhost.engine.spec.verify import rewind
 
@@ -77,9 +79,6 @@ class HeadProposer(Proposer):
         self.tap = None
 
     def bind(self, target: Any) -> str | None:
-        from mlxhost.engine.spec.heads import load_head
-        from mlxhost.engine.spec.hidden import HiddenTap, why_no_tap
-
         if not self.source:
             return f"--speculative {self.kind} needs the head's folder (--speculative-model PATH)"
         why = why_no_tap(target, ())  # the family first: a head's layers are built from the target's

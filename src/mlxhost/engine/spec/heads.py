@@ -24,6 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx import nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
@@ -34,6 +35,7 @@ class Eagle3Head:
     kind = "eagle3"
 
     def __init__(self, config: dict, target: Any) -> None:
+        # mlx-vlm's drafter only where an EAGLE-3 head is loaded: a heavy import kept off start-up.
         from mlx_vlm.speculative.drafters.eagle3.config import Eagle3Config
         from mlx_vlm.speculative.drafters.eagle3.eagle3 import Eagle3DraftModel
 
@@ -154,8 +156,6 @@ def load_head(path: str | pathlib.Path, target: Any, kind: str) -> Eagle3Head | 
 
 def save_head(head: Eagle3Head | MTPHead, config: dict, out: str | pathlib.Path) -> pathlib.Path:
     """A head as a checkpoint folder (config.json + model.safetensors); shared target weights are left out."""
-    from mlx.utils import tree_flatten
-
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     skip = ("embed_tokens.",) if head.kind == "eagle3" else ()
@@ -166,8 +166,6 @@ def save_head(head: Eagle3Head | MTPHead, config: dict, out: str | pathlib.Path)
 
 
 def _missing(module: nn.Module, weights: dict, kind: str, target: Any) -> list[str]:
-    from mlx.utils import tree_flatten
-
     have = set(weights)
     shared = ("embed_tokens.",) if kind == "eagle3" and module.embed_tokens is target.model.embed_tokens else ()
     return [k for k, _ in tree_flatten(module.parameters()) if k not in have and not k.startswith(shared)

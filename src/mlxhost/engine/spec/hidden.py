@@ -17,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import make_prompt_cache
 
 # model_type -> families whose inner model's `__call__` is embed -> layers (one mask) -> norm, and whose
 # outer one is the LM head or the tied embedding. A sliding-window Llama has two masks: refused below.
@@ -79,8 +80,6 @@ def why_no_tap(model: Any, layer_ids: tuple[int, ...]) -> str | None:
 def _self_check(model: Any, layer_ids: tuple[int, ...]) -> str | None:
     """The tapped forward must give the model's own logits exactly: speculative greedy output must be
     plain decoding's. Four tokens through fresh caches, both ways."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     tokens = mx.array([[1, 2, 3, 4]])
     want = model(tokens, cache=make_prompt_cache(model))
     got, _ = HiddenTap(model, layer_ids)(tokens, make_prompt_cache(model))

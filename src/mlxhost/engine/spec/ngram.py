@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
+
 from mlxhost.engine.request import Request
 from mlxhost.engine.spec.proposer import DraftStep, Proposer
 
@@ -79,8 +81,6 @@ class NgramProposer(Proposer):
         return any(step.rows[i].proposal.propose(1) for i in step.budget)
 
     def propose(self, step: DraftStep):
-        import mlx.core as mx
-
         last = step.batch.tokens
         last_ids = last.tolist()  # the drafts continue from the token each row feeds
         lengths = [0] * len(step.rids)

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxhost.config import EngineConfig
 from mlxhost.engine.spec.decoder import SpeculativeDecoder
+from mlxhost.engine.spec.heads import head_kind
 from mlxhost.engine.spec.registry import make_proposer
 from mlxhost.kv.kinds import KINDS
+from mlxhost.kv.kinds.probe import probe_kv
 
 log = logging.getLogger(__name__)
 
@@ -24,12 +28,6 @@ def rewindable(model: Any) -> bool:
 def reserve_draft(budget: Any, draft: Any, per_token: int) -> tuple[Any, int]:
     """The memory budget with the draft model's weights moved from KV to weights, and the KV bytes per
     running token with the draft's own KV added (both models hold every running token)."""
-    import dataclasses
-
-    from mlx.utils import tree_flatten
-
-    from mlxhost.kv.kinds.probe import probe_kv
-
     per_token += probe_kv(draft).budget_bytes_per_token
     if budget is None:
         return None, per_token
@@ -39,8 +37,6 @@ def reserve_draft(budget: Any, draft: Any, per_token: int) -> tuple[Any, int]:
 
 def auto_proposer(config: EngineConfig) -> str:
     """`--speculative auto`'s proposer: the head or draft model `draft_model` holds, else prompt lookup."""
-    from mlxhost.engine.spec.heads import head_kind
-
     if config.draft_model:
         return head_kind(config.draft_model) or "draft"
     return "ngram"
