@@ -1,4 +1,5 @@
-"""All MLX work of a step: chunked prefill, the batched decode forward and sampling.
+"""All MLX work of a step: block stores, chunked prefill (its `Prefiller`, prefill.py), the join, and the one
+decode step, plain or speculative (spec/ only plans drafts and follows what was accepted).
 
 The decode batch's `tokens` are the last sampled token of each row, still lazy. A step launches the
 next decode on them with `mx.async_eval` and only then reads them back, so Python's bookkeeping for

@@ -1,10 +1,10 @@
 """What a draft proposer is: the part of speculative decoding that says which tokens each row tries.
 
-The decoder (decoder.py) owns the step: which rows draft and how far (`DraftLength`), the one
-verification forward, acceptance, the target's rewind and logprobs. A proposer only proposes, and
-keeps its per-row state on the runner's row state (`RowState.proposal`), so a finished request's
-state goes with the rest of it. Drafts are point masses (copied tokens, a model's argmax): the
-verification (verify.py) keeps sampled rows' distribution exact for any of them.
+The decoder (decoder.py) plans the step: which rows draft and how far (`DraftLength`); the runner's one
+decode step runs the verification forward, acceptance, the target's rewind and logprobs. A proposer only
+proposes, and keeps its per-row state on the runner's row state (`RowState.proposal`), so a finished
+request's state goes with the rest of it. Drafts are point masses (copied tokens, a model's argmax): the
+verification (runner/sampling.py `verify_group`) keeps sampled rows' distribution exact for any of them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class DraftStep:
     requests: dict[str, Request]
     budget: dict[int, int]  # row index -> the most drafts it may propose (rows missing: none)
     clock: int = 0  # the decoder's step count (plain steps included)
-    # Set by the decoder after the verification forward, for `accept` (all lazy): the fed [B, 1 + K], each
+    # Set after the verification forward, for `accept` (all lazy): the fed [B, 1 + K], each
     # row's next token [B], the target's hidden states [B, 1 + K, ...] (proposers that want them).
     fed: Any = None
     next_tokens: Any = None
@@ -39,7 +39,7 @@ class Proposer:
     # (`join`), and the memory budget counts `model`'s weights and KV.
     keeps_cache = False
     model: Any = None
-    # A proposer fed the target's hidden states (spec/hidden.py): `bind` sets `tap`, the decoder's forwards
+    # A proposer fed the target's hidden states (spec/hidden.py): `bind` sets `tap`, the decode step's forwards
     # go through it, and plain steps call `observe`.
     wants_hidden = False
     tap: Any = None
