@@ -60,7 +60,8 @@ class PrefixHold:
         self._manager = manager
         self.request_id = request_id
         self.blocks = blocks
-        self.pinned = False  # a CheckResume ran or is planned for it: the store may pin a snapshot
+        self.pinned = False  # the store may hold a snapshot pinned for it (a PinSnapshot or a CheckResume)
+        self.checked = False  # a CheckResume is out for it: it ends where that check found it can resume
         self.loading = False
         self.released = False
         self._inflight: InflightBlocks | None = None
@@ -172,12 +173,12 @@ class PrefixCacheManager:
             hold.loading = hold.loading or block.block_id in self._loads  # its data comes with this plan
         if hold.blocks and self.resume is not None:
             blocks = hold.blocks
-            hold.pinned = True
+            hold.pinned = self.resume.needs_snapshot
             if hold.loading or not self._resumes_now(blocks):
                 self._ops.append(CheckResume(request_id, tuple(b.block_id for b in blocks),
                                              tuple(b.block_hash for b in blocks), tuple(b.token_ids for b in blocks)))
-                hold.loading = True
-            elif self.resume.needs_snapshot:
+                hold.loading = hold.checked = True
+            elif hold.pinned:
                 self._ops.append(PinSnapshot(request_id, blocks[-1].block_hash))
         self.num_queried_tokens += len(token_ids)
         if hold.loading:
@@ -228,8 +229,9 @@ class PrefixCacheManager:
         self._loads.clear()
         for hold in self._waiting:
             n = next((i for i, b in enumerate(hold.blocks) if b.block_id in failed), len(hold.blocks))
-            if hold.pinned:  # no check made (none in the plan that ran): no depth it may resume at
+            if hold.checked:  # no check made (none in the plan that ran): no depth it may resume at
                 n = min(n, results.depth_of(hold.request_id) or 0)
+            hold.checked = False
             self.pool.free(reversed(hold.blocks[n:]))  # handed back, still cached (unless their load failed)
             del hold.blocks[n:]
             hold.loading = False
