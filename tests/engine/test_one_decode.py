@@ -3,7 +3,9 @@ runner/sampling.py, and reach both; greedy tokens and logprobs of speculative de
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -12,6 +14,7 @@ import mlxhost.engine.runner.sampling as sampling
 from mlxhost.config import EngineConfig
 from mlxhost.engine.core import EngineCore
 from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.engine.runner.batch import DecodeBatch
 from mlxhost.models.loader import load_model
 from tests.engine.test_speculative import copy, echo_prompt, greedy, run
 
@@ -95,3 +98,22 @@ def test_greedy_tokens_and_logprobs_of_speculation_are_plain_decodings(loaded, q
             assert [t for t, _ in x.top] == [t for t, _ in y.top]
             assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], abs=1e-4)
     assert core.spec_stats()["num_accepted"] > 0
+
+
+@pytest.mark.parametrize("mode", ["ngram", "self"])
+def test_only_the_batch_writes_its_fields(loaded, qwen3_model_dir, monkeypatch, mode):
+    """Speculative steps change the decode batch (tokens, positions, rewound KV) through its own methods: no
+    field of it is set from anywhere but batch.py."""
+    writers: set[str] = set()
+    real = DecodeBatch.__setattr__
+
+    def spy(self, name, value):
+        writers.add(Path(sys._getframe(1).f_code.co_filename).name)
+        real(self, name, value)
+
+    monkeypatch.setattr(DecodeBatch, "__setattr__", spy)
+    spec = {"ngram": {"speculative": "ngram"}, "self": {"draft_model": str(qwen3_model_dir)}}[mode]
+    core = make_core(loaded, **spec)
+    run(core, [greedy(f"r{i}", echo_prompt(i), max_tokens=16) for i in (0, 1, 4)])
+    assert core.spec_stats()["num_steps"] > 0
+    assert writers == {"batch.py"}
