@@ -273,7 +273,9 @@ class ModelRunner:
         else:
             fed, tap = drafts.fed, drafts.tap
         if batch.positions is not None:  # vision-language models: each row's positions carry its rope delta
-            positions = batch.positions[:, None] if drafts is None else batch.positions[:, None] + mx.arange(fed.shape[1])
+            positions = batch.positions[:, None]
+            if drafts is not None:
+                positions = positions + mx.arange(fed.shape[1])
             logits, hidden = self.model(fed, cache=batch.cache, positions=positions), None
         elif tap is not None:  # the same forward, keeping the hidden states a draft head drafts from
             logits, hidden = tap(fed, batch.cache)
@@ -342,7 +344,8 @@ class ModelRunner:
         gathered = ()
         if wanted:
             k = max(samplers[i].params.top_logprobs for i in wanted)
-            gathered = tuple(a for a in gather_emitted(logprobs, fed[:, 1:], accepted, final, wanted, k) if a is not None)
+            gathered = gather_emitted(logprobs, fed[:, 1:], accepted, final, wanted, k)
+            gathered = tuple(a for a in gathered if a is not None)
         head = mx.concatenate([accepted[:, None].astype(fed.dtype), fed], axis=1)
         mx.eval(head, final, *gathered, *(a for v in fed_lp.values() for a in pending_arrays(v)))
         host = head.tolist()
