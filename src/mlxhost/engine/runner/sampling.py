@@ -95,6 +95,8 @@ def _sample_rows(logprobs: mx.array, sp: SamplingParams, key: mx.array | None) -
 def group_rows(rows: list[RowSampler], skip: frozenset[int] = frozenset()) -> list[list[int]]:
     """Rows (by index) that sample in one call: those sharing filter settings. A seeded row samples with its
     own key, so alone; rows in `skip` are left out. Plain and speculative steps group alike."""
+    if len(rows) == 1 and not skip:
+        return [[0]]
     groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(rows):
         if i not in skip:
@@ -130,9 +132,12 @@ def sample_batch(logits: mx.array, rows: list[RowSampler]) -> tuple[mx.array, mx
         )
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     groups = group_rows(rows)
-    parts = [_sample_rows(_rows(logprobs, idx), rows[idx[0]].params, rows[idx[0]].next_key() if len(idx) == 1 else None)
-             for idx in groups]
-    tokens = in_row_order(parts, groups)
+    if len(groups) == 1:  # the common case, kept to one call: every row greedy, or all alike
+        tokens = _sample_rows(logprobs, rows[0].params, rows[0].next_key() if len(rows) == 1 else None)
+    else:
+        tokens = in_row_order([_sample_rows(_rows(logprobs, idx), rows[idx[0]].params,
+                                            rows[idx[0]].next_key() if len(idx) == 1 else None) for idx in groups],
+                              groups)
     for i, r in enumerate(rows):
         if r.has_processors:
             r.append(tokens[i : i + 1])
