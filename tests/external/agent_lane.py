@@ -70,22 +70,46 @@ class DemoServer:
         return Counter(f"{m} {p} {s}" for m, p, s in self.access_log()[start:] if s >= 400)
 
 
-def start_demo_server(log_path: pathlib.Path, default_max_tokens: int = MAX_OUTPUT_TOKENS,
-                      timeout_s: float = 600, extra_args: tuple[str, ...] = ()) -> DemoServer:
+def _free_port() -> int:
     import socket
-    import sys
 
     with socket.socket() as s:  # a free port (the server binds it a moment later)
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def start_demo_server(log_path: pathlib.Path, default_max_tokens: int = MAX_OUTPUT_TOKENS,
+                      timeout_s: float = 600, extra_args: tuple[str, ...] = ()) -> DemoServer:
+    import sys
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "mlxhost.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--default-max-tokens", str(default_max_tokens), "--no-web-ui", *extra_args]
+    return _serve(cmd, port, log_path, timeout_s)
+
+
+def start_held_server(log_path: pathlib.Path, hold_file: pathlib.Path, default_max_tokens: int = MAX_OUTPUT_TOKENS,
+                      end_chance: float = 0.0, timeout_s: float = 600) -> DemoServer:
+    """The demo model served by mlxhost.testing.held_step: its forward waits while `hold_file` exists, and each
+    token ends the answer with `end_chance` (at temperature 1)."""
+    import sys
+
+    from mlxhost.testing.demo import ensure_demo_model
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "mlxhost.testing.held_step", str(ensure_demo_model()), "--port", str(port),
+           "--hold-file", str(hold_file), "--default-max-tokens", str(default_max_tokens), "--log-level", "info",
+           "--end-chance", str(end_chance)]
+    return _serve(cmd, port, log_path, timeout_s)
+
+
+def _serve(cmd: list[str], port: int, log_path: pathlib.Path, timeout_s: float) -> DemoServer:
     env = dict(os.environ)
     # MLX's CPU wheel multiplies matrices with a slow reference BLAS; Debian's OpenBLAS, preloaded, makes the
     # demo model's long agent prompts prefill about 3x faster here. Taken when present, never needed.
     openblas = find("openblas")
     if openblas and "LD_PRELOAD" not in env:
         env["LD_PRELOAD"] = openblas
-    cmd = [sys.executable, "-m", "mlxhost.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--default-max-tokens", str(default_max_tokens), "--no-web-ui", *extra_args]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
