@@ -13,11 +13,11 @@ from fastapi.testclient import TestClient
 
 from mlxhost.config import SecurityConfig
 from mlxhost.frontends.anthropic.errors import install_anthropic_errors
+from mlxhost.frontends.app import create_app
 from mlxhost.frontends.common.errors import install_error_handlers
 from mlxhost.frontends.common.keys import KeyPolicy, KeyRing, KeyUsage, parse_key_file
 from mlxhost.frontends.common.security import install_security
 from tests.frontends.fake_models import NAME, FakeModels
-from mlxhost.frontends.app import create_app
 
 FILE = """
 keys:
@@ -161,6 +161,27 @@ def test_a_key_limited_to_other_models_gets_404(tmp_path):
     resp = chat(client, "sk-alice")
     assert resp.status_code == 404
     assert resp.json()["error"]["code"] == "model_not_found" and not models.engine.requests
+
+
+def test_a_key_limited_to_some_models_lists_only_those():
+    cards = [{"id": "tiny", "aliases": ["small"]}, {"id": "big", "aliases": []}, {"id": "sql-adapter"}]
+    grant = lambda models: KeyRing().grant(KeyPolicy(key="k", name="k", models=models))  # noqa: E731
+    assert grant(None).visible_cards(cards) == cards
+    assert [c["id"] for c in grant(("big", "sql-adapter")).visible_cards(cards)] == ["big", "sql-adapter"]
+    assert [c["id"] for c in grant(("small",)).visible_cards(cards)] == ["tiny"]  # an alias it may use
+    assert grant(("other",)).visible_cards(cards) == []
+
+
+def test_the_model_lists_hide_models_the_key_may_not_use(tmp_path):
+    client, _ = keyed_app(tmp_path)
+    auth = {"Authorization": "Bearer sk-alice"}
+    assert [c["id"] for c in client.get("/v1/models", headers=auth).json()["data"]] == [NAME]
+    (tmp_path / "keys.yaml").write_text("keys:\n  - {key: sk-alice, name: alice, models: [other]}\n")
+    assert client.get("/v1/models", headers=auth).json()["data"] == []
+    assert client.get("/api/tags", headers=auth).json()["models"] == []
+    assert client.get("/api/ps", headers=auth).json()["models"] == []
+    resp = client.get(f"/v1/models/{NAME}", headers=auth)
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
 
 
 def test_429_with_openai_headers_and_anthropic_shape_on_its_routes(tmp_path):

@@ -237,6 +237,13 @@ class KeyGrant:
             raise APIError(404, f"The model `{requested}` does not exist or you do not have access to it.",
                            "model", "model_not_found")
 
+    def visible_cards(self, cards: list[dict]) -> list[dict]:
+        """The model list's entries of the models this key may use (by id or an alias): a key limited to some
+        models sees only those, as a request for another would get model_not_found."""
+        if self.policy.models is None:
+            return cards
+        return [c for c in cards if self.policy.allows_model(c["id"], *c.get("aliases") or ())]
+
     async def count_tokens(self, outputs: AsyncIterator, metrics: Any = None) -> AsyncIterator:
         """`outputs`, passed through; the request's prompt + completion tokens are added when it ends (or is
         dropped), so a limit sees what a request cost, never a guess."""
@@ -259,6 +266,12 @@ class KeyGrant:
 # The grant of the request being handled, set by the gate (security.py) for the handler's task, which
 # it runs in: the gateway reads it to set the request's priority and cache group and count its tokens.
 current_grant: ContextVar[KeyGrant | None] = ContextVar("current_grant", default=None)
+
+def visible_cards(cards: list[dict]) -> list[dict]:
+    """`cards` as the request's key sees them (every card without keys or for an unlimited key)."""
+    grant = current_grant.get()
+    return cards if grant is None else grant.visible_cards(cards)
+
 
 CACHE_ISOLATION = ("none", "key", "group")
 

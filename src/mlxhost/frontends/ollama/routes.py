@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from mlxhost.engine.request import RequestOutput
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import Gateway
+from mlxhost.frontends.common.keys import visible_cards
 from mlxhost.frontends.common.sse import client_gone
 from mlxhost.frontends.ollama.errors import install_ollama_errors
 from mlxhost.frontends.ollama.listing import ps_entry, show, tag_entry
@@ -209,12 +210,12 @@ def add_ollama_routes(app: FastAPI, gateway: Gateway, pull_fn: Callable[[str], A
 
     @router.get("/api/tags")
     async def tags():
-        return {"models": [tag_entry(card, _source(models, card)) for card in models.cards()]}
+        return {"models": [tag_entry(card, _source(models, card)) for card in visible_cards(models.cards())]}
 
     @router.get("/api/ps")
     async def ps():
         return {"models": [ps_entry(card, _source(models, card), models.expires_in(_model_of(models, card["id"])))
-                           for card in models.cards() if card["status"] == "loaded"]}
+                           for card in visible_cards(models.cards()) if card["status"] == "loaded"]}
 
     @router.post("/api/show")
     async def show_model(body: NamedRequest):

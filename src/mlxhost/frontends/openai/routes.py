@@ -7,6 +7,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 
 from mlxhost.frontends.common.gateway import Gateway
+from mlxhost.frontends.common.keys import current_grant, visible_cards
 from mlxhost.frontends.openai.choices import complete_choices
 from mlxhost.frontends.openai.mcp import chat_with_mcp
 from mlxhost.frontends.openai.render import CompletionBuilder, CompletionFrames, echo_text
@@ -16,7 +17,7 @@ from mlxhost.serving.schemas import ChatCompletionRequest, CompletionRequest, Sa
 def add_model_list_route(app: FastAPI, models) -> None:
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": models.cards()}
+        return {"object": "list", "data": visible_cards(models.cards())}
 
 
 def add_openai_routes(app: FastAPI, gateway: Gateway) -> None:
@@ -25,7 +26,9 @@ def add_openai_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str):
         # The openai client's models.retrieve; ids may hold a slash (hub ids), hence :path. A model's or a
-        # LoRA adapter's entry; unknown: UnknownModelError -> 404.
+        # LoRA adapter's entry; unknown: UnknownModelError -> 404, as is one the request's key may not use.
+        if (grant := current_grant.get()) is not None:
+            grant.check_model(model_id, models.resolve)
         return models.card(model_id)
 
     @app.post("/v1/chat/completions")
