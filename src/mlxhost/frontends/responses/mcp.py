@@ -206,9 +206,9 @@ async def respond_with_mcp(gateway: Gateway, body: ResponsesRequest, raw: Reques
                     out += renderer.approval_request(a.id, a.server, a.call)
                 yield out
             else:
-                whole, opened = result.reply.raw
-                yield renderer.answer(whole.text, opened.prepared.output, result.finish_reason == "length",
-                                      set(toolset.tools))
+                answer = result.reply.raw
+                yield renderer.answer(answer.whole.text, answer.opened.prepared.output,
+                                      result.finish_reason == "length", set(toolset.tools))
             totals = _Totals(result.num_prompt_tokens, result.num_output_tokens, result.num_cached_tokens,
                              "stop" if result.approvals else result.finish_reason)
             response, event = renderer.finish(totals)
