@@ -1,7 +1,8 @@
 """Keys with policies on the real server and the tiny fixture model: a key over its tokens per minute gets a
 429 whose Retry-After the official `openai` client honours, a key limited to another model gets a 404,
 a concurrency limit holds under 64 parallel requests, /metrics counts by key name, and the prefix cache
-is shared across keys under `--cache-isolation none` and not at all under `key`."""
+is shared across keys under `--cache-isolation none` and not at all under `key`, but for the full blocks of a
+shared system prompt (`shared_prefixes:`)."""
 
 from __future__ import annotations
 
@@ -38,9 +39,9 @@ class FakeClock:
         return self.now
 
 
-def keyed_server(model_dir, tmp_path, serve, isolation: str = "none"):
+def keyed_server(model_dir, tmp_path, serve, isolation: str = "none", extra: str = ""):
     path = tmp_path / f"keys-{isolation}.yaml"
-    path.write_text(KEYS)
+    path.write_text(KEYS + extra)
     config = ServerConfig(model=str(model_dir), served_model_name=SERVED_NAME,
                           engine=EngineConfig(max_num_seqs=8, block_size=BS),
                           security=SecurityConfig(api_key_file=str(path), cache_isolation=isolation))
@@ -129,9 +130,9 @@ def test_metrics_count_by_key_name_never_the_key(live):
 PROMPT = " ".join(f"word{i}" for i in range(60))  # several full blocks
 
 
-def cached_tokens(live, key: str) -> tuple[int, int]:
+def cached_tokens(live, key: str, prompt: str = PROMPT) -> tuple[int, int]:
     with client_for(live, key) as client:
-        usage = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=1).usage
+        usage = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=1).usage
     return usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
 
 
@@ -147,3 +148,26 @@ def test_isolated_by_key_a_second_key_gets_no_cached_tokens(qwen3_model_dir, tmp
     n, cached = cached_tokens(isolated, "sk-b")
     assert cached == 0
     assert cached_tokens(isolated, "sk-a")[1] == (n - 1) // BS * BS  # its own blocks it still hits
+
+
+SHARED = "You are a careful assistant. " + " ".join(f"rule{i}" for i in range(30))
+
+
+def test_isolated_by_key_a_shared_system_prompt_is_shared_and_nothing_after_it(qwen3_model_dir, tmp_path,
+                                                                               serve_module_app):
+    from mlx_lm.utils import load_tokenizer  # the fixture's tokenizer: where the shared text's tokens end
+
+    extra = f"shared_prefixes:\n  - {SHARED!r}\n"
+    isolated = keyed_server(qwen3_model_dir, tmp_path, serve_module_app, isolation="key", extra=extra)
+    prompt = SHARED + " and then " + PROMPT  # the same whole prompt from both keys
+    tok = load_tokenizer(qwen3_model_dir)
+    ids, shared_ids = tok.encode(prompt), tok.encode(SHARED)
+    num_shared = next((i for i, (a, b) in enumerate(zip(ids, shared_ids)) if a != b), len(shared_ids))
+    assert BS <= num_shared < len(ids) - 2 * BS  # full blocks on both sides of the shared part's end
+
+    n, cached = cached_tokens(isolated, "sk-a", prompt)
+    assert (n, cached) == (len(ids), 0)
+    assert cached_tokens(isolated, "sk-b", prompt)[1] == num_shared // BS * BS  # the shared part's full blocks
+    assert cached_tokens(isolated, "sk-a", prompt)[1] == (n - 1) // BS * BS  # its own blocks, all of them
+    assert cached_tokens(isolated, "sk-a", PROMPT)[1] == 0
+    assert cached_tokens(isolated, "sk-b", PROMPT)[1] == 0  # a prompt without the shared text: nothing shared

@@ -6,6 +6,7 @@ from mlxhost.kv.hashing import (
     block_hashes,
     disk_key,
     extend_block_hashes,
+    group_span,
     hash_block,
 )
 
@@ -148,3 +149,15 @@ def test_extend_block_hashes_with_media_is_incremental():
         extend_block_hashes(acc, tokens[:n], 16, model_key="m", media_spans=spans)
     extend_block_hashes(acc, tokens, 16, model_key="m", media_spans=spans)
     assert acc == full
+
+
+def test_a_group_span_from_a_shared_prefix_leaves_out_only_the_blocks_wholly_before_it():
+    tokens, bs = list(range(64)), 16
+    plain = block_hashes(tokens, bs)
+    a = block_hashes(tokens, bs, media_spans=(group_span("key:a", 37),))
+    b = block_hashes(tokens, bs, media_spans=(group_span("key:b", 37),))
+    assert a[:2] == b[:2] == plain[:2]  # tokens 0..31: all shared, hashed as without a group
+    assert all(x != y != z for x, y, z in zip(a[2:], b[2:], plain[2:]))  # the block holding token 37 on: grouped
+    assert block_hashes(tokens, bs, media_spans=(group_span("key:a"),)) == \
+        block_hashes(tokens, bs, media_spans=(group_span("key:a", 0),))
+    assert block_hashes(tokens, bs, media_spans=(group_span("key:a", 0),))[0] != plain[0]

@@ -94,6 +94,9 @@ class Request:
     priority: int = 0
     # The prefix-cache partition it reads and writes (`--cache-isolation`); '' shares with every request.
     cache_group: str = ""
+    # Leading prompt tokens that are a shared system prompt's (the key file's `shared_prefixes`): the blocks
+    # wholly among them hash without the cache group, so every group hits them.
+    num_shared_prefix_tokens: int = 0
     # A preempted request's output tokens that its next prefill computes again (after the prompt), and how
     # often it was preempted.
     num_replayed_tokens: int = 0
@@ -126,7 +129,7 @@ class Request:
         if self.adapter:
             spans = (adapter_span(self.adapter), *spans)
         if self.cache_group:
-            spans = (group_span(self.cache_group), *spans)
+            spans = (group_span(self.cache_group, self.num_shared_prefix_tokens), *spans)
         return spans
 
     @property

@@ -79,11 +79,12 @@ def adapter_span(adapter: str) -> tuple[int, int, str]:
     return (0, _EVERY_POSITION, "lora:" + adapter)
 
 
-def group_span(group: str) -> tuple[int, int, str]:
-    """A cache-isolation group as a span over the whole sequence: no block, in memory or on the SSD tier,
-    is found by a request of another group, so the time to the first token says nothing across groups.
-    Requests without a group add nothing, so their hashes stay what they were."""
-    return (0, _EVERY_POSITION, "group:" + group)
+def group_span(group: str, start: int = 0) -> tuple[int, int, str]:
+    """A cache-isolation group as a span from `start` to the sequence's end: no block, in memory or on the SSD
+    tier, is found by a request of another group, so the time to the first token says nothing across groups.
+    Requests without a group add nothing, so their hashes stay what they were. `start` > 0 (a shared system
+    prompt's tokens) leaves out only the blocks wholly before it: a block holding any later token carries it."""
+    return (start, _EVERY_POSITION, "group:" + group)
 
 
 def block_extra_keys(model_key: str, extra_keys: tuple = ()) -> tuple:

@@ -212,7 +212,8 @@ class Prepared:
         seed = (sp.seed + i) % 2**64 if sp.seed is not None else None
         return Request(choice_request_id(r.request_id, i), list(r.prompt_token_ids),
                        replace(sp, seed=seed, prompt_logprobs=None), r.eos_token_ids, media=r.media,
-                       adapter=r.adapter, priority=r.priority, cache_group=r.cache_group)
+                       adapter=r.adapter, priority=r.priority, cache_group=r.cache_group,
+                       num_shared_prefix_tokens=r.num_shared_prefix_tokens)
 
 
 def make_request(model: ServedModel, body: SamplingFields) -> Request:

@@ -159,6 +159,9 @@ class Gateway:
                 self.prefixes.note(client_agent.get(), model.name, body, grant.cache_group if grant else "")
             if grant is not None:
                 request.priority, request.cache_group = grant.request_priority(body.priority), grant.cache_group
+                if grant.shared is not None:  # a shared system prompt's blocks hash without the group
+                    request.num_shared_prefix_tokens = await self.prep.run(
+                        grant.shared.num_shared_tokens, model.name, model.tokenizer, request.prompt_token_ids)
             if (priority := priority_class.get()) is not None:  # batch work: its class, never better than its key's
                 request.priority = max(priority, grant.request_priority(None)) if grant is not None else priority
             need, cap = request.num_prompt_tokens + request.sampling.max_tokens, engine.kv_capacity_tokens

@@ -1,5 +1,6 @@
 """API keys with policies (`--api-keys FILE`): per key, the models and MCP servers it may use, its priority
-class, its request, token and concurrency limits and its prefix-cache group.
+class, its request, token and concurrency limits and its prefix-cache group; and, top-level, the system prompts
+every cache group shares (`shared_prefixes:`).
 
 The file is YAML (or JSON, which YAML reads too), a list under `keys:`; every field but `key` is optional,
 and an absent limit is no limit. It is read again when it changes (checked at each request) or on SIGHUP;
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, AsyncIterator, Callable
 
 from mlxhost.frontends.common.errors import APIError
+from mlxhost.frontends.common.shared_prefixes import SharedPrefixes
 
 log = logging.getLogger(__name__)
 
@@ -71,17 +73,47 @@ def _limit(value: Any, what: str, minimum: int = 1) -> int | None:
     return value
 
 
-def parse_key_file(text: str) -> tuple[KeyPolicy, ...]:
-    """The policies of a key file's text (YAML or JSON); ValueError says what is wrong, never a key."""
+def _load_yaml(text: str) -> Any:
     import yaml  # a dependency already (--models-config); imported here, where the file is read
 
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         # PyYAML's own message quotes the offending line, which may hold a key: only the problem and its line.
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ValueError(f"not YAML or JSON{where}: {getattr(exc, 'problem', None) or 'cannot be parsed'}") from None
+
+
+def parse_key_file(text: str) -> tuple[KeyPolicy, ...]:
+    """The policies of a key file's text (YAML or JSON); ValueError says what is wrong, never a key."""
+    return _policies(_load_yaml(text))
+
+
+def parse_shared_prefixes(text: str, folder: str = ".") -> tuple[str, ...]:
+    """The file's `shared_prefixes:`: system prompts every cache group shares (shared_prefixes.py), each a text
+    or `{file: NAME}` (read relative to `folder`, the key file's)."""
+    data = _load_yaml(text)
+    entries = data.get("shared_prefixes") if isinstance(data, dict) else None
+    if entries is None:
+        return ()
+    if not isinstance(entries, list):
+        raise ValueError("shared_prefixes must be a list of texts or {file: NAME}")
+    texts = []
+    for i, entry in enumerate(entries):
+        if isinstance(entry, dict) and set(entry) == {"file"} and isinstance(entry["file"], str):
+            try:
+                with open(os.path.join(folder, entry["file"]), encoding="utf-8") as f:
+                    entry = f.read()
+            except OSError as exc:
+                raise ValueError(f"shared_prefixes[{i}]: {exc.strerror}: {entry['file']}") from None
+        if not isinstance(entry, str) or not entry:
+            raise ValueError(f"shared_prefixes[{i}] must be a non-empty text or {{file: NAME}}")
+        texts.append(entry)
+    return tuple(texts)
+
+
+def _policies(data: Any) -> tuple[KeyPolicy, ...]:
     entries = data.get("keys") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise ValueError("the file must hold a list under `keys:`")
@@ -215,6 +247,7 @@ class KeyGrant:
     policy: KeyPolicy
     usage: KeyUsage
     cache_group: str = ""
+    shared: SharedPrefixes | None = None  # system prompts shared across groups (only with a group)
 
     def request_priority(self, asked: int | None) -> int:
         """The scheduling class: the request's own, never better than its key's."""
@@ -289,10 +322,11 @@ class KeyRing:
         self._stamp: tuple[int, int] | None = None
         self._entries: tuple[tuple[bytes, KeyPolicy], ...] = ()
         self.policies: tuple[KeyPolicy, ...] = ()
+        self.shared = SharedPrefixes(())
         if path is not None:
-            self._install(load_key_file(path), self._file_stamp())  # at start-up a bad file is fatal
+            self._install(*load_key_file(path), self._file_stamp())  # at start-up a bad file is fatal
         else:
-            self._install((), None)
+            self._install((), (), None)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -304,7 +338,9 @@ class KeyRing:
             return None
         return st.st_mtime_ns, st.st_size
 
-    def _install(self, policies: tuple[KeyPolicy, ...], stamp) -> None:
+    def _install(self, policies: tuple[KeyPolicy, ...], shared: tuple[str, ...], stamp) -> None:
+        if shared != self.shared.texts:
+            self.shared = SharedPrefixes(shared)
         file_keys = {p.key for p in policies}
         self.policies = (*policies, *(p for p in self._plain if p.key not in file_keys))
         self._entries = tuple((_digest(p.key.encode()), p) for p in self.policies)
@@ -316,12 +352,12 @@ class KeyRing:
             return False
         stamp = self._file_stamp()
         try:
-            policies = load_key_file(self.path)
+            policies, shared = load_key_file(self.path)
         except (OSError, ValueError) as exc:
             log.error("API key file %s not reloaded, the keys in force stay: %s", self.path, exc)
             self._stamp = stamp  # not retried at every request; the next change is
             return False
-        self._install(policies, stamp)
+        self._install(policies, shared, stamp)
         log.info("API key file %s reloaded: %d keys", self.path, len(policies))
         return True
 
@@ -356,13 +392,14 @@ class KeyRing:
             group = "key:" + policy.name
         elif self.cache_isolation == "group":
             group = "group:" + policy.cache_group if policy.cache_group else "key:" + policy.name
-        return KeyGrant(policy, usage, group)
+        return KeyGrant(policy, usage, group, self.shared if group and self.shared else None)
 
 
-def load_key_file(path: str) -> tuple[KeyPolicy, ...]:
+def load_key_file(path: str) -> tuple[tuple[KeyPolicy, ...], tuple[str, ...]]:
+    """The file's policies and shared prefixes."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
     try:
-        return parse_key_file(text)
+        return parse_key_file(text), parse_shared_prefixes(text, os.path.dirname(path))
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
