@@ -20,6 +20,7 @@ from opentelemetry import context as otel_context, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -56,6 +57,13 @@ def make_tracer_provider(exporter) -> TracerProvider:
     provider = TracerProvider(resource=Resource.create({"service.name": "mlxhost", "service.version": __version__}))
     provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
+
+
+def make_memory_tracing() -> tuple[RequestTracer, TracerProvider, InMemorySpanExporter]:
+    """Tracing as the server does it, into memory (benchmarks, tests): its cost with no collector to reach."""
+    exporter = InMemorySpanExporter()
+    provider = make_tracer_provider(exporter)
+    return RequestTracer(provider.get_tracer("mlxhost")), provider, exporter
 
 
 def install_tracing(app, endpoint: str | None = None, provider: TracerProvider | None = None) -> TracerProvider:
@@ -120,6 +128,12 @@ class RequestTracer:
         self.tracer = tracer
         # The request a handler opened last (open and reply run in the handler's task, so they share it).
         self._current: ContextVar[TracedOutputs | None] = ContextVar("traced_request", default=None)
+
+    @contextlib.contextmanager
+    def server_span(self, name: str):
+        """A SERVER span current while the block runs, as `ServerSpans` opens one per HTTP request."""
+        with self.tracer.start_as_current_span(name, kind=SpanKind.SERVER):
+            yield
 
     def watch(self, model: Any, prepared: Any, outputs: AsyncIterator[RequestOutput]) -> TracedOutputs:
         traced = TracedOutputs(self.tracer, model.name, prepared, outputs)

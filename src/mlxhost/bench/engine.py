@@ -10,6 +10,7 @@ import asyncio
 import tempfile
 import time
 import uuid
+from types import SimpleNamespace
 
 from mlxhost.bench.decode_gap import GAP_COLUMNS, run_gap_bench
 from mlxhost.bench.report import format_table, write_json
@@ -19,19 +20,33 @@ from mlxhost.config import EngineConfig
 from mlxhost.engine.request import Request, SamplingParams
 from mlxhost.models.loader import load_model
 from mlxhost.platform.backend import default_prefill_step_size
+from mlxhost.serving.chat_output import OutputSpec
+from mlxhost.serving.prepare import Prepared
 from mlxhost.testing.demo import SHAPES, build_model_folder, ensure_demo_model
+
+# What a traced request names as its model (tracing.RequestTracer.watch reads `.name`).
+_BENCH_MODEL = SimpleNamespace(name="bench")
 
 
 async def run_one(engine, tokenizer, cfg: ServeBenchConfig, prompt: str, eos,
-                  params: SamplingParams | None = None, adapter: str = "") -> RequestResult:
+                  params: SamplingParams | None = None, adapter: str = "", tracer=None) -> RequestResult:
     """One request through the async engine (under a LoRA adapter's id, if given), timed like `bench serve`
-    times one over HTTP."""
+    times one over HTTP. With `tracer` (tracing.RequestTracer) it is traced as the server traces a request."""
     ids = tokenizer.encode(prompt)
     params = params or SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=cfg.ignore_eos)
-    res = RequestResult(num_prompt_tokens=len(ids))
+    if tracer is None:
+        return await _timed(engine.generate(Request(uuid.uuid4().hex, ids, params, eos, adapter=adapter)), len(ids))
+    request = Request(f"cmpl-{uuid.uuid4().hex}", ids, params, eos, adapter=adapter)
+    with tracer.server_span("POST /v1/completions"):
+        outputs = tracer.watch(_BENCH_MODEL, Prepared(request, OutputSpec()), engine.generate(request))
+        return await _timed(outputs, len(ids))
+
+
+async def _timed(outputs, num_prompt_tokens: int) -> RequestResult:
+    res = RequestResult(num_prompt_tokens=num_prompt_tokens)
     start = time.perf_counter()
     first = last = None
-    async for out in engine.generate(Request(uuid.uuid4().hex, ids, params, eos, adapter=adapter)):
+    async for out in outputs:
         now = time.perf_counter()
         if out.error:
             res.error = out.error
@@ -49,34 +64,56 @@ async def run_one(engine, tokenizer, cfg: ServeBenchConfig, prompt: str, eos,
     return res
 
 
-async def run_engine_bench(cfg: ServeBenchConfig, model_path: str | None, engine_config: EngineConfig) -> dict:
+async def run_engine_bench(cfg: ServeBenchConfig, model_path: str | None, engine_config: EngineConfig,
+                           tracing: str = "off") -> dict:
+    """The load's levels; `tracing` "on" traces every request into memory, "ab" runs each level untraced then
+    traced on the same engine (rows labelled by their tracing), so the two differ only in tracing."""
     from mlxhost.server.app import make_engine, resolve_max_model_len  # lazy: pulls in fastapi
 
+    tracer = provider = exporter = None
+    if tracing != "off":
+        from mlxhost.tracing import make_memory_tracing  # lazy: the optional otel extra
+
+        tracer, provider, exporter = make_memory_tracing()
+    modes = {"off": [None], "on": [tracer], "ab": [None, tracer]}[tracing]
     loaded = load_model(model_path or str(ensure_demo_model()))
     engine = make_engine(loaded, engine_config, resolve_max_model_len(loaded, engine_config))
     engine.start(asyncio.get_running_loop())
     levels = []
     try:
-        await run_one(engine, loaded.tokenizer, cfg, make_prompt(cfg.seed, "warmup", 0, cfg.prompt_tokens),
-                   loaded.eos_token_ids)
+        for traced in modes:  # warms the traced path as well as the engine
+            await run_one(engine, loaded.tokenizer, cfg, make_prompt(cfg.seed, "warmup", 0, cfg.prompt_tokens),
+                          loaded.eos_token_ids, tracer=traced)
         for pos, c in enumerate(cfg.concurrency):
-            tag = f"L{pos}c{c}"
-            n = cfg.num_requests_for(c)
-            prompts = [make_prompt(cfg.seed, tag, i, cfg.prompt_tokens) for i in range(n)]
-            results: list = [None] * n
-            pending = iter(range(n))
+            for traced in modes:
+                tag = f"L{pos}c{c}"
+                n = cfg.num_requests_for(c)
+                prompts = [make_prompt(cfg.seed, tag, i, cfg.prompt_tokens) for i in range(n)]
+                results: list = [None] * n
+                pending = iter(range(n))
 
-            async def worker():
-                for i in pending:
-                    results[i] = await run_one(engine, loaded.tokenizer, cfg, prompts[i], loaded.eos_token_ids)
+                async def worker():
+                    for i in pending:
+                        results[i] = await run_one(engine, loaded.tokenizer, cfg, prompts[i], loaded.eos_token_ids,
+                                                   tracer=traced)
 
-            start = time.perf_counter()
-            await asyncio.gather(*(worker() for _ in range(min(c, n))))
-            levels.append(summarize_level(cfg, c, results, time.perf_counter() - start))
-            print(f"level c={c}: {levels[-1]['agg_tok_s']:.1f} tok/s", flush=True)
+                if provider is not None:
+                    provider.force_flush()  # the last level's spans leave before this one is timed
+                start = time.perf_counter()
+                await asyncio.gather(*(worker() for _ in range(min(c, n))))
+                levels.append(summarize_level(cfg, c, results, time.perf_counter() - start))
+                if tracing != "off":
+                    levels[-1]["tracing"] = "on" if traced is not None else "off"
+                print(f"level c={c}{' tracing ' + levels[-1]['tracing'] if tracing != 'off' else ''}: "
+                      f"{levels[-1]['agg_tok_s']:.1f} tok/s", flush=True)
     finally:
         engine.stop()
-    return {"config": {"model": model_path, **cfg.__dict__}, "levels": levels}
+        if provider is not None:
+            provider.shutdown()
+    result = {"config": {"model": model_path, "tracing": tracing, **cfg.__dict__}, "levels": levels}
+    if exporter is not None:
+        result["num_spans"] = len(exporter.get_finished_spans())
+    return result
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +131,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --long-prompt: the engine's --max-decode-gap values to compare (0: whole chunks)")
     parser.add_argument("--shape", default=None, choices=["tiny", "qwen3-0.6b", "qwen3-8b"],
                         help="a random model of this shape (testing/demo.py SHAPES) instead of --model")
+    parser.add_argument("--tracing", choices=("off", "on", "ab"), default="off",
+                        help="trace each request as the server does, into memory (the otel extra): on; ab runs "
+                             "each level untraced, then traced, and labels the rows")
     parser.add_argument("--label", default="engine", help="name shown in the table and the default JSON name")
     parser.add_argument("--output-json", default=None,
                         help="result file (default: bench-results/serve-<label>-<time>.json)")
@@ -108,8 +148,10 @@ def run(args: argparse.Namespace) -> int:
     engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, prefill_step_size=step)
     if args.long_prompt is not None:
         return run_gap(args, engine_config)
-    result = asyncio.run(run_engine_bench(cfg, args.model, engine_config))
-    print(format_table(result["levels"], TABLE_COLUMNS))
+    result = asyncio.run(run_engine_bench(cfg, args.model, engine_config, args.tracing))
+    columns = TABLE_COLUMNS if args.tracing == "off" else [TABLE_COLUMNS[0], ("tracing", "tracing", ""),
+                                                           *TABLE_COLUMNS[1:]]
+    print(format_table(result["levels"], columns))
     path = write_json(args.output_json or default_json_path(args.label), result)
     print(f"wrote {path}")
     return 0 if all(lv["num_errors"] == 0 for lv in result["levels"]) else 1
