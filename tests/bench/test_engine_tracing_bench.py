@@ -1,5 +1,5 @@
-"""`mlxhost bench engine --tracing`: the A/B runs each level untraced then traced on one engine, and the traced
-requests leave the server's spans in memory (no collector)."""
+"""`mlxhost bench engine --tracing`: the A/B runs each level untraced, traced, traced, untraced on one engine,
+one row per mode, and the traced requests leave the server's spans in memory (no collector)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ def test_the_tracing_ab_labels_its_rows_and_traces_only_the_on_rows(qwen3_model_
                            num_requests=2)
     result = asyncio.run(run_engine_bench(cfg, str(qwen3_model_dir), EngineConfig(max_num_seqs=4), tracing="ab"))
     rows = result["levels"]
-    assert [(r["tracing"], r["concurrency"], r["num_errors"]) for r in rows] == [("off", 2, 0), ("on", 2, 0)]
-    assert result["num_spans"] == (1 + 2) * SPANS_PER_REQUEST  # the traced warm-up and level: every span kept
+    assert [(r["tracing"], r["concurrency"], r["num_requests"], r["num_errors"]) for r in rows] == \
+        [("off", 2, 4, 0), ("on", 2, 4, 0)]  # two rounds of 2 requests each
+    assert result["num_spans"] == (1 + 4) * SPANS_PER_REQUEST  # the traced warm-up and rounds: every span kept
 
 
 def test_tracing_off_has_no_tracing_column_nor_spans(qwen3_model_dir):

@@ -66,8 +66,8 @@ async def _timed(outputs, num_prompt_tokens: int) -> RequestResult:
 
 async def run_engine_bench(cfg: ServeBenchConfig, model_path: str | None, engine_config: EngineConfig,
                            tracing: str = "off") -> dict:
-    """The load's levels; `tracing` "on" traces every request into memory, "ab" runs each level untraced then
-    traced on the same engine (rows labelled by their tracing), so the two differ only in tracing."""
+    """The load's levels; `tracing` "on" traces every request into memory, "ab" runs each level four times on one
+    engine, untraced, traced, traced, untraced (drift cancels), and reports one row per mode."""
     from mlxhost.server.app import make_engine, resolve_max_model_len  # lazy: pulls in fastapi
 
     tracer = provider = exporter = None
@@ -75,35 +75,28 @@ async def run_engine_bench(cfg: ServeBenchConfig, model_path: str | None, engine
         from mlxhost.tracing import make_memory_tracing  # lazy: the optional otel extra
 
         tracer, provider, exporter = make_memory_tracing()
-    modes = {"off": [None], "on": [tracer], "ab": [None, tracer]}[tracing]
+    rounds = {"off": [None], "on": [tracer], "ab": [None, tracer, tracer, None]}[tracing]
     loaded = load_model(model_path or str(ensure_demo_model()))
     engine = make_engine(loaded, engine_config, resolve_max_model_len(loaded, engine_config))
     engine.start(asyncio.get_running_loop())
     levels = []
     try:
-        for traced in modes:  # warms the traced path as well as the engine
+        for traced in rounds[:2]:  # warms the traced path as well as the engine
             await run_one(engine, loaded.tokenizer, cfg, make_prompt(cfg.seed, "warmup", 0, cfg.prompt_tokens),
                           loaded.eos_token_ids, tracer=traced)
         for pos, c in enumerate(cfg.concurrency):
-            for traced in modes:
-                tag = f"L{pos}c{c}"
-                n = cfg.num_requests_for(c)
-                prompts = [make_prompt(cfg.seed, tag, i, cfg.prompt_tokens) for i in range(n)]
-                results: list = [None] * n
-                pending = iter(range(n))
-
-                async def worker():
-                    for i in pending:
-                        results[i] = await run_one(engine, loaded.tokenizer, cfg, prompts[i], loaded.eos_token_ids,
-                                                   tracer=traced)
-
+            runs: dict[bool, tuple[list, float]] = {}
+            for k, traced in enumerate(rounds):
                 if provider is not None:
-                    provider.force_flush()  # the last level's spans leave before this one is timed
-                start = time.perf_counter()
-                await asyncio.gather(*(worker() for _ in range(min(c, n))))
-                levels.append(summarize_level(cfg, c, results, time.perf_counter() - start))
+                    provider.force_flush()  # the last round's spans leave before this one is timed
+                # Prompts of their own in every round: none hits the prefix cache of an earlier one.
+                results, wall_s = await _run_level(engine, loaded, cfg, f"L{pos}c{c}r{k}", c, traced)
+                before = runs.get(traced is not None, ([], 0.0))
+                runs[traced is not None] = (before[0] + results, before[1] + wall_s)
+            for on, (results, wall_s) in sorted(runs.items()):
+                levels.append(summarize_level(cfg, c, results, wall_s))
                 if tracing != "off":
-                    levels[-1]["tracing"] = "on" if traced is not None else "off"
+                    levels[-1]["tracing"] = "on" if on else "off"
                 print(f"level c={c}{' tracing ' + levels[-1]['tracing'] if tracing != 'off' else ''}: "
                       f"{levels[-1]['agg_tok_s']:.1f} tok/s", flush=True)
     finally:
@@ -114,6 +107,22 @@ async def run_engine_bench(cfg: ServeBenchConfig, model_path: str | None, engine
     if exporter is not None:
         result["num_spans"] = len(exporter.get_finished_spans())
     return result
+
+
+async def _run_level(engine, loaded, cfg: ServeBenchConfig, tag: str, c: int, tracer) -> tuple[list, float]:
+    """One level's requests, `c` at a time: their results and the wall time they took."""
+    n = cfg.num_requests_for(c)
+    prompts = [make_prompt(cfg.seed, tag, i, cfg.prompt_tokens) for i in range(n)]
+    results: list = [None] * n
+    pending = iter(range(n))
+
+    async def worker():
+        for i in pending:
+            results[i] = await run_one(engine, loaded.tokenizer, cfg, prompts[i], loaded.eos_token_ids, tracer=tracer)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(c, n))))
+    return results, time.perf_counter() - start
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,7 +142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a random model of this shape (testing/demo.py SHAPES) instead of --model")
     parser.add_argument("--tracing", choices=("off", "on", "ab"), default="off",
                         help="trace each request as the server does, into memory (the otel extra): on; ab runs "
-                             "each level untraced, then traced, and labels the rows")
+                             "each level untraced, traced, traced, untraced and gives a row to each")
     parser.add_argument("--label", default="engine", help="name shown in the table and the default JSON name")
     parser.add_argument("--output-json", default=None,
                         help="result file (default: bench-results/serve-<label>-<time>.json)")
