@@ -167,6 +167,7 @@ def make_parser(with_bench: bool = True) -> argparse.ArgumentParser:
         ("speculative", "decode tok/s with speculative decoding off / ngram / draft models of"
                         " several acceptance rates, single stream and concurrent"),
         ("lora", "aggregate tok/s of N streams over K LoRA adapters vs N streams on the base model"),
+        ("batch", "interactive TTFT while a Batch API job runs vs the idle server"),
         ("plot", "PNG charts of `bench serve` result files, side by side (the `plot` extra)"),
         ("coreml", "an exported Core ML package on this Mac: prompt TTFT and extend tok/s per context"
                    " (macOS only)"),
