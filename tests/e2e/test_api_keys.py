@@ -171,3 +171,29 @@ def test_isolated_by_key_a_shared_system_prompt_is_shared_and_nothing_after_it(q
     assert cached_tokens(isolated, "sk-a", prompt)[1] == (n - 1) // BS * BS  # its own blocks, all of them
     assert cached_tokens(isolated, "sk-a", PROMPT)[1] == 0
     assert cached_tokens(isolated, "sk-b", PROMPT)[1] == 0  # a prompt without the shared text: nothing shared
+
+
+def test_isolated_by_key_a_shared_system_message_is_shared_up_to_the_users_words(qwen3_model_dir, tmp_path,
+                                                                                  serve_module_app):
+    from mlx_lm.utils import load_tokenizer  # the fixture's chat template: where the shared tokens end
+
+    extra = f"shared_prefixes:\n  - {SHARED!r}\n"
+    isolated = keyed_server(qwen3_model_dir, tmp_path, serve_module_app, isolation="key", extra=extra)
+    messages = [{"role": "system", "content": SHARED}, {"role": "user", "content": PROMPT}]
+    tok = load_tokenizer(qwen3_model_dir)
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False)
+    own = tok.encode(tok.apply_chat_template(messages[:1] + [{"role": "user", "content": ""}],
+                                             add_generation_prompt=False, tokenize=False), add_special_tokens=False)
+    num_shared = next(i for i, (a, b) in enumerate(zip(ids, own)) if a != b)
+    assert BS <= num_shared < len(ids) - 2 * BS
+
+    def chat(key: str) -> int:
+        with client_for(isolated, key) as client:
+            usage = client.chat.completions.create(model=SERVED_NAME, messages=messages, max_tokens=1).usage
+        assert usage.prompt_tokens == len(ids)
+        return usage.prompt_tokens_details.cached_tokens
+
+    assert chat("sk-a") == 0
+    assert chat("sk-b") == num_shared // BS * BS
+    assert chat("sk-a") == (len(ids) - 1) // BS * BS
