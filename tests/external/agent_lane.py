@@ -89,7 +89,7 @@ def start_demo_server(log_path: pathlib.Path, default_max_tokens: int = MAX_OUTP
 
 
 def start_held_server(log_path: pathlib.Path, hold_file: pathlib.Path, default_max_tokens: int = MAX_OUTPUT_TOKENS,
-                      end_chance: float = 0.0, timeout_s: float = 600) -> DemoServer:
+                      end_chance: float = 0.0, max_hold_s: float = 120, timeout_s: float = 600) -> DemoServer:
     """The demo model served by mlxhost.testing.held_step: its forward waits while `hold_file` exists, and each
     token ends the answer with `end_chance` (at temperature 1)."""
     import sys
@@ -99,7 +99,7 @@ def start_held_server(log_path: pathlib.Path, hold_file: pathlib.Path, default_m
     port = _free_port()
     cmd = [sys.executable, "-m", "mlxhost.testing.held_step", str(ensure_demo_model()), "--port", str(port),
            "--hold-file", str(hold_file), "--default-max-tokens", str(default_max_tokens), "--log-level", "info",
-           "--end-chance", str(end_chance)]
+           "--end-chance", str(end_chance), "--max-hold", str(max_hold_s)]
     return _serve(cmd, port, log_path, timeout_s)
 
 
