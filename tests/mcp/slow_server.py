@@ -1,6 +1,8 @@
-"""A stdio MCP server for the tests: its process id, a tool that sleeps, one that answers n bytes."""
+"""A stdio MCP server for the tests: its process id, a tool that sleeps, one that answers n bytes, one that
+waits for a file (a call the test holds, then lets go or abandons)."""
 
 import os
+from pathlib import Path
 
 import anyio
 from mcp.server.mcpserver import MCPServer
@@ -25,6 +27,20 @@ async def sleep(seconds: float) -> str:
 def big(n: int) -> str:
     """n bytes of x."""
     return "x" * n
+
+
+@app.tool()
+async def wait_file(path: str) -> str:
+    """Writes this server's process id to `path`.started, waits until the file `path` exists, then answers
+    its text; a call cancelled meanwhile writes `path`.cancelled."""
+    Path(path + ".started").write_text(str(os.getpid()))
+    try:
+        while not os.path.exists(path):
+            await anyio.sleep(0.02)
+    except anyio.get_cancelled_exc_class():
+        Path(path + ".cancelled").write_text("cancelled")
+        raise
+    return Path(path).read_text()
 
 
 if __name__ == "__main__":

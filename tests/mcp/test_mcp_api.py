@@ -21,7 +21,7 @@ def test_servers_and_tools_are_listed(mcp_app):
     assert [(s["label"], s["transport"], s["state"]) for s in servers] == [("slow", "stdio", "ready")]
     tools = client.get("/v1/mcp/tools").json()
     assert tools["object"] == "list"
-    assert {t["name"] for t in tools["data"]} == {"pid", "sleep", "big"}
+    assert {t["name"] for t in tools["data"]} == {"pid", "sleep", "big", "wait_file"}
     big = next(t for t in tools["data"] if t["name"] == "big")
     assert big["server"] == "slow" and big["input_schema"]["properties"]["n"]["type"] == "integer"
 
@@ -63,7 +63,7 @@ def test_chat_runs_the_calls_and_answers(mcp_app):
     # The second round saw the call and its result; the MCP tools were offered in both.
     second = models.last_render
     assert second["messages"][-1] == {"role": "tool", "tool_call_id": call["id"], "content": "xxxx"}
-    assert {t["function"]["name"] for t in second["tools"]} == {"pid", "sleep", "big"}
+    assert {t["function"]["name"] for t in second["tools"]} == {"pid", "sleep", "big", "wait_file"}
 
 
 def test_a_server_killed_mid_call_is_a_tool_error_then_restarted(mcp_app):

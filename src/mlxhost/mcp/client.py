@@ -154,6 +154,9 @@ class McpServer:
         except asyncio.TimeoutError:
             job.done.cancel()
             raise McpCallError(f"MCP tool {tool!r} timed out after {self.limits.call_timeout_s:g} s") from None
+        except asyncio.CancelledError:  # the request went away (its client left): the call stops too
+            job.done.cancel()
+            raise
         except McpCallError as exc:
             log.info("MCP call %s.%s failed after %.2f s: %s", self.label, tool, time.monotonic() - started, exc)
             raise
@@ -266,8 +269,12 @@ class McpServer:
         if job.done.done():  # the caller gave up already
             return
         try:
-            with anyio.fail_after(self.limits.call_timeout_s):
+            with anyio.fail_after(self.limits.call_timeout_s) as scope:
+                # A caller that gives up cancels the call; the SDK then tells the server to stop it.
+                job.done.add_done_callback(lambda _: scope.cancel())
                 result = await client.call_tool(job.tool, job.arguments)
+            if job.done.cancelled():
+                return
         except TimeoutError:
             _settle(job, exc=McpCallError(f"MCP tool {job.tool!r} timed out after {self.limits.call_timeout_s:g} s"))
             return
