@@ -198,7 +198,7 @@ def _isolated_env(root: pathlib.Path) -> tuple[dict, pathlib.Path, pathlib.Path]
 @pytest.fixture(scope="module")
 def held_turns(tmp_path_factory) -> dict[str, HeldTurn]:
     """Every installed client's first turn, all at once, each on its own server whose first forward is held
-    HOLD_S seconds."""
+    its case's hold_s seconds."""
     cases = [c for c in CASES if find(c.command)]
     case_by_name = {c.name: c for c in cases}
     servers, procs, holds, held_since, outlasted, released, turns = {}, {}, {}, {}, {}, {}, {}
