@@ -20,6 +20,7 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxhost.engine.spec.dflash import DFlashDrafter, save_drafter
 from mlxhost.engine.spec.heads import HEADS, save_head
 from mlxhost.engine.spec.hidden import HiddenTap
 from mlxhost.models.loader import load_model
@@ -128,3 +129,31 @@ def _drop_shared(module: nn.Module, grads: dict, frozen: set) -> dict:
     """The gradients without the parameters the head shares with the target (the bound embedding)."""
     params = dict(tree_flatten(module.parameters()))
     return tree_unflatten([(k, g) for k, g in tree_flatten(grads) if id(params[k]) not in frozen])
+
+
+def dflash_config(target: Any, block_size: int = 4) -> dict:
+    """A one-layer DFlash drafter shaped like the target, in z-lab's checkpoint layout (`architectures`,
+    `dflash_config`); its mask token is the vocabulary's last id, the context the first and last layers."""
+    args = target.args
+    n = len(target.model.layers)
+    heads = args.num_attention_heads
+    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": args.hidden_size,
+            "intermediate_size": args.intermediate_size, "num_hidden_layers": 1, "num_attention_heads": heads,
+            "num_key_value_heads": args.num_key_value_heads,
+            "head_dim": getattr(args, "head_dim", None) or args.hidden_size // heads,
+            "rms_norm_eps": args.rms_norm_eps, "vocab_size": args.vocab_size, "max_position_embeddings": 4096,
+            "rope_theta": getattr(args, "rope_theta", 10000.0), "tie_word_embeddings": True,
+            "block_size": block_size, "num_target_layers": n,
+            "dflash_config": {"mask_token_id": args.vocab_size - 1, "target_layer_ids": sorted({0, n - 1})}}
+
+
+def build_dflash_folder(out: str | pathlib.Path, model_dir: str | pathlib.Path, block_size: int = 4,
+                        seed: int = 0) -> pathlib.Path:
+    """A DFlash drafter with random weights for the model folder: `--speculative dflash` serves it; its
+    drafts are rarely right, which verification makes harmless."""
+    target = load_model(str(model_dir)).model
+    config = dflash_config(target, block_size)
+    mx.random.seed(seed)
+    drafter = DFlashDrafter(config, target)
+    mx.eval(drafter.module.parameters())
+    return save_drafter(drafter, config, out)

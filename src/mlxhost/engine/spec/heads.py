@@ -125,6 +125,8 @@ def head_kind(path: str | pathlib.Path) -> str | None:
         config = json.loads((pathlib.Path(path) / "config.json").read_text())
     except (OSError, ValueError):
         return None
+    if "DFlashDraftModel" in (config.get("architectures") or []):  # z-lab's layout: model_type is the backbone's
+        return "dflash"
     kind = config.get("model_type") or config.get("speculators_model_type")
     return kind if kind in HEADS else None
 

@@ -16,6 +16,7 @@ PROPOSERS: dict[str, str | Callable[[Any, int], Any]] = {
     "draft": "mlxhost.engine.spec.draft:DraftProposer",  # a small model with the same tokenizer
     "eagle3": "mlxhost.engine.spec.head_proposer:Eagle3Proposer",  # a head fed three target layers' outputs
     "mtp": "mlxhost.engine.spec.head_proposer:MTPProposer",  # multi-token-prediction layers on the last hidden
+    "dflash": "mlxhost.engine.spec.dflash:DFlashProposer",  # a block-diffusion drafter: a whole draft per forward
 }
 
 
