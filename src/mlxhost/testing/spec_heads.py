@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxhost.engine.spec.dflash import DFlashDrafter, save_drafter
 from mlxhost.engine.spec.heads import HEADS, save_head
@@ -147,13 +147,56 @@ def dflash_config(target: Any, block_size: int = 4) -> dict:
             "dflash_config": {"mask_token_id": args.vocab_size - 1, "target_layer_ids": sorted({0, n - 1})}}
 
 
+def train_dflash(drafter: Any, target: Any, sequences: list[list[int]], starts: list[int], steps: int,
+                 lr: float = 3e-3, seed: int = 0) -> float:
+    """Teacher-forced block training: the context is the target's hidden states from the first output token
+    on (what the drafter sees when serving), the block [token t, mask ...] and the labels tokens t+1 ..
+    t+K. One random anchor per step, through mlx-vlm's own forward (context and block in one call).
+    Returns the last loss."""
+    tap = HiddenTap(target, drafter.layer_ids)
+    k, mask_id = drafter.block_size - 1, int(drafter.config.mask_token_id)
+    data = []
+    for seq, start in zip(sequences, starts):
+        _, h = tap(mx.array([seq]), [None] * len(target.model.layers))
+        mx.eval(h)
+        data.append((seq, start, mx.stop_gradient(h)))
+    module = drafter.module
+    module.train()
+    frozen = {id(p) for p in _leaves(target.parameters())}
+
+    def loss_fn(model, ctx, block, labels):
+        logits = model(block, ctx, [KVCache() for _ in model.layers])[:, 1:]
+        return nn.losses.cross_entropy(logits, labels, reduction="mean")
+
+    opt = optim.Adam(learning_rate=lr)
+    value_and_grad = nn.value_and_grad(module, loss_fn)
+    order = random.Random(seed)
+    loss = mx.array(float("nan"))
+    for _ in range(steps):
+        seq, start, h = data[order.randrange(len(data))]
+        t = order.randrange(start + 1, len(seq) - k)
+        block = mx.array([[seq[t]] + [mask_id] * k])
+        loss, grads = value_and_grad(module, h[:, start:t], block, mx.array([seq[t + 1 : t + 1 + k]]))
+        opt.update(module, _drop_shared(module, grads, frozen))
+        mx.eval(module.parameters(), opt.state, loss)
+    module.eval()
+    return loss.item()
+
+
 def build_dflash_folder(out: str | pathlib.Path, model_dir: str | pathlib.Path, block_size: int = 4,
+                        train_steps: int = 0, prompts: list[list[int]] | None = None, num_new: int = 64,
                         seed: int = 0) -> pathlib.Path:
-    """A DFlash drafter with random weights for the model folder: `--speculative dflash` serves it; its
-    drafts are rarely right, which verification makes harmless."""
+    """A DFlash drafter for the model folder that `--speculative dflash` serves: random weights (drafts
+    rarely right, which verification makes harmless), or trained `train_steps` on the model's greedy
+    continuations of `prompts` (default 16 random ones)."""
     target = load_model(str(model_dir)).model
     config = dflash_config(target, block_size)
     mx.random.seed(seed)
     drafter = DFlashDrafter(config, target)
     mx.eval(drafter.module.parameters())
+    if train_steps:
+        rng = random.Random(seed)
+        prompts = prompts or [[rng.randrange(3, 2000) for _ in range(8)] for _ in range(16)]
+        sequences = [greedy_sequence(target, p, num_new) for p in prompts]
+        train_dflash(drafter, target, sequences, [len(p) for p in prompts], train_steps, seed=seed)
     return save_drafter(drafter, config, out)
