@@ -6,8 +6,10 @@ and a client that leaves stops the rounds and the call under way. Calls are held
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -183,3 +185,17 @@ def test_a_client_that_leaves_stops_the_call_and_the_rounds(live_mcp, tmp_path, 
     out = httpx.post(live.url + "/v1/mcp/call", json={"server": "slow", "tool": "big", "arguments": {"n": 2}},
                      timeout=_BOUND_S).json()
     assert out["output"] == "xx"
+
+
+def test_a_whole_reply_whose_client_leaves_stops_the_call_too(live_mcp, tmp_path):
+    gate = tmp_path / "gate"
+    live, models = live_mcp([tool_call("wait_file", path=str(gate)), "never sent"])
+    body = json.dumps({"model": "tiny", "messages": QUESTION, "mcp_servers": ["slow"]}).encode()
+    host, port = live.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=_BOUND_S) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_for(gate.with_name("gate.started"))
+    assert wait_for(gate.with_name("gate.cancelled")) == "cancelled"
+    gate.write_text("too late")
+    assert len(models.engine.requests) == 1

@@ -18,7 +18,6 @@ from mlxhost.frontends.anthropic.translate import to_chat_request
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import Gateway
 from mlxhost.frontends.common.mcp_rounds import (
-    ClientGone,
     LoopFrames,
     Round,
     calls_of,
@@ -27,9 +26,9 @@ from mlxhost.frontends.common.mcp_rounds import (
     loop_fields,
     opened_toolset,
     stream_loop,
+    whole_loop,
 )
 from mlxhost.frontends.common.sse import client_gone, sse_event
-from mlxhost.mcp.loop import run_tool_loop
 
 
 def runs_mcp(gateway: Gateway, body: MessagesRequest) -> bool:
@@ -67,11 +66,9 @@ async def messages_with_mcp(gateway: Gateway, body: MessagesRequest, raw: Reques
         return stream_loop(gateway, stack, messages, tools, ask, _choice(body), _frames(body))
     async with opened_toolset(gateway, raw, choices, "mcp_servers") as tools:
         ask = gateway_ask(gateway, raw, loop_fields(chat, set()), functions + tools.functions())
-        try:
-            async for event in run_tool_loop(messages, tools, ask, gateway.mcp.config, _choice(body)):
-                result = event
-        except ClientGone:
-            return client_gone()
+        result = await whole_loop(gateway, raw, messages, tools, ask, _choice(body))
+    if result is None:
+        return client_gone()
     answer = result.reply.raw
     message = MessageBuilder(body.model, answer.opened, tuple(body.stop_sequences or ())).message(answer.whole)
     message["usage"] = message_usage(result.num_prompt_tokens, result.num_output_tokens, result.num_cached_tokens)

@@ -156,6 +156,22 @@ def loop_fields(body, exclude: set[str]) -> dict:
                                                        "mcp_servers", *exclude})
 
 
+async def whole_loop(gateway: Gateway, raw: Request, messages: list[dict], tools: Toolset, ask: Ask,
+                     tool_choice: Any) -> LoopResult | None:
+    """The loop run to its end for a whole reply; None if the client left first: the round or the call under
+    way is cancelled then, not only the next round."""
+
+    async def run() -> LoopResult:
+        async for step in run_tool_loop(messages, tools, ask, gateway.mcp.config, tool_choice):
+            result = step
+        return result
+
+    try:
+        return await gateway.unless_gone(run(), raw)
+    except ClientGone:
+        return None
+
+
 def calls_of(result: LoopResult) -> list[dict]:
     """The extension field `mcp_calls` of a chat or Messages reply: the calls run, then those not run."""
     return [c.as_dict() for c in result.calls] + unapproved(result)

@@ -15,7 +15,6 @@ from fastapi.responses import JSONResponse
 from mlxhost.frontends.common.errors import APIError
 from mlxhost.frontends.common.gateway import Gateway
 from mlxhost.frontends.common.mcp_rounds import (
-    ClientGone,
     LoopFrames,
     Round,
     calls_of,
@@ -24,10 +23,10 @@ from mlxhost.frontends.common.mcp_rounds import (
     loop_fields,
     opened_toolset,
     stream_loop,
+    whole_loop,
 )
 from mlxhost.frontends.common.sse import client_gone, sse
 from mlxhost.frontends.openai.render import CompletionBuilder, CompletionFrames
-from mlxhost.mcp.loop import run_tool_loop
 from mlxhost.serving.schemas import ChatCompletionRequest
 
 
@@ -46,11 +45,9 @@ async def chat_with_mcp(gateway: Gateway, body: ChatCompletionRequest, raw: Requ
         return stream_loop(gateway, stack, messages, tools, ask, choice, _frames(body))
     async with opened_toolset(gateway, raw, choices, "mcp_servers") as tools:
         ask = gateway_ask(gateway, raw, loop_fields(body, set()), functions + tools.functions())
-        try:
-            async for event in run_tool_loop(messages, tools, ask, gateway.mcp.config, choice):
-                result = event
-        except ClientGone:
-            return client_gone()
+        result = await whole_loop(gateway, raw, messages, tools, ask, choice)
+    if result is None:
+        return client_gone()
     answer = result.reply.raw
     builder = CompletionBuilder(answer.opened.prepared.request.request_id, body.model, True,
                                 answer.opened.model.tokenizer, answer.opened.prepared.output)
