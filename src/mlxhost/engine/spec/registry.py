@@ -17,6 +17,7 @@ PROPOSERS: dict[str, str | Callable[[Any, int], Any]] = {
     "eagle3": "mlxhost.engine.spec.head_proposer:Eagle3Proposer",  # a head fed three target layers' outputs
     "mtp": "mlxhost.engine.spec.head_proposer:MTPProposer",  # multi-token-prediction layers on the last hidden
     "dflash": "mlxhost.engine.spec.dflash:DFlashProposer",  # a block-diffusion drafter: a whole draft per forward
+    "oracle": "mlxhost.engine.spec.oracle:OracleProposer",  # benchmarks only: replays a recorded greedy output
 }
 
 
