@@ -6,8 +6,10 @@ Random weights have no real small sibling, so the drafts are made from the targe
 the target), `noise:X` (the target with noise on its weights: lower acceptance, same cost) and
 `layers:N` (its first N layers: cheap, acceptance whatever it turns out to be). `eagle3[:STEPS]` and
 `mtp[:STEPS]` are draft heads fed the target's hidden states, trained here for STEPS steps on the target's
-own greedy continuations of random prompts (testing/spec_heads.py). The acceptance column is measured, not
-chosen. Workloads: `random` (random-token prompts) and `echo` (a passage repeated in the
+own greedy continuations of random prompts (testing/spec_heads.py); `dflash[:STEPS]` a DFlash drafter
+(random weights, or trained STEPS steps). `oracle` replays the greedy output the `off` run recorded (every
+draft accepted, no drafting cost: the machinery's ceiling; `--oracle-recording` keeps the file). The
+acceptance column is measured, not chosen. Workloads: `random` (random-token prompts) and `echo` (a passage repeated in the
 prompt: what prompt lookup is for; a random model continues it only as far as its own output loops).
 """
 
@@ -25,6 +27,7 @@ from mlxhost.bench.report import format_table, write_json
 from mlxhost.bench.serve import default_json_path, int_list
 from mlxhost.config import EngineConfig
 from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.engine.spec.oracle import save_recording
 from mlxhost.models.loader import load_model
 from mlxhost.platform.cudnn_attention import apply_cudnn_attention
 from mlxhost.testing.demo import SHAPES, build_model_folder
@@ -39,11 +42,12 @@ _COLUMNS = [
 
 
 _HEADS = ("eagle3", "mtp")
+_HIDDEN = (*_HEADS, "dflash")  # proposers fed the target's hidden states, `--speculative KIND`
 
 
 def build_models(shape: str, bits: int | None, drafts: list[str], root: Path) -> tuple[Path, dict[str, Path]]:
     """The target folder (a random model of `shape`) and one folder per draft spec."""
-    from mlxhost.testing.spec_heads import build_head_folder  # lazy: pulls in mlx_lm
+    from mlxhost.testing.spec_heads import build_dflash_folder, build_head_folder  # lazy: pulls in mlx_lm
 
     config = SHAPES[shape]
     if bits is not None:
@@ -61,8 +65,11 @@ def build_models(shape: str, bits: int | None, drafts: list[str], root: Path) ->
         elif kind in _HEADS:
             out[spec] = build_head_folder(root / spec.replace(":", "-"), target, kind,
                                           train_steps=int(value) if value else 300)
-        else:
-            raise SystemExit(f"unknown draft {spec!r}: use self, noise:X, layers:N, eagle3[:STEPS] or mtp[:STEPS]")
+        elif kind == "dflash":
+            out[spec] = build_dflash_folder(root / spec.replace(":", "-"), target, train_steps=int(value or 0))
+        elif kind != "oracle":  # the oracle's recording comes from the `off` run
+            raise SystemExit(f"unknown draft {spec!r}: use self, noise:X, layers:N, eagle3[:STEPS], mtp[:STEPS], "
+                             "dflash[:STEPS] or oracle")
     return target, out
 
 
@@ -78,25 +85,31 @@ def make_prompts(workload: str, n: int, length: int, vocab: int, seed: int) -> l
     return prompts
 
 
-def run_wave(core, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
-    """All prompts at once; returns (completion tokens, seconds)."""
+def run_wave(core, prompts: list[list[int]], max_tokens: int, outputs: dict | None = None) -> tuple[int, float]:
+    """All prompts at once; returns (completion tokens, seconds). `outputs`: filled with prompt -> tokens."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = {}
     for i, p in enumerate(prompts):
-        core.add_request(Request(f"b{time.monotonic_ns()}-{i}", p, params))
+        ids[f"b{time.monotonic_ns()}-{i}"] = tuple(p)
+        core.add_request(Request(list(ids)[-1], p, params))
     n, start = 0, time.perf_counter()
     while core.has_work:
         for out in core.step():
             if out.error:
                 raise RuntimeError(out.error)
             n += len(out.new_token_ids)
+            if outputs is not None:
+                outputs.setdefault(ids[out.request_id], []).extend(out.new_token_ids)
     return n, time.perf_counter() - start
 
 
-def measure(loaded, mode: str, draft_dir: Path | None, args, workload: str, c: int, vocab: int) -> dict:
+def measure(loaded, mode: str, draft_dir: Path | None, args, workload: str, c: int, vocab: int,
+            recorded: dict | None = None) -> dict:
+    """One mode's row; `recorded`: filled with each prompt's greedy output (the `off` run, for `oracle`)."""
     from mlxhost.engine.core import EngineCore  # lazy: pulls in mlx_lm
 
     spec = {"speculative": "ngram"} if mode == "ngram" else ({"draft_model": str(draft_dir)} if draft_dir else {})
-    if mode.partition(":")[0] in _HEADS:
+    if mode.partition(":")[0] in (*_HIDDEN, "oracle"):
         spec["speculative"] = mode.partition(":")[0]
     config = EngineConfig(max_num_seqs=max(c, 1), enable_prefix_cache=False, num_draft_tokens=args.num_draft_tokens,
                           spec_max_batch=args.spec_max_batch, **spec)
@@ -105,7 +118,8 @@ def measure(loaded, mode: str, draft_dir: Path | None, args, workload: str, c: i
     # MLX-CUDA compiles for a new shape (seconds each, e.g. a quantized matmul's tile) is ready.
     run_wave(core, make_prompts(workload, c, args.prompt_tokens, vocab, seed=2), args.max_tokens)
     before = core.spec_stats()
-    n, seconds = run_wave(core, make_prompts(workload, c, args.prompt_tokens, vocab, seed=2), args.max_tokens)
+    n, seconds = run_wave(core, make_prompts(workload, c, args.prompt_tokens, vocab, seed=2), args.max_tokens,
+                          recorded)
     after = core.spec_stats()
     row = {"workload": workload, "concurrency": c, "mode": mode, "tok_s": n / seconds, "tokens": n,
            "seconds": seconds}
@@ -131,13 +145,17 @@ def run_spec_bench(args) -> dict:
         print(f"built target and {len(drafts)} drafts in {time.perf_counter() - t0:.1f} s", flush=True)
         loaded = load_model(str(target))
         vocab = min(len(loaded.tokenizer), 2000)
-        rows = []
+        rows, kept = [], {}
         for workload in args.workloads.split(","):
             for c in args.concurrency:
-                modes = ["off", "ngram"] + ([] if workload == "echo" else drafts)
-                level = []
+                modes = ["off", "ngram"] + [d for d in drafts if workload != "echo" or d == "oracle"]
+                level, recorded = [], {}
                 for mode in modes:
-                    row = measure(loaded, mode, draft_dirs.get(mode), args, workload, c, vocab)
+                    if mode == "oracle":  # replays what `off` just decoded (every level's prompts so far)
+                        kept.update(recorded)
+                        draft_dirs[mode] = save_recording(args.oracle_recording or Path(tmp) / "oracle.json", kept)
+                    row = measure(loaded, mode, draft_dirs.get(mode), args, workload, c, vocab,
+                                  recorded if mode == "off" and "oracle" in drafts else None)
                     gc.collect()  # the last core's draft model and caches, before the next loads its own
                     row["speedup"] = row["tok_s"] / (level[0]["tok_s"] if level else row["tok_s"])
                     level.append(row)
@@ -166,7 +184,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bits", type=int, default=None, help="quantize the target (and drafts) to this many bits")
     parser.add_argument("--drafts", default="self,noise:0.03,noise:0.1,layers:1,eagle3,mtp",
                         help="draft models, comma-separated: self, noise:X (target + noise), layers:N (first N layers),"
-                             " eagle3[:STEPS] / mtp[:STEPS] (a head trained STEPS steps on the target's output)")
+                             " eagle3[:STEPS] / mtp[:STEPS] (a head trained STEPS steps on the target's output),"
+                             " dflash[:STEPS] (a DFlash drafter), oracle (replays the off run's output: the ceiling)")
+    parser.add_argument("--oracle-recording", default=None,
+                        help="with --drafts ...,oracle: where the `off` run's greedy output is recorded for the oracle "
+                             "to replay (JSON, prompt -> tokens; default: a temporary file). It serves again with "
+                             "`mlxhost serve --speculative oracle --speculative-model FILE`")
     parser.add_argument("--workloads", default="random,echo",
                         help="comma list of: random (random-token prompts), echo (a passage repeated in the prompt)")
     parser.add_argument("--concurrency", type=int_list, default=[1, 16], help="comma list of concurrency levels")
