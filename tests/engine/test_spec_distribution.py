@@ -1,7 +1,7 @@
-"""Slow lane: sampled rows keep plain sampling's distribution under the proposers whose drafts
-test_speculative_sampling.py (draft model) and test_spec_heads.py (EAGLE-3, MTP) do not cover: output
-prefixes of many requests against the exact probabilities plain sampling gives them (a chi-square bound
-with a 1-in-10,000 false alarm, on a fixed seed)."""
+"""Slow lane: sampled rows keep plain sampling's distribution under the proposers that
+test_speculative_sampling.py (draft model) and test_spec_heads.py (EAGLE-3, MTP) do not cover: prompt
+lookup, the oracle and DFlash. Output prefixes of many requests against the exact probabilities plain
+sampling gives them (a chi-square bound with a 1-in-10,000 false alarm, on a fixed seed)."""
 
 from __future__ import annotations
 
@@ -75,4 +75,26 @@ def test_ngram_sampled_distribution(loaded, lookup_prompt):
     # of the time at the first position).
     ids, stats = sample_many(loaded, lookup_prompt, 500, 2468, speculative="ngram")
     assert stats["num_accepted"] > 0 and stats["num_drafted"] > stats["num_accepted"], stats
+    assert_plain_distribution(loaded, lookup_prompt, ids)
+
+
+def test_oracle_sampled_distribution(loaded, lookup_prompt, tmp_path):
+    # The recording is greedy output: sampled rows accept its drafts only where they sample the argmax.
+    from mlxhost.engine.spec.oracle import save_recording
+
+    greedy, prompt = [], list(lookup_prompt)
+    for _ in range(PARAMS.max_tokens):
+        greedy.append(_top(loaded.model, prompt + greedy, 1)[0])
+    path = save_recording(tmp_path / "rec.json", {tuple(lookup_prompt): greedy})
+    ids, stats = sample_many(loaded, lookup_prompt, 500, 1357, speculative="oracle", draft_model=str(path))
+    assert stats["num_accepted"] > 0 and stats["num_drafted"] > stats["num_accepted"], stats
+    assert_plain_distribution(loaded, lookup_prompt, ids)
+
+
+def test_dflash_sampled_distribution(loaded, lookup_prompt, qwen3_model_dir, tmp_path):
+    from mlxhost.testing.spec_heads import build_dflash_folder
+
+    drafter = build_dflash_folder(tmp_path / "d", qwen3_model_dir)
+    ids, stats = sample_many(loaded, lookup_prompt, 500, 9753, speculative="dflash", draft_model=str(drafter))
+    assert stats["num_drafted"] > 0, stats
     assert_plain_distribution(loaded, lookup_prompt, ids)
