@@ -77,6 +77,8 @@ def test_greedy_identity_with_a_random_drafter(loaded, drafter_dir, num_rows, sp
     assert {r: got[r]["ids"] for r in got} == {r: plain[r]["ids"] for r in plain}
     stats = core.spec_stats()
     assert stats["num_drafted"] > 0 and stats["acceptance_by_kind"] == {"dflash": stats["acceptance_rate"]}
+    engine = core.stats()  # what /metrics labels mlxhost_spec_kind_* with
+    assert engine.spec_kind == "dflash" and engine.spec_drafted_tokens == stats["num_drafted"]
 
 
 class _PartlyRight(DFlashProposer):
