@@ -152,21 +152,23 @@ def test_chat_completions_with_mcp_servers(live):
     print("chat answer:", repr(r.choices[0].message.content), "| calls:", len(calls))
     assert r.choices[0].finish_reason in ("stop", "length")  # the answer round may run to max_tokens
     # After the result this model restates its call as plain JSON (the answer round is asked with tool_choice
-    # "none"), with or without the tools in its prompt: an answer, though not a helpful one.
-    assert r.choices[0].message.content
+    # "none"), with or without the tools in its prompt, and goes on with the time the tool gave.
+    answer = r.choices[0].message.content
+    assert answer and json.loads(calls[0]["output"])["datetime"][11:19] in answer
 
 
 def test_chat_completions_streamed_with_mcp_servers(live):
     stream = _client(live).chat.completions.create(
         model=SERVED_NAME, messages=[{"role": "user", "content": "What is the current time in UTC?"}],
-        max_tokens=60, temperature=0, tool_choice="required", stream=True, extra_body={"mcp_servers": ["time"]})
+        max_tokens=120, temperature=0, tool_choice="required", stream=True, extra_body={"mcp_servers": ["time"]})
     chunks = list(stream)
     [calls] = [c.model_extra["mcp_calls"] for c in chunks if (c.model_extra or {}).get("mcp_calls")]
     assert calls[0]["server"] == "time" and calls[0]["error"] is None, calls
     assert json.loads(calls[0]["output"])["timezone"] == "UTC"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     print("streamed chat answer:", repr(text), "| chunks:", len(chunks))
-    assert text and [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert text and json.loads(calls[0]["output"])["datetime"][11:19] in text  # the time the tool gave
 
 
 def test_anthropic_client_with_mcp_servers(live):
