@@ -10,7 +10,6 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
-
 from claude_code_request import CURRENT_FIELDS, claude_code_request
 
 TIME = {"type": "object", "properties": {"tz": {"type": "string", "pattern": "^[A-Z]{3}$"}}, "required": ["tz"],

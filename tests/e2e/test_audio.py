@@ -15,11 +15,10 @@ import numpy as np
 import openai
 import pytest
 
-from mlxhost.frontends.audio.media import decode_audio
 from mlxhost.config import EngineConfig, ModelSpec, ServerConfig
+from mlxhost.frontends.audio.media import decode_audio
 from mlxhost.server.app import build_app
 from mlxhost.testing.audio_fixtures import build_tiny_kokoro, build_tiny_whisper, build_tiny_whisper_ct2
-
 
 # Models load on first use: the server starts without espeak-ng, and only the tests that make Kokoro load (to
 # speak, to look up a voice, to find it is no Whisper) need it; the others are answered before any load.

@@ -3,7 +3,6 @@ closed paths, CORS preflight, the request-body limit and the max_tokens cap."""
 
 from __future__ import annotations
 
-
 import httpx
 import openai
 import pytest

@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from mlxhost.config import EngineConfig, ModelSpec, ServerConfig
-from mlxhost.testing.encoder_demo import EncoderDemoConfig, build_encoder_folder
 from mlxhost.server.app import build_app
+from mlxhost.testing.encoder_demo import EncoderDemoConfig, build_encoder_folder
 
 TEXTS = ["The quick brown fox", "jumps", "over the lazy dog, again and again and again and again", "a"]
 HIDDEN = EncoderDemoConfig().hidden_size

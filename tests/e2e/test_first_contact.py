@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from mlxhost.server import cli
-from mlxhost.server.banner import TRY_MAX_TOKENS, BannerModel, format_banner, is_demo_source, try_lines
 from mlxhost.config import EngineConfig, SecurityConfig, ServerConfig
+from mlxhost.server import cli
 from mlxhost.server.app import build_app
+from mlxhost.server.banner import TRY_MAX_TOKENS, BannerModel, format_banner, is_demo_source, try_lines
 from mlxhost.testing.needs import find
 from tests.e2e.conftest import SERVED_NAME, start_app
 

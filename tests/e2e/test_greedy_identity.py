@@ -18,9 +18,9 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 from mlxhost.config import EngineConfig
-from mlxhost.engine.runner.batch import make_buckets
 from mlxhost.engine.core import EngineCore
 from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.engine.runner.batch import make_buckets
 from mlxhost.models.loader import load_model
 
 MODEL = "tiny"  # the served name tests/e2e/conftest.py gives

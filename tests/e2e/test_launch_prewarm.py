@@ -13,8 +13,8 @@ import sys
 
 import httpx
 import pytest
-
 from claude_code_request import claude_code_request
+
 from mlxhost.agents import launch
 from mlxhost.server import cli
 from mlxhost.testing.demo import DemoModelConfig, build_model_folder

@@ -12,10 +12,10 @@ import httpx
 import openai
 import pytest
 
-from mlxhost.server.banner import make_ready_hook
 from mlxhost.config import EngineConfig, ServerConfig
 from mlxhost.models.catalog import model_dir_specs
 from mlxhost.server.app import build_app
+from mlxhost.server.banner import make_ready_hook
 
 
 @pytest.fixture(scope="module")

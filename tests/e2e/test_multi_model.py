@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from mlxhost.config import EngineConfig, ModelSpec, ServerConfig
-from mlxhost.testing.demo import DemoModelConfig, build_model_folder
 from mlxhost.server.app import build_app
+from mlxhost.testing.demo import DemoModelConfig, build_model_folder
 
 PROMPTS = ["The quick brown fox", "In the morning the teacher opens the window and"]
 MAX_TOKENS = 24

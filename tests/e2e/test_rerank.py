@@ -17,9 +17,9 @@ import openai
 import pytest
 
 from mlxhost.config import EngineConfig, ModelSpec, ServerConfig
+from mlxhost.server.app import build_app
 from mlxhost.testing.cross_encoder_demo import CrossEncoderDemoConfig, build_cross_encoder_folder
 from mlxhost.testing.encoder_demo import EncoderDemoConfig, build_encoder_folder
-from mlxhost.server.app import build_app
 
 QUERY = "what is the capital of france"
 DOCS = ["paris is the capital of france", "the quick brown fox", "import os and sys",

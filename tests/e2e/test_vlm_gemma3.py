@@ -13,9 +13,24 @@ import mlx_vlm
 import numpy as np
 import pytest
 
-from tests.e2e.test_vlm import (IMAGE, IMAGE_PNG, MAX_NEW, QUESTION, assert_error, ask, chat, data_uri, noise_image,
-                                png, post_chat, template_ask, tokens_of, video_part, vision_stats)
-from tests.e2e.test_vlm import client as openai_client
+from tests.e2e.test_vlm import (
+    IMAGE,
+    IMAGE_PNG,
+    MAX_NEW,
+    QUESTION,
+    ask,
+    assert_error,
+    chat,
+    client as openai_client,
+    data_uri,
+    noise_image,
+    png,
+    post_chat,
+    template_ask,
+    tokens_of,
+    video_part,
+    vision_stats,
+)
 
 ENGINE = dict(prefill_step_size=8, block_size=16)  # the 16 image tokens span three prefill chunks
 

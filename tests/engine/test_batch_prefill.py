@@ -14,11 +14,11 @@ from mlx_lm.sample_utils import make_sampler
 
 import mlxhost.engine.runner.prefill as runner_module
 from mlxhost.config import EngineConfig
-from mlxhost.engine.runner.batch_prefill import why_not_batched
 from mlxhost.engine.core import EngineCore
 from mlxhost.engine.request import Request, SamplingParams
-from mlxhost.testing.families import build_family_folder
+from mlxhost.engine.runner.batch_prefill import why_not_batched
 from mlxhost.models.loader import load_model
+from mlxhost.testing.families import build_family_folder
 
 BS = 16
 NEW = 5

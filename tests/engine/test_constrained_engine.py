@@ -16,9 +16,9 @@ from mlxhost.config import EngineConfig
 from mlxhost.engine.core import EngineCore
 from mlxhost.engine.grammar import GrammarSource
 from mlxhost.engine.request import Request, SamplingParams
-from mlxhost.testing.demo import DemoModelConfig, build_model_folder
 from mlxhost.models.loader import load_model
 from mlxhost.structured.grammar import Constraint, GrammarFailure, json_schema_constraint
+from mlxhost.testing.demo import DemoModelConfig, build_model_folder
 from mlxhost.testing.tag_tokens import add_tag_tokens
 
 SCHEMAS = [

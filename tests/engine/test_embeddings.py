@@ -19,8 +19,8 @@ from mlxhost.engine.embeddings import (
     hidden_size,
     plan_batches,
 )
-from mlxhost.testing.families import build_family_folder
 from mlxhost.models.loader import load_model
+from mlxhost.testing.families import build_family_folder
 
 TOL = 1e-5
 LENGTHS = (5, 37, 1, 20, 33, 37, 2)

@@ -76,9 +76,8 @@ def test_warmup_leaves_nothing_behind(loaded):
     """Warm-up steps the batch through its bucket sizes and traffic's paths (joins of unequal prompts, a
     split prompt, block stores, prefix hits), then leaves no request, block or hit count behind, and
     a request afterwards decodes exactly as on a core that never warmed up."""
-    from mlxhost.engine.runner.batch import make_buckets
-
     import mlxhost.engine.runner.prefill as runner_module
+    from mlxhost.engine.runner.batch import make_buckets
 
     config = EngineConfig(max_num_seqs=8, block_size=16, prefill_step_size=48)
     warmed = EngineCore(loaded.model, loaded.tokenizer, config, 4096, make_buckets(8))

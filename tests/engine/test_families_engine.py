@@ -18,8 +18,8 @@ from mlx_lm.sample_utils import make_sampler
 from mlxhost.config import EngineConfig
 from mlxhost.engine.core import EngineCore
 from mlxhost.engine.request import Request, SamplingParams
-from mlxhost.testing.families import FAMILIES, build_family_folder
 from mlxhost.models.loader import load_model
+from mlxhost.testing.families import FAMILIES, build_family_folder
 
 BS = 16
 NEW = 6

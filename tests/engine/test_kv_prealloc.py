@@ -10,8 +10,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxhost.config import EngineConfig
 from mlxhost.engine.core import EngineCore
-from mlxhost.engine.runner.kv_prealloc import reserve, room
 from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.engine.runner.kv_prealloc import reserve, room
 from mlxhost.models.loader import load_model
 
 H, D = 2, 8

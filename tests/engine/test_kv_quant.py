@@ -22,13 +22,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxhost.kv.kinds.kv_quant import DEQUANTIZED, QUANTIZED_ATTENTION, plan_kv_quant, probe_attention
-from mlxhost.kv.kinds.quantized import BatchQuantizedKVCache
 from mlxhost.config import EngineConfig
 from mlxhost.engine.core import EngineCore
 from mlxhost.engine.request import Request, SamplingParams
-from mlxhost.testing.demo import DemoModelConfig, build_model_folder
+from mlxhost.kv.kinds.kv_quant import DEQUANTIZED, QUANTIZED_ATTENTION, plan_kv_quant, probe_attention
+from mlxhost.kv.kinds.quantized import BatchQuantizedKVCache
 from mlxhost.models.loader import load_model
+from mlxhost.testing.demo import DemoModelConfig, build_model_folder
 
 BS = 16
 GS = 32  # the fixture's head_dim is 32

@@ -19,8 +19,8 @@ import pytest
 from mlxhost.config import EngineConfig
 from mlxhost.engine.core import EngineCore
 from mlxhost.engine.request import Request, SamplingParams
-from mlxhost.testing.families import build_family_folder
 from mlxhost.models.loader import load_model
+from mlxhost.testing.families import build_family_folder
 
 BS = 16
 NEW = 10

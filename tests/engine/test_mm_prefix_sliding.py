@@ -169,8 +169,8 @@ def test_a_vision_model_with_recurrent_layers_keeps_the_cache_off(fx, tmp_path):
     """No recurrent-layer VLM has run snapshots with images: such a model (a recurrent text fixture
     marked as a VLM here) gets no prefix cache, while the Gemma 3 VLM gets one."""
     from mlxhost.kv.kinds.probe import probe_kv
-    from mlxhost.testing.families import build_family_folder
     from mlxhost.models.loader import load_model
+    from mlxhost.testing.families import build_family_folder
 
     assert probe_kv(fx.model).shareable
     hybrid = load_model(str(build_family_folder(tmp_path, "qwen3_next"))).model

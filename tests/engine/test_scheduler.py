@@ -9,8 +9,8 @@ import pytest
 
 from mlxhost.config import EngineConfig
 from mlxhost.engine.request import Request, RequestStatus, SamplingParams
-from mlxhost.memory.capacity import KVCapacity
 from mlxhost.engine.scheduler import PrefillChunk, QueueFullError, Scheduler, split_prefill_budget
+from mlxhost.memory.capacity import KVCapacity
 
 EOS = 0
 

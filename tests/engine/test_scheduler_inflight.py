@@ -3,8 +3,8 @@ computing them again. The scheduler with a PrefixCacheManager and fake token ids
 
 from __future__ import annotations
 
-from mlxhost.kv.inflight import InflightBlocks
 from mlxhost.engine.request import RequestStatus
+from mlxhost.kv.inflight import InflightBlocks
 from tests.engine.test_scheduler_prefix import BS, make_request, make_scheduler, prompt_of, run_to_end, step
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from mlxhost.kv.prefix_cache import PrefixCacheManager
 from mlxhost.config import EngineConfig
 from mlxhost.engine.request import Request, RequestStatus, SamplingParams
 from mlxhost.engine.scheduler import Scheduler
+from mlxhost.kv.prefix_cache import PrefixCacheManager
 
 BS = 4
 TOKEN = 7  # every fake sampled token

@@ -76,7 +76,7 @@ def test_a_full_kv_of_low_priority_streams_makes_room_within_one_step():
     for _ in range(4):
         step(s)
     assert set(s.running) == {r.request_id for r in low} and all(r.num_output_tokens == 3 for r in low)
-    s.add_request(high := make_request("high", priority=0))
+    s.add_request(make_request("high", priority=0))
     out = step(s)
     # It is admitted in the very next step and its whole prompt is prefilled there.
     assert [(c.request_id, c.start, c.is_last) for c in out.prefill_chunks] == [("high", 0, True)]

@@ -6,12 +6,12 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from mlxhost.config import EngineConfig
 from mlxhost.engine.core import EngineCore
 from mlxhost.engine.request import Request, SamplingParams
 from mlxhost.engine.spec.proposer import Proposer
 from mlxhost.engine.spec.registry import PROPOSERS, make_proposer, proposer_names
 from mlxhost.models.loader import load_model
-from mlxhost.config import EngineConfig
 
 
 class RepeatLast(Proposer):

@@ -11,9 +11,9 @@ import re
 from pathlib import Path
 
 import pytest
-
 from fake_models import FakeModels
 from fastapi.testclient import TestClient
+
 from mlxhost.engine.request import RequestOutput
 from mlxhost.frontends.app import create_app
 from mlxhost.structured.grammar import GrammarFailure

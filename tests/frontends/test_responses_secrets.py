@@ -2,8 +2,8 @@
 stored, written to batch output) never carries them."""
 
 from mlxhost.frontends.responses.protocol import ResponsesRequest
-from mlxhost.frontends.responses.translate import envelope
 from mlxhost.frontends.responses.tools import served_tools
+from mlxhost.frontends.responses.translate import envelope
 
 
 def test_mcp_credentials_are_not_echoed():

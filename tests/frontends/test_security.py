@@ -12,11 +12,17 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
+from mlxhost.config import SecurityConfig
 from mlxhost.frontends.anthropic.errors import install_anthropic_errors
-from mlxhost.frontends.common.errors import APIError, ErrorShape, error_shapes, install_error_handlers, register_error_shape
+from mlxhost.frontends.common.errors import (
+    APIError,
+    ErrorShape,
+    error_shapes,
+    install_error_handlers,
+    register_error_shape,
+)
 from mlxhost.frontends.common.security import BodyLimitMiddleware, install_security
 from mlxhost.server.cli import make_parser
-from mlxhost.config import SecurityConfig
 from mlxhost.server.serve_command import _security_config
 
 KEYS = ("sk-first", "sk-second")

@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import save_file
 
+from mlxhost.audio.ct2 import read_model_bin, whisper_from_ct2
 from mlxhost.audio.detect import whisper_layout
 
 
@@ -27,10 +29,6 @@ def is_ct2_whisper(folder: str | Path) -> bool:
 
 
 def convert_ct2_whisper(src: str | Path, out: str | Path, dtype: str = "float16") -> Path:
-    from safetensors.numpy import save_file
-
-    from mlxhost.audio.ct2 import read_model_bin, whisper_from_ct2
-
     src, out = Path(src), Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not empty: name a new or empty folder")

@@ -9,6 +9,7 @@ faster-whisper / CTranslate2 (model.bin, whose config.json holds only decoding s
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 AUDIO_HINT = "audio models need the audio extra: pip install 'mlxhost[audio]'"
 
@@ -47,6 +48,4 @@ def has_audio() -> bool:
 
 def read_voices(folder) -> list[str]:
     """A Kokoro folder's voice names: its voices/NAME.safetensors files."""
-    from pathlib import Path
-
     return sorted(p.stem for p in (Path(folder) / "voices").glob("*.safetensors"))

@@ -12,8 +12,12 @@ import time
 from pathlib import Path
 
 from mlxhost.audio.detect import AUDIO_HINT, audio_kind
+from mlxhost.audio.kokoro import SpeechJob
 from mlxhost.engine.encoder import EncoderCore
+from mlxhost.engine.loop import Assembled, AsyncEngine
 from mlxhost.models.loader import LoadedModel, ModelLoadError
+from mlxhost.serving.audio import AudioInfo
+from mlxhost.serving.model import ServedModel
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +28,11 @@ def load_audio_model(folder: str, config: dict, source: str) -> LoadedModel:
     start = time.perf_counter()
     try:
         if kind == "whisper":
-            from mlxhost.audio.whisper import load_whisper
+            from mlxhost.audio.whisper import load_whisper  # optional: mlx_audio (audio extra)
 
             model = load_whisper(Path(folder), config)
         else:
-            from mlxhost.audio.kokoro import load_kokoro
+            from mlxhost.audio.kokoro import load_kokoro  # optional: mlx_audio (audio extra)
 
             model = load_kokoro(Path(folder), config)
     except ImportError as exc:
@@ -49,10 +53,6 @@ class AudioCore(EncoderCore):
 
 def audio_served(spec, config, loaded: LoadedModel):
     """(ServedModel, AsyncEngine not started) for an audio model (server.load_served's hook)."""
-    from mlxhost.engine.loop import Assembled, AsyncEngine
-    from mlxhost.serving.audio import AudioInfo
-    from mlxhost.serving.model import ServedModel
-
     model = loaded.model
     info = AudioInfo(task=model.task, kind=model.kind, sample_rate=getattr(model, "sample_rate", 16000),
                      voices=tuple(getattr(model, "voices", ())), make_job=_job_factory(model))
@@ -68,9 +68,8 @@ def audio_served(spec, config, loaded: LoadedModel):
 def _job_factory(model):
     """What turns a request's plain data into a job for this model's engine thread."""
     if model.task == "transcription":
-        from mlxhost.audio.transcribe import TranscribeOptions, TranscriptionJob
+        from mlxhost.audio.transcribe import TranscribeOptions, TranscriptionJob  # optional: mlx_audio (audio extra)
 
         return lambda samples, **options: TranscriptionJob(samples, TranscribeOptions(**options))
-    from mlxhost.audio.kokoro import SpeechJob
 
     return lambda text, **options: SpeechJob(text, **options)

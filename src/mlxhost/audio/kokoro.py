@@ -57,7 +57,7 @@ class KokoroModel:
 
 
 def load_kokoro(folder: Path, config: dict) -> KokoroModel:
-    from mlx_audio.tts.utils import load_model
+    from mlx_audio.tts.utils import load_model  # optional: the audio extra
 
     if shutil.which("espeak-ng") is None:
         raise ModelLoadError(f"{folder}: Kokoro speaks phonemes from espeak-ng, which is not installed "

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_audio.stt.models.whisper.audio import HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, log_mel_spectrogram, pad_or_trim
+from mlx_audio.stt.models.whisper.audio import (
+    HOP_LENGTH,
+    N_FRAMES,
+    N_SAMPLES,
+    SAMPLE_RATE,
+    log_mel_spectrogram,
+    pad_or_trim,
+)
 from mlx_audio.stt.models.whisper.decoding import DecodingOptions
 from mlx_audio.stt.models.whisper.timing import add_word_timestamps
 

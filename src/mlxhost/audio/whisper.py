@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx_audio.stt.models.whisper.whisper import HFTokenizerWrapper, Model, ModelDimensions
 
+from mlxhost.audio.ct2 import CT2FormatError, read_model_bin, whisper_from_ct2
 from mlxhost.audio.detect import whisper_layout
 from mlxhost.models.loader import ModelLoadError
 
@@ -73,8 +75,6 @@ def load_whisper(folder: str | Path, config: dict) -> WhisperModel:
     net = WhisperNet(ModelDimensions.from_dict(dims), compute_dtype(), load_tokenizer(folder))
     quantization = config.get("quantization") if layout == "mlx" else None
     if quantization:
-        import mlx.nn as nn
-
         nn.quantize(net, **quantization, class_predicate=lambda p, m: f"{p}.scales" in weights)
     weights = net.sanitize({k: v if isinstance(v, mx.array) else mx.array(v) for k, v in weights.items()})
     try:
@@ -91,13 +91,13 @@ def load_whisper(folder: str | Path, config: dict) -> WhisperModel:
 
 def load_tokenizer(folder: Path):
     """The folder's Whisper tokenizer (tokenizer.json, else the vocab.json + merges.txt pair)."""
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # lazy: transformers only when used
 
     special = {"eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
     if (folder / "tokenizer.json").is_file():
         tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), **special)
     elif (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
-        from transformers import WhisperTokenizerFast
+        from transformers import WhisperTokenizerFast  # lazy: transformers only when used
 
         tokenizer = WhisperTokenizerFast.from_pretrained(str(folder), local_files_only=True)
     else:
@@ -142,8 +142,6 @@ def _hf_weights(folder: Path, config: dict):
 
 
 def _ct2_weights(folder: Path, config: dict):
-    from mlxhost.audio.ct2 import CT2FormatError, read_model_bin, whisper_from_ct2
-
     path = folder / "model.bin"
     if not path.is_file():
         raise ModelLoadError(f"{folder}: a faster-whisper (CTranslate2) folder needs model.bin")

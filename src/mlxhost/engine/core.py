@@ -41,6 +41,8 @@ from mlxhost.memory.budget import reserve_state
 from mlxhost.memory.capacity import KVCapacity
 from mlxhost.memory.pressure import MemoryGovernor
 from mlxhost.memory.profile import budget_config, startup_budget
+from mlxhost.memory.release import give_back_memory
+from mlxhost.multimodal.vision_cache import VisionCache
 from mlxhost.platform.backend import is_cuda
 from mlxhost.platform.cudnn_attention import apply_cudnn_attention
 
@@ -117,8 +119,6 @@ class EngineCore:
         # Vision features by image hash (VLMs only): the budget's vision share, or the flag without one.
         self.vision_cache = None
         if is_vlm and config.vision_cache_bytes:
-            from mlxhost.multimodal.vision_cache import VisionCache
-
             vision_bytes = self.budget.vision_cache if self.budget is not None else config.vision_cache_bytes
             self.vision_cache = VisionCache(vision_bytes)
             log.info("vision cache: %.0f MB", vision_bytes / 1e6)
@@ -396,8 +396,6 @@ class EngineCore:
         """Both tiers (and the vision cache); blocks held by running requests stay until those finish. Returns
         the memory blocks dropped; their arrays and the SSD files go with the next step's plan (on every rank),
         which the engine loop runs right after this call."""
-        from mlxhost.memory.release import give_back_memory
-
         if self.vision_cache is not None:
             self.vision_cache.clear()
         n = 0

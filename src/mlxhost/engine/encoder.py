@@ -18,6 +18,7 @@ import numpy as np
 
 from mlxhost.engine.contract import CoreStats
 from mlxhost.engine.embeddings import DimensionsTooLargeError, normalize, plan_batches
+from mlxhost.engine.loop import Assembled, AsyncEngine
 
 
 def pool(hidden: mx.array, mask: mx.array, mode: str) -> mx.array:
@@ -125,6 +126,4 @@ class EncoderCore:
 
 def make_encoder_engine(model: Any, config: Any):
     """An `AsyncEngine` (not started) whose thread owns `model` (an EncoderModel)."""
-    from mlxhost.engine.loop import Assembled, AsyncEngine
-
     return AsyncEngine(lambda: Assembled(EncoderCore(model, config)), max_num_waiting=config.max_num_waiting)

@@ -31,7 +31,7 @@ class GrammarSource:
         # Built on the first constrained request: it scans the vocabulary (~1 s for 150k tokens),
         # which a server that never sees a grammar should not pay at start-up.
         if self._compiler is None:
-            from mlxhost.structured.matcher import GrammarCompiler
+            from mlxhost.structured.matcher import GrammarCompiler  # lazy: pulls in transformers
 
             self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size, self._eos_token_ids or None)
         return self._compiler
@@ -62,7 +62,7 @@ class GrammarSource:
         length; every matcher is rolled back to where it was."""
         if not rows:
             return logits, []
-        from mlxhost.structured.matcher import allocate_bitmask, apply_bitmask
+        from mlxhost.structured.matcher import allocate_bitmask, apply_bitmask  # lazy: pulls in transformers
 
         start = time.perf_counter()
         batch, width, vocab = logits.shape
@@ -98,7 +98,7 @@ class GrammarSource:
         """`logits` [B, V] with every disallowed token of the listed rows at -inf."""
         if not rows:
             return logits
-        from mlxhost.structured.matcher import allocate_bitmask, apply_bitmask
+        from mlxhost.structured.matcher import allocate_bitmask, apply_bitmask  # lazy: pulls in transformers
 
         start = time.perf_counter()
         compiler = self.compiler

@@ -210,7 +210,7 @@ class AsyncEngine:
 
     # -- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
-        import mlx.core as mx
+        import mlx.core as mx  # lazy: mlx only when used
 
         try:
             self._serve()
@@ -223,7 +223,7 @@ class AsyncEngine:
                 mx.clear_streams()
 
     def _serve(self) -> None:
-        import mlx.core as mx
+        import mlx.core as mx  # lazy: mlx only when used
 
         # The engine thread's own default stream, not `mx.new_stream`: on MLX's CUDA backend a new
         # stream made every new prompt length stall for tens of seconds, the default one did not

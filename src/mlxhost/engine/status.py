@@ -7,6 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from mlxhost.memory.device import read_memory
+
 
 @dataclass(frozen=True)
 class StatusSnapshot:
@@ -49,8 +51,6 @@ def describe_progress(progress: dict) -> str:
 
 def memory_status(memory_mode: str, budget: Any, governor: Any) -> dict:
     """The budget in force (desktop mode: after pressure) next to the start-up one and live readings."""
-    from mlxhost.memory.device import read_memory
-
     def as_dict(budget):
         if budget is None:
             return None

@@ -14,6 +14,7 @@ prefix hits, and as many prompts as one forward prefills.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,15 @@ from typing import Any, Callable, Iterator, Protocol
 
 from mlxhost.config import EngineConfig
 from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.platform.kernel_cache import count_modules, kernel_dir
+from mlxhost.platform.tile_compile import (
+    MIN_TILED_ROWS,
+    TileCompiler,
+    quantized_shapes,
+    tile_checkpoints,
+    tile_groups,
+    tiled_row_limit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +113,7 @@ class BackgroundWarmup:
         self._pieces_over = False
         self._compiler, self._model = compiler, model
         if compiler is not None:
-            from mlxhost.platform.quantized_rows import set_tiled_rows
-            from mlxhost.platform.tile_compile import MIN_TILED_ROWS
+            from mlxhost.platform.quantized_rows import set_tiled_rows  # lazy: pulls in mlx
 
             set_tiled_rows(model, MIN_TILED_ROWS - 1)  # dequantize from 8 rows on until the helper says otherwise
             compiler.start()
@@ -275,7 +284,7 @@ class BackgroundWarmup:
                         log.warning("warm-up: the piece helper process stopped; the pieces left compile here")
         if self._compiler is None:
             return
-        from mlxhost.platform.quantized_rows import ALL_TILED_ROWS, set_tiled_rows
+        from mlxhost.platform.quantized_rows import ALL_TILED_ROWS, set_tiled_rows  # lazy: pulls in mlx
 
         for kind, rows, seconds in self._compiler.poll():
             if kind == "ready":
@@ -293,7 +302,7 @@ class BackgroundWarmup:
                             "(correct, slower at 8-127 rows)", self.report.tiled_rows)
 
     def _after_pieces(self, core: WarmableCore) -> None:
-        import mlx.core as mx
+        import mlx.core as mx  # lazy: mlx only when used
 
         if not self._real_seen:
             # Warm-up's blocks are no one's prefix, its hits no one's (an SSD tier may keep the few it wrote:
@@ -319,15 +328,6 @@ class BackgroundWarmup:
 def tile_compiler(target: WarmupTarget) -> Any:
     """The helper processes that compile the model's tiled quantized kernels (platform/tile_compile.py), not
     started; None where the model has none worth compiling."""
-    from mlxhost.platform.kernel_cache import count_modules, kernel_dir
-    from mlxhost.platform.tile_compile import (
-        TileCompiler,
-        quantized_shapes,
-        tile_checkpoints,
-        tile_groups,
-        tiled_row_limit,
-    )
-
     model = target.model
     shapes = quantized_shapes(model)
     rows = tile_checkpoints(target.buckets, tiled_row_limit(model))
@@ -363,16 +363,11 @@ def make_warmup(core: WarmableCore, max_batch: int, compile_tiles: bool, source:
     """The warm-up a server runs while it serves. `compile_tiles` (MLX-CUDA): the model's tiled quantized kernels
     compile in a helper process meanwhile, into the kernel cache MLX uses (platform/kernel_cache.py); with the
     model's `source` too, another helper process runs each piece first (engine/warmup_helper.py)."""
-    import dataclasses
-
     target = core.warmup_target()
     compiler = piece_helper = None
     if compile_tiles and source is not None and not piece_helper_fits(target):
         source = None  # the pieces compile here, between requests
     if compile_tiles and source is not None:
-        from mlxhost.platform.kernel_cache import kernel_dir
-        from mlxhost.platform.tile_compile import TileCompiler
-
         spec = {"cache_dir": str(kernel_dir()), "source": source, "config": dataclasses.asdict(target.config),
                 "max_model_len": target.max_model_len, "buckets": target.buckets, "max_batch": max_batch}
         piece_helper = TileCompiler([], [], kernel_dir(), module="mlxhost.engine.warmup_helper", spec=spec)

@@ -18,12 +18,11 @@ import sys
 import time
 
 from mlxhost.engine.warmup import KV_TOKENS, PREFIX_BYTES, BackgroundWarmup
+from mlxhost.models.torch_free import follow_parent
+from mlxhost.platform.tile_compile import publish, start_staged
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mlxhost.models.torch_free import follow_parent
-    from mlxhost.platform.tile_compile import publish, start_staged
-
     follow_parent()  # the server kept torch out for this model: so does this process (it loads the same one)
     spec, cache, staging, linked = start_staged(argv)
     try:

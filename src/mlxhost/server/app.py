@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import time
 from pathlib import Path
@@ -13,14 +15,26 @@ from mlxhost.config import EngineConfig, ModelSpec, ServerConfig
 from mlxhost.engine.loop import AsyncEngine
 from mlxhost.frontends.admin.web import add_web_routes
 from mlxhost.frontends.app import create_app
+from mlxhost.frontends.batch.routes import install_batch_api
 from mlxhost.frontends.common.security import install_security
+from mlxhost.lora.registry import with_flag_loras
+from mlxhost.mcp.client import McpManager
+from mlxhost.memory.budget import BudgetConfig, compute_ceiling
+from mlxhost.memory.device import read_memory
+from mlxhost.memory.release import give_back_memory
 from mlxhost.models.loader import LoadedModel, load_model
 from mlxhost.models.specs import default_name, weights_on_disk, with_source_aliases
 from mlxhost.platform.backend import is_cuda
+from mlxhost.platform.kernel_cache import count_modules, use_persistent_kernel_cache
+from mlxhost.platform.kernel_primer import stop
 from mlxhost.server.manager import ModelManager
+from mlxhost.server.progress import StageLog
 from mlxhost.serving.fim import fim_for
 from mlxhost.serving.model import ServedModel
 from mlxhost.serving.prompt_bound import max_token_chars, read_vocab
+from mlxhost.structured.reasoning import reasoning_tags_for
+from mlxhost.structured.tool_formats import choose_tool_parser
+from mlxhost.testing.demo import ensure_demo_model
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +51,6 @@ def resolve_max_model_len(loaded: LoadedModel, config: EngineConfig) -> int:
 def model_key(loaded: LoadedModel) -> str:
     """Identity of the weights for the prefix cache: config, source and weight files' sizes and mtimes,
     so blocks from another model (or an edited one) never match."""
-    import hashlib
-    import json
-
     h = hashlib.sha256(json.dumps(loaded.config, sort_keys=True, default=str).encode())
     h.update(loaded.source.encode())
     path = Path(loaded.source)
@@ -65,8 +76,6 @@ def make_engine(loaded: LoadedModel, config: EngineConfig, max_model_len: int, l
 def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAPI:
     """The app for `config`'s models; pinned ones (a single model always) load here, the others on
     first use. `loaded`: a single model the caller loaded already."""
-    from mlxhost.platform.kernel_cache import count_modules, use_persistent_kernel_cache
-
     kernels = use_persistent_kernel_cache()  # before any model computes: MLX reads it at its first compile
     if kernels is not None:
         log.info("MLX kernel cache: %s (%d compiled modules)", kernels, count_modules(kernels))
@@ -94,21 +103,15 @@ def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAP
         manager.load_pinned()
     except BaseException:
         if primers:
-            from mlxhost.platform.kernel_primer import stop
-
             stop(primers)
         raise
     mcp = None
     if config.mcp is not None:
-        from mlxhost.mcp.client import McpManager
-
         mcp = McpManager(config.mcp)
     app = create_app(manager, mcp)
     app.state.models, app.state.model_specs = manager, specs  # for the start-up banner (cli.py)
     add_web_routes(app, enabled=config.web_ui)
     if config.batch_dir is not None:
-        from mlxhost.frontends.batch.routes import install_batch_api
-
         install_batch_api(app, config.batch_dir)
     if config.otlp_traces_endpoint is not None:  # imports the optional OpenTelemetry SDK only when asked for
         from mlxhost.tracing import install_tracing
@@ -122,19 +125,13 @@ def model_specs(config: ServerConfig, loaded: LoadedModel | None = None) -> tupl
     """The configured models; a single-model server is one pinned spec (loaded at start-up) that
     answers to its served name, its path and its folder's name."""
     if config.models:
-        from mlxhost.lora.registry import with_flag_loras
-
         return with_flag_loras(with_source_aliases(config.models), config.loras)
     source = loaded.source if loaded is not None else config.model
     if source is None:
-        from mlxhost.server.progress import StageLog
-        from mlxhost.testing.demo import ensure_demo_model
-
         source = str(ensure_demo_model(progress=StageLog("building the demo model (first run only)")))
         log.info("no model named: serving the demo model at %s", source)
     name = config.served_model_name or default_name(source)
     aliases = tuple(sorted({source, default_name(source)} - {name}))
-    from mlxhost.lora.registry import with_flag_loras
 
     return with_flag_loras((ModelSpec(name=name, source=source, pinned=True, aliases=aliases),), config.loras)
 
@@ -147,7 +144,7 @@ def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | Non
     if loaded.is_encoder:
         return load_encoder_served(spec, config, loaded)
     if getattr(loaded.model, "is_audio", False):
-        from mlxhost.audio.engine import audio_served
+        from mlxhost.audio.engine import audio_served  # lazy: pulls in mlx_lm
 
         return audio_served(spec, config, loaded)
     if own and not loaded.is_vlm:  # text models: on MLX's CPU backend float32 weights are the fast layout
@@ -180,7 +177,7 @@ def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | Non
 def load_encoder_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel):
     """An encoder embedding model (models/encoder.py): /v1/embeddings only, on an engine thread whose
     core only answers calls (no KV cache, so no memory budget of its own)."""
-    from mlxhost.engine.encoder import make_encoder_engine
+    from mlxhost.engine.encoder import make_encoder_engine  # lazy: pulls in mlx_lm
 
     engine_config = spec.engine or config.engine
     max_model_len = min(resolve_max_model_len(loaded, engine_config), loaded.model.max_len)
@@ -206,9 +203,6 @@ def shared_engine_config(engine: EngineConfig, config: ServerConfig, name: str, 
 
 def free_for_weights(config: EngineConfig) -> int:
     """Bytes this process may still take under the memory budget's ceiling (memory/budget.py)."""
-    from mlxhost.memory.budget import BudgetConfig, compute_ceiling
-    from mlxhost.memory.device import read_memory
-
     readings = read_memory()
     rules = BudgetConfig(mode=config.memory_mode, memory_utilization=config.memory_utilization)
     return compute_ceiling(readings, rules) - readings.held_by_process
@@ -217,8 +211,6 @@ def free_for_weights(config: EngineConfig) -> int:
 def release_memory() -> None:
     """After an unload dropped every reference: collect cycles and hand MLX's freed buffers back (its
     allocator keeps them cached otherwise, so the memory would not come back to the system)."""
-    from mlxhost.memory.release import give_back_memory
-
     give_back_memory()
 
 
@@ -226,7 +218,7 @@ def _prompt_builder(loaded: LoadedModel, config: ServerConfig, engine: EngineCon
     """Vision-language models: what turns image/video parts into prompt tokens; None for text models."""
     if not loaded.is_vlm:
         return None
-    from mlxhost.multimodal.prompt import MultimodalPromptBuilder
+    from mlxhost.multimodal.prompt import MultimodalPromptBuilder  # lazy: pulls in numpy
 
     # Without a vision cache a resent image must carry its pixels: the engine has nothing to reuse.
     return MultimodalPromptBuilder(loaded.model, loaded.tokenizer, config.media,
@@ -235,9 +227,6 @@ def _prompt_builder(loaded: LoadedModel, config: ServerConfig, engine: EngineCon
 
 def output_conventions(loaded: LoadedModel, tool_call_parser: str | None) -> dict:
     """How this model's replies carry tool calls and reasoning, read off its chat template and vocabulary."""
-    from mlxhost.structured.reasoning import reasoning_tags_for
-    from mlxhost.structured.tool_formats import choose_tool_parser
-
     tok = loaded.tokenizer
     template = getattr(tok, "chat_template", None)
     template = template if isinstance(template, str) else None

@@ -5,8 +5,17 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import (ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, ChunkedKVCache,
-                                 ConcatenateKVCache, KVCache, QuantizedKVCache, RotatingKVCache)
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    BatchRotatingKVCache,
+    CacheList,
+    ChunkedKVCache,
+    ConcatenateKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
 
 from mlxhost.kv.kinds import KINDS
 from mlxhost.kv.kinds.layout import KVLayout, read_layout

@@ -9,9 +9,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlxhost.kv.kinds.quantized import BatchQuantizedKVCache, QuantizedRowKVCache
 from mlxhost.engine.runner.kv_prealloc import reserve, room
 from mlxhost.engine.spec.verify import rewind
+from mlxhost.kv.kinds.quantized import BatchQuantizedKVCache, QuantizedRowKVCache
 
 H, D, GS = 2, 64, 32
 

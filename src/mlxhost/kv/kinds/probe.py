@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxhost.kv.kinds import KINDS
@@ -34,8 +36,6 @@ class KVProbe:
 
 def probe_kv(model: Any, make_cache: Callable[[Any], list[Any]] = make_prompt_cache) -> KVProbe:
     """`make_cache` makes the caches requests really get (quantized layers under --kv-bits)."""
-    import mlx.core as mx
-
     cache = make_cache(model)
     logits = model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
@@ -65,6 +65,4 @@ def probe_kv(model: Any, make_cache: Callable[[Any], list[Any]] = make_prompt_ca
 
 
 def _arrays(c: Any) -> list:
-    from mlx.utils import tree_flatten
-
     return [a for _, a in tree_flatten(c.state)]

@@ -22,9 +22,20 @@ from pathlib import Path
 from typing import Sequence
 
 from mlxhost.kv.hashing import disk_key
-from mlxhost.kv.store.ssd_format import (BLOCK_SUFFIX, METADATA, TMP_SUFFIX, BadFile, BlockData, BlockMeta,
-                                          Incompatible, TokenMismatch, encode, hash_from_name, read_block,
-                                          read_header)
+from mlxhost.kv.store.ssd_format import (
+    BLOCK_SUFFIX,
+    METADATA,
+    TMP_SUFFIX,
+    BadFile,
+    BlockData,
+    BlockMeta,
+    Incompatible,
+    TokenMismatch,
+    encode,
+    hash_from_name,
+    read_block,
+    read_header,
+)
 
 
 @dataclass(eq=False)  # identity tells the entry a reader saw from a later rewrite
