@@ -1,4 +1,4 @@
-"""A stdio MCP server for the tests: its process id, a tool that sleeps, one that answers n bytes, one that
+"""A stdio MCP server for the tests: its process id, its environment, a tool that sleeps, one that answers n bytes, one that
 waits for a file (a call the test holds, then lets go or abandons)."""
 
 import os
@@ -14,6 +14,12 @@ app = MCPServer("slow")
 def pid() -> str:
     """This server's process id."""
     return str(os.getpid())
+
+
+@app.tool()
+def env(name: str) -> str:
+    """The value of an environment variable, or "unset"."""
+    return os.environ.get(name, "unset")
 
 
 @app.tool()

@@ -4,6 +4,7 @@ then restarted), the output cap, and the refusals (unknown labels, remote URLs).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -21,7 +22,7 @@ def test_servers_and_tools_are_listed(mcp_app):
     assert [(s["label"], s["transport"], s["state"]) for s in servers] == [("slow", "stdio", "ready")]
     tools = client.get("/v1/mcp/tools").json()
     assert tools["object"] == "list"
-    assert {t["name"] for t in tools["data"]} == {"pid", "sleep", "big", "wait_file"}
+    assert {t["name"] for t in tools["data"]} == {"pid", "env", "sleep", "big", "wait_file"}
     big = next(t for t in tools["data"] if t["name"] == "big")
     assert big["server"] == "slow" and big["input_schema"]["properties"]["n"]["type"] == "integer"
 
@@ -34,6 +35,22 @@ def test_direct_call_and_its_errors(mcp_app):
     assert r.status_code == 404
     r = client.post("/v1/mcp/call", json={"server": "slow", "tool": "nope", "arguments": {}})
     assert r.status_code == 200 and "no tool 'nope'" in r.json()["error"]
+
+
+def test_a_server_gets_only_the_environment_its_config_names(mcp_app, monkeypatch):
+    # The model server's own secrets (API keys, tokens in its environment) never reach an MCP server.
+    monkeypatch.setenv("MLXHOST_TEST_SECRET", "hunter2")
+    named = dataclasses.replace(SLOW_SERVER, env=(("GREETING", "hello"),))
+    client, _ = mcp_app(["hi"], McpConfig(servers=(named,)))
+
+    def read(name: str) -> str:
+        r = client.post("/v1/mcp/call", json={"server": "slow", "tool": "env", "arguments": {"name": name}})
+        assert r.status_code == 200 and r.json()["error"] is None, r.text
+        return r.json()["output"]
+
+    assert read("GREETING") == "hello"
+    assert read("MLXHOST_TEST_SECRET") == "unset"
+    assert read("PATH") != "unset"  # the SDK's minimal set stays, so the program can start its own children
 
 
 def test_output_is_capped(mcp_app):
@@ -63,7 +80,7 @@ def test_chat_runs_the_calls_and_answers(mcp_app):
     # The second round saw the call and its result; the MCP tools were offered in both.
     second = models.last_render
     assert second["messages"][-1] == {"role": "tool", "tool_call_id": call["id"], "content": "xxxx"}
-    assert {t["function"]["name"] for t in second["tools"]} == {"pid", "sleep", "big", "wait_file"}
+    assert {t["function"]["name"] for t in second["tools"]} == {"pid", "env", "sleep", "big", "wait_file"}
 
 
 def test_a_server_killed_mid_call_is_a_tool_error_then_restarted(mcp_app):

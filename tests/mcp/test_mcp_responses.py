@@ -23,7 +23,7 @@ def test_calls_run_and_the_model_answers(mcp_app):
     assert r.status_code == 200, r.text
     out = r.json()["output"]
     assert [i["type"] for i in out] == ["mcp_list_tools", "mcp_call", "message"]
-    assert {t["name"] for t in out[0]["tools"]} == {"pid", "sleep", "big", "wait_file"} and out[0]["server_label"] == "slow"
+    assert {t["name"] for t in out[0]["tools"]} == {"pid", "env", "sleep", "big", "wait_file"} and out[0]["server_label"] == "slow"
     call = out[1]
     assert (call["server_label"], call["name"], json.loads(call["arguments"]), call["output"], call["error"],
             call["status"]) == ("slow", "big", {"n": 2}, "xx", None, "completed")
