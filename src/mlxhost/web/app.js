@@ -1,11 +1,12 @@
 // mlxhost's web page: a chat over /v1/chat/completions (over /v1/responses when MCP servers are switched on)
-// and a dashboard over /v1/models, /v1/status, /v1/cache/stats and /metrics. No framework, no build step;
+// and a dashboard over /v1/models, /v1/status, /v1/cache/stats, /v1/batches and /metrics. No framework, no build step;
 // model output and tool output are only ever set as text.
 "use strict";
 
 const $ = (sel) => document.querySelector(sel);
 const KEY_STORE = "mlxhost.apiKey";
 const POLL_MS = 2000;
+const BATCH_RUNNING = new Set(["validating", "in_progress", "finalizing"]);  // what Cancel applies to
 const BUDGET_PARTS = [  // /v1/status `budget` fields, in bar order
   ["weights", "weights"], ["activations", "activations"], ["kv", "KV cache"],
   ["prefix_cache", "prefix cache"], ["vision_cache", "vision cache"], ["free_for_others", "free"],
@@ -428,8 +429,9 @@ function parseMetrics(text) {
 }
 
 async function refreshDashboard() {
-  const [models, status, cache, metrics] = await Promise.allSettled([
+  const [models, status, cache, metrics, batches] = await Promise.allSettled([
     getJSON("/v1/models"), getJSON("/v1/status"), getJSON("/v1/cache/stats"), api("/metrics").then((r) => r.text()),
+    batchList(),
   ]);
   const list = models.status === "fulfilled" ? models.value.data : [];
   const names = list.map((m) => m.id);
@@ -440,6 +442,7 @@ async function refreshDashboard() {
   }
   if (cache.status === "fulfilled") renderCaches(perModel(cache.value, names));
   if (metrics.status === "fulfilled") renderLive(parseMetrics(metrics.value));
+  renderBatches(batches.status === "fulfilled" ? batches.value : []);
   const failed = [models, status, cache, metrics].find((r) => r.status === "rejected");
   notice(failed ? "Dashboard: " + failed.reason.message : "");
 }
@@ -485,6 +488,51 @@ function renderRequests(byModel) {
   }));
   $("#requests-table tbody").replaceChildren(...(rows.length ? rows
     : [el("tr", {}, el("td", { colSpan: 7, className: "muted", textContent: "none running or waiting" }))]));
+}
+
+// The caller's batches (GET /v1/batches, newest first). A server without a batch store answers 404, or 503
+// when its folder is unusable: no panel then, and no notice, as for a server without batches.
+async function batchList() {
+  const r = await fetch("/v1/batches?limit=100", { headers: authHeaders() });
+  return r.ok ? (await r.json()).data : [];
+}
+
+function renderBatches(list) {
+  $("#batches").hidden = !list.length;
+  $("#batches-table tbody").replaceChildren(...list.map((b) => {
+    const { total, completed, failed } = b.request_counts;
+    const done = completed + failed;
+    const bar = el("div", { className: "bar progress" }, el("div", { className: "seg done" }));
+    bar.firstChild.style.width = `${total ? (100 * done) / total : 0}%`;
+    bar.setAttribute("role", "progressbar");
+    bar.setAttribute("aria-valuemin", "0");
+    bar.setAttribute("aria-valuemax", String(total));
+    bar.setAttribute("aria-valuenow", String(done));
+    bar.setAttribute("aria-label", `${b.id} progress`);
+    const counts = `${done} / ${total}` + (failed ? ` (${failed} failed)` : "");
+    let action = null;
+    if (BATCH_RUNNING.has(b.status)) {
+      action = el("button", { type: "button", textContent: "Cancel", onclick: () => cancelBatch(b.id, action) });
+      action.setAttribute("aria-label", `Cancel ${b.id}`);
+    }
+    return el("tr", {},
+      el("td", {}, el("code", { textContent: b.id })),
+      el("td", { textContent: b.endpoint }),
+      el("td", {}, el("span", { className: `state ${b.status}`, textContent: b.status.replace("_", " ") })),
+      el("td", { className: "progress-cell" }, bar, el("small", { className: "counts", textContent: counts })),
+      el("td", { textContent: new Date(b.created_at * 1000).toLocaleString() }),
+      el("td", {}, action));
+  }));
+}
+
+async function cancelBatch(id, button) {
+  button.disabled = true;
+  try {
+    await api(`/v1/batches/${encodeURIComponent(id)}/cancel`, { method: "POST", body: "{}" });
+  } catch (e) {
+    notice(`cancel ${id}: ${e.message}`);
+  }
+  refreshDashboard();
 }
 
 function renderBudgets(byModel) {
