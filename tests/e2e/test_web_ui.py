@@ -1,6 +1,7 @@
 """The web page at `/` in a real browser: headless Chromium driven by selenium (chromedriver, the
 WebDriver protocol) against the real server with an API key. The page asks for the key, streams a
-reply, stops one, and the dashboard shows the models, the memory budget bars and the live counters.
+reply, stops one, and the dashboard shows the models, the memory budget bars and the live counters; over a
+fake model with a batch folder, its Batches panel follows a batch to completed and cancels a running one.
 
 Screenshots are written under the test's tmp_path (printed; `pytest -s` shows the path). The browser tests
 skip without Chromium and its driver (`apt-get install chromium chromium-driver`; .ci/run installs them).
@@ -8,9 +9,14 @@ skip without Chromium and its driver (`apt-get install chromium chromium-driver`
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import io
 import json
 import os
+import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -189,6 +195,9 @@ def test_chat_and_dashboard_in_chromium(live, browser, tmp_path):
     wait_for(d, lambda _: "prefix hit rate" in find("#caches").text, "no cache stats")
     wait_for(d, lambda _: "tokens generated" in find("#live").text and "running" in find("#live").text,
              "no live counters from /metrics")
+    # No batch folder here: /v1/batches is no route (404), and the page shows no Batches panel.
+    assert httpx.get(live.base_url + "/batches", headers=AUTH).status_code == 404
+    assert not find("#batches").is_displayed()
     shot("dashboard")
 
     # Unload and load again through the buttons (POST /v1/models/NAME/unload and /load).
@@ -317,5 +326,114 @@ def test_chat_with_mcp_tools_in_chromium(mcp_live, browser, tmp_path):
     d.save_screenshot(str(tmp_path / "chat-mcp.png"))
     print("\nweb page screenshot:", tmp_path / "chat-mcp.png")
     # Script errors only (a missing favicon is logged as a failed resource load).
+    errors = [e for e in d.get_log("browser") if e["level"] == "SEVERE" and "Failed to load resource" not in e["message"]]
+    assert not errors, errors
+
+
+@pytest.fixture(scope="module")
+def batch_live(serve_module_app, tmp_path_factory):
+    """The page over a fake model whose engine holds each request while `engine.holding` is set, with a batch
+    folder and the API key: the page must send the key for its batch list."""
+    from mlxhost.frontends.admin.web import add_web_routes
+    from mlxhost.frontends.app import create_app
+    from mlxhost.frontends.batch.routes import install_batch_api
+    from mlxhost.frontends.common.security import install_security
+    from tests.frontends.fake_models import NAME, FakeModels, InstantEngine
+
+    class HoldingEngine(InstantEngine):
+        holding = False  # set from the test's thread; read between the server loop's sleeps
+
+        def generate(self, request):
+            inner = super().generate(request)
+
+            async def outputs():
+                while self.holding:
+                    await asyncio.sleep(0.02)
+                async for out in inner:
+                    yield out
+
+            return outputs()
+
+    class Models(FakeModels):
+        def close(self, *_) -> None:  # the app's lifespan passes the shutdown deadline
+            pass
+
+        def cards(self) -> list[dict]:  # the dashboard's models table reads each model's state
+            return [{"id": NAME, "object": "model", "status": "loaded"}]
+
+        @contextlib.contextmanager
+        def hold(self, name: str):  # /v1/status and /v1/cache/stats read the engine's snapshot
+            yield SimpleNamespace(snapshot=SimpleNamespace(status={"model": NAME}, cache_stats={"enabled": False}))
+
+    models = Models()
+    models.engine = HoldingEngine()
+    app = create_app(models)
+    add_web_routes(app)
+    install_batch_api(app, tmp_path_factory.mktemp("batches"))
+    install_security(app, SecurityConfig(api_keys=(KEY,)), "127.0.0.1", web_page=True)
+    return serve_module_app(app), models
+
+
+def create_batch(live, bodies: list[dict]) -> str:
+    text = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions", "body": b})
+                   + "\n" for i, b in enumerate(bodies))
+    source = httpx.post(live.base_url + "/files", headers=AUTH, data={"purpose": "batch"},
+                        files={"file": ("in.jsonl", io.BytesIO(text.encode()))}).json()
+    made = httpx.post(live.base_url + "/batches", headers=AUTH, json={
+        "input_file_id": source["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+    assert made.status_code == 200, made.text
+    return made.json()["id"]
+
+
+def batch_status(live, batch_id: str) -> str:
+    return httpx.get(f"{live.base_url}/batches/{batch_id}", headers=AUTH).json()["status"]
+
+
+@IN_CHROMIUM
+def test_dashboard_batches_in_chromium(batch_live, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    live, models = batch_live
+    d = browser
+    find = lambda sel: d.find_element(By.CSS_SELECTOR, sel)  # noqa: E731
+    row = lambda batch_id: d.find_element(By.XPATH, f"//tbody/tr[td/code[text()='{batch_id}']]")  # noqa: E731
+    d.get(live.url + "/")
+    find("#key").clear()
+    find("#key").send_keys(KEY)
+    find("#key-form button").click()
+    find("#tab-dash").click()
+    wait_for(d, lambda _: SERVED_NAME in find("#models-table").text, "the dashboard never loaded")
+    assert not find("#batches").is_displayed()  # a batch folder, but no batch yet
+
+    # Two good lines and one the route refuses (400): the row reaches completed with 3 of 3 answered, 1 failed.
+    line = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    done_id = create_batch(live, [line, line, {**line, "max_tokens": -1}])
+    wait_for(d, lambda _: "completed" in row(done_id).text, "the batch's row never showed completed")
+    cells = row(done_id).find_elements(By.TAG_NAME, "td")
+    assert cells[1].text == "/v1/chat/completions"
+    assert cells[3].text == "3 / 3 (1 failed)", cells[3].text
+    bar = cells[3].find_element(By.CSS_SELECTOR, "[role=progressbar]")
+    assert (bar.get_attribute("aria-valuenow"), bar.get_attribute("aria-valuemax")) == ("3", "3")
+    assert d.execute_script("const b = arguments[0]; return b.firstChild.getBoundingClientRect().width"
+                            " / b.getBoundingClientRect().width", bar) > 0.95
+    assert str(time.localtime().tm_year) in cells[4].text  # created time, in the browser's locale
+    assert not cells[5].find_elements(By.TAG_NAME, "button")  # an ended batch has no Cancel
+
+    # A second batch held in the engine: Cancel on its row makes it cancelling (its lines in flight finish),
+    # then cancelled once the engine lets them go.
+    models.engine.holding = True
+    try:
+        held_id = create_batch(live, [line] * 4)
+        wait_for(d, lambda _: "in progress" in row(held_id).text, "the second batch never showed in progress")
+        d.save_screenshot(str(tmp_path / "batches.png"))
+        click(d, f"#batches-table button[aria-label='Cancel {held_id}']")
+        wait_for(d, lambda _: batch_status(live, held_id) in ("cancelling", "cancelled"), "Cancel sent nothing")
+        wait_for(d, lambda _: "cancelling" in row(held_id).text, "the row never showed cancelling")
+    finally:
+        models.engine.holding = False
+    wait_for(d, lambda _: "cancelled" in row(held_id).text, "the row never showed cancelled")
+    assert batch_status(live, held_id) == "cancelled"
+    assert "completed" in row(done_id).text and not row(held_id).find_elements(By.TAG_NAME, "button")
+    print("\nweb page screenshot:", tmp_path / "batches.png")
     errors = [e for e in d.get_log("browser") if e["level"] == "SEVERE" and "Failed to load resource" not in e["message"]]
     assert not errors, errors
