@@ -169,3 +169,18 @@ def stop_demo_server(server: DemoServer) -> None:
         server.process.wait(timeout=60)
     except subprocess.TimeoutExpired:
         server.process.kill()
+
+
+def isolated_env(root: pathlib.Path) -> tuple[dict, pathlib.Path, pathlib.Path]:
+    """A home of its own under `root` for an agent (its config, sessions and history live there), and a project
+    folder: (environment, home, project). The caller's API keys and base URLs are left out."""
+    home, project = root / "home", root / "project"
+    for path in (home / ".config", home / ".local" / "share", home / ".cache", home / ".local" / "state", project):
+        path.mkdir(parents=True)
+    (project / "README.md").write_text("# scratch\n\nA scratch project for an agent test.\n")
+    env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
+           "XDG_DATA_HOME": str(home / ".local" / "share"), "XDG_CACHE_HOME": str(home / ".cache"),
+           "XDG_STATE_HOME": str(home / ".local" / "state"), "NO_COLOR": "1"}
+    for name in ("MLXHOST_API_KEY", "OPENAI_API_KEY", "OPENAI_BASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL"):
+        env.pop(name, None)
+    return env, home, project

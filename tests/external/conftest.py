@@ -4,10 +4,8 @@ it fails: CI must not pass by skipping."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from agent_lane import RESULTS, start_demo_server, stop_demo_server
+from agent_lane import RESULTS, isolated_env as make_isolated_env, start_demo_server, stop_demo_server
 
 
 @pytest.fixture(scope="session")
@@ -30,17 +28,7 @@ def long_answer_server(tmp_path):
 @pytest.fixture
 def isolated_env(tmp_path):
     """A home of its own for the agent (its config, sessions and history live there), and a project folder."""
-    home = tmp_path / "home"
-    project = tmp_path / "project"
-    for path in (home / ".config", home / ".local" / "share", home / ".cache", home / ".local" / "state", project):
-        path.mkdir(parents=True)
-    (project / "README.md").write_text("# scratch\n\nA scratch project for an agent test.\n")
-    env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
-           "XDG_DATA_HOME": str(home / ".local" / "share"), "XDG_CACHE_HOME": str(home / ".cache"),
-           "XDG_STATE_HOME": str(home / ".local" / "state"), "NO_COLOR": "1"}
-    for name in ("MLXHOST_API_KEY", "OPENAI_API_KEY", "OPENAI_BASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL"):
-        env.pop(name, None)
-    return env, home, project
+    return make_isolated_env(tmp_path)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -25,7 +25,6 @@ as long as the streamed ones, which shows that nothing on the server's side ends
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 import subprocess
@@ -41,6 +40,7 @@ from agent_lane import (
     TURN_TIMEOUT_S,
     DemoServer,
     find_cli,
+    isolated_env,
     start_held_server,
     stop_demo_server,
 )
@@ -181,20 +181,6 @@ class HeldTurn:
     outlasted: bool  # the client was still waiting when the hold ended (not ended before it)
 
 
-def _isolated_env(root: pathlib.Path) -> tuple[dict, pathlib.Path, pathlib.Path]:
-    """As conftest's isolated_env, for one client of many."""
-    home, project = root / "home", root / "project"
-    for path in (home / ".config", home / ".local" / "share", home / ".cache", home / ".local" / "state", project):
-        path.mkdir(parents=True)
-    (project / "README.md").write_text("# scratch\n\nA scratch project for an agent test.\n")
-    env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
-           "XDG_DATA_HOME": str(home / ".local" / "share"), "XDG_CACHE_HOME": str(home / ".cache"),
-           "XDG_STATE_HOME": str(home / ".local" / "state"), "NO_COLOR": "1"}
-    for name in ("MLXHOST_API_KEY", "OPENAI_API_KEY", "OPENAI_BASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL"):
-        env.pop(name, None)
-    return env, home, project
-
-
 @pytest.fixture(scope="module")
 def held_turns(tmp_path_factory) -> dict[str, HeldTurn]:
     """Every installed client's first turn, all at once, each on its own server whose first forward is held
@@ -212,7 +198,7 @@ def held_turns(tmp_path_factory) -> dict[str, HeldTurn]:
                 servers[name] = future.result()
         for case in cases:
             root = holds[case.name].parent
-            base, home, project = _isolated_env(root)
+            base, home, project = isolated_env(root)
             setup = case.build(servers[case.name], base, home, project)
             holds[case.name].touch()
             log = open(root / "cli.log", "w+")
