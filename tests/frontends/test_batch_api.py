@@ -6,17 +6,21 @@ tokens counted)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
 import re
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import openai
 import pytest
 from fastapi.testclient import TestClient
 
+from mlxhost.batch.store import BatchStore
 from mlxhost.config import SecurityConfig
 from mlxhost.frontends.app import create_app
 from mlxhost.frontends.batch.dispatch import BATCH_PRIORITY
@@ -70,6 +74,32 @@ def test_files_upload_list_retrieve_content_delete(served):
     assert client.files.delete(made.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(made.id)
+
+
+def test_an_upload_writes_off_the_event_loop_which_answers_meanwhile(served, monkeypatch):
+    client, _, http = served
+    entered, release, seen = threading.Event(), threading.Event(), {}
+    write = BatchStore.write_bytes
+
+    def held_write(self, data, file_id=None):
+        try:
+            asyncio.get_running_loop()
+            seen["on_loop"] = True
+        except RuntimeError:  # no loop runs on this thread
+            seen["on_loop"] = False
+        entered.set()
+        seen["released"] = release.wait(_BOUND_S)  # held until the loop has answered another request
+        return write(self, data, file_id)
+
+    monkeypatch.setattr(BatchStore, "write_bytes", held_write)
+    with ThreadPoolExecutor(1) as pool:
+        upload = pool.submit(client.files.create, file=("in.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
+        assert entered.wait(_BOUND_S)
+        assert http.get("/v1/files").json()["data"] == []  # listed only once written
+        release.set()
+        made = upload.result(_BOUND_S)
+    assert seen == {"on_loop": False, "released": True}
+    assert client.files.retrieve(made.id).bytes == 3 and client.files.content(made.id).read() == b"{}\n"
 
 
 @pytest.mark.parametrize("url, body, read", [

@@ -88,7 +88,13 @@ class BatchStore:
     # -- files -----------------------------------------------------------------------------------------
     def add_file(self, data: bytes, filename: str, purpose: str, file_id: str | None = None,
                  owner: str | None = None) -> dict:
-        """Writes the bytes (temp file + rename: a crash leaves no half file under the id), then the row."""
+        """Writes the bytes, then the row (both on the calling thread: for small files the runner writes)."""
+        file_id = self.write_bytes(data, file_id)
+        return self.record_file(file_id, len(data), filename, purpose, owner)
+
+    def write_bytes(self, data: bytes, file_id: str | None = None) -> str:
+        """The file's bytes under its id (temp file + rename: a crash leaves no half file under the id); returns
+        the id. Touches no database, so any thread may run it: an upload writes and fsyncs off the event loop."""
         file_id = file_id or new_id("file-")
         path = self.file_path(file_id)
         tmp = path.with_suffix(".tmp")
@@ -97,7 +103,12 @@ class BatchStore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        obj = {"id": file_id, "object": "file", "bytes": len(data), "created_at": int(time.time()),
+        return file_id
+
+    def record_file(self, file_id: str, num_bytes: int, filename: str, purpose: str,
+                    owner: str | None = None) -> dict:
+        """The row of a file `write_bytes` wrote: from then on it is listed and readable."""
+        obj = {"id": file_id, "object": "file", "bytes": num_bytes, "created_at": int(time.time()),
                "expires_at": None, "filename": filename, "purpose": purpose, "status": "processed",
                "status_details": None}
         self._db.execute("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?)",
@@ -113,6 +124,7 @@ class BatchStore:
         return json.loads(row[0]) if row else None
 
     def read_file(self, file_id: str) -> bytes:
+        """Touches no database (any thread may run it)."""
         return self.file_path(file_id).read_bytes()
 
     def delete_file(self, file_id: str) -> bool:

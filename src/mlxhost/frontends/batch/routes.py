@@ -6,6 +6,7 @@ out of lists, as if they did not exist."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import sqlite3
@@ -106,7 +107,10 @@ def install_batch_api(app: FastAPI, folder: str | Path, max_num_running: int = 4
         if not isinstance(upload, UploadFile):
             raise APIError(400, "`file` is required", "file")
         data = await upload.read()
-        return s.add_file(data, upload.filename or "upload.jsonl", purpose, owner=_owner(raw))
+        # The write and its fsync on a worker thread (a big file would stall every stream); the row, like every
+        # database call, stays on the loop's thread.
+        file_id = await asyncio.to_thread(s.write_bytes, data)
+        return s.record_file(file_id, len(data), upload.filename or "upload.jsonl", purpose, owner=_owner(raw))
 
     @app.get("/v1/files")
     async def list_files(raw: Request, purpose: str | None = None, after: str | None = None,
@@ -123,7 +127,11 @@ def install_batch_api(app: FastAPI, folder: str | Path, max_num_running: int = 4
     @app.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str, raw: Request):
         file_or_404(file_id, _owner(raw))
-        return Response(need_store().read_file(file_id), media_type="application/octet-stream")
+        try:  # read on a worker thread, as the upload writes
+            data = await asyncio.to_thread(need_store().read_file, file_id)
+        except FileNotFoundError:  # deleted while it was read
+            raise APIError(404, f"No such File object: {clip(file_id)}", "id", "file_not_found") from None
+        return Response(data, media_type="application/octet-stream")
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str, raw: Request):
