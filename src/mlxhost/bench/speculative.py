@@ -7,7 +7,8 @@ the target), `noise:X` (the target with noise on its weights: lower acceptance, 
 `layers:N` (its first N layers: cheap, acceptance whatever it turns out to be). `eagle3[:STEPS]` and
 `mtp[:STEPS]` are draft heads fed the target's hidden states, trained here for STEPS steps on the target's
 own greedy continuations of random prompts (testing/spec_heads.py); `dflash[:STEPS]` a DFlash drafter
-(random weights, or trained STEPS steps). `oracle` replays the greedy output the `off` run recorded (every
+(random weights, or trained STEPS steps). `auto` is `--speculative auto` (prompt lookup behind the policy that
+turns drafting off where it does not pay), `off` a second plain run (the run-to-run spread). `oracle` replays the greedy output the `off` run recorded (every
 draft accepted, no drafting cost: the machinery's ceiling; `--oracle-recording` keeps the file). The
 acceptance column is measured, not chosen. Workloads: `random` (random-token prompts) and `echo` (a passage repeated in the
 prompt: what prompt lookup is for; a random model continues it only as far as its own output loops).
@@ -67,9 +68,9 @@ def build_models(shape: str, bits: int | None, drafts: list[str], root: Path) ->
                                           train_steps=int(value) if value else 300)
         elif kind == "dflash":
             out[spec] = build_dflash_folder(root / spec.replace(":", "-"), target, train_steps=int(value or 0))
-        elif kind != "oracle":  # the oracle's recording comes from the `off` run
+        elif kind not in ("oracle", "auto", "off"):  # the oracle's recording comes from the `off` run
             raise SystemExit(f"unknown draft {spec!r}: use self, noise:X, layers:N, eagle3[:STEPS], mtp[:STEPS], "
-                             "dflash[:STEPS] or oracle")
+                             "dflash[:STEPS], oracle, auto or off")
     return target, out
 
 
@@ -108,7 +109,7 @@ def measure(loaded, mode: str, draft_dir: Path | None, args, workload: str, c: i
     """One mode's row; `recorded`: filled with each prompt's greedy output (the `off` run, for `oracle`)."""
     from mlxhost.engine.core import EngineCore  # lazy: pulls in mlx_lm
 
-    spec = {"speculative": "ngram"} if mode == "ngram" else ({"draft_model": str(draft_dir)} if draft_dir else {})
+    spec = {"speculative": mode} if mode in ("ngram", "auto") else ({"draft_model": str(draft_dir)} if draft_dir else {})
     if mode.partition(":")[0] in (*_HIDDEN, "oracle"):
         spec["speculative"] = mode.partition(":")[0]
     config = EngineConfig(max_num_seqs=max(c, 1), enable_prefix_cache=False, num_draft_tokens=args.num_draft_tokens,
@@ -148,7 +149,7 @@ def run_spec_bench(args) -> dict:
         rows, kept = [], {}
         for workload in args.workloads.split(","):
             for c in args.concurrency:
-                modes = ["off", "ngram"] + [d for d in drafts if workload != "echo" or d == "oracle"]
+                modes = ["off", "ngram"] + [d for d in drafts if workload != "echo" or d in ("oracle", "auto", "off")]
                 level, recorded = [], {}
                 for mode in modes:
                     if mode == "oracle":  # replays what `off` just decoded (every level's prompts so far)
@@ -185,7 +186,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafts", default="self,noise:0.03,noise:0.1,layers:1,eagle3,mtp",
                         help="draft models, comma-separated: self, noise:X (target + noise), layers:N (first N layers),"
                              " eagle3[:STEPS] / mtp[:STEPS] (a head trained STEPS steps on the target's output),"
-                             " dflash[:STEPS] (a DFlash drafter), oracle (replays the off run's output: the ceiling)")
+                             " dflash[:STEPS] (a DFlash drafter), oracle (replays the off run's output: the ceiling), auto"
+                             " (--speculative auto: ngram behind the policy), off (plain again: the spread)")
     parser.add_argument("--oracle-recording", default=None,
                         help="with --drafts ...,oracle: where the `off` run's greedy output is recorded for the oracle "
                              "to replay (JSON, prompt -> tokens; default: a temporary file). It serves again with "
