@@ -52,6 +52,7 @@ LANES = (
     ("bench/test_prefix_bench.py", "slow"),
     ("bench/test_speculative_bench.py", "slow"),
     ("bench/test_kvquant_bench.py", "slow"),
+    ("bench/test_prewarm_bench.py::test_the_bench_end_to_end", "slow"),
     ("models/test_pull.py", "slow"),
     ("models/test_source.py", "slow"),
     ("testing/test_real_models.py", "slow"),

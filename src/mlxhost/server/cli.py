@@ -168,6 +168,7 @@ def make_parser(with_bench: bool = True) -> argparse.ArgumentParser:
                         " several acceptance rates, single stream and concurrent"),
         ("lora", "aggregate tok/s of N streams over K LoRA adapters vs N streams on the base model"),
         ("batch", "interactive TTFT while a Batch API job runs vs the idle server"),
+        ("prewarm", "an agent's first-turn TTFT, cold vs pre-warmed as `mlxhost launch` does it"),
         ("plot", "PNG charts of `bench serve` result files, side by side (the `plot` extra)"),
         ("coreml", "an exported Core ML package on this Mac: prompt TTFT and extend tok/s per context"
                    " (macOS only)"),
