@@ -1,8 +1,18 @@
-"""The serving process's environment knobs (process.py): a bad one is reported before anything loads."""
+"""The serving process (process.py): its environment knobs (a bad one is reported before anything loads), and
+the services closed on a shutdown with or without a second signal."""
+
+import asyncio
+import time
+from types import SimpleNamespace
 
 import pytest
+import uvicorn
 
+from mlxhost.batch.store import BatchStore
+from mlxhost.frontends.app import create_app
+from mlxhost.frontends.batch.routes import install_batch_api
 from mlxhost.server import cli, process
+from tests.frontends.fake_models import FakeModels
 
 
 @pytest.mark.parametrize("value, seconds", [(None, None), ("", None), ("1", 0.001), ("0.5", 0.0005)])
@@ -19,3 +29,50 @@ def test_a_bad_switch_interval_stops_serve_with_a_message(value, monkeypatch, ca
     # before the port is taken and the model loads: the folder does not even exist
     assert cli.main(["serve", "/nonexistent/model", "--port", "0"]) == 2
     assert process.SWITCH_INTERVAL_ENV in capsys.readouterr().err
+
+
+class FakeMcp:
+    """An MCP manager without servers that counts its starts and closes."""
+
+    servers: dict = {}
+
+    def __init__(self) -> None:
+        self.num_starts = self.num_closes = 0
+
+    async def start(self) -> None:
+        self.num_starts += 1
+
+    async def close(self) -> None:
+        self.num_closes += 1
+
+
+@pytest.mark.parametrize("second_signal", [True, False])
+def test_the_services_close_once_on_either_path(tmp_path, second_signal):
+    """A second signal makes uvicorn skip the app's lifespan shutdown: the server then closes the MCP sessions
+    and the Batch API's runner itself (else they keep the process waiting); on the graceful path the lifespan
+    closes them, and neither path closes one twice."""
+    models, mcp = FakeModels(), FakeMcp()
+    app = create_app(models, mcp)
+    install_batch_api(app, tmp_path / "batches")
+    server = process.GracefulServer(uvicorn.Config(app), shutdown_timeout_s=1)
+    server.servers = []  # none listening: uvicorn's startup did not run
+
+    def running_tasks() -> set[str]:
+        return {t.get_name() for t in asyncio.all_tasks() if not t.done()}
+
+    async def main() -> None:
+        lifespan = app.router.lifespan_context(app)
+        await lifespan.__aenter__()
+        assert mcp.num_starts == 1 and "batch-runner" in running_tasks()
+        app.state.stop_deadline = time.monotonic() + 60  # a hang bound, not a timing check
+        server.force_exit = second_signal
+        # What uvicorn's lifespan shutdown ends in (run unless a second signal came).
+        server.lifespan = SimpleNamespace(shutdown=lambda: lifespan.__aexit__(None, None, None))
+        await server.shutdown()
+        assert mcp.num_closes == 1 and "batch-runner" not in running_tasks()
+        BatchStore(tmp_path / "batches").close()  # the folder's lock is free again
+        if second_signal:  # a lifespan shutdown that ran after all closes nothing twice
+            await lifespan.__aexit__(None, None, None)
+            assert mcp.num_closes == 1
+
+    asyncio.run(main())

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -60,6 +61,13 @@ def create_app(models: ModelManager, mcp=None) -> FastAPI:
     servers' manager (mlxhost.mcp.client.McpManager), started and stopped with the app; None: no MCP."""
     metrics = Metrics(models.loaded_engines)
     prep = PrepPool()
+    # What the lifespan closes before the engines (the MCP sessions, the Batch API adds its runner first). Each
+    # is popped before it runs, so it closes once: after a second signal the server closes them (server/process.py).
+    closers: list[Callable[[], Awaitable[None]]] = [mcp.close] if mcp is not None else []
+
+    async def close_services() -> None:
+        while closers:
+            await closers.pop(0)()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -76,8 +84,7 @@ def create_app(models: ModelManager, mcp=None) -> FastAPI:
         try:
             yield
         finally:
-            if mcp is not None:
-                await mcp.close()
+            await close_services()
             prep.close()
             models.close(lambda: app.state.stop_deadline)
 
@@ -87,10 +94,11 @@ def create_app(models: ModelManager, mcp=None) -> FastAPI:
     install_error_handlers(app)
     install_openapi(app)
     # What a graceful shutdown (server/process.py) needs, without importing the server: end the streams
-    # still running at the deadline (their request ids), stop the engines (flushing the SSD tier) when the
-    # lifespan is skipped, and the deadline (time.monotonic()) past which a step still running is not waited for.
+    # still running at the deadline (their request ids), close the services and stop the engines (flushing the
+    # SSD tier) when the lifespan is skipped, and the deadline (time.monotonic()) past which a step still running is not waited for.
     app.state.end_streams = lambda reason: [rid for e in models.loaded_engines() for rid in e.end_all(reason)]
     app.state.close_models = models.close
+    app.state.closers, app.state.close_services = closers, close_services
     app.state.stop_deadline = None
     add_model_errors(app)
 

@@ -179,7 +179,8 @@ def install_batch_api(app: FastAPI, folder: str | Path, max_num_running: int = 4
 
 
 def _add_lifespan(app: FastAPI, runner: BatchRunner | None, store: BatchStore | None) -> None:
-    """Runs the runner inside the app's lifespan: it starts once the models are up and stops before they close."""
+    """Runs the runner inside the app's lifespan: it starts once the models are up, and is the first of the
+    services the app closes (create_app's `closers`), before the engines stop."""
     inner = app.router.lifespan_context
 
     @contextlib.asynccontextmanager
@@ -187,13 +188,14 @@ def _add_lifespan(app: FastAPI, runner: BatchRunner | None, store: BatchStore | 
         async with inner(a) as state:
             if runner is not None:
                 runner.start()
-            try:
-                yield state
-            finally:
-                if runner is not None:
-                    await runner.stop()
-                    await runner.dispatch.close()
-                if store is not None:
-                    store.close()
+            yield state
+
+    async def close() -> None:
+        if runner is not None:
+            await runner.stop()
+            await runner.dispatch.close()
+        if store is not None:
+            store.close()
 
     app.router.lifespan_context = lifespan
+    app.state.closers.insert(0, close)
