@@ -29,6 +29,7 @@ from mlxhost.engine.status import (
     describe_progress,
     memory_status,
     request_progress,
+    requests_status,
     spec_stats,
     vision_stats,
 )
@@ -378,13 +379,9 @@ class EngineCore:
             "speculative": self.spec_stats(),
             "cudnn_attention": self.cudnn_attention,
             "step_cost": self.scheduler.step_cost.as_dict(),
-            "requests": self.prefill_progress(),
+            # Each request's prefill so far: every running one, the first waiting ones (status.py).
+            **requests_status(self.scheduler.running.values(), self.scheduler.waiting, time.monotonic()),
         }
-
-    def prefill_progress(self) -> list[dict]:
-        """Each request's prefill so far (waiting ones too), as `/v1/status` lists them."""
-        now = time.monotonic()
-        return [request_progress(r, now) for r in [*self.scheduler.running.values(), *self.scheduler.waiting]]
 
     def spec_stats(self) -> dict:
         return spec_stats(self.spec)

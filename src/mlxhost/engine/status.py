@@ -4,6 +4,8 @@ core's parts, which the core hands in: nothing here reads a core's insides)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,19 @@ def take_snapshot(core: Any) -> StatusSnapshot:
     status = core.status()
     cache = status.get("prefix_cache", {"enabled": False})
     return StatusSnapshot(status, cache, {r["id"]: r for r in status.get("requests", ())})
+
+
+# /v1/status lists every running request but only the first waiting ones (queue order) and a count of the rest:
+# the snapshot is rebuilt on the engine thread every ~0.1 s, and a big batch job may queue thousands.
+MAX_NUM_LISTED_WAITING = 32
+
+
+def requests_status(running: Iterable[Any], waiting: Collection[Any], now: float) -> dict:
+    """Status's `requests` (each running request's progress, then the first `MAX_NUM_LISTED_WAITING` waiting
+    ones') and `num_waiting_unlisted`; reads no more of `waiting` than it lists."""
+    listed = itertools.islice(waiting, MAX_NUM_LISTED_WAITING)
+    return {"requests": [request_progress(r, now) for r in itertools.chain(running, listed)],
+            "num_waiting_unlisted": max(len(waiting) - MAX_NUM_LISTED_WAITING, 0)}
 
 
 def request_progress(request: Any, now: float) -> dict:

@@ -485,7 +485,9 @@ function renderRequests(byModel) {
       el("td", { textContent: String(r.cached_tokens) }),
       el("td", { textContent: r.prefill_tokens_per_s == null ? "-" : r.prefill_tokens_per_s.toFixed(1) }),
       el("td", { textContent: String(r.output_tokens) }));
-  }));
+  }).concat(s?.num_waiting_unlisted ? [el("tr", {},  // a long queue lists its first requests only
+    el("td", { textContent: name }),
+    el("td", { colSpan: 6, className: "muted", textContent: `and ${s.num_waiting_unlisted} more waiting` }))] : []));
   $("#requests-table tbody").replaceChildren(...(rows.length ? rows
     : [el("tr", {}, el("td", { colSpan: 7, className: "muted", textContent: "none running or waiting" }))]));
 }
