@@ -42,7 +42,7 @@ class EngineConfig:
     # and never when nothing decodes or a prompt is mid-prefill. 0: admitted at once.
     prefill_wait_steps: int = 0
     # A waiting request's priority improves by one class per this many engine steps, so no class starves
-    # under a steady stream of better ones (engine/scheduler.py). 0: no aging.
+    # under a steady stream of better ones (engine/priority.py). 0: no aging.
     priority_aging_steps: int = 256
     # While rows decode, a step's prefill chunk is sized from measured step costs so their next token comes
     # within this many seconds (engine/step_cost.py); a prompt alone still prefills whole chunks. 0: whole

@@ -3,7 +3,10 @@ pressure and the cheap resumption of preempted requests through the prefix cache
 
 from __future__ import annotations
 
+from collections import deque
+
 from mlxhost.config import EngineConfig
+from mlxhost.engine.priority import PriorityOrder
 from mlxhost.engine.request import Request, RequestStatus, SamplingParams
 from mlxhost.engine.scheduler import Scheduler
 from mlxhost.kv.prefix_cache import PrefixCacheManager
@@ -168,3 +171,24 @@ def test_aborting_a_preempted_request_drops_it_from_the_queue():
     while s.has_work:
         step(s)
     assert not s.waiting and not s.running
+
+
+def test_the_priority_order_alone():
+    """PriorityOrder (engine/priority.py) without a scheduler: ranks age with the steps, the queue sorts by rank
+    then arrival, and a newcomer's victims are the worst admitted classes, latest arrivals first."""
+    order = PriorityOrder(EngineConfig(priority_aging_steps=2))
+    low, mid, late_low = make_request("low", 5), make_request("mid", 3), make_request("late", 5)
+    for r in (low, mid, late_low):
+        order.arrive(r)
+    assert [r.request_id for r in order.sorted(deque([low, mid, late_low]))] == ["mid", "low", "late"]
+    for _ in range(4):
+        order.tick()
+    assert (order.rank(low), order.num_waited_steps(low)) == (3, 4)  # two classes better after four steps
+    for r in (low, mid, late_low):
+        order.admit(r)
+    best = make_request("best", 0)
+    order.arrive(best)
+    assert [r.request_id for r in order.victims([low, mid, late_low], best)] == ["late", "low", "mid"]
+    order.preempted("late")
+    order.forget("low")
+    assert order.admitted_rank("mid") == 1 and order.rank(late_low) == 3  # arrival kept, admitted rank gone

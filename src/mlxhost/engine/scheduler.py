@@ -1,24 +1,23 @@
 """Who runs this step: admission, prefill chunks, finishes and aborts. Imports no tensor library.
 
 The scheduler owns the waiting queue and the running set. Each call to `schedule()` admits waiting
-requests up to `max_num_seqs`, in order of priority (lower first, as vLLM's; aged while waiting, so none
-starves) and then arrival, hands out at most `prefill_step_size` prompt tokens of prefill work (shared by
-several waiting prompts, whose chunks the runner runs as one forward; a long prompt is split across steps
-and never freezes the streams that are already decoding), and lists the requests whose state the runner
-must drop.
+requests up to `max_num_seqs`, in the order of their priority classes and arrival (priority.py), hands out
+at most `prefill_step_size` prompt tokens of prefill work (shared by several waiting prompts, whose chunks
+the runner runs as one forward; a long prompt is split across steps and never freezes the streams that are
+already decoding), and lists the requests whose state the runner must drop.
 
-A request of a better priority class that finds no slot or no KV preempts running requests of worse
-classes: their full blocks go to the prefix cache and they wait again, to recompute prompt and output so
-far (mostly cache hits) when they are admitted next.
+A request of a better priority class that finds no slot or no KV preempts the fewest running requests of worse
+classes that make room: their full blocks go to the prefix cache and they wait again, to recompute prompt and
+output so far (mostly cache hits) when they are admitted next.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
 from mlxhost.config import EngineConfig
+from mlxhost.engine.priority import PriorityOrder
 from mlxhost.engine.request import Request, RequestStatus
 from mlxhost.engine.step_cost import StepCostModel
 from mlxhost.kv.cache_ops import CacheOp
@@ -114,13 +113,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._finished: list[Request] = []
         self._at_boundary: list[Request] = []
-        self._num_steps = 0
-        # Request id (waiting or running) -> the step count when it first arrived: aging counts from there.
-        self._arrived: dict[str, int] = {}
-        self._order: dict[str, int] = {}  # request id -> arrival number: the tie-break within a class
-        self._arrivals = itertools.count()
-        # Running request id -> its effective priority when admitted: what a newcomer must beat to preempt it.
-        self._admitted_rank: dict[str, int] = {}
+        self.priority = PriorityOrder(config)  # arrivals, classes and aging: the admission order
         self.num_preemptions = 0
         # Measured step costs (the engine core feeds them): how much prefill fits beside the decode rows.
         self.step_cost = StepCostModel(config.max_decode_gap_s)
@@ -133,8 +126,7 @@ class Scheduler:
             )
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
-        self._arrived[request.request_id] = self._num_steps
-        self._order[request.request_id] = next(self._arrivals)
+        self.priority.arrive(request)
 
     def abort(self, request_id: str) -> Request | None:
         """Drops a request wherever it is; returns it, or None if it already finished."""
@@ -145,7 +137,7 @@ class Scheduler:
         for request in self.waiting:
             if request.request_id == request_id:
                 self.waiting.remove(request)
-                self._forget(request_id)
+                self.priority.forget(request_id)
                 request.status = RequestStatus.FINISHED_ABORTED
                 return request
         return None
@@ -190,13 +182,13 @@ class Scheduler:
         # Requests whose prompt finished in an earlier step decode now.
         out.decode_request_ids = [r.request_id for r in self.running.values() if r.is_prefill_done]
 
-        self._num_steps += 1
+        self.priority.tick()
         self._admit(out)
 
         # A request whose hit waits for the plan's loads or check prefills once their results are in.
         prefilling = [r for r in self.running.values() if not r.is_prefill_done and not self._is_loading(r)]
         if len(prefilling) > 1:  # stable: within a class, the oldest admitted first
-            prefilling.sort(key=lambda r: self._admitted_rank[r.request_id])
+            prefilling.sort(key=lambda r: self.priority.admitted_rank(r.request_id))
         sizes = split_prefill_budget([r.num_prompt_tokens_left for r in prefilling], self._prefill_budget(out),
                                      self.config.max_num_prefill_rows)
         for request, n in zip(prefilling, sizes):
@@ -227,7 +219,7 @@ class Scheduler:
         """Admits waiting requests in order while slots and the KV budget allow, preempting worse classes
         for a better one. One whose next prompt block another request is prefilling stays queued (its
         place kept) and the ones behind it go on."""
-        self._sort_waiting()
+        self.waiting = self.priority.sorted(self.waiting)
         blocked: list[Request] = []
         while self.waiting:
             request = self.waiting[0]
@@ -240,46 +232,18 @@ class Scheduler:
             if not fits and not self._preempt_for(request, out):
                 break
             self.waiting.popleft()
-            self._admitted_rank[request.request_id] = self._rank(request)
+            self.priority.admit(request)
             request.status = RequestStatus.RUNNING
             self.running[request.request_id] = request
             if self.prefix is not None:
                 self._look_up(request)
         self.waiting.extendleft(reversed(blocked))
 
-    # -- priority ------------------------------------------------------------------------------
-    def _rank(self, request: Request) -> int:
-        """Its effective priority: one class better for every `priority_aging_steps` steps it has waited
-        since it arrived, so a low class under a steady stream of better ones still gets its turn."""
-        aging = self.config.priority_aging_steps
-        if not aging:
-            return request.priority
-        return request.priority - (self._num_steps - self._arrived[request.request_id]) // aging
-
-    def _sort_waiting(self) -> None:
-        # Arrival order is the queue's own order while every request is of one class and none was preempted.
-        if len(self.waiting) > 1 and any(r.priority != self.waiting[0].priority or r.num_preemptions
-                                         for r in self.waiting):
-            order = self._order
-            self.waiting = deque(sorted(self.waiting, key=lambda r: (self._rank(r), order[r.request_id])))
-
-    def can_preempt(self, victim: Request, request: Request) -> bool:
-        """Whether `request` (waiting) may preempt `victim` (running): a strictly better class than the
-        victim's, both as asked and as aged, and a victim whose output a recompute reproduces (no grammar,
-        penalties or seeded sampling, whose state the runner rebuilds from the prompt alone)."""
-        sp = victim.sampling
-        return (request.priority < victim.priority
-                and self._rank(request) < self._admitted_rank[victim.request_id]
-                and self.config.speculative == "off"
-                and sp.constraint is None and sp.prompt_logprobs is None and not sp.needs_processors
-                and (sp.seed is None or sp.is_greedy) and not victim.media)
-
+    # -- preemption ----------------------------------------------------------------------------
     def _preempt_for(self, request: Request, out: SchedulerOutput) -> bool:
         """Preempts the fewest running requests of the worst classes (the latest arrivals first) that make
         room for `request`; none if even all of them would not."""
-        victims = sorted((r for r in self.running.values() if self.can_preempt(r, request)),
-                         key=lambda r: (self._admitted_rank[r.request_id], self._order[r.request_id]),
-                         reverse=True)
+        victims = self.priority.victims(self.running.values(), request)
         cap, left, chosen = self.kv_capacity_tokens, dict(self.running), []
         for victim in victims:
             del left[victim.request_id]
@@ -302,7 +266,7 @@ class Scheduler:
             self._keep(out, request, ops, prompt_done=True)
         self._leave(request)
         del self.running[rid]
-        del self._admitted_rank[rid]
+        self.priority.preempted(rid)
         if rid in out.decode_request_ids:
             out.decode_request_ids.remove(rid)
         out.finished_request_ids.append(rid)
@@ -359,7 +323,7 @@ class Scheduler:
             return False
         if any(not r.is_prefill_done for r in self.running.values()):
             return False
-        return self._num_steps - self._arrived[self.waiting[0].request_id] <= wait
+        return self.priority.num_waited_steps(self.waiting[0]) <= wait
 
     def can_admit(self, request: Request) -> bool:
         """Whether the KV budget holds `request` next to the running ones at their longest.
@@ -423,7 +387,7 @@ class Scheduler:
             return
         request.status = RequestStatus.FINISHED_ABORTED
         del self.running[request_id]
-        self._forget(request_id)
+        self.priority.forget(request_id)
         self._finished_ids.append(request_id)
         self._leave(request)  # none of its KV is stored: waiters compute it themselves
 
@@ -516,14 +480,9 @@ class Scheduler:
         if request in self._at_boundary:
             self._at_boundary.remove(request)
 
-    def _forget(self, request_id: str) -> None:
-        self._arrived.pop(request_id, None)
-        self._order.pop(request_id, None)
-        self._admitted_rank.pop(request_id, None)
-
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         del self.running[request.request_id]
-        self._forget(request.request_id)
+        self.priority.forget(request.request_id)
         self._finished_ids.append(request.request_id)
         self._finished.append(request)
