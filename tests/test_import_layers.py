@@ -7,13 +7,16 @@ Imports under `if TYPE_CHECKING:` are for type checkers only and count for none 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import io
 import tokenize
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from types import ModuleType
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "mlxhost"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "mlxhost"
 
 # Rooms from the bottom up: nothing in a room imports a room of a later tier, at module level or inside a
 # function (kv/, memory/ and multimodal/ never reach engine/; frontends/ never reaches server/).
@@ -35,6 +38,17 @@ TESTING_AS_PRODUCT = {
     "mlxhost.server.banner": "the banner names the demo model",
     "mlxhost.models.catalog": "`mlxhost list` lists the demo model",
 }
+
+
+def _load_arch_report() -> ModuleType:
+    """tools/arch_report.py, loaded by path (tools/ is no package): its Tarjan's algorithm finds the cycles here too."""
+    spec = importlib.util.spec_from_file_location("arch_report", ROOT / "tools" / "arch_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_cycles = _load_arch_report().cycles  # strongly connected components of more than one module
 
 
 @dataclass(frozen=True)
@@ -140,40 +154,6 @@ def test_product_code_does_not_import_the_test_fixtures():
                            "TESTING_AS_PRODUCT with why):\n  " + "\n  ".join(offenders))
 
 
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    found = []
-    for start in sorted(graph):
-        if start in index:
-            continue
-        index[start] = low[start] = len(index)
-        stack.append(start)
-        work = [(start, iter(sorted(graph[start])))]
-        while work:
-            node, children = work[-1]
-            for child in children:
-                if child not in index:
-                    index[child] = low[child] = len(index)
-                    stack.append(child)
-                    work.append((child, iter(sorted(graph[child]))))
-                    break
-                if child in stack:
-                    low[node] = min(low[node], index[child])
-            else:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
-                if low[node] == index[node]:
-                    component = stack[stack.index(node):]
-                    del stack[stack.index(node):]
-                    if len(component) > 1:
-                        found.append(sorted(component))
-    return found
-
-
 def test_module_level_imports_form_no_cycle():
     graph: dict[str, set[str]] = {module: set() for module in _sources()}
     lines: dict[tuple[str, str], int] = {}
@@ -237,4 +217,5 @@ def test_the_checks_see_what_they_look_for(tmp_path):
               "    import numpy\n\n\ndef h():\n    import os  # a cycle\n")
     assert _unexplained(tmp_path / "x.py", source) == [2]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c", "a"}}) == [["c", "d", "e"], ["a", "b"]]
     assert {i.module for i in imports()} >= {"mlxhost.server.cli", "mlxhost.engine.core"}

@@ -4,7 +4,8 @@ the dicts keyed by request id in engine/ and kv/ (each is per-request state with
 usage: python tools/arch_report.py [--top 15] [--root src/mlxhost]
 
 A report, not a gate: file size is no rule (split by responsibility, never by count); tests/test_import_layers.py
-is the gate for import layers and cycles. Everything here is read from the AST; nothing is imported.
+is the gate for import layers and cycles (it finds them with `cycles` below). Everything here is read from the AST;
+nothing is imported.
 """
 
 from __future__ import annotations
