@@ -95,7 +95,8 @@ def create_app(models: ModelManager, mcp=None) -> FastAPI:
     install_openapi(app)
     # What a graceful shutdown (server/process.py) needs, without importing the server: end the streams
     # still running at the deadline (their request ids), close the services and stop the engines (flushing the
-    # SSD tier) when the lifespan is skipped, and the deadline (time.monotonic()) past which a step still running is not waited for.
+    # SSD tier) when the lifespan is skipped, and the deadline (time.monotonic()) past which a step still running
+    # is not waited for.
     app.state.end_streams = lambda reason: [rid for e in models.loaded_engines() for rid in e.end_all(reason)]
     app.state.close_models = models.close
     app.state.closers, app.state.close_services = closers, close_services
