@@ -159,8 +159,9 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or str(ensure_demo_model())
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
+    # Errors only: a long prompt's prefill logs a slow-step warning per chunk, which would bury the table.
     cmd = [sys.executable, "-m", "mlxhost.server.cli", "serve", model, "--port", str(port),
-           "--served-model-name", "bench", "--no-web-ui", "--log-level", "warning", *args.serve_args]
+           "--served-model-name", "bench", "--no-web-ui", "--log-level", "error", *args.serve_args]
     with _running(cmd, url, args.startup_timeout, args.kernel_cache):
         rows = run_rounds(url, "bench", body, args.user_agent, args.rounds, args.max_tokens)
     table = medians(rows)
