@@ -6,7 +6,9 @@
 
 Prompts are chat turns made from templates (no data set): SmolLM2 answers each greedily through the engine
 (batched), and the head learns to guess the token after next from the model's hidden states on those
-answers (testing/spec_heads.py `train_head`, fed from the first output token on, as when serving). The
+answers (testing/spec_heads.py `train_head`, fed from the first output token on, as when serving; the head
+starts as the model's own next-token guess, trains `--batch-size` answers a step, and an EAGLE-3 head drafts
+over the `--draft-vocab` tokens the answers use most, a small LM head of its own). The
 folder it writes serves with `mlxhost serve MODEL --speculative KIND --speculative-model OUT`. `--measure`
 then decodes held-out prompts (other templates' fillers) with speculation off, with the head and with
 `--speculative auto`, at each `--concurrency`, checks that greedy output is the same, and prints acceptance,
@@ -127,8 +129,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="the head's folder")
     ap.add_argument("--num-prompts", type=int, default=300, help="training prompts (at most the templates')")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens the model answers each prompt with")
-    ap.add_argument("--steps", type=int, default=1500, help="training steps (one answer each)")
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--steps", type=int, default=160, help="training steps (--batch-size answers each)")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=3e-4, help="Adam's, decayed to a tenth (1e-3 and up diverge)")
+    ap.add_argument("--draft-vocab", type=int, default=4096,
+                    help="eagle3: tokens its own LM head drafts over (0: the model's whole vocabulary)")
     ap.add_argument("--answers", default=None, help="a JSON file of the model's answers: read if it exists, else written")
     ap.add_argument("--measure", action="store_true", help="then measure acceptance and speed on held-out prompts")
     ap.add_argument("--num-held-out", type=int, default=16)
@@ -143,7 +148,7 @@ def main(argv=None) -> int:
     from mlxhost.models.gguf import GGUFConvertConfig, prepare_gguf
     from mlxhost.models.loader import load_model
     from mlxhost.testing import real_models
-    from mlxhost.testing.spec_heads import head_config, train_head
+    from mlxhost.testing.spec_heads import draft_vocab, head_config, set_draft_vocab, train_head
 
     source = args.model or real_models.real_model_path("smollm2")
     if source is None:
@@ -165,13 +170,19 @@ def main(argv=None) -> int:
         if answers is not None:
             answers.write_text(json.dumps(outputs))
 
-    config = head_config(args.kind, target)
+    sequences, starts = [p + o for p, o in zip(train_p, outputs)], [len(p) for p in train_p]
+    vocab = None
+    if args.kind == "eagle3" and args.draft_vocab:
+        vocab = draft_vocab(sequences, starts, args.draft_vocab, keep=sorted(loaded.eos_token_ids))
+    config = head_config(args.kind, target, len(vocab) if vocab else None)
     mx.random.seed(args.seed)
     head = HEADS[args.kind](config, target)
+    if vocab:
+        set_draft_vocab(head, target, vocab)
     mx.eval(head.module.parameters())
     t0 = time.perf_counter()
-    loss = train_head(head, target, [p + o for p, o in zip(train_p, outputs)], [len(p) for p in train_p],
-                      args.steps, lr=args.lr, seed=args.seed, log=lambda s: print(s, flush=True), skip_prompt=True)
+    loss = train_head(head, target, sequences, starts, args.steps, lr=args.lr, seed=args.seed,
+                      log=lambda s: print(s, flush=True), skip_prompt=True, batch_size=args.batch_size)
     print(f"trained {args.steps} steps in {time.perf_counter() - t0:.0f} s, last loss {loss:.3f}", flush=True)
     out = save_head(head, config, args.out)
     print(f"wrote {out}", flush=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pathlib
 import random
+from collections import Counter
 from typing import Any
 
 import mlx.core as mx
@@ -26,8 +27,10 @@ from mlxhost.engine.spec.hidden import HiddenTap
 from mlxhost.models.loader import load_model
 
 
-def head_config(kind: str, target: Any) -> dict:
-    """A one-layer head shaped like the target's layers."""
+def head_config(kind: str, target: Any, draft_vocab_size: int | None = None) -> dict:
+    """A one-layer head shaped like the target's layers. EAGLE-3: its input (three layers' raw outputs, of
+    very different scales in a real model) is normed before `fc`, and `draft_vocab_size` (default: the
+    target's) gives it an LM head of its own over that many tokens (`set_draft_vocab`), cheap to draft with."""
     args = target.args
     n = len(target.model.layers)
     if kind == "mtp":
@@ -42,8 +45,30 @@ def head_config(kind: str, target: Any) -> dict:
     # Speculators checkpoints give them.
     aux = sorted({min(2, n), max(1, n // 2), n}) if n >= 3 else [1, n, n]
     return {"model_type": "eagle3", "speculators_model_type": "eagle3", "transformer_layer_config": layer,
-            "draft_vocab_size": args.vocab_size, "target_hidden_size": args.hidden_size,
-            "tie_word_embeddings": True, "eagle_aux_hidden_state_layer_ids": aux}
+            "draft_vocab_size": draft_vocab_size or args.vocab_size, "target_hidden_size": args.hidden_size,
+            "tie_word_embeddings": True, "norm_before_fc": True, "eagle_aux_hidden_state_layer_ids": aux}
+
+
+def draft_vocab(sequences: list[list[int]], starts: list[int], size: int, keep=()) -> list[int]:
+    """An EAGLE-3 draft vocabulary of `size` ids, sorted: `keep` (end-of-sequence ids), the tokens the target
+    output most often in `sequences` (from each one's start), then the lowest ids left (a BPE vocabulary's
+    earliest, most frequent merges)."""
+    counts = Counter(t for seq, start in zip(sequences, starts) for t in seq[start:])
+    chosen = dict.fromkeys([*keep, *(t for t, _ in counts.most_common())])
+    i = 0
+    while len(chosen) < size:
+        chosen.setdefault(i)
+        i += 1
+    return sorted(list(chosen)[:size])
+
+
+def set_draft_vocab(head: Any, target: Any, ids: list[int]) -> None:
+    """An EAGLE-3 head drafts over `ids` only: `d2t` maps its ids back to the target's, and its LM head starts
+    as the target's embedding rows of those tokens (the tied LM head, cut down)."""
+    m = head.module
+    index = mx.array(ids, dtype=mx.int32)
+    m.d2t = index - mx.arange(len(ids), dtype=mx.int32)
+    m.lm_head.weight = target.model.embed_tokens(index).astype(m.lm_head.weight.dtype)
 
 
 def greedy_sequence(target: Any, prompt: list[int], num_new: int) -> list[int]:
@@ -59,42 +84,86 @@ def greedy_sequence(target: Any, prompt: list[int], num_new: int) -> list[int]:
 
 
 def train_head(head: Any, target: Any, sequences: list[list[int]], starts: list[int], steps: int,
-               lr: float = 3e-3, seed: int = 0, log=None, skip_prompt: bool = False) -> float:
-    """Teacher-forced training, one sequence per step: pair (target hidden t, token t+1) -> token t+2, the
-    loss on positions whose label the target produced (t + 2 >= the sequence's start). `skip_prompt`: the
-    head is fed only the pairs from the first output token on, as it is when serving (its KV starts at
-    the first decode step). Returns the last loss."""
+               lr: float = 3e-3, seed: int = 0, log=None, skip_prompt: bool = False, batch_size: int = 1) -> float:
+    """Teacher-forced training, `batch_size` sequences per step (right-padded): pair (target hidden t, token
+    t+1) -> token t+2, the loss on positions whose label the target produced (t + 2 >= the sequence's
+    start) and, with a draft vocabulary, that it holds. `skip_prompt`: the head is fed only the pairs from
+    the first output token on, as it is when serving (its KV starts at the first decode step). The head's
+    final norm starts as the target's: its LM head is the target's (or cut from it). Returns the last loss."""
     tap = HiddenTap(target, head.layer_ids)
+    module = head.module
+    start_as_target(head, target)
+    d2t = getattr(module, "d2t", None)
+    t2d = None
+    if d2t is not None:  # target id -> draft id, -1 outside the draft vocabulary
+        ids = (mx.arange(d2t.shape[0], dtype=mx.int32) + d2t).tolist()
+        table = [-1] * target.args.vocab_size
+        for i, t in enumerate(ids):
+            table[t] = i
+        t2d = mx.array(table, dtype=mx.int32)
+        module.freeze(recurse=False, keys=["d2t"], strict=False)
     data = []
     for seq, start in zip(sequences, starts):
         x = mx.array([seq])
         _, h = tap(x, [None] * len(target.model.layers))
-        weight = (mx.arange(len(seq) - 2) + 2 >= start).astype(mx.float32)[None, :]
-        mx.eval(h)
         s = min(start, len(seq) - 3) if skip_prompt else 0
-        data.append((mx.stop_gradient(h[:, s:-2]), x[:, s + 1:-1], x[:, s + 2:], weight[:, s:]))
-    module = head.module
+        y = x[0, s + 2:]
+        weight = (mx.arange(s, len(seq) - 2) + 2 >= start)
+        if t2d is not None:
+            y = t2d[y]
+            weight = weight & (y >= 0)
+        mx.eval(h, y, weight)
+        data.append((mx.stop_gradient(h[0, s:-2]), x[0, s + 1:-1], mx.maximum(y, 0), weight.astype(mx.float32)))
     module.train()
     # Shared target weights (a bound embedding) stay as they are.
-    frozen = {id(p) for p in _leaves(target.parameters())}
+    shared = _shared_keys(module, target)
 
     def loss_fn(model, h, x, y, w):
         g = head.forward(x, h, [None] * len(model.layers), from_target=True)
         ce = nn.losses.cross_entropy(_logits(head, g), y, reduction="none")
         return (ce * w).sum() / mx.maximum(w.sum(), 1)
 
-    opt = optim.Adam(learning_rate=lr)
+    opt = optim.Adam(learning_rate=optim.cosine_decay(lr, max(steps, 1), lr / 10))
     value_and_grad = nn.value_and_grad(module, loss_fn)
-    order = random.Random(seed)
+    order, queue = random.Random(seed), []
     loss = mx.array(float("nan"))
     for step in range(steps):
-        loss, grads = value_and_grad(module, *data[order.randrange(len(data))])
-        opt.update(module, _drop_shared(module, grads, frozen))
+        if len(queue) < batch_size:  # epochs in a fresh random order
+            queue += order.sample(range(len(data)), len(data))
+        batch, queue = [data[i] for i in queue[:batch_size]], queue[batch_size:]
+        loss, grads = value_and_grad(module, *_pad(batch))
+        opt.update(module, _drop_shared(grads, shared))
         mx.eval(module.parameters(), opt.state, loss)
         if log is not None and (step % 100 == 0 or step == steps - 1):
             log(f"step {step}: loss {loss.item():.3f}")
+    if t2d is not None:
+        module.unfreeze(recurse=False, keys=["d2t"], strict=False)
     module.eval()
     return loss.item()
+
+
+def start_as_target(head: Any, target: Any) -> None:
+    """Starts the head as the identity on the target's last hidden state: `fc` passes it through, the layers'
+    residual branches add nothing (zero output projections) and the final norm is the target's (MTP: its
+    input is already normed, so its argmax is kept), so its first guesses are the target's own next tokens,
+    at a sane scale (a random start gives logits so large that training crawls)."""
+    m = head.module
+    d = m.norm.weight.shape[0]
+    if head.kind == "eagle3":
+        m.norm.weight = mx.array(target.model.norm.weight).astype(m.norm.weight.dtype)
+    width = m.fc.weight.shape[1]  # MTP: [embedding, hidden]; EAGLE-3: its layers' outputs, the last one last
+    m.fc.weight = mx.concatenate([mx.zeros((d, width - d)), mx.eye(d)], axis=1).astype(m.fc.weight.dtype)
+    m.update(tree_unflatten([(k, mx.zeros_like(v)) for k, v in tree_flatten(m.layers, prefix=".layers")
+                             if k.endswith(("o_proj.weight", "down_proj.weight"))]))
+
+
+def _pad(batch: list[tuple]) -> tuple:
+    """Sequences right-padded to the longest (weight 0 there): causal attention keeps padding out of the rest."""
+    n = max(b[1].shape[0] for b in batch)
+
+    def pad(a):
+        return mx.pad(a, [(0, n - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+    return tuple(mx.stack([pad(b[i]) for b in batch]) for i in range(4))
 
 
 def build_head_folder(out: str | pathlib.Path, model_dir: str | pathlib.Path, kind: str, train_steps: int = 300,
@@ -125,10 +194,17 @@ def _leaves(tree) -> list:
     return [v for _, v in tree_flatten(tree)]
 
 
-def _drop_shared(module: nn.Module, grads: dict, frozen: set) -> dict:
-    """The gradients without the parameters the head shares with the target (the bound embedding)."""
-    params = dict(tree_flatten(module.parameters()))
-    return tree_unflatten([(k, g) for k, g in tree_flatten(grads) if id(params[k]) not in frozen])
+def _shared_keys(module: nn.Module, target: Any) -> set[str]:
+    """The names of the module's parameters that are the target's own arrays (a bound embedding). Taken once,
+    before training: each step's `value_and_grad` puts new array objects in the module (and so in the
+    target's shared layer), so identities compared later no longer match and the target would be trained."""
+    ids = {id(v) for v in _leaves(target.parameters())}
+    return {k for k, v in tree_flatten(module.parameters()) if id(v) in ids}
+
+
+def _drop_shared(grads: dict, shared: set[str]) -> dict:
+    """The gradients without the parameters the head shares with the target."""
+    return tree_unflatten([(k, g) for k, g in tree_flatten(grads) if k not in shared])
 
 
 def dflash_config(target: Any, block_size: int = 4) -> dict:
@@ -162,7 +238,7 @@ def train_dflash(drafter: Any, target: Any, sequences: list[list[int]], starts: 
         data.append((seq, start, mx.stop_gradient(h)))
     module = drafter.module
     module.train()
-    frozen = {id(p) for p in _leaves(target.parameters())}
+    shared = _shared_keys(module, target)
 
     def loss_fn(model, ctx, block, labels):
         logits = model(block, ctx, [KVCache() for _ in model.layers])[:, 1:]
@@ -177,7 +253,7 @@ def train_dflash(drafter: Any, target: Any, sequences: list[list[int]], starts: 
         t = order.randrange(start + 1, len(seq) - k)
         block = mx.array([[seq[t]] + [mask_id] * k])
         loss, grads = value_and_grad(module, h[:, start:t], block, mx.array([seq[t + 1 : t + 1 + k]]))
-        opt.update(module, _drop_shared(module, grads, frozen))
+        opt.update(module, _drop_shared(grads, shared))
         mx.eval(module.parameters(), opt.state, loss)
     module.eval()
     return loss.item()
