@@ -305,6 +305,32 @@ def test_draft_model_memory_is_budgeted(loaded, qwen3_model_dir):
     assert spec.kv_capacity_tokens < plain.kv_capacity_tokens * 0.6  # the same model twice: about half
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "mtp", "dflash"])
+def test_head_and_drafter_memory_is_budgeted(loaded, qwen3_model_dir, tmp_path, kind):
+    """A head's or drafter's own weights leave the KV share (not the target's arrays it binds: the embedding,
+    the LM head), and its layers' KV counts per running token, one target layer's worth each."""
+    from mlx.utils import tree_flatten
+
+    from mlxhost.testing.spec_heads import build_dflash_folder, build_head_folder
+
+    if kind == "dflash":
+        folder = build_dflash_folder(tmp_path / kind, qwen3_model_dir)
+    else:
+        folder = build_head_folder(tmp_path / kind, qwen3_model_dir, kind, train_steps=0)
+    plain = make_core(loaded, memory_mode="dedicated")
+    spec = make_core(loaded, memory_mode="dedicated", speculative=kind, draft_model=str(folder))
+    if plain.budget is None:
+        pytest.skip("no memory budget on this machine")
+    module = spec.spec.proposer.held()
+    target_ids = {id(v) for _, v in tree_flatten(loaded.model.parameters())}
+    own = [v for _, v in tree_flatten(module.parameters()) if id(v) not in target_ids]
+    assert own
+    assert spec.budget.weights - plain.budget.weights == sum(v.nbytes for v in own)
+    assert spec.budget.kv == plain.budget.kv - sum(v.nbytes for v in own)
+    per_layer = plain.kv_bytes_per_token // len(loaded.model.layers)
+    assert spec.kv_bytes_per_token == plain.kv_bytes_per_token + per_layer * len(module.layers)
+
+
 def test_scheduler_takes_a_run_of_tokens_and_cuts_it_at_eos():
     from mlxhost.engine.scheduler import Scheduler
 

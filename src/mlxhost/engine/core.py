@@ -23,7 +23,7 @@ from mlxhost.engine.runner.batch_prefill import why_not_batched
 from mlxhost.engine.runner.model_runner import ModelRunner
 from mlxhost.engine.runner.sampling import reseed_after_failure
 from mlxhost.engine.scheduler import Scheduler
-from mlxhost.engine.spec.setup import make_speculative, reserve_draft
+from mlxhost.engine.spec.setup import make_speculative, reserve_proposer
 from mlxhost.engine.status import (
     cache_stats,
     describe_progress,
@@ -105,9 +105,9 @@ class EngineCore:
         per_token = probe.budget_bytes_per_token
         self.block_bytes = per_token * config.block_size
         self.spec = make_speculative(model, config, probe.logits_width)
-        if self.spec is not None and self.spec.proposer.model is not None:
-            # A draft model's weights are fixed; its KV grows with every running token beside the target's.
-            self.budget, per_token = reserve_draft(self.budget, self.spec.proposer.model, per_token)
+        if self.spec is not None:
+            # A draft model's or head's weights are fixed; its KV grows with every running token beside the target's.
+            self.budget, per_token = reserve_proposer(self.budget, self.spec.proposer, model, per_token)
         # The one holder of KV capacity (memory/capacity.py): the scheduler admits by it, the governor moves it.
         self.kv_bytes_per_token = per_token  # a running request's KV per token (what the warm-up's helper needs)
         self.kv_capacity = KVCapacity.at_startup(self.budget, per_token, config.kv_budget_tokens)

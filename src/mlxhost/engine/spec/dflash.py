@@ -173,6 +173,9 @@ class DFlashProposer(Proposer):
         self.tap = HiddenTap(target, self.drafter.layer_ids)
         return None
 
+    def held(self) -> Any:
+        return self.drafter.module if self.drafter is not None else None
+
     def describe(self) -> str:
         return f"DFlash drafter {self.source} (blocks of {self.drafter.block_size})"
 

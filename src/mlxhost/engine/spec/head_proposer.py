@@ -91,6 +91,9 @@ class HeadProposer(Proposer):
         self.tap = HiddenTap(target, self.head.layer_ids)
         return None
 
+    def held(self) -> Any:
+        return self.head.module if self.head is not None else None
+
     def describe(self) -> str:
         return f"{self.kind} head {self.source}"
 

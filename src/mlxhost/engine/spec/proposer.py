@@ -52,6 +52,11 @@ class Proposer:
         """For the start-up log line."""
         return f"proposer {self.name!r}"
 
+    def held(self) -> Any:
+        """The module a head or drafter holds beside the target, once bound (its weights and its `layers`' KV
+        are in the memory budget); None: nothing of its own, or `model` (a draft model) says it."""
+        return None
+
     def join(self, row: Any, request: Request) -> list[Any] | None:
         """A prompt joins the decode batch (`keeps_cache` only): its caches, row for row beside the target's."""
         return None

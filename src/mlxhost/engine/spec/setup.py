@@ -25,13 +25,26 @@ def rewindable(model: Any) -> bool:
     return KINDS.can_rewind(make_prompt_cache(model))
 
 
-def reserve_draft(budget: Any, draft: Any, per_token: int) -> tuple[Any, int]:
-    """The memory budget with the draft model's weights moved from KV to weights, and the KV bytes per
-    running token with the draft's own KV added (both models hold every running token)."""
-    per_token += probe_kv(draft).budget_bytes_per_token
+def reserve_proposer(budget: Any, proposer: Any, target: Any, per_token: int) -> tuple[Any, int]:
+    """The memory budget with the proposer's own weights moved from KV to weights, and the KV bytes per running
+    token with its caches added (they hold every running token beside the target's). A draft model's KV is
+    measured; a head's or drafter's layers (`Proposer.held`) are counted at one target layer's bytes per token
+    each, as they take the target's attention shapes. Arrays shared with the target (a bound embedding or
+    LM head) are the target's weights already."""
+    if proposer.model is not None:
+        module, extra = proposer.model, probe_kv(proposer.model).budget_bytes_per_token
+    else:
+        module = proposer.held()
+        if module is None:
+            return budget, per_token
+        num_target_layers = max(len(getattr(target, "layers", ())), 1)
+        extra = per_token // num_target_layers * len(getattr(module, "layers", ()))
+    per_token += extra
     if budget is None:
         return None, per_token
-    weights = min(sum(v.nbytes for _, v in tree_flatten(draft.parameters())), budget.kv)
+    shared = {id(v) for _, v in tree_flatten(target.parameters())}
+    own = sum(v.nbytes for _, v in tree_flatten(module.parameters()) if id(v) not in shared)
+    weights = min(own, budget.kv)
     return dataclasses.replace(budget, weights=budget.weights + weights, kv=budget.kv - weights), per_token
 
 
