@@ -37,6 +37,20 @@ TEMPLATES = [
     "How do I get started with {idea}?",
     "Tell me something interesting about {place}.",
 ]
+# Training only, after TEMPLATES' questions (an answers file of those stays valid): more of the model's own
+# phrasing, with the training fillers only.
+EXTRA_TEMPLATES = [
+    "What is {place} known for?",
+    "Summarize the history of {place} in two sentences.",
+    "What should a visitor to {place} see first?",
+    "Write a short poem about {thing}.",
+    "What are the benefits of {thing}?",
+    "Explain how {thing} works.",
+    "What is {idea}?",
+    "Give three tips for {idea}.",
+    "Why should I learn about {idea}?",
+    "Write a short paragraph about {idea}.",
+]
 PLACES = ["France", "Japan", "Brazil", "Canada", "Egypt", "Italy", "Kenya", "Norway", "Peru", "India",
           "Spain", "Mexico", "Germany", "Australia", "Chile", "Greece", "Vietnam", "Morocco", "Ireland", "Poland"]
 THINGS = ["the ocean", "coffee", "bicycles", "honey bees", "the moon", "volcanoes", "libraries", "rain",
@@ -56,10 +70,12 @@ def make_questions(seed: int) -> tuple[list[str], list[str]]:
         words = {"place": PLACES, "thing": THINGS, "idea": IDEAS}[slot]
         return [template.format(**{slot: w}) for w in (words[:-k] if k > 0 else words[k:])]
     train = list(itertools.chain.from_iterable(fill(t, 4) for t in TEMPLATES))
+    extra = list(itertools.chain.from_iterable(fill(t, 4) for t in EXTRA_TEMPLATES))
     held = list(itertools.chain.from_iterable(fill(t, -4) for t in TEMPLATES))
     random.Random(seed).shuffle(train)
+    random.Random(seed + 2).shuffle(extra)
     random.Random(seed + 1).shuffle(held)
-    return train, held
+    return train + extra, held
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:
@@ -127,13 +143,15 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="a .gguf file or model folder (default: the fetched SmolLM2)")
     ap.add_argument("--kind", choices=["eagle3", "mtp"], default="eagle3")
     ap.add_argument("--out", required=True, help="the head's folder")
-    ap.add_argument("--num-prompts", type=int, default=300, help="training prompts (at most the templates')")
-    ap.add_argument("--max-tokens", type=int, default=64, help="tokens the model answers each prompt with")
+    ap.add_argument("--num-prompts", type=int, default=320, help="training prompts (at most the templates')")
+    ap.add_argument("--max-tokens", type=int, default=48, help="tokens the model answers each prompt with")
     ap.add_argument("--steps", type=int, default=160, help="training steps (--batch-size answers each)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-4, help="Adam's, decayed to a tenth (1e-3 and up diverge)")
     ap.add_argument("--draft-vocab", type=int, default=4096,
                     help="eagle3: tokens its own LM head drafts over (0: the model's whole vocabulary)")
+    ap.add_argument("--distill", action="store_true",
+                    help="eagle3 with --draft-vocab: learn the model's whole next-token distribution, not its argmax")
     ap.add_argument("--answers", default=None, help="a JSON file of the model's answers: read if it exists, else written")
     ap.add_argument("--measure", action="store_true", help="then measure acceptance and speed on held-out prompts")
     ap.add_argument("--num-held-out", type=int, default=16)
@@ -161,12 +179,14 @@ def main(argv=None) -> int:
     train_p = [chat_ids(tok, q) for q in train_q[:args.num_prompts]]
 
     answers = Path(args.answers) if args.answers else None
-    if answers is not None and answers.is_file():  # a run before answered the same prompts: the slow part
-        outputs = json.loads(answers.read_text())[:len(train_p)]
-    else:
+    # A run before answered the first prompts (the slow part): only those past them are answered now.
+    outputs = json.loads(answers.read_text())[:len(train_p)] if answers is not None and answers.is_file() else []
+    if len(outputs) < len(train_p):
         t0 = time.perf_counter()
-        outputs, n, _ = generate(make_core(loaded, 16), train_p, args.max_tokens, 16, loaded.eos_token_ids)
-        print(f"{len(train_p)} answers, {n} tokens, in {time.perf_counter() - t0:.0f} s", flush=True)
+        more, n, _ = generate(make_core(loaded, 16), train_p[len(outputs):], args.max_tokens, 16,
+                              loaded.eos_token_ids)
+        outputs += more
+        print(f"{len(more)} answers, {n} tokens, in {time.perf_counter() - t0:.0f} s", flush=True)
         if answers is not None:
             answers.write_text(json.dumps(outputs))
 
@@ -182,7 +202,8 @@ def main(argv=None) -> int:
     mx.eval(head.module.parameters())
     t0 = time.perf_counter()
     loss = train_head(head, target, sequences, starts, args.steps, lr=args.lr, seed=args.seed,
-                      log=lambda s: print(s, flush=True), skip_prompt=True, batch_size=args.batch_size)
+                      log=lambda s: print(s, flush=True), skip_prompt=True, batch_size=args.batch_size,
+                      distill=args.distill)
     print(f"trained {args.steps} steps in {time.perf_counter() - t0:.0f} s, last loss {loss:.3f}", flush=True)
     out = save_head(head, config, args.out)
     print(f"wrote {out}", flush=True)

@@ -84,12 +84,15 @@ def greedy_sequence(target: Any, prompt: list[int], num_new: int) -> list[int]:
 
 
 def train_head(head: Any, target: Any, sequences: list[list[int]], starts: list[int], steps: int,
-               lr: float = 3e-3, seed: int = 0, log=None, skip_prompt: bool = False, batch_size: int = 1) -> float:
+               lr: float = 3e-3, seed: int = 0, log=None, skip_prompt: bool = False, batch_size: int = 1,
+               distill: bool = False) -> float:
     """Teacher-forced training, `batch_size` sequences per step (right-padded): pair (target hidden t, token
     t+1) -> token t+2, the loss on positions whose label the target produced (t + 2 >= the sequence's
     start) and, with a draft vocabulary, that it holds. `skip_prompt`: the head is fed only the pairs from
     the first output token on, as it is when serving (its KV starts at the first decode step). The head's
-    final norm starts as the target's: its LM head is the target's (or cut from it). Returns the last loss."""
+    final norm starts as the target's: its LM head is the target's (or cut from it). `distill` (a head with a
+    draft vocabulary): the label is the target's whole next-token distribution over that vocabulary, not only
+    its argmax, which carries far more per position of a small data set. Returns the last loss."""
     tap = HiddenTap(target, head.layer_ids)
     module = head.module
     start_as_target(head, target)
@@ -105,22 +108,30 @@ def train_head(head: Any, target: Any, sequences: list[list[int]], starts: list[
     data = []
     for seq, start in zip(sequences, starts):
         x = mx.array([seq])
-        _, h = tap(x, [None] * len(target.model.layers))
+        logits, h = tap(x, [None] * len(target.model.layers))
         s = min(start, len(seq) - 3) if skip_prompt else 0
         y = x[0, s + 2:]
         weight = (mx.arange(s, len(seq) - 2) + 2 >= start)
-        if t2d is not None:
+        soft = ()
+        if t2d is not None and distill:  # the target's distribution at t + 1: what token t + 2 was drawn from
+            soft = (mx.softmax(logits[0, s + 1:-1][:, mx.array(ids)], axis=-1),)
+        elif t2d is not None:
             y = t2d[y]
             weight = weight & (y >= 0)
-        mx.eval(h, y, weight)
-        data.append((mx.stop_gradient(h[0, s:-2]), x[0, s + 1:-1], mx.maximum(y, 0), weight.astype(mx.float32)))
+        mx.eval(h, y, weight, *soft)
+        data.append((mx.stop_gradient(h[0, s:-2]), x[0, s + 1:-1], mx.maximum(y, 0), weight.astype(mx.float32),
+                     *soft))
     module.train()
     # Shared target weights (a bound embedding) stay as they are.
     shared = _shared_keys(module, target)
 
-    def loss_fn(model, h, x, y, w):
+    def loss_fn(model, h, x, y, w, soft=None):
         g = head.forward(x, h, [None] * len(model.layers), from_target=True)
-        ce = nn.losses.cross_entropy(_logits(head, g), y, reduction="none")
+        logits = _logits(head, g)
+        if soft is None:
+            ce = nn.losses.cross_entropy(logits, y, reduction="none")
+        else:
+            ce = -(soft * nn.log_softmax(logits, axis=-1)).sum(-1)
         return (ce * w).sum() / mx.maximum(w.sum(), 1)
 
     opt = optim.Adam(learning_rate=optim.cosine_decay(lr, max(steps, 1), lr / 10))
@@ -163,7 +174,7 @@ def _pad(batch: list[tuple]) -> tuple:
 
     def pad(a):
         return mx.pad(a, [(0, n - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
-    return tuple(mx.stack([pad(b[i]) for b in batch]) for i in range(4))
+    return tuple(mx.stack([pad(b[i]) for b in batch]) for i in range(len(batch[0])))
 
 
 def build_head_folder(out: str | pathlib.Path, model_dir: str | pathlib.Path, kind: str, train_steps: int = 300,
