@@ -50,6 +50,16 @@ EXTRA_TEMPLATES = [
     "Give three tips for {idea}.",
     "Why should I learn about {idea}?",
     "Write a short paragraph about {idea}.",
+    "What is the weather like in {place}?",
+    "Name a famous food from {place}.",
+    "What language is spoken in {place}?",
+    "Describe {thing} to a child.",
+    "Tell me a fun fact about {thing}.",
+    "What is the history of {thing}?",
+    "What are common mistakes in {idea}?",
+    "Describe {idea} in one paragraph.",
+    "What is the best way to learn {idea}?",
+    "Compare {idea} with something from daily life.",
 ]
 PLACES = ["France", "Japan", "Brazil", "Canada", "Egypt", "Italy", "Kenya", "Norway", "Peru", "India",
           "Spain", "Mexico", "Germany", "Australia", "Chile", "Greece", "Vietnam", "Morocco", "Ireland", "Poland"]
@@ -70,12 +80,14 @@ def make_questions(seed: int) -> tuple[list[str], list[str]]:
         words = {"place": PLACES, "thing": THINGS, "idea": IDEAS}[slot]
         return [template.format(**{slot: w}) for w in (words[:-k] if k > 0 else words[k:])]
     train = list(itertools.chain.from_iterable(fill(t, 4) for t in TEMPLATES))
-    extra = list(itertools.chain.from_iterable(fill(t, 4) for t in EXTRA_TEMPLATES))
     held = list(itertools.chain.from_iterable(fill(t, -4) for t in TEMPLATES))
     random.Random(seed).shuffle(train)
-    random.Random(seed + 2).shuffle(extra)
     random.Random(seed + 1).shuffle(held)
-    return train + extra, held
+    for g in range(0, len(EXTRA_TEMPLATES), 10):  # ten templates at a time: a group added keeps the order before it
+        extra = list(itertools.chain.from_iterable(fill(t, 4) for t in EXTRA_TEMPLATES[g:g + 10]))
+        random.Random(seed + 2 + g // 10).shuffle(extra)
+        train += extra
+    return train, held
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:
