@@ -182,3 +182,24 @@ def test_print_mask_timings(compiler, tokenizer):
     apply_ms = (time.perf_counter() - start) / 10 * 1e3
     print(f"\nfill_mask: {fill_us:.0f} us/row/step (demo tokenizer, vocab {compiler.vocab_size}); "
           f"apply_bitmask B={batch} V={vocab}: {apply_ms:.1f} ms ({mx.default_device()})")
+
+
+def test_an_llguidance_that_takes_one_eos_id_gets_the_tokenizers_own(tokenizer, monkeypatch):
+    """Several EOS ids (Qwen3's generation config) on an llguidance that takes a single id (1.6): the
+    compiler still builds, with the tokenizer's own EOS, instead of failing every constrained request."""
+    import llguidance.hf
+
+    real, seen = llguidance.hf.from_tokenizer, []
+
+    def one_id_only(hf_tokenizer, n_vocab=None, eos_token=None):
+        seen.append(eos_token)
+        if isinstance(eos_token, list):
+            raise TypeError("argument 'eos_token': 'list' object cannot be interpreted as an integer")
+        return real(hf_tokenizer, n_vocab=n_vocab, eos_token=eos_token)
+
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", one_id_only)
+    main = tokenizer._tokenizer.eos_token_id
+    compiler = GrammarCompiler(tokenizer, len(tokenizer._tokenizer) + EXTRA_IDS, [main, main + 1])
+    assert seen == [[main, main + 1], main]
+    assert compiler.eos_token_ids == [main, main + 1]
+    compiler.compile(json_schema_constraint({"type": "object"}))

@@ -80,9 +80,13 @@ class GrammarCompiler:
         self.eos_token_ids = sorted(set(eos_token_ids))
         # Slow (~1 s for a 150k vocabulary): once per model. Sized to cover both the logits and the
         # tokenizer, so one mask row spans every id either side knows.
-        self.ll_tokenizer = llguidance.hf.from_tokenizer(
-            hf_tokenizer, n_vocab=max(vocab_size, len(hf_tokenizer)), eos_token=self.eos_token_ids
-        )
+        n_vocab = max(vocab_size, len(hf_tokenizer))
+        try:
+            self.ll_tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=self.eos_token_ids)
+        except TypeError:  # older llguidance (1.6) takes one EOS id: the tokenizer's own (any EOS still ends a row)
+            main = hf_tokenizer.eos_token_id
+            one = main if main in self.eos_token_ids else self.eos_token_ids[0]
+            self.ll_tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=one)
         self.logits_vocab_size = vocab_size
         self.max_num_cached = max_num_cached
         # Constraint -> an unused matcher; requests get deep copies (about a microsecond) instead of
