@@ -206,3 +206,25 @@ def test_one_server_per_folder(tmp_path):
         BatchStore(tmp_path)
     store.close()
     BatchStore(tmp_path).close()
+
+
+def test_a_failed_file_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    """The bytes go to a temp file renamed into place: a write that fails (a full disk) leaves neither the file
+    nor its temp behind, and bytes no row will list (an upload whose client left) can be discarded."""
+    import os
+
+    store = BatchStore(tmp_path)
+    try:
+        def no_space(*_args):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(os, "replace", no_space)
+        with pytest.raises(OSError):
+            store.write_bytes(b'{"a": 1}\n', "file-x")
+        monkeypatch.undo()
+        assert not store.file_path("file-x").exists() and not store.file_path("file-x").with_suffix(".tmp").exists()
+        store.write_bytes(b'{"a": 1}\n', "file-y")
+        store.discard_bytes("file-y")
+        assert not store.file_path("file-y").exists()
+    finally:
+        store.close()

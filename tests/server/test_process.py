@@ -76,3 +76,35 @@ def test_the_services_close_once_on_either_path(tmp_path, second_signal):
             assert mcp.num_closes == 1
 
     asyncio.run(main())
+
+
+def test_a_service_that_fails_to_close_keeps_nothing_else_open(tmp_path):
+    """A service whose close raises (a runner ended by a database error) is logged; the other services and the
+    engines still close on the lifespan's way out."""
+
+    class BrokenMcp(FakeMcp):
+        async def close(self) -> None:
+            await super().close()
+            raise RuntimeError("the session's transport is gone")
+
+    class CountingModels(FakeModels):
+        num_closes = 0
+
+        def close(self, until=lambda: None) -> int:
+            self.num_closes += 1
+            return super().close(until)
+
+    models, mcp = CountingModels(), BrokenMcp()
+    app = create_app(models, mcp)
+    install_batch_api(app, tmp_path / "batches")
+
+    async def main() -> None:
+        lifespan = app.router.lifespan_context(app)
+        await lifespan.__aenter__()
+        app.state.stop_deadline = time.monotonic() + 60
+        await lifespan.__aexit__(None, None, None)
+        running = {t.get_name() for t in asyncio.all_tasks() if not t.done()}
+        assert mcp.num_closes == 1 and models.num_closes == 1 and "batch-runner" not in running
+
+    asyncio.run(main())
+    BatchStore(tmp_path / "batches").close()  # the runner's store let its folder go

@@ -88,7 +88,8 @@ class BatchStore:
     # -- files -----------------------------------------------------------------------------------------
     def add_file(self, data: bytes, filename: str, purpose: str, file_id: str | None = None,
                  owner: str | None = None) -> dict:
-        """Writes the bytes, then the row (both on the calling thread: for small files the runner writes)."""
+        """Writes the bytes, then the row, both on the calling thread (the runner's output and error files; they
+        are still written on the event loop)."""
         file_id = self.write_bytes(data, file_id)
         return self.record_file(file_id, len(data), filename, purpose, owner)
 
@@ -98,12 +99,19 @@ class BatchStore:
         file_id = file_id or new_id("file-")
         path = self.file_path(file_id)
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)  # a failed write (a full disk) leaves nothing behind
         return file_id
+
+    def discard_bytes(self, file_id: str) -> None:
+        """Removes bytes `write_bytes` wrote that no row will ever list (an upload whose client left)."""
+        self.file_path(file_id).unlink(missing_ok=True)
 
     def record_file(self, file_id: str, num_bytes: int, filename: str, purpose: str,
                     owner: str | None = None) -> dict:

@@ -155,7 +155,11 @@ def medians(rows: list[dict]) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
     from mlxhost.testing.demo import ensure_demo_model  # lazy: builds the demo model only when no --model
 
-    body = json.loads(Path(args.request).read_text(encoding="utf-8"))
+    request = Path(args.request)
+    if not request.is_file():  # the default capture ships with the source tree, not with an installed wheel
+        raise SystemExit(f"no captured request at {request}: pass --request FILE (an Anthropic Messages body), or run "
+                         "from a checkout of the source tree")
+    body = json.loads(request.read_text(encoding="utf-8"))
     model = args.model or str(ensure_demo_model())
     port = _free_port()
     url = f"http://127.0.0.1:{port}"

@@ -8,9 +8,10 @@ the target), `noise:X` (the target with noise on its weights: lower acceptance, 
 `mtp[:STEPS]` are draft heads fed the target's hidden states, trained here for STEPS steps on the target's
 own greedy continuations of random prompts (testing/spec_heads.py); `dflash[:STEPS]` a DFlash drafter
 (random weights, or trained STEPS steps). `auto` is `--speculative auto` (prompt lookup behind the policy that
-turns drafting off where it does not pay), `off` a second plain run (the run-to-run spread). `oracle` replays the greedy output the `off` run recorded (every
-draft accepted, no drafting cost: the machinery's ceiling; `--oracle-recording` keeps the file). The
-acceptance column is measured, not chosen. Workloads: `random` (random-token prompts) and `echo` (a passage repeated in the
+turns drafting off where it does not pay), `off` a second plain run (the run-to-run spread). `oracle` replays the
+greedy output the `off` run recorded (every draft accepted, no drafting cost: the machinery's ceiling where the
+verify rounds as the plain step does; `--oracle-recording` keeps the file). The acceptance column is measured, not
+chosen. Workloads: `random` (random-token prompts) and `echo` (a passage repeated in the
 prompt: what prompt lookup is for; a random model continues it only as far as its own output loops).
 """
 
@@ -109,7 +110,10 @@ def measure(loaded, mode: str, draft_dir: Path | None, args, workload: str, c: i
     """One mode's row; `recorded`: filled with each prompt's greedy output (the `off` run, for `oracle`)."""
     from mlxhost.engine.core import EngineCore  # lazy: pulls in mlx_lm
 
-    spec = {"speculative": mode} if mode in ("ngram", "auto") else ({"draft_model": str(draft_dir)} if draft_dir else {})
+    if mode in ("ngram", "auto"):
+        spec = {"speculative": mode}
+    else:
+        spec = {"draft_model": str(draft_dir)} if draft_dir else {}
     if mode.partition(":")[0] in (*_HIDDEN, "oracle"):
         spec["speculative"] = mode.partition(":")[0]
     config = EngineConfig(max_num_seqs=max(c, 1), enable_prefix_cache=False, num_draft_tokens=args.num_draft_tokens,
@@ -186,7 +190,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafts", default="self,noise:0.03,noise:0.1,layers:1,eagle3,mtp",
                         help="draft models, comma-separated: self, noise:X (target + noise), layers:N (first N layers),"
                              " eagle3[:STEPS] / mtp[:STEPS] (a head trained STEPS steps on the target's output),"
-                             " dflash[:STEPS] (a DFlash drafter), oracle (replays the off run's output: the ceiling), auto"
+                             " dflash[:STEPS] (a DFlash drafter), oracle (replays the off run's output: the ceiling),"
+                             " auto"
                              " (--speculative auto: ngram behind the policy), off (plain again: the spread)")
     parser.add_argument("--oracle-recording", default=None,
                         help="with --drafts ...,oracle: where the `off` run's greedy output is recorded for the oracle "

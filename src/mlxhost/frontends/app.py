@@ -67,7 +67,11 @@ def create_app(models: ModelManager, mcp=None) -> FastAPI:
 
     async def close_services() -> None:
         while closers:
-            await closers.pop(0)()
+            close = closers.pop(0)
+            try:
+                await close()
+            except Exception:  # one service's failure must not keep the others (or the engines) from closing
+                log.exception("closing a service at shutdown failed")
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -84,9 +88,11 @@ def create_app(models: ModelManager, mcp=None) -> FastAPI:
         try:
             yield
         finally:
-            await close_services()
-            prep.close()
-            models.close(lambda: app.state.stop_deadline)
+            try:
+                await close_services()
+            finally:  # the engines stop (flushing the SSD tier) whatever the services did
+                prep.close()
+                models.close(lambda: app.state.stop_deadline)
 
     # /docs serves Swagger UI's files itself (admin/docs.py): FastAPI's default page loads them from a CDN.
     app = FastAPI(title="mlxhost", lifespan=lifespan, docs_url=None, redoc_url=None)

@@ -82,8 +82,13 @@ class GrammarCompiler:
         # tokenizer, so one mask row spans every id either side knows.
         n_vocab = max(vocab_size, len(hf_tokenizer))
         try:
-            self.ll_tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=self.eos_token_ids)
-        except TypeError:  # older llguidance (1.6) takes one EOS id: the tokenizer's own (any EOS still ends a row)
+            self.ll_tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab,
+                                                             eos_token=self.eos_token_ids)
+        except TypeError:
+            if not self.eos_token_ids:
+                raise
+            # Older llguidance (1.6) takes one EOS id, not a list: the tokenizer's own is the one a finished grammar
+            # allows (the engine still stops on any of them).
             main = hf_tokenizer.eos_token_id
             one = main if main in self.eos_token_ids else self.eos_token_ids[0]
             self.ll_tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=one)

@@ -109,7 +109,13 @@ def install_batch_api(app: FastAPI, folder: str | Path, max_num_running: int = 4
         data = await upload.read()
         # The write and its fsync on a worker thread (a big file would stall every stream); the row, like every
         # database call, stays on the loop's thread.
-        file_id = await asyncio.to_thread(s.write_bytes, data)
+        file_id = new_id("file-")
+        write = asyncio.ensure_future(asyncio.to_thread(s.write_bytes, data, file_id))
+        try:
+            await asyncio.shield(write)
+        except asyncio.CancelledError:  # the client left: the thread still writes, then its file goes
+            write.add_done_callback(lambda _: s.discard_bytes(file_id))
+            raise
         return s.record_file(file_id, len(data), upload.filename or "upload.jsonl", purpose, owner=_owner(raw))
 
     @app.get("/v1/files")
