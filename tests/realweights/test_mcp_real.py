@@ -6,7 +6,10 @@ round trip), chat completions and the anthropic client with `mcp_servers`."""
 from __future__ import annotations
 
 import json
+import pathlib
+import shutil
 import subprocess
+import tempfile
 import threading
 import time
 
@@ -48,14 +51,19 @@ def _http_mcp_server():
 
 
 @pytest.fixture(scope="module")
-def repo(tmp_path_factory):
-    path = tmp_path_factory.mktemp("repo")
+def repo():
+    # One fixed path, not pytest's numbered folder: the prompt quotes it, and a 0.5B model copying
+    # `pytest-433/repo0` wrote `repo0.0` on one run out of several; the same prompt every run gives one answer.
+    path = pathlib.Path(tempfile.gettempdir()) / "mlxhost-git-demo"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir()
     git = ["git", "-C", str(path), "-c", "user.name=Test", "-c", "user.email=test@example.com"]
     subprocess.run(git[:3] + ["init", "-q"], check=True)
     (path / "README").write_text("hello\n")
     subprocess.run(git + ["add", "README"], check=True)
     subprocess.run(git + ["commit", "-q", "-m", "Add the greeting file"], check=True)
-    return path
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
