@@ -20,7 +20,7 @@ import threading
 
 from mlxhost.agents.base import Agent, write_json
 
-_VERSION = re.compile(r"\d+(?:\.\d+)+[\w.+-]*")
+VERSION = re.compile(r"\d+(?:\.\d+)+[\w.+-]*")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 # A prefill's own answer comes when the prompt is computed: minutes for a long one on a slow machine.
 PREFILL_TIMEOUT_S = 3600.0
@@ -33,7 +33,7 @@ def agent_version(executable: str) -> str | None:
                               stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    found = _VERSION.search(done.stdout or "")
+    found = VERSION.search(done.stdout or "")
     return found.group(0) if done.returncode == 0 and found else None
 
 

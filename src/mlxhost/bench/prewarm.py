@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import re
 import statistics
 import sys
 import tempfile
@@ -34,7 +33,6 @@ from mlxhost.bench.serve import add_serve_args_argument, default_json_path
 # The capture's client: its requests say this (tests/frontends/fixtures/README.md), and the server notes the
 # prefix per User-Agent, which is how launch finds it.
 USER_AGENT = "claude-cli/2.1.332 (external, sdk-cli)"
-_VERSION = re.compile(r"/(\d+(?:\.\d+)+[\w.+-]*)")
 DEFAULT_REQUEST = Path(__file__).resolve().parents[3] / "tests/frontends/fixtures/claude_code_first_turn_full.json"
 QUESTIONS = ("Name a colour in one word.", "Name a fruit in one word.", "Name a planet in one word.",
              "Name a river in one word.", "Name a tree in one word.")
@@ -95,10 +93,10 @@ def stream_turn(client: httpx.Client, body: dict, user_agent: str, max_tokens: i
 def prewarm(url: str, model: str, user_agent: str, folder: Path) -> dict:
     """Launch's pre-warm: the prefix the server noted for this agent version saved, then posted to
     /v1/cache/prefill. Its answer (tokens) and how long the call took."""
-    found = _VERSION.search(user_agent)
+    found = agent_prewarm.VERSION.search(user_agent)
     if found is None:
         raise RuntimeError(f"no version in the User-Agent {user_agent!r} (launch saves prefixes per version)")
-    version = found.group(1)
+    version = found.group(0)
     path = agent_prewarm.prefix_path(folder, version, model)
     if not agent_prewarm.save_prefix(url, API_KEY, CLAUDE, version, model, path):
         raise RuntimeError(f"the server noted no prefix for {user_agent!r}: is it an agent's first turn?")
