@@ -28,7 +28,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 async def run_gap_round(loaded, engine_config: EngineConfig, num_streams: int, stream_prompt_tokens: int,
-                        long_prompt_tokens: int, seed: int) -> dict:
+                        long_prompt_tokens: int, seed: int, tag: str = "") -> dict:
     from mlxhost.server.app import make_engine, resolve_max_model_len  # lazy: pulls in fastapi
 
     engine = make_engine(loaded, engine_config, resolve_max_model_len(loaded, engine_config))
@@ -41,7 +41,7 @@ async def run_gap_round(loaded, engine_config: EngineConfig, num_streams: int, s
 
     async def stream(i: int) -> None:
         nonlocal num_started
-        ids = tok.encode(make_prompt(seed, "stream", i, stream_prompt_tokens))
+        ids = tok.encode(make_prompt(seed, f"{tag}stream", i, stream_prompt_tokens))
         params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
         last = None
         async for _ in engine.generate(Request(uuid.uuid4().hex, ids, params, eos)):
@@ -59,13 +59,13 @@ async def run_gap_round(loaded, engine_config: EngineConfig, num_streams: int, s
 
     try:
         # A lone prompt first: the cost model measures a prefill before the timed round (as a server has).
-        warm = tok.encode(make_prompt(seed, "warm", 0, 256))
+        warm = tok.encode(make_prompt(seed, f"{tag}warm", 0, 256))
         async for _ in engine.generate(Request(uuid.uuid4().hex, warm, SamplingParams(max_tokens=2), eos)):
             pass
         tasks = [asyncio.ensure_future(stream(i)) for i in range(num_streams)]
         await started.wait()
         await asyncio.sleep(1.0)  # steady decoding before the prompt lands
-        ids = tok.encode(make_prompt(seed, "long", 0, long_prompt_tokens))
+        ids = tok.encode(make_prompt(seed, f"{tag}long", 0, long_prompt_tokens))
         window["start"] = time.perf_counter()
         async for _ in engine.generate(Request(uuid.uuid4().hex, ids, SamplingParams(max_tokens=1), eos)):
             break
@@ -80,11 +80,21 @@ async def run_gap_round(loaded, engine_config: EngineConfig, num_streams: int, s
 
 
 async def run_gap_bench(model_path: str, engine_config: EngineConfig, targets: list[float], num_streams: int,
-                        stream_prompt_tokens: int, long_prompt_tokens: int, seed: int = 0) -> list[dict]:
+                        stream_prompt_tokens: int, long_prompt_tokens: int, seed: int = 0,
+                        warm_rounds: int = 1) -> list[dict]:
+    """One timed round per target, each after `warm_rounds` untimed ones of its own (prompts of their own, none
+    a prefix hit for the timed round): where MLX compiles per shape (MLX-CUDA) a first round spends its time
+    compiling the long prompt's chunks, not prefilling them. The engine's own warm-up is off: its helper
+    processes would share the device with the timed round."""
     loaded = load_model(model_path)
     rows = []
     for target in targets:
-        config = dataclasses.replace(engine_config, max_decode_gap_s=target)
+        config = dataclasses.replace(engine_config, max_decode_gap_s=target, warmup="off")
+        for k in range(warm_rounds):
+            warm = await run_gap_round(loaded, config, num_streams, stream_prompt_tokens, long_prompt_tokens,
+                                       seed, tag=f"warm{k}-")
+            print(f"max_decode_gap {target}: untimed round {k + 1}, long prompt TTFT {warm['long_ttft_s']:.1f} s",
+                  flush=True)
         rows.append(await run_gap_round(loaded, config, num_streams, stream_prompt_tokens, long_prompt_tokens,
                                         seed))
         print(f"max_decode_gap {target}: p99 gap {rows[-1]['gap_p99_s']:.3f} s, "

@@ -138,6 +138,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", type=int, default=4, help="with --long-prompt: streams decoding meanwhile")
     parser.add_argument("--max-decode-gap", type=float, nargs="+", default=[0.0, 1.0], metavar="SECONDS",
                         help="with --long-prompt: the engine's --max-decode-gap values to compare (0: whole chunks)")
+    parser.add_argument("--warm-rounds", type=int, default=1,
+                        help="with --long-prompt: untimed rounds before each timed one (shapes compile there)")
     parser.add_argument("--shape", default=None, choices=["tiny", "qwen3-0.6b", "qwen3-8b"],
                         help="a random model of this shape (testing/demo.py SHAPES) instead of --model")
     parser.add_argument("--tracing", choices=("off", "on", "ab"), default="off",
@@ -171,10 +173,11 @@ def run_gap(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         model = (str(build_model_folder(tmp, SHAPES[args.shape])) if args.shape
                  else args.model or str(ensure_demo_model()))
         rows = asyncio.run(run_gap_bench(model, engine_config, args.max_decode_gap, args.streams, args.prompt_tokens,
-                                         args.long_prompt))
+                                         args.long_prompt, warm_rounds=args.warm_rounds))
     print(format_table(rows, GAP_COLUMNS))
     result = {"config": {"model": args.shape or args.model or "demo", "streams": args.streams,
-                         "prefill_step_size": engine_config.prefill_step_size}, "rounds": rows}
+                         "prefill_step_size": engine_config.prefill_step_size,
+                         "warm_rounds": args.warm_rounds}, "rounds": rows}
     path = write_json(args.output_json or default_json_path(f"{args.label}-gap"), result)
     print(f"wrote {path}")
     return 0
