@@ -166,10 +166,13 @@ def main(argv=None) -> int:
                     help="eagle3 with --draft-vocab: learn the model's whole next-token distribution, not its argmax")
     ap.add_argument("--answers", default=None, help="a JSON file of the model's answers: read if it exists, else written")
     ap.add_argument("--measure", action="store_true", help="then measure acceptance and speed on held-out prompts")
+    ap.add_argument("--measure-only", action="store_true",
+                    help="measure the head already in --out on --model (e.g. the model as served elsewhere), no training")
     ap.add_argument("--num-held-out", type=int, default=16)
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--output-json", default=None, help="with --measure-only: where the rows go (default: OUT/measured.json)")
     args = ap.parse_args(argv)
 
     import mlx.core as mx
@@ -188,6 +191,11 @@ def main(argv=None) -> int:
     loaded = load_model(str(source))
     tok, target = loaded.tokenizer, loaded.model
     train_q, held_q = make_questions(args.seed)
+    if args.measure_only:
+        held = [chat_ids(tok, q) for q in held_q[:args.num_held_out]]
+        rows = measure(loaded, Path(args.out), args.kind, held, args)
+        Path(args.output_json or Path(args.out) / "measured.json").write_text(json.dumps(rows, indent=2))
+        return 0
     train_p = [chat_ids(tok, q) for q in train_q[:args.num_prompts]]
 
     answers = Path(args.answers) if args.answers else None
