@@ -10,9 +10,10 @@ own greedy continuations of random prompts (testing/spec_heads.py); `dflash[:STE
 (random weights, or trained STEPS steps). `auto` is `--speculative auto` (prompt lookup behind the policy that
 turns drafting off where it does not pay), `off` a second plain run (the run-to-run spread). `oracle` replays the
 greedy output the `off` run recorded (every draft accepted, no drafting cost: the machinery's ceiling where the
-verify rounds as the plain step does; `--oracle-recording` keeps the file). The acceptance column is measured, not
-chosen. Workloads: `random` (random-token prompts) and `echo` (a passage repeated in the
-prompt: what prompt lookup is for; a random model continues it only as far as its own output loops).
+verify rounds as the plain step does, which on random weights on MLX-CUDA needs `--peaked`; `--oracle-recording`
+keeps the file). The acceptance column is measured, not chosen. Workloads: `random` (random-token prompts) and
+`echo` (a passage repeated in the prompt: what prompt lookup is for; a random model continues it only as far as
+its own output loops).
 """
 
 from __future__ import annotations
@@ -47,11 +48,15 @@ _HEADS = ("eagle3", "mtp")
 _HIDDEN = (*_HEADS, "dflash")  # proposers fed the target's hidden states, `--speculative KIND`
 
 
-def build_models(shape: str, bits: int | None, drafts: list[str], root: Path) -> tuple[Path, dict[str, Path]]:
-    """The target folder (a random model of `shape`) and one folder per draft spec."""
+def build_models(shape: str, bits: int | None, drafts: list[str], root: Path,
+                 peaked: bool = False) -> tuple[Path, dict[str, Path]]:
+    """The target folder (a random model of `shape`, `peaked`: testing/demo.py make_peaked_weights) and one
+    folder per draft spec."""
     from mlxhost.testing.spec_heads import build_dflash_folder, build_head_folder  # lazy: pulls in mlx_lm
 
     config = SHAPES[shape]
+    if peaked:
+        config = dataclasses.replace(config, peaked=True, tie_word_embeddings=False)
     if bits is not None:
         config = dataclasses.replace(config, quantize_bits=bits, quantize_with_converter=False)
     target = build_model_folder(root / "target", config)
@@ -146,7 +151,7 @@ def run_spec_bench(args) -> dict:
     drafts = [d for d in args.drafts.split(",") if d]
     with tempfile.TemporaryDirectory(prefix="mlxhost-bench-spec-") as tmp:
         t0 = time.perf_counter()
-        target, draft_dirs = build_models(args.shape, args.bits, drafts, Path(tmp))
+        target, draft_dirs = build_models(args.shape, args.bits, drafts, Path(tmp), args.peaked)
         print(f"built target and {len(drafts)} drafts in {time.perf_counter() - t0:.1f} s", flush=True)
         loaded = load_model(str(target))
         vocab = min(len(loaded.tokenizer), 2000)
@@ -187,6 +192,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="tiny", choices=["tiny", "qwen3-0.6b", "qwen3-8b"],
                         help="target: a random model of this shape (testing/demo.py SHAPES)")
     parser.add_argument("--bits", type=int, default=None, help="quantize the target (and drafts) to this many bits")
+    parser.add_argument("--peaked", action="store_true",
+                        help="a target whose greedy token wins by a wide logit margin (same shapes and cost), for "
+                             "every row: the oracle stays a ceiling where the verify forward rounds differently from "
+                             "the plain step (MLX-CUDA); its output walks one fixed cycle through the vocabulary")
     parser.add_argument("--drafts", default="self,noise:0.03,noise:0.1,layers:1,eagle3,mtp",
                         help="draft models, comma-separated: self, noise:X (target + noise), layers:N (first N layers),"
                              " eagle3[:STEPS] / mtp[:STEPS] (a head trained STEPS steps on the target's output),"

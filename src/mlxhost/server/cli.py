@@ -25,13 +25,13 @@ def _demo_model(args) -> int:
     from mlxhost.testing.vlm_demo import CLI_SHAPES as VLM_SHAPES, build_vlm_folder
 
     if args.shape in FAMILIES or args.shape in FAMILY_SHAPES:
-        if args.path is None or args.bits is not None:
-            raise SystemExit("family shapes need a PATH and take no --bits")
+        if args.path is None or args.bits is not None or args.peaked:
+            raise SystemExit("family shapes need a PATH and take no --bits or --peaked")
         print(build_family_folder(args.path, args.shape))
         return 0
     if args.shape in VLM_SHAPES:
-        if args.path is None or args.bits is not None:
-            raise SystemExit("VLM shapes need a PATH and take no --bits")
+        if args.path is None or args.bits is not None or args.peaked:
+            raise SystemExit("VLM shapes need a PATH and take no --bits or --peaked")
         # lazy: keeps the command line's start-up short
         from mlxhost.models.extras import MissingExtraError, require_vision
 
@@ -44,15 +44,17 @@ def _demo_model(args) -> int:
     from mlxhost.server.progress import StageLog  # lazy: keeps the command line's start-up short
 
     progress = StageLog("demo model")
-    if args.shape == "tiny" and args.bits is None:
+    if args.shape == "tiny" and args.bits is None and not args.peaked:
         path = ensure_demo_model(args.path, progress=progress)
         progress.done()
         print(path)
         return 0
     if args.path is None:
-        raise SystemExit("a PATH is needed with --shape or --bits")
+        raise SystemExit("a PATH is needed with --shape, --bits or --peaked")
     config = dataclasses.replace(SHAPES[args.shape], quantize_bits=args.bits, group_size=args.group_size,
                                  quantize_with_converter=args.shape == "tiny")
+    if args.peaked:
+        config = dataclasses.replace(config, peaked=True, tie_word_embeddings=False)
     path = build_model_folder(args.path, config, progress=progress)
     progress.done()
     print(path)
@@ -110,6 +112,9 @@ def make_parser(with_bench: bool = True) -> argparse.ArgumentParser:
                            + "; bfloat16 text models for GPU benchmarks: " + ", ".join(FAMILY_SHAPES))
     demo.add_argument("--bits", type=int, default=None, help="quantize to this many bits")
     demo.add_argument("--group-size", type=int, default=64, help="quantization group size (with --bits)")
+    demo.add_argument("--peaked", action="store_true",
+                      help="text shapes: greedy tokens win by a wide logit margin (same shapes and cost; for "
+                           "benchmarks of speculative decoding, see docs/speculative.md)")
     demo.set_defaults(func=_demo_model)
 
     from mlxhost.agents import launch  # lazy: keeps the command line's start-up short

@@ -73,6 +73,9 @@ class DemoModelConfig:
     # The converter round-trips through a float checkpoint on disk; for multi-GB benchmark models we
     # quantize in memory with mlx's nn.quantize instead (same layers, same config entry).
     quantize_with_converter: bool = True
+    # A benchmark target whose greedy next token wins by a wide logit margin (make_peaked_weights):
+    # same shapes and cost, but a verify forward's rounding cannot flip its argmax.
+    peaked: bool = False
 
     def __post_init__(self):
         if self.arch not in _ARCHITECTURES:
@@ -81,6 +84,8 @@ class DemoModelConfig:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.peaked and self.tie_word_embeddings:
+            raise ValueError("peaked needs tie_word_embeddings=False (its LM head is a permuted embedding)")
         if self.quantize_bits is not None:
             # mlx-lm skips layers whose input width is not a multiple of the group: catch it here
             # instead of shipping a half-quantized model.
@@ -220,9 +225,36 @@ def _random_model(config: DemoModelConfig, hf_config: dict):
         else:
             new_value = config.init_std * mx.random.normal(value.shape, key=keys[i])
         new_params.append((name, new_value.astype(dtype)))
+    if config.peaked:
+        new_params = make_peaked_weights(dict(new_params), config.seed)
     model.update(tree_unflatten(new_params))
     mx.eval(model.parameters())
     return model
+
+
+# Residual branches (attention and MLP outputs) this much smaller than the default init in a peaked model: on the
+# Qwen3-8B shape all 72 together then stay under ~10% of the token's embedding (each is ~80x it at full scale).
+PEAKED_BRANCH_SCALE = 1e-4
+
+
+def make_peaked_weights(params: dict, seed: int) -> list:
+    """A random model's weights made into a peaked one: the residual stream stays the fed token's embedding
+    (branches scaled by PEAKED_BRANCH_SCALE) and the LM head's row for token `next(x)` is x's embedding, where
+    `next` walks one random cycle through the whole vocabulary. The winning logit is then the normed stream's
+    full length times the row's (cosine ~1) against ~5/sqrt(hidden) of it for the best other row: a gap of
+    the order of the logits themselves, where rounding noise is a small fraction of them."""
+    import mlx.core as mx  # lazy: mlx only when used
+
+    embed = params["model.embed_tokens.weight"]
+    vocab = embed.shape[0]
+    order = mx.random.permutation(vocab, key=mx.random.key(seed + 1))  # the cycle's visiting order
+    position = mx.argsort(order)
+    # Token j's row is its predecessor's embedding: the stream of x scores highest at the token after x.
+    params["lm_head.weight"] = embed[order[(position - 1) % vocab]]
+    for name, value in params.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            params[name] = (value * PEAKED_BRANCH_SCALE).astype(value.dtype)
+    return list(params.items())
 
 
 def _write_float_folder(out: pathlib.Path, config: DemoModelConfig, progress=None) -> None:
