@@ -60,3 +60,45 @@ def test_unknown_paths_are_refused(tmp_path):
     add_arguments(parser)
     with pytest.raises(SystemExit, match="--paths takes some of raw, core, thread, async; got warp"):
         run(parser.parse_args(["--paths", "raw,warp", "--output-json", str(tmp_path / "x.json")]))
+
+
+def test_host_table_has_a_row_per_requested_path(qwen3_model_dir, tmp_path, capsys, monkeypatch):
+    """`--host-table`: raw shows only its step time; the core, thread and async paths each get every phase's
+    median over their decode steps (the async path's read from its engine thread's step trace), a step and
+    the consumer's gap. A step trace the caller set up is left as it was."""
+    import argparse
+    import os
+
+    from mlxhost.engine.loop import STEP_TRACE_ENV
+
+    monkeypatch.delenv(STEP_TRACE_ENV, raising=False)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "decode.json"
+    args = parser.parse_args(["--model", str(qwen3_model_dir), "--max-tokens", "8", "--prompt-tokens", "16",
+                              "--repeat", "1", "--paths", "raw,core,thread,async", "--host-table",
+                              "--output-json", str(out)])
+    assert run(args) == 0
+    table = {r["path"]: r for r in json.loads(out.read_text())["host_table"]}
+    assert list(table) == ["raw", "core", "thread", "async"]
+    assert table["raw"]["step_us"] > 0 and table["raw"]["schedule_us"] is None
+    for path in ("core", "thread", "async"):
+        row = table[path]
+        assert row["num_steps"] > 0, path
+        assert all(row[f"{p}_us"] > 0 for p in ("schedule", "runner", "sample", "launch", "readback", "detok",
+                                                 "update", "output", "step", "gap")), row
+        assert row["handoff_us"] is not None
+    assert STEP_TRACE_ENV not in os.environ
+    assert "host time per decode step" in capsys.readouterr().out
+
+
+def test_host_table_covers_only_the_paths_asked_for(qwen3_model_dir, tmp_path):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "decode.json"
+    args = parser.parse_args(["--model", str(qwen3_model_dir), "--max-tokens", "8", "--prompt-tokens", "16",
+                              "--repeat", "1", "--paths", "raw,core", "--host-table", "--output-json", str(out)])
+    assert run(args) == 0
+    assert [r["path"] for r in json.loads(out.read_text())["host_table"]] == ["raw", "core"]

@@ -12,6 +12,11 @@ and a slow mode every 1-5 s (the same raw loop: 3.8 then 6.2 ms a step), so each
 `generate_step` and the served stream back to back (raw's untimed compile pass runs once, before the
 rounds) and in turns first: raw then served in even rounds, served then raw in odd ones. Each round's
 served/raw ratio and order are kept beside the table.
+
+`--host-table` adds where the host's time per decode step goes on the core, thread and async paths: the
+median of each phase the engine records per step (engine/contract.py StepInfo; the async path's from the
+step trace its engine thread writes, MLXHOST_STEP_TRACE), the whole step, and the time between consecutive
+tokens as the consumer sees them; the gap minus the step is the hand-off's cost.
 """
 
 from __future__ import annotations
@@ -19,16 +24,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from mlxhost.bench.report import format_table, write_json
 from mlxhost.bench.serve import ServeBenchConfig, default_json_path
 from mlxhost.bench.serve_request import make_client, make_prompt, timed_request
 from mlxhost.config import EngineConfig
+from mlxhost.engine.contract import StepInfo
 from mlxhost.engine.request import Request, SamplingParams
 from mlxhost.models.loader import load_model
 from mlxhost.testing.demo import ensure_demo_model
@@ -37,9 +47,70 @@ PATHS = ("raw", "core", "thread", "async")
 _WAKE_TOKENS = 8  # the untimed request before each timed served one
 _COLUMNS = [("path", "path", "s"), ("tok_s", "tok/s", ".1f"), ("ratio", "vs raw", ".2f"),
             ("step_p50_ms", "step p50 ms", ".2f"), ("step_max_ms", "step max ms", ".1f")]
+# The host table's phases (StepInfo's fields; forward: the rest of the runner's decode), then the whole
+# step as the loop timed core.step(), and the consumer's gap between tokens.
+_PHASES = ("schedule", "runner", "forward", "sample", "launch", "readback", "detok", "update", "output", "step")
+_HOST_COLUMNS = [("path", "path", "s"), ("num_steps", "steps", "d"),
+                 *((f"{p}_us", p, ".0f") for p in _PHASES), ("gap_us", "gap", ".0f"),
+                 ("handoff_us", "gap-step", ".0f")]
 
 
-def _raw(model, prompt_ids: list[int], max_tokens: int) -> dict:
+@dataclass
+class _HostSamples:
+    """One path's decode steps over all rounds (phase -> seconds) and the consumer's gaps per token, seconds."""
+
+    steps: list[dict] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+
+
+def _decode_phases(info: StepInfo, step_s: float) -> dict | None:
+    """A decode-only step's phases; None for a step that prefilled (its prefill's time spreads over the phases)."""
+    if info.prefill_chunk_tokens or not info.num_decoding:
+        return None
+    return {"schedule": info.schedule_s, "runner": info.execute_s,
+            "forward": info.decode_s - info.sample_s - info.launch_s - info.readback_s,
+            "sample": info.sample_s, "launch": info.launch_s, "readback": info.readback_s,
+            "detok": info.detok_s, "update": info.update_s, "output": info.output_s, "step": step_s}
+
+
+def _traced_steps(path: Path, skip: int) -> list[dict]:
+    """The decode phases of the step trace's lines after its first `skip` (engine/loop.py's `_StepTrace`)."""
+    header, *lines = path.read_text().splitlines()
+    names = header.split("\t")
+    steps = []
+    for line in lines[skip:]:
+        fields = dict(zip(names, line.split("\t")))
+        row = {k: float(v) / 1e3 for k, v in fields.items() if k.endswith("_ms")}
+        info = StepInfo((int(fields["prefill_tokens"]),) if int(fields["chunks"]) else (),
+                        int(fields["decoding"]), int(fields["rows"]), execute_s=row["runner_ms"],
+                        prefill_s=row["prefill_ms"], store_s=row["store_ms"], join_s=row["join_ms"],
+                        decode_s=row["decode_ms"],
+                        **{f: row[f[:-2] + "_ms"] for f in ("schedule_s", "sample_s", "launch_s", "readback_s",
+                                                             "detok_s", "update_s", "output_s")})
+        phases = _decode_phases(info, row["step_ms"])
+        if phases is not None:
+            steps.append(phases)
+    return steps
+
+
+def _num_trace_lines(path: Path) -> int:
+    return max(0, len(path.read_text().splitlines()) - 1) if path.exists() else 0
+
+
+def _host_row(path: str, samples: _HostSamples) -> dict:
+    """Medians in microseconds; a path without steps (raw) shows its gap as its step."""
+    gap = statistics.median(samples.gaps) * 1e6 if samples.gaps else None
+    row = {"path": path, "num_steps": len(samples.steps) or len(samples.gaps)}
+    for p in _PHASES:
+        row[f"{p}_us"] = statistics.median(s[p] for s in samples.steps) * 1e6 if samples.steps else None
+    if not samples.steps:
+        row["step_us"] = gap
+    row["gap_us"] = gap
+    row["handoff_us"] = gap - row["step_us"] if samples.steps and gap is not None else None
+    return row
+
+
+def _raw(model, prompt_ids: list[int], max_tokens: int, samples: _HostSamples | None = None) -> dict:
     import mlx.core as mx  # lazy: mlx only when used
     from mlx_lm.generate import generate_step  # lazy: mlx_lm only when used
 
@@ -51,37 +122,48 @@ def _raw(model, prompt_ids: list[int], max_tokens: int) -> dict:
         if last is not None:
             times.append(now - last)
         last = now
+    if samples is not None:
+        samples.gaps.extend(times[1:])
     return _row("mlx-lm generate_step", times)
 
 
-def _core(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens: int, label: str) -> dict:
+def _core(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens: int, label: str,
+          samples: _HostSamples | None = None) -> dict:
     from mlxhost.engine.core import EngineCore  # lazy: pulls in mlx_lm
 
     core = EngineCore(loaded.model, loaded.tokenizer, cfg, 1 << 20)
-    best = None
+    best, steps = None, []
     for rep in range(2):  # the first pass compiles kernels / fills caches; the second is measured
         core.add_request(Request(f"{label}-{rep}", prompt_ids,
                                  SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), []))
-        times, last = [], None
+        times, last, steps, seen = [], None, [], core.last_step
         while core.has_work:
+            began = time.perf_counter()
             outs = core.step()
             now = time.perf_counter()
+            if core.last_step is not seen:  # a step that scheduled nothing leaves the last one in place
+                seen = core.last_step
+                steps.append(_decode_phases(seen, now - began))
             if outs:
                 if last is not None:
                     times.append(now - last)
                 last = now
         best = times
+    if samples is not None:
+        samples.steps.extend(s for s in steps if s is not None)
+        samples.gaps.extend(best[1:])
     return _row(label, best)
 
 
-def _core_on_thread(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens: int) -> dict:
+def _core_on_thread(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens: int,
+                    samples: _HostSamples | None = None) -> dict:
     """The core loop on a new thread, as the engine thread runs it, without asyncio: tells a cost of
     running MLX off the loading thread apart from the hand-off to asyncio."""
     out: dict = {}
 
     def body() -> None:
         try:
-            out["row"] = _core(loaded, cfg, prompt_ids, max_tokens, "engine core loop (own thread)")
+            out["row"] = _core(loaded, cfg, prompt_ids, max_tokens, "engine core loop (own thread)", samples)
         except BaseException as exc:  # re-raised on the caller's thread
             out["error"] = exc
 
@@ -94,28 +176,47 @@ def _core_on_thread(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens
 
 
 async def _async(loaded, cfg: EngineConfig, prompt_ids: list[int], max_tokens: int,
-                 switch_s: float | None = None) -> dict:
+                 switch_s: float | None = None, samples: _HostSamples | None = None) -> dict:
+    from mlxhost.engine.loop import STEP_TRACE_ENV  # lazy: pulls in the engine
     from mlxhost.server.app import make_engine  # lazy: pulls in fastapi
 
     previous = sys.getswitchinterval()
     if switch_s is not None:
         sys.setswitchinterval(switch_s)
+    trace, traced_before = None, os.environ.get(STEP_TRACE_ENV)
+    if samples is not None:
+        # The engine thread's own step trace, as a server writes it: the engine's steps are out of reach here.
+        trace = Path(tempfile.mkdtemp(prefix="mlxhost-decode-")) / "steps.tsv"
+        os.environ[STEP_TRACE_ENV] = str(trace)
 
     engine = make_engine(loaded, cfg, 1 << 20)
-    engine.start(asyncio.get_running_loop())
     try:
-        times = []
+        engine.start(asyncio.get_running_loop())
+        times, per_token, skip = [], [], 0
         for _ in range(2):
-            times, last = [], None
+            times, per_token, last = [], [], None
+            skip = _num_trace_lines(trace) if trace is not None else 0
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            async for _out in engine.generate(Request(uuid.uuid4().hex, prompt_ids, params, [])):
+            async for out in engine.generate(Request(uuid.uuid4().hex, prompt_ids, params, [])):
                 now = time.perf_counter()
                 if last is not None:
                     times.append(now - last)
+                    per_token.append((now - last) / max(1, len(out.new_token_ids)))  # a merged output's tokens
                 last = now
     finally:
         engine.stop()
         sys.setswitchinterval(previous)
+        if trace is not None:
+            if traced_before is None:
+                os.environ.pop(STEP_TRACE_ENV, None)
+            else:
+                os.environ[STEP_TRACE_ENV] = traced_before
+    if samples is not None:
+        # Each step's line is written before its outputs leave the engine thread: the file is complete here.
+        samples.steps.extend(_traced_steps(trace, skip))
+        samples.gaps.extend(per_token[1:])
+        trace.unlink()
+        trace.parent.rmdir()
     label = "async engine (engine thread + asyncio)"
     return _row(label if switch_s is None else f"{label}, GIL switch {switch_s * 1000:g} ms", times)
 
@@ -158,7 +259,10 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = loaded.tokenizer.encode(prompt)
     base = EngineConfig(max_num_seqs=args.max_num_seqs, enable_prefix_cache=False)
     _raw(loaded.model, prompt_ids, args.max_tokens)  # untimed, once: the first pass compiles kernels
-    measure = {"raw": lambda: _raw(loaded.model, prompt_ids, args.max_tokens)}  # the reference runs every round
+    # --host-table: each path's samples pooled over the rounds (the async path's with a GIL switch are not kept).
+    host = {p: _HostSamples() for p in PATHS if p == "raw" or p in args.paths} if args.host_table else {}
+    # The reference runs every round.
+    measure = {"raw": lambda: _raw(loaded.model, prompt_ids, args.max_tokens, host.get("raw"))}
     if served is not None:
         measure["served"] = lambda: asyncio.run(_served(served, prompt))
     rows, round_ratios, round_orders = [], [], []
@@ -172,11 +276,11 @@ def run(args: argparse.Namespace) -> int:
             round_ratios.append(pair["served"]["tok_s"] / pair["raw"]["tok_s"])
             round_orders.append(order)
         if "core" in args.paths:
-            rows.append(_core(loaded, base, prompt_ids, args.max_tokens, "engine core loop"))
+            rows.append(_core(loaded, base, prompt_ids, args.max_tokens, "engine core loop", host.get("core")))
         if "thread" in args.paths:
-            rows.append(_core_on_thread(loaded, base, prompt_ids, args.max_tokens))
+            rows.append(_core_on_thread(loaded, base, prompt_ids, args.max_tokens, host.get("thread")))
         if "async" in args.paths:
-            rows.append(asyncio.run(_async(loaded, base, prompt_ids, args.max_tokens)))
+            rows.append(asyncio.run(_async(loaded, base, prompt_ids, args.max_tokens, samples=host.get("async"))))
             for switch_s in args.switch_intervals:
                 rows.append(asyncio.run(_async(loaded, base, prompt_ids, args.max_tokens, switch_s)))
     raw = statistics.median(r["tok_s"] for r in rows if r["path"].startswith("mlx-lm"))
@@ -184,6 +288,11 @@ def run(args: argparse.Namespace) -> int:
         r["ratio"] = r["tok_s"] / raw if r["tok_s"] and raw else None
     print(format_table(rows, _COLUMNS))
     result = {"model": args.model, "max_tokens": args.max_tokens, "rows": rows}
+    if host:
+        result["host_table"] = [_host_row(p, samples) for p, samples in host.items()]
+        print("\nhost time per decode step, median us (forward: the runner's decode less sample, launch and "
+              "readback; gap: between tokens as the consumer sees them)")
+        print(format_table(result["host_table"], _HOST_COLUMNS))
     if served is not None:
         tok_s = statistics.median(r["tok_s"] for r in rows if r["path"].startswith("served"))
         result["served"] = {"url": args.url, "median_tok_s": tok_s, "median_vs_raw": tok_s / raw,
@@ -213,4 +322,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time one streamed request per round to this running server (same model folder), "
                              "right after a short untimed one (max_tokens 8) that wakes it")
     parser.add_argument("--served-model", default="bench", help="the model name sent to --url")
+    parser.add_argument("--host-table", action="store_true",
+                        help="also tabulate the median host time of each phase of a decode step (schedule, runner "
+                             "and its sample / launch / read-back, detokenizing, update, outputs) per path")
     parser.add_argument("--output-json", default=None, help="result file (default: bench-results/decode-*.json)")

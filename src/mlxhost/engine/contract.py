@@ -22,6 +22,19 @@ class StepInfo:
     store_s: float = 0.0
     join_s: float = 0.0
     decode_s: float = 0.0
+    # The host's time around the runner (core.py): up to it (the scheduler's decision, mostly), the detokenizer
+    # and stop strings, the scheduler's update, and the rest after it (outputs, bookkeeping); with execute_s
+    # they add up to the core's whole step.
+    schedule_s: float = 0.0
+    detok_s: float = 0.0
+    update_s: float = 0.0
+    output_s: float = 0.0
+    # Inside decode_s, a plain step's sampling (and logprobs) graph, its async_eval, and reading back the
+    # tokens fed (the wait for the device; a step with a grammar reads them before sampling, in the rest).
+    # The rest of decode_s is the forward's graph. 0 in speculative steps.
+    sample_s: float = 0.0
+    launch_s: float = 0.0
+    readback_s: float = 0.0
 
     def describe(self) -> str:
         return (f"prefill chunks {list(self.prefill_chunk_tokens)}, {self.num_decoding} decoding in a batch of "

@@ -194,6 +194,7 @@ class EngineCore:
         return self.runner.lora.stats()["adapters"] if len(self.runner.lora) else {}
 
     def step(self) -> list[RequestOutput]:
+        began = time.perf_counter()
         if self.governor is not None:
             self.governor.maybe_refresh()  # desktop mode: a clock read, memory read every few seconds
         sched = self.scheduler.schedule()
@@ -209,12 +210,9 @@ class EngineCore:
         except Exception as exc:  # a failure the runner could not pin on requests: the last resort
             log.exception("engine step failed")
             return self._fail_all(f"engine step failed: {exc}")
-        execute_s = time.perf_counter() - started
-        runner = self.runner
+        ran = time.perf_counter()
+        execute_s = ran - started
         chunk_tokens = tuple(c.num_tokens for c in sched.prefill_chunks)
-        self.last_step = StepInfo(chunk_tokens, len(sched.decode_request_ids), runner.num_rows,
-                                  sum(len(ops) for ops in sched.store_ops.values()), execute_s, runner.last_prefill_s,
-                                  runner.last_store_s, runner.last_join_s, runner.last_decode_s)
         # The whole step, not the runner's phases: a prefill's device work may finish inside the decode read-back.
         num_prefilled = sum(chunk_tokens)
         self.scheduler.step_cost.observe(num_prefilled, len(sched.decode_request_ids), execute_s)
@@ -235,6 +233,7 @@ class EngineCore:
         kept: dict[str, list[int]] = {}
         texts: dict[str, str] = {}
         stopped: set[str] = set()
+        detok_began = time.perf_counter()
         for rid, tokens in new.items():
             request = self.scheduler.running.get(rid)
             if request is None:  # finished or aborted while its tokens were in flight
@@ -252,7 +251,9 @@ class EngineCore:
             kept[rid] = tokens[:n]
             if hit:
                 stopped.add(rid)
+        updating = time.perf_counter()
         finished = {r.request_id for r in self.scheduler.update(kept, stopped)}
+        updated = time.perf_counter()
         for rid, tokens in kept.items():
             try:
                 out = self._make_output(self._requests[rid], tokens, texts[rid], rid in finished, rid in stopped)
@@ -266,6 +267,13 @@ class EngineCore:
             outputs.append(out)
             if out.finished:
                 self._forget(rid)
+        runner, ended = self.runner, time.perf_counter()
+        self.last_step = StepInfo(
+            chunk_tokens, len(sched.decode_request_ids), runner.num_rows,
+            sum(len(ops) for ops in sched.store_ops.values()), execute_s, runner.last_prefill_s, runner.last_store_s,
+            runner.last_join_s, runner.last_decode_s, schedule_s=started - began, detok_s=updating - detok_began,
+            update_s=updated - updating, output_s=ended - ran - (updated - detok_began),
+            sample_s=runner.last_sample_s, launch_s=runner.last_launch_s, readback_s=runner.last_readback_s)
         return outputs
 
     def _fail(self, request_id: str, message: str) -> RequestOutput:

@@ -360,15 +360,21 @@ class _OutputStream:
         await self._outputs.aclose()
 
 
+# The StepInfo fields the trace writes after decode_ms, in ms, each in a column named `<name>_ms`.
+_HOST_FIELDS = ("schedule_s", "sample_s", "launch_s", "readback_s", "detok_s", "update_s", "output_s")
+
+
 class _StepTrace:
     """`MLXHOST_STEP_TRACE=FILE`: one tab-separated line per engine step, for finding where time goes
     under load: start (s), inbox ms (adding requests before the step), step ms, runner ms, prefill ms of
     it, prefill chunks, prefill tokens, decoding rows, batch rows, outputs, running, waiting, then the runner's
     block stores, joining the prefilled rows to the batch, and the decode (its graph and the wait for the
-    previous step's tokens), ms. Times are the host's: a prefill's device work shows in whichever column
-    first waits for it (a lone prompt's in join or decode, a batched prefill's in decode), unless
-    MLXHOST_STEP_SYNC=1 makes the runner wait for the device after each phase (diagnosis only: the host
-    no longer runs ahead of the device). Off by default; a step costs one formatted line when on."""
+    previous step's tokens), ms; then the host's other phases (engine/contract.py StepInfo), ms: the core's
+    schedule, the decode's sampling, launch and read-back, the core's detokenizing, update and outputs.
+    Times are the host's: a prefill's device work shows in whichever column first waits for it (a lone
+    prompt's in join or decode, a batched prefill's in decode), unless MLXHOST_STEP_SYNC=1 makes the runner
+    wait for the device after each phase (diagnosis only: the host no longer runs ahead of the device).
+    Off by default; a step costs one formatted line when on."""
 
     def __init__(self, f=None) -> None:
         self._f = f
@@ -381,7 +387,8 @@ class _StepTrace:
             return cls()
         f = open(path, "a", buffering=1)  # line by line: a crashed engine thread loses nothing
         f.write("t_s\tinbox_ms\tstep_ms\trunner_ms\tprefill_ms\tchunks\tprefill_tokens\tdecoding\trows\t"
-                "outputs\trunning\twaiting\tstore_ms\tjoin_ms\tdecode_ms\n")
+                "outputs\trunning\twaiting\tstore_ms\tjoin_ms\tdecode_ms\t"
+                + "\t".join(f[:-2] + "_ms" for f in _HOST_FIELDS) + "\n")
         return cls(f)
 
     def write(self, stats: CoreStats, waited: float, started: float, elapsed: float, num_outputs: int) -> None:
@@ -391,12 +398,14 @@ class _StepTrace:
         if step is None or step is self._last:
             return
         self._last = step
-        self._f.write(f"{started - self._t0:.4f}\t{(started - waited) * 1e3:.2f}\t{elapsed * 1e3:.2f}\t"
-                      f"{step.execute_s * 1e3:.2f}\t{step.prefill_s * 1e3:.2f}\t"
+        # Microseconds (.3f ms): a tiny model's whole decode step on a CPU is about a millisecond.
+        self._f.write(f"{started - self._t0:.4f}\t{(started - waited) * 1e3:.3f}\t{elapsed * 1e3:.3f}\t"
+                      f"{step.execute_s * 1e3:.3f}\t{step.prefill_s * 1e3:.3f}\t"
                       f"{len(step.prefill_chunk_tokens)}\t{sum(step.prefill_chunk_tokens)}\t"
                       f"{step.num_decoding}\t{step.num_rows}\t{num_outputs}\t"
                       f"{stats.num_running}\t{stats.num_waiting}\t"
-                      f"{step.store_s * 1e3:.2f}\t{step.join_s * 1e3:.2f}\t{step.decode_s * 1e3:.2f}\n")
+                      f"{step.store_s * 1e3:.3f}\t{step.join_s * 1e3:.3f}\t{step.decode_s * 1e3:.3f}\t"
+                      + "\t".join(f"{getattr(step, f) * 1e3:.3f}" for f in _HOST_FIELDS) + "\n")
 
     def close(self) -> None:
         if self._f is not None:

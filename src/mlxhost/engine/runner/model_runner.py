@@ -112,6 +112,8 @@ class ModelRunner:
             pad_to=_PREFILL_PAD_TO if is_cuda() else 1)
         # Where the last step's time went, for the slow-step log line and MLXHOST_STEP_TRACE.
         self.last_prefill_s = self.last_store_s = self.last_join_s = self.last_decode_s = 0.0
+        # Inside a plain decode: the sampling graph, its async_eval, the read-back of the tokens fed.
+        self.last_sample_s = self.last_launch_s = self.last_readback_s = 0.0
         # MLXHOST_STEP_SYNC (diagnosis only, slows every step): wait for the device after the stores, the
         # prefill and the join, so those columns of the step trace hold their device time too.
         self.sync_phases = False
@@ -172,7 +174,7 @@ class ModelRunner:
             self._sync_phase(*(j[2] for j in joined))
             joined = self.prefiller.take_prompt_scores(joined, requests, out)
         self.last_prefill_s = time.perf_counter() - started  # for the slow-step log line
-        self.last_join_s = 0.0
+        self.last_join_s = self.last_sample_s = self.last_launch_s = self.last_readback_s = 0.0
         try:
             self._joined_last_step = [j[0] for j in joined]
             if joined:
@@ -295,12 +297,15 @@ class ModelRunner:
         if drafts is not None:
             self._verify(out, rids, samplers, fed, logits, hidden, drafts, fed_lp, constrained)
             return
+        sampling = time.perf_counter()
         nxt, logprobs = sample_batch(logits, samplers)
         kept = keep_logprobs(table, rids, samplers, nxt, logprobs)
         if hidden is not None:
             kept += self.spec.observe(self, hidden, nxt)
         batch.advance(nxt)
+        launching = time.perf_counter()
         mx.async_eval(nxt, *kept)
+        reading = time.perf_counter()
 
         for rid, token in zip(rids, [f[0] for f in fed_ids] if fed_ids is not None else last.tolist()):
             if rid is not None and rid not in out.failed:
@@ -311,6 +316,8 @@ class ModelRunner:
                 continue
             token = out.token_ids[out.request_ids.index(rid)]
             out.logprobs[rid] = [to_logprob(token, pending, table[rid].sampler.params.top_logprobs)]
+        self.last_sample_s, self.last_launch_s = launching - sampling, reading - launching
+        self.last_readback_s = time.perf_counter() - reading
 
     def _constrain(self, logits: mx.array, constrained: list, fed_ids: list, drafts: Any, rids: list,
                    out: StepTokens) -> mx.array:
