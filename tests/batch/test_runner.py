@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import pytest
@@ -95,6 +96,34 @@ def test_a_batch_runs_to_completed_with_output_and_error_files(tmp_path):
     asyncio.run(main())
 
 
+def test_the_input_is_read_and_the_result_files_written_off_the_event_loop(tmp_path, monkeypatch):
+    """A file of thousands of lines read, or a result file fsynced, on the loop would hold every stream meanwhile."""
+    threads: dict[str, set[str]] = {"read": set(), "write": set()}
+    real_read, real_write = BatchStore.read_file, BatchStore.write_bytes
+
+    def read_file(self, file_id):
+        threads["read"].add(threading.current_thread().name)
+        return real_read(self, file_id)
+
+    def write_bytes(self, data, file_id=None):
+        threads["write"].add(threading.current_thread().name)
+        return real_write(self, data, file_id)
+
+    async def main():
+        store = BatchStore(tmp_path)
+        batch_id = new_batch(store, input_file(3))  # written by the test, before the patch
+        monkeypatch.setattr(BatchStore, "read_file", read_file)
+        monkeypatch.setattr(BatchStore, "write_bytes", write_bytes)
+        batch = await run_until(store, BatchRunner(store, Answers()), batch_id, {"completed"})
+        assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+        store.close()
+
+    asyncio.run(main())
+    loop_thread = threading.current_thread().name  # asyncio.run runs the loop on this thread
+    assert threads["read"] and loop_thread not in threads["read"]
+    assert threads["write"] and loop_thread not in threads["write"]
+
+
 def test_lines_run_for_the_batchs_owner_and_its_result_files_are_the_owners(tmp_path):
     async def main():
         store = BatchStore(tmp_path)
@@ -160,8 +189,8 @@ def test_cancel_ends_a_running_batch_after_its_lines_in_flight(tmp_path):
         while len(answers.calls) < 2:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
-        assert runner.cancel(store.batch(queued_id))["status"] == "cancelled"  # not running: at once
-        assert runner.cancel(store.batch(batch_id))["status"] == "cancelling"
+        assert (await runner.cancel(store.batch(queued_id)))["status"] == "cancelled"  # not running: at once
+        assert (await runner.cancel(store.batch(batch_id)))["status"] == "cancelling"
         answers.release.set()
         batch = await run_until(store, runner, batch_id, {"cancelled"})
         assert batch["cancelling_at"] and batch["cancelled_at"]

@@ -72,12 +72,12 @@ class BatchRunner:
                                                           **running["request_counts"]},
                 "num_lines_run": self.progress.num_lines_run}
 
-    def cancel(self, batch: dict) -> dict:
+    async def cancel(self, batch: dict) -> dict:
         """cancelling; a batch whose lines are not running ends cancelled at once, the running one once its lines
         in flight are answered (as OpenAI's: those may still complete)."""
         self._set(batch, "cancelling", "cancelling_at")
         if batch["id"] != self._running_id:
-            self._finalize(self.store.batch(batch["id"]))
+            await self._finalize(self.store.batch(batch["id"]))
         self.wake()
         return self.store.batch(batch["id"])
 
@@ -98,24 +98,31 @@ class BatchRunner:
 
     async def _advance(self, batch_id: str) -> None:
         batch = self.store.batch(batch_id)
-        if batch["status"] == "validating":
-            batch = self._validate(batch)
-        if batch["status"] == "in_progress":
-            try:
-                lines = parse_lines(self.store.read_file(batch["input_file_id"]), batch["endpoint"])
-            except (InputError, OSError):  # the input file deleted (or damaged) since: the batch fails, once
-                batch, lines = self._validate(batch), None
-            if batch["status"] == "in_progress" and lines is not None:
+        if batch["status"] in ("validating", "in_progress"):
+            lines = await self._read_lines(batch)
+            if batch["status"] == "validating" or isinstance(lines, Exception):
+                # The input file deleted (or damaged) since validation: the batch fails, once.
+                batch = self._validate(batch, lines)
+            if batch["status"] == "in_progress" and not isinstance(lines, Exception):
                 batch = await self._run_lines(batch, lines)
         if batch["status"] in ("finalizing", "cancelling"):
-            self._finalize(batch)
+            await self._finalize(batch)
 
-    def _validate(self, batch: dict) -> dict:
+    async def _read_lines(self, batch: dict) -> list[Line] | InputError | OSError:
+        """The input file's lines, read and parsed on a worker thread (a file of thousands of lines would hold the
+        event loop, and every stream on it, for the read); the reason instead where it cannot be read."""
+        def read() -> list[Line]:
+            return parse_lines(self.store.read_file(batch["input_file_id"]), batch["endpoint"])
+
         try:
-            lines = parse_lines(self.store.read_file(batch["input_file_id"]), batch["endpoint"])
+            return await asyncio.to_thread(read)
         except (InputError, OSError) as exc:
-            errors = exc.errors if isinstance(exc, InputError) else [
-                {"code": "file_not_found", "message": f"the input file cannot be read: {exc}", "param": None,
+            return exc
+
+    def _validate(self, batch: dict, lines: list[Line] | InputError | OSError) -> dict:
+        if isinstance(lines, Exception):
+            errors = lines.errors if isinstance(lines, InputError) else [
+                {"code": "file_not_found", "message": f"the input file cannot be read: {lines}", "param": None,
                  "line": None}]
             return self._set(batch, "failed", "failed_at", errors={"object": "list", "data": errors})
         batch["request_counts"]["total"] = len(lines)
@@ -156,7 +163,7 @@ class BatchRunner:
             for idx, line in enumerate(lines):
                 if idx not in done:
                     self.store.add_result(batch_id, idx, False, expired_line(line.custom_id))
-            self._finalize(batch, final="expired", stamp="expired_at")
+            await self._finalize(batch, final="expired", stamp="expired_at")
             return self.store.batch(batch_id)
         return self._set(batch, "finalizing", "finalizing_at")
 
@@ -174,8 +181,9 @@ class BatchRunner:
         self.store.add_result(batch_id, idx, 200 <= status < 300, answer_line(line.custom_id, status, body))
         self.progress.num_lines_run += 1
 
-    def _finalize(self, batch: dict, final: str | None = None, stamp: str | None = None) -> None:
-        """Writes the output and error files (input order) and ends the batch: completed, cancelled or `final`."""
+    async def _finalize(self, batch: dict, final: str | None = None, stamp: str | None = None) -> None:
+        """Writes the output and error files (input order) and ends the batch: completed, cancelled or `final`.
+        The bytes are written and fsynced on a worker thread; the rows, on the loop (the store's one owner)."""
         if final is None:
             final, stamp = ("cancelled", "cancelled_at") if batch["status"] == "cancelling" else ("completed",
                                                                                                   "completed_at")
@@ -183,8 +191,9 @@ class BatchRunner:
             results = self.store.results(batch["id"], ok)
             if results:
                 data = ("\n".join(results) + "\n").encode()
-                self.store.add_file(data, f"batch_{batch['id']}_{kind}.jsonl", "batch_output",
-                                    _file_id(batch["id"], kind), self.store.batch_owner(batch["id"]))
+                file_id = await asyncio.to_thread(self.store.write_bytes, data, _file_id(batch["id"], kind))
+                self.store.record_file(file_id, len(data), f"batch_{batch['id']}_{kind}.jsonl", "batch_output",
+                                       self.store.batch_owner(batch["id"]))
                 batch[key] = _file_id(batch["id"], kind)
         self._set(batch, final, stamp)
         log.info("batch %s %s: %s", batch["id"], final, self.store.batch(batch["id"])["request_counts"])

@@ -88,8 +88,8 @@ class BatchStore:
     # -- files -----------------------------------------------------------------------------------------
     def add_file(self, data: bytes, filename: str, purpose: str, file_id: str | None = None,
                  owner: str | None = None) -> dict:
-        """Writes the bytes, then the row, both on the calling thread (the runner's output and error files; they
-        are still written on the event loop)."""
+        """Writes the bytes, then the row, both on the calling thread (where blocking is fine: a test, a tool).
+        The upload route and the runner write the bytes on a worker thread and the row on the loop."""
         file_id = self.write_bytes(data, file_id)
         return self.record_file(file_id, len(data), filename, purpose, owner)
 

@@ -181,7 +181,7 @@ def install_batch_api(app: FastAPI, folder: str | Path, max_num_running: int = 4
         if obj["status"] not in ("validating", "in_progress", "finalizing", "cancelling"):
             raise APIError(409, f"Cannot cancel a batch with status '{obj['status']}'.", "batch_id",
                            "batch_not_cancellable")
-        return runner.cancel(obj)
+        return await runner.cancel(obj)
 
 
 def _add_lifespan(app: FastAPI, runner: BatchRunner | None, store: BatchStore | None) -> None:
