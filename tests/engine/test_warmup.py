@@ -1,10 +1,12 @@
 """Warm-up while serving (engine/warmup.py) on the tiny fixture model: every piece runs and leaves nothing behind,
 a request that arrives stops the warm-up's step and is served alone, the server is ready before the warm-up ends,
-and the tiled-kernel helper's reports move the layers' dequantize limit. Order and events only, no timing."""
+the tiled-kernel helper's reports move the layers' dequantize limit, and the piece helper borrows KV capacity
+while it runs where the memory left to other processes does not hold it. Order and events only, no timing."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -227,20 +229,119 @@ def test_the_piece_helper_starts_only_where_a_second_copy_of_the_model_fits(load
 
     import mlxhost.engine.warmup as warmup
     from mlxhost.engine.warmup_helper import KV_TOKENS, PREFIX_BYTES
+    from mlxhost.memory.capacity import KVCapacity
 
     gib = 2**30
-    # 61 GiB of weights with 13 GiB left to other processes (a 32B bf16 model on one 140-GiB GPU): no helper.
+    # 61 GiB of weights with 13 GiB left to other processes (a 32B bf16 model on one 140-GiB GPU): no helper, and
+    # its KV of 44 GiB (176k tokens) cannot lend the 63 GiB more it needs either.
     big = SimpleNamespace(budget=SimpleNamespace(weights=61 * gib, activations=7 * gib, kv=44 * gib,
-                                                 free_for_others=13 * gib), kv_bytes_per_token=262_144)
-    assert not warmup.piece_helper_fits(big)
+                                                 free_for_others=13 * gib), kv_bytes_per_token=262_144,
+                          kv_capacity=KVCapacity(44 * gib // 262_144), max_model_len=32768)
+    assert warmup.piece_helper_loan(big) is None
     small = SimpleNamespace(budget=SimpleNamespace(weights=4 * gib, activations=1 * gib, kv=20 * gib,
-                                                   free_for_others=13 * gib), kv_bytes_per_token=147_456)
+                                                   free_for_others=13 * gib), kv_bytes_per_token=147_456,
+                            kv_capacity=KVCapacity(20 * gib // 147_456), max_model_len=32768)
     need = 5 * gib + KV_TOKENS * 147_456 + PREFIX_BYTES
-    assert need < 13 * gib and warmup.piece_helper_fits(small)
-    assert warmup.piece_helper_fits(SimpleNamespace(budget=None))  # no budget to go by: as before
+    assert need < 13 * gib and warmup.piece_helper_loan(small) == 0  # fits what is left: nothing lent
+    assert warmup.piece_helper_loan(SimpleNamespace(budget=None)) == 0  # no budget to go by: as before
     # make_warmup then runs the pieces on the engine thread alone.
-    monkeypatch.setattr(warmup, "piece_helper_fits", lambda core: False)
+    monkeypatch.setattr(warmup, "piece_helper_loan", lambda core: None)
     core = _core(loaded)
     warm = warmup.make_warmup(core, 8, compile_tiles=True, source="unused")
     assert warm.report.piece_helper == "off" and warm._piece_helper is None
     warm.close()
+
+
+# -- the piece helper borrows KV ---------------------------------------------------------------------------
+LOAN_LEN = 512  # max_model_len: what the capacity keeps while lent
+
+
+def _loan_core(loaded, monkeypatch, short_tokens: int | None):
+    """A core whose capacity is 4,000 tokens (--kv-budget-tokens) under a stand-in budget that leaves the piece
+    helper `short_tokens` of KV short of what other processes may use (None: no budget)."""
+    from types import SimpleNamespace
+
+    from mlxhost.engine.warmup import KV_TOKENS, PREFIX_BYTES
+
+    core = EngineCore(loaded.model, loaded.tokenizer, dataclasses.replace(CONFIG, kv_budget_tokens=4000),
+                      LOAN_LEN, make_buckets(8))
+    per_token, target = core.kv_bytes_per_token, core.warmup_target()
+    budget = None
+    if short_tokens is not None:
+        need = 2**30 + 2**28 + KV_TOKENS * per_token + PREFIX_BYTES
+        budget = SimpleNamespace(weights=2**30, activations=2**28, free_for_others=need - short_tokens * per_token)
+    monkeypatch.setattr(core, "warmup_target", lambda: dataclasses.replace(target, budget=budget))
+    return core
+
+
+def _make_with_fake_helper(core, monkeypatch) -> tuple[BackgroundWarmup, _Helper]:
+    import mlxhost.engine.warmup as warmup
+
+    helper = _Helper()
+
+    def fake(*args, module: str = "", **kwargs):
+        assert module == "mlxhost.engine.warmup_helper"  # the tiny float model has no tiled kernels
+        return helper
+
+    monkeypatch.setattr(warmup, "TileCompiler", fake)
+    return warmup.make_warmup(core, 8, compile_tiles=True, source="unused"), helper
+
+
+@pytest.mark.parametrize("end", ["done", "failed", "closed"])
+def test_the_piece_helper_borrows_kv_while_it_runs_and_gives_it_back(loaded, monkeypatch, end):
+    core = _loan_core(loaded, monkeypatch, short_tokens=1000)
+    warm, helper = _make_with_fake_helper(core, monkeypatch)
+    assert helper.started and warm.report.piece_helper == "compiling"
+    # Lowered on the one capacity the scheduler admits by and the API's "never fits" check reads.
+    assert core.kv_capacity_tokens == core.scheduler.kv_capacity_tokens == core.stats().kv_capacity_tokens == 3000
+    warm.between_steps(core)
+    assert core.kv_capacity_tokens == 3000  # still running: still lent
+    if end == "closed":
+        warm.close()
+        assert helper.closed
+    else:
+        helper.queued.append((end, 0, 1.0))
+        warm.between_steps(core)
+        assert warm.report.piece_helper == end
+    assert core.kv_capacity_tokens == core.scheduler.kv_capacity_tokens == 4000
+    warm.close()  # repaid once only
+    assert core.kv_capacity_tokens == 4000
+
+
+def test_the_piece_helper_is_refused_where_not_even_a_loan_covers_it(loaded, monkeypatch):
+    # 4,000 tokens less the 512 kept for the longest request leave 3,488 to lend: one more is too many.
+    core = _loan_core(loaded, monkeypatch, short_tokens=4000 - LOAN_LEN + 1)
+    warm, helper = _make_with_fake_helper(core, monkeypatch)
+    assert not helper.started and warm.report.piece_helper == "off" and core.kv_capacity_tokens == 4000
+    warm.close()
+    core = _loan_core(loaded, monkeypatch, short_tokens=4000 - LOAN_LEN)  # exactly what may be lent
+    warm, helper = _make_with_fake_helper(core, monkeypatch)
+    assert helper.started and core.kv_capacity_tokens == LOAN_LEN
+    warm.close()
+    assert core.kv_capacity_tokens == 4000
+
+
+@pytest.mark.parametrize("short_tokens", [None, 0])
+def test_without_a_budget_or_with_room_left_the_helper_runs_and_borrows_nothing(loaded, monkeypatch, short_tokens):
+    core = _loan_core(loaded, monkeypatch, short_tokens=short_tokens)
+    warm, helper = _make_with_fake_helper(core, monkeypatch)
+    assert helper.started and core.kv_capacity_tokens == 4000
+    warm.close()
+
+
+def test_lent_kv_is_kept_from_admission_and_a_moved_limit_keeps_the_loan_out():
+    from mlxhost.engine.scheduler import Scheduler
+    from mlxhost.memory.capacity import KVCapacity
+
+    capacity = KVCapacity(120)
+    sched = Scheduler(EngineConfig(max_num_seqs=8), max_model_len=1024, kv_capacity=capacity)
+    capacity.lend(60)
+    for i in range(4):
+        sched.add_request(Request(f"r{i}", list(range(1, 11)), SamplingParams(max_tokens=20)))  # 30 tokens each
+    sched.schedule()
+    assert list(sched.running) == ["r0", "r1"] and sched.num_waiting == 2  # 2 x 30 <= 60 < 3 x 30
+    capacity.tokens = 150  # the governor moves the limit: the loan stays out
+    assert capacity.tokens == 90 and capacity.lendable(keep=80) == 10
+    capacity.repay(60)
+    sched.schedule()
+    assert list(sched.running) == ["r0", "r1", "r2", "r3"]  # nothing running was touched; the rest join

@@ -292,9 +292,10 @@ class EngineCore:
         return None
 
     def warmup_target(self) -> WarmupTarget:
-        """What the warm-up sizes its pieces and helper processes by."""
+        """What the warm-up sizes its pieces and helper processes by; the KV capacity its piece helper may borrow
+        from while it runs (lent and repaid on this, the engine thread)."""
         return WarmupTarget(self.config, self.max_model_len, self.runner.buckets, self.runner.model, self.budget,
-                            self.kv_bytes_per_token)
+                            self.kv_bytes_per_token, self.kv_capacity)
 
     def reset_prefix_cache(self) -> None:
         """Drops the memory tier's blocks and the hit counters (the warm-up's are no one's prefix)."""

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 # With only the helper process left to hear from, how long the idle engine waits on its inbox between looks.
 HELPER_POLL_S = 0.5
 # The piece helper's KV and prefix cache (enough for every piece: the longest prompt is one prefill step plus a
-# little, a few rows at a time); what `piece_helper_fits` counts. Here, not in warmup_helper.py: that module
+# little, a few rows at a time); what `piece_helper_loan` counts. Here, not in warmup_helper.py: that module
 # builds an engine core, whose module imports this one.
 KV_TOKENS = 32768
 PREFIX_BYTES = 256 << 20
@@ -53,6 +53,7 @@ class WarmupTarget:
     model: Any
     budget: Any = None  # the core's start-up MemoryBudget (None: no budget)
     kv_bytes_per_token: int = 0
+    kv_capacity: Any = None  # the core's KVCapacity (memory/capacity.py): the piece helper may borrow from it
 
 
 class WarmableCore(Protocol):
@@ -87,6 +88,36 @@ class WarmupReport:
 
 
 @dataclass
+class KVLoan:
+    """KV tokens the server lends the piece helper process while it lives: admission hands them to no request
+    from `take` until `repay` (the helper finished, failed or was closed). Both run on the engine thread, which
+    owns the capacity; a running request never loses KV by either."""
+
+    capacity: Any  # memory/capacity.py's KVCapacity
+    tokens: int
+    kv_bytes_per_token: int
+    helper_bytes: int = 0  # what the helper holds beside the server (the log)
+    free_bytes: int = 0  # what the budget leaves to other processes (the log)
+    out: bool = False
+
+    def take(self) -> None:
+        self.capacity.lend(self.tokens)
+        self.out = True
+        log.info("warm-up: %d KV tokens (%.2f GiB) lent to the piece helper process while it runs (it holds %.2f "
+                 "GiB beside the server, %.2f GiB are left to other processes); KV for new requests meanwhile %s "
+                 "tokens", self.tokens, self.tokens * self.kv_bytes_per_token / 2**30, self.helper_bytes / 2**30,
+                 max(self.free_bytes, 0) / 2**30, self.capacity.tokens)
+
+    def repay(self, why: str) -> None:
+        if not self.out:
+            return
+        self.capacity.repay(self.tokens)
+        self.out = False
+        log.info("warm-up: the piece helper process %s; its %d KV tokens are back (KV for new requests %s tokens)",
+                 why, self.tokens, self.capacity.tokens)
+
+
+@dataclass
 class _Piece:
     name: str
     make: Callable[[Any], Iterator[None]]  # core -> steps: adds warm-up requests, yields before each engine step
@@ -97,7 +128,8 @@ class BackgroundWarmup:
     `interrupt` before it adds a request; `run_to_end` runs it all at once (tests, benchmarks)."""
 
     def __init__(self, max_batch: int, buckets: list[int] | None, prompt_len: int = 16,
-                 compiler: Any = None, model: Any = None, piece_helper: Any = None) -> None:
+                 compiler: Any = None, model: Any = None, piece_helper: Any = None,
+                 kv_loan: KVLoan | None = None) -> None:
         self.sizes = [b for b in buckets or range(1, max_batch + 1) if b <= max_batch]
         self.prompt_len = prompt_len
         self.report = WarmupReport()
@@ -121,7 +153,10 @@ class BackgroundWarmup:
         # Pieces the helper process ran first (their kernels are on disk); without one, every piece may run.
         self._piece_helper = piece_helper
         self._helped: set[str] = set()
+        self._kv_loan = kv_loan if piece_helper is not None else None
         if piece_helper is not None:
+            if self._kv_loan is not None:
+                self._kv_loan.take()  # before the helper loads: admission never counts on what it will hold
             piece_helper.start()
             self.report.piece_helper = "compiling"
 
@@ -205,6 +240,8 @@ class BackgroundWarmup:
         for helper in (self._compiler, self._piece_helper):
             if helper is not None:
                 helper.close()
+        if self._kv_loan is not None:
+            self._kv_loan.repay("was stopped")  # after close: its process has ended
 
     # -- the pieces -------------------------------------------------------------------------------------
     def _add(self, core: WarmableCore, rid: str, prompt: list[int], max_tokens: int) -> None:
@@ -282,6 +319,9 @@ class BackgroundWarmup:
                     self.report.piece_helper = kind
                     if kind == "failed":
                         log.warning("warm-up: the piece helper process stopped; the pieces left compile here")
+                    if self._kv_loan is not None:
+                        # "done" is its last line before it exits; "failed" comes once its output has closed.
+                        self._kv_loan.repay("finished" if kind == "done" else "stopped")
         if self._compiler is None:
             return
         from mlxhost.platform.quantized_rows import ALL_TILED_ROWS, set_tiled_rows  # lazy: pulls in mlx
@@ -340,41 +380,63 @@ def tile_compiler(target: WarmupTarget) -> Any:
     return TileCompiler(shapes, rows, cache)
 
 
-def piece_helper_fits(target: WarmupTarget) -> bool:
-    """Whether the piece helper (engine/warmup_helper.py), which loads the model a second time with a small KV
-    budget, fits beside the server in the memory its budget leaves to other processes. A 32B bf16 model on one
-    140-GiB GPU does not: the helper's load took the memory the server's own steps then failed to get. A server
-    without a budget keeps the helper. (A draft model's share of the budget is counted too, though the helper
-    runs without one: the estimate errs towards no helper.)"""
+def piece_helper_bytes(target: WarmupTarget) -> int:
+    """What the piece helper holds beside the server: the model again, its activations, its small KV and prefix
+    cache."""
+    budget = target.budget
+    return budget.weights + budget.activations + KV_TOKENS * target.kv_bytes_per_token + PREFIX_BYTES
+
+
+def piece_helper_loan(target: WarmupTarget) -> int | None:
+    """KV tokens the server lends the piece helper (engine/warmup_helper.py), which loads the model a second time
+    with a small KV budget, for as long as it runs: 0 where the memory the server's budget leaves to other
+    processes holds it, None where not even a loan makes it fit (no helper). A 32B bf16 model on one 140-GiB GPU
+    does not fit: the helper's load took the memory the server's own steps then failed to get. The loan comes
+    from the server's KV, which it does not hold yet: its KV grows with traffic, the helper lives a minute or
+    so from start-up. A server without a budget keeps the helper. (A draft model's share of the budget is
+    counted too, though the helper runs without one: the estimate errs towards no helper.)"""
     budget = target.budget
     if budget is None:
-        return True
-    need = budget.weights + budget.activations + KV_TOKENS * target.kv_bytes_per_token + PREFIX_BYTES
-    if need <= budget.free_for_others:
-        return True
-    log.info("warm-up: no piece helper process (it would hold %.1f GiB beside the server, %.1f GiB are left to "
-             "other processes); the pieces compile here, between requests", need / 2**30,
-             max(budget.free_for_others, 0) / 2**30)
-    return False
+        return 0
+    need = piece_helper_bytes(target)
+    short = need - budget.free_for_others
+    if short <= 0:
+        return 0
+    # The longest request the model takes stays admissible while the loan is out: the API refuses a request
+    # whose prompt and max_tokens exceed the live capacity, and none may be refused for a start-up loan.
+    keep = target.max_model_len
+    lendable = target.kv_capacity.lendable(keep) if target.kv_capacity is not None else 0
+    per_token = target.kv_bytes_per_token
+    tokens = -(-short // per_token) if per_token > 0 else None
+    if tokens is not None and tokens <= lendable:
+        return tokens
+    log.info("warm-up: no piece helper process (it would hold %.2f GiB beside the server: %.2f GiB are left to "
+             "other processes, and %.2f GiB of KV could be lent while it runs, keeping %d tokens for the longest "
+             "request); the pieces compile here, between requests", need / 2**30,
+             max(budget.free_for_others, 0) / 2**30, lendable * per_token / 2**30, keep)
+    return None
 
 
 def make_warmup(core: WarmableCore, max_batch: int, compile_tiles: bool, source: str | None = None,
                 ) -> BackgroundWarmup:
     """The warm-up a server runs while it serves. `compile_tiles` (MLX-CUDA): the model's tiled quantized kernels
     compile in a helper process meanwhile, into the kernel cache MLX uses (platform/kernel_cache.py); with the
-    model's `source` too, another helper process runs each piece first (engine/warmup_helper.py)."""
+    model's `source` too, another helper process runs each piece first (engine/warmup_helper.py), borrowing
+    KV from the server while it runs where the memory left to other processes does not hold it."""
     target = core.warmup_target()
-    compiler = piece_helper = None
-    if compile_tiles and source is not None and not piece_helper_fits(target):
-        source = None  # the pieces compile here, between requests
-    if compile_tiles and source is not None:
+    compiler = piece_helper = kv_loan = None
+    loan = piece_helper_loan(target) if compile_tiles and source is not None else None
+    if loan is not None:
         spec = {"cache_dir": str(kernel_dir()), "source": source, "config": dataclasses.asdict(target.config),
                 "max_model_len": target.max_model_len, "buckets": target.buckets, "max_batch": max_batch}
         piece_helper = TileCompiler([], [], kernel_dir(), module="mlxhost.engine.warmup_helper", spec=spec)
+        if loan:
+            kv_loan = KVLoan(target.kv_capacity, loan, target.kv_bytes_per_token, piece_helper_bytes(target),
+                             target.budget.free_for_others)
     if compile_tiles:
         compiler = tile_compiler(target)
     warm = BackgroundWarmup(max_batch, target.buckets, compiler=compiler, model=target.model,
-                            piece_helper=piece_helper)
+                            piece_helper=piece_helper, kv_loan=kv_loan)
     log.info("warm-up runs while serving: %d pieces between requests on the engine thread", warm.num_pieces)
     return warm
 
