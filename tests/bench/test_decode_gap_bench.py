@@ -1,5 +1,5 @@
-"""`mlxhost bench engine --long-prompt`: one timed round per target after its untimed ones, each with prompts of
-its own, on an engine without its own warm-up; the gaps are counted only while the long prompt is in."""
+"""`mlxhost bench engine --long-prompt`: one engine for every target, its warm-up waited for, each target's untimed
+rounds before its timed one, every round with prompts of its own; gaps are counted only while the long prompt is in."""
 
 from __future__ import annotations
 
@@ -9,20 +9,56 @@ from mlxhost.bench import decode_gap
 from mlxhost.config import EngineConfig
 
 
-def test_each_target_gets_its_untimed_rounds_then_one_timed_row(qwen3_model_dir, monkeypatch):
-    seen = []
-    real = decode_gap.run_gap_round
+def test_each_target_gets_its_untimed_rounds_then_one_timed_row_on_one_engine(qwen3_model_dir, monkeypatch):
+    rounds, targets, engines = [], [], set()
+    real_round, real_set = decode_gap.run_gap_round, decode_gap._set_target
 
-    async def spy(loaded, config, *args, tag="", **kwargs):
-        seen.append((config.max_decode_gap_s, config.warmup, tag))
-        return await real(loaded, config, *args, tag=tag, **kwargs)
+    async def spy_round(engine, loaded, *args, tag="", **kwargs):
+        engines.add(id(engine))
+        rounds.append(tag)
+        return await real_round(engine, loaded, *args, tag=tag, **kwargs)
 
-    monkeypatch.setattr(decode_gap, "run_gap_round", spy)
-    rows = asyncio.run(decode_gap.run_gap_bench(str(qwen3_model_dir), EngineConfig(max_num_seqs=4, warmup="auto"),
-                                                [0.0, 0.5], num_streams=2, stream_prompt_tokens=16,
-                                                long_prompt_tokens=300, warm_rounds=1))
-    assert seen == [(0.0, "off", "warm0-"), (0.0, "off", ""), (0.5, "off", "warm0-"), (0.5, "off", "")]
+    def spy_set(core, seconds):
+        targets.append(seconds)
+        real_set(core, seconds)
+        assert core.scheduler.step_cost.max_decode_gap_s == seconds
+
+    monkeypatch.setattr(decode_gap, "run_gap_round", spy_round)
+    monkeypatch.setattr(decode_gap, "_set_target", spy_set)
+    rows = asyncio.run(decode_gap.run_gap_bench(str(qwen3_model_dir), EngineConfig(max_num_seqs=4), [0.0, 0.5],
+                                                num_streams=2, stream_prompt_tokens=16, long_prompt_tokens=300,
+                                                warm_rounds=1))
+    assert rounds == ["t0w0-", "t0-", "t1w0-", "t1-"] and len(engines) == 1
+    assert targets == [0.0, 0.5]
     assert [r["max_decode_gap_s"] for r in rows] == [0.0, 0.5]
     for row in rows:
         assert row["num_gaps"] > 0 and row["gap_max_s"] >= row["gap_p50_s"] > 0
         assert row["long_prompt_tokens"] > 250
+
+
+def test_the_async_engine_says_while_its_background_warm_up_runs(qwen3_model_dir):
+    from mlxhost.models.loader import load_model
+    from mlxhost.server.app import make_engine, resolve_max_model_len
+
+    async def main():
+        loaded = load_model(str(qwen3_model_dir))
+        config = EngineConfig(max_num_seqs=2, warmup="background")
+        engine = make_engine(loaded, config, resolve_max_model_len(loaded, config))
+        engine.start(asyncio.get_running_loop())
+        try:
+            assert engine.warmup_running  # from the moment start() returns
+            for _ in range(600):
+                if not engine.warmup_running:
+                    break
+                await asyncio.sleep(0.05)
+            assert not engine.warmup_running
+        finally:
+            engine.stop()
+        off = make_engine(loaded, EngineConfig(max_num_seqs=2, warmup="off"), 512)
+        off.start(asyncio.get_running_loop())
+        try:
+            assert not off.warmup_running
+        finally:
+            off.stop()
+
+    asyncio.run(main())

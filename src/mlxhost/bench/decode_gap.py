@@ -9,7 +9,6 @@ says what the bound costs the prefill.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import statistics
 import time
 import uuid
@@ -27,12 +26,10 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def run_gap_round(loaded, engine_config: EngineConfig, num_streams: int, stream_prompt_tokens: int,
-                        long_prompt_tokens: int, seed: int, tag: str = "") -> dict:
-    from mlxhost.server.app import make_engine, resolve_max_model_len  # lazy: pulls in fastapi
-
-    engine = make_engine(loaded, engine_config, resolve_max_model_len(loaded, engine_config))
-    engine.start(asyncio.get_running_loop())
+async def run_gap_round(engine, loaded, num_streams: int, stream_prompt_tokens: int, long_prompt_tokens: int,
+                        seed: int, tag: str = "") -> dict:
+    """One round on a running engine: `num_streams` streams decode, then the long prompt arrives; the gaps the
+    streams see until its first token, and that first token's delay."""
     tok, eos = loaded.tokenizer, loaded.eos_token_ids
     gaps: list[float] = []
     window = {"start": None, "end": None}
@@ -55,14 +52,10 @@ async def run_gap_round(loaded, engine_config: EngineConfig, num_streams: int, s
                 gaps.append(now - last)
             last = now
             if window["end"] is not None:
-                return
+                return  # leaving the stream aborts its request
 
+    tasks = [asyncio.ensure_future(stream(i)) for i in range(num_streams)]
     try:
-        # A lone prompt first: the cost model measures a prefill before the timed round (as a server has).
-        warm = tok.encode(make_prompt(seed, f"{tag}warm", 0, 256))
-        async for _ in engine.generate(Request(uuid.uuid4().hex, warm, SamplingParams(max_tokens=2), eos)):
-            pass
-        tasks = [asyncio.ensure_future(stream(i)) for i in range(num_streams)]
         await started.wait()
         await asyncio.sleep(1.0)  # steady decoding before the prompt lands
         ids = tok.encode(make_prompt(seed, f"{tag}long", 0, long_prompt_tokens))
@@ -72,33 +65,57 @@ async def run_gap_round(loaded, engine_config: EngineConfig, num_streams: int, s
         window["end"] = time.perf_counter()
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=600)
     finally:
-        engine.stop()
-    return {"max_decode_gap_s": engine_config.max_decode_gap_s, "num_gaps": len(gaps),
-            "gap_p50_s": percentile(gaps, 0.5), "gap_p99_s": percentile(gaps, 0.99),
+        for task in tasks:
+            task.cancel()
+    return {"num_gaps": len(gaps), "gap_p50_s": percentile(gaps, 0.5), "gap_p99_s": percentile(gaps, 0.99),
             "gap_max_s": max(gaps) if gaps else None, "gap_mean_s": statistics.fmean(gaps) if gaps else None,
             "long_ttft_s": window["end"] - window["start"], "long_prompt_tokens": len(ids)}
 
 
+def _set_target(core, seconds: float) -> None:
+    # A bench-only reach into the scheduler's cost model: one engine (one warm-up, one set of compiled shapes)
+    # serves every target, and what it learned of step costs carries over.
+    core.scheduler.step_cost.max_decode_gap_s = seconds
+
+
 async def run_gap_bench(model_path: str, engine_config: EngineConfig, targets: list[float], num_streams: int,
                         stream_prompt_tokens: int, long_prompt_tokens: int, seed: int = 0,
-                        warm_rounds: int = 1) -> list[dict]:
-    """One timed round per target, each after `warm_rounds` untimed ones of its own (prompts of their own, none
-    a prefix hit for the timed round): where MLX compiles per shape (MLX-CUDA) a first round spends its time
-    compiling the long prompt's chunks, not prefilling them. The engine's own warm-up is off: its helper
-    processes would share the device with the timed round."""
+                        warm_rounds: int = 1, warmup_wait_s: float = 900.0) -> list[dict]:
+    """One engine, as a server runs it (its background warm-up included, waited for first: where MLX compiles per
+    shape, MLX-CUDA, the warm-up's helper processes compile the quantized kernels a first round would otherwise
+    compile on the request path). Then per target: `warm_rounds` untimed rounds (the long prompt's own chunk
+    shapes) and one timed round, each with prompts of its own, so none is a prefix hit for another."""
+    from mlxhost.server.app import make_engine, resolve_max_model_len  # lazy: pulls in fastapi
+
     loaded = load_model(model_path)
+    engine = make_engine(loaded, engine_config, resolve_max_model_len(loaded, engine_config))
+    engine.start(asyncio.get_running_loop())
     rows = []
-    for target in targets:
-        config = dataclasses.replace(engine_config, max_decode_gap_s=target, warmup="off")
-        for k in range(warm_rounds):
-            warm = await run_gap_round(loaded, config, num_streams, stream_prompt_tokens, long_prompt_tokens,
-                                       seed, tag=f"warm{k}-")
-            print(f"max_decode_gap {target}: untimed round {k + 1}, long prompt TTFT {warm['long_ttft_s']:.1f} s",
-                  flush=True)
-        rows.append(await run_gap_round(loaded, config, num_streams, stream_prompt_tokens, long_prompt_tokens,
-                                        seed))
-        print(f"max_decode_gap {target}: p99 gap {rows[-1]['gap_p99_s']:.3f} s, "
-              f"long prompt TTFT {rows[-1]['long_ttft_s']:.1f} s", flush=True)
+    try:
+        waited = time.perf_counter()
+        while engine.warmup_running and time.perf_counter() - waited < warmup_wait_s:
+            await asyncio.sleep(0.5)
+        if engine.warmup_running:
+            print(f"the warm-up is still running after {warmup_wait_s:.0f} s; rounds start anyway", flush=True)
+        # A lone prompt first: the cost model measures a prefill before any round (as a server has).
+        warm = loaded.tokenizer.encode(make_prompt(seed, "warm", 0, 256))
+        async for _ in engine.generate(Request(uuid.uuid4().hex, warm, SamplingParams(max_tokens=2),
+                                               loaded.eos_token_ids)):
+            pass
+        for pos, target in enumerate(targets):
+            await engine.call(lambda core, t=target: _set_target(core, t))
+            for k in range(warm_rounds):
+                untimed = await run_gap_round(engine, loaded, num_streams, stream_prompt_tokens, long_prompt_tokens,
+                                              seed, tag=f"t{pos}w{k}-")
+                print(f"max_decode_gap {target}: untimed round {k + 1}, long prompt TTFT "
+                      f"{untimed['long_ttft_s']:.1f} s", flush=True)
+            row = await run_gap_round(engine, loaded, num_streams, stream_prompt_tokens, long_prompt_tokens, seed,
+                                      tag=f"t{pos}-")
+            rows.append({"max_decode_gap_s": target, **row})
+            print(f"max_decode_gap {target}: p99 gap {row['gap_p99_s']:.3f} s, "
+                  f"long prompt TTFT {row['long_ttft_s']:.1f} s", flush=True)
+    finally:
+        engine.stop()
     return rows
 
 

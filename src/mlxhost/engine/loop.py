@@ -78,6 +78,7 @@ class AsyncEngine:
         self._busy_since: float | None = None
         self._calls: dict[concurrent.futures.Future, asyncio.Future] = {}  # loop thread only
         self._stop_sent = False
+        self._warming = False  # a background warm-up is still running (written on the engine thread only)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -113,6 +114,11 @@ class AsyncEngine:
         """How long the engine thread has been inside its current step or call (None: between them)."""
         since = self._busy_since
         return time.perf_counter() - since if since is not None else None
+
+    @property
+    def warmup_running(self) -> bool:
+        """Whether the background warm-up (engine/warmup.py) still has pieces or helper processes to finish."""
+        return self._warming
 
     @property
     def kv_capacity_tokens(self) -> int | None:
@@ -237,6 +243,7 @@ class AsyncEngine:
                 self._ready.set()
                 return
             core = built.core
+            self._warming = built.warmup is not None  # before start() returns: a reader then sees it
             self._publish(core)
             self._ready.set()
             # Idle, the loop still wakes now and then: desktop mode re-reads free memory in on_idle(), and
@@ -254,6 +261,7 @@ class AsyncEngine:
                     timeout = min(wait, idle_timeout or wait) if wait else idle_timeout
                     if warm.finished:
                         warm = None
+                        self._warming = False
                 block = not core.has_work
                 if block:
                     core.on_idle()
