@@ -108,3 +108,40 @@ def test_a_service_that_fails_to_close_keeps_nothing_else_open(tmp_path):
 
     asyncio.run(main())
     BatchStore(tmp_path / "batches").close()  # the runner's store let its folder go
+
+
+def test_a_second_signal_bounds_a_close_the_lifespan_already_started(tmp_path):
+    """uvicorn does not interrupt a lifespan shutdown already running: a service close that hangs there is given up
+    at the deadline a second signal brings forward, and the engines still close."""
+
+    class HangingMcp(FakeMcp):
+        async def close(self) -> None:
+            await super().close()
+            await asyncio.Event().wait()  # a session whose transport never answers
+
+    class CountingModels(FakeModels):
+        num_closes = 0
+
+        def close(self, until=lambda: None) -> int:
+            self.num_closes += 1
+            return super().close(until)
+
+    models, mcp = CountingModels(), HangingMcp()
+    app = create_app(models, mcp)
+    install_batch_api(app, tmp_path / "batches")
+
+    async def main() -> None:
+        lifespan = app.router.lifespan_context(app)
+        await lifespan.__aenter__()
+        app.state.stop_deadline = time.monotonic() + 3600  # the first signal's deadline: far away
+        closing = asyncio.ensure_future(lifespan.__aexit__(None, None, None))
+        while mcp.num_closes == 0:  # the lifespan is inside the hanging close
+            await asyncio.sleep(0.01)
+        assert not closing.done()
+        app.state.stop_deadline = time.monotonic()  # what a second signal does (process.GracefulServer)
+        await asyncio.wait_for(closing, 60)  # a hang bound, not a timing check
+        running = {t.get_name() for t in asyncio.all_tasks() if not t.done()}
+        assert models.num_closes == 1 and "batch-runner" not in running
+
+    asyncio.run(main())
+    BatchStore(tmp_path / "batches").close()

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -69,7 +70,11 @@ def create_app(models: ModelManager, mcp=None) -> FastAPI:
         while closers:
             close = closers.pop(0)
             try:
-                await close()
+                # Bounded by the shutdown deadline as it stands while the close runs: a second signal brings it
+                # forward, and a close the lifespan started (uvicorn does not interrupt it) is given up then.
+                if not await _by_deadline(close(), lambda: getattr(app.state, "stop_deadline", None)):
+                    log.warning("a service (MCP sessions, Batch API) was still closing at the shutdown deadline: "
+                                "given up")
             except Exception:  # one service's failure must not keep the others (or the engines) from closing
                 log.exception("closing a service at shutdown failed")
 
@@ -133,3 +138,22 @@ def create_app(models: ModelManager, mcp=None) -> FastAPI:
     add_load_routes(app, models)
     add_openai_routes(app, gateway)
     return app
+
+
+_DEADLINE_POLL_S = 0.05
+
+
+async def _by_deadline(work: Awaitable[None], deadline: Callable[[], float | None]) -> bool:
+    """Awaits `work` until it ends (True) or `deadline()` (time.monotonic(), None: none), re-read while waiting,
+    has passed (False: it is cancelled)."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=_DEADLINE_POLL_S)
+        if done:
+            task.result()  # its exception, if any, for the caller
+            return True
+        until = deadline()
+        if until is not None and time.monotonic() >= until:
+            task.cancel()
+            await asyncio.wait({task}, timeout=_DEADLINE_POLL_S)  # a moment to unwind, not a wait for it
+            return False
