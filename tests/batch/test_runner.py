@@ -124,6 +124,40 @@ def test_the_input_is_read_and_the_result_files_written_off_the_event_loop(tmp_p
     assert threads["write"] and loop_thread not in threads["write"]
 
 
+def test_a_batch_cancelled_while_its_input_is_read_stays_cancelled(tmp_path, monkeypatch):
+    """The runner reads the input on a worker thread: a cancel that lands meanwhile ends the batch, and the runner,
+    back from the read, neither validates it again nor runs a line of it."""
+    reading, release = threading.Event(), threading.Event()
+    real_read = BatchStore.read_file
+
+    def slow_read(self, file_id):
+        reading.set()
+        assert release.wait(60)  # a hang bound, not a timing check
+        return real_read(self, file_id)
+
+    async def main():
+        store = BatchStore(tmp_path)
+        batch_id = new_batch(store, input_file(3))
+        monkeypatch.setattr(BatchStore, "read_file", slow_read)
+        answers = Answers()
+        runner = BatchRunner(store, answers)
+        runner.start()
+        try:
+            while not reading.is_set():
+                await asyncio.sleep(0.01)
+            assert (await runner.cancel(store.batch(batch_id)))["status"] == "cancelled"
+            release.set()
+            for _ in range(50):  # the runner's next turns over the batch
+                await asyncio.sleep(0.01)
+        finally:
+            release.set()
+            await runner.stop()
+        assert store.batch(batch_id)["status"] == "cancelled" and answers.calls == []
+        store.close()
+
+    asyncio.run(main())
+
+
 def test_lines_run_for_the_batchs_owner_and_its_result_files_are_the_owners(tmp_path):
     async def main():
         store = BatchStore(tmp_path)
@@ -251,7 +285,7 @@ def test_a_failed_file_write_leaves_no_partial_file(tmp_path, monkeypatch):
         with pytest.raises(OSError):
             store.write_bytes(b'{"a": 1}\n', "file-x")
         monkeypatch.undo()
-        assert not store.file_path("file-x").exists() and not store.file_path("file-x").with_suffix(".tmp").exists()
+        assert not store.file_path("file-x").exists() and not list(store.file_path("file-x").parent.glob("*.tmp"))
         store.write_bytes(b'{"a": 1}\n', "file-y")
         store.discard_bytes("file-y")
         assert not store.file_path("file-y").exists()

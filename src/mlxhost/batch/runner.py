@@ -46,6 +46,7 @@ class BatchRunner:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._running_id: str | None = None  # the batch whose lines are running now
+        self._finalizing: set[str] = set()  # batches whose files are being written (cancel and the loop may meet)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="batch-runner")
@@ -100,7 +101,8 @@ class BatchRunner:
         batch = self.store.batch(batch_id)
         if batch["status"] in ("validating", "in_progress"):
             lines = await self._read_lines(batch)
-            if batch["status"] == "validating" or isinstance(lines, Exception):
+            batch = self.store.batch(batch_id)  # a cancel may have come while the file was read
+            if batch["status"] == "validating" or (batch["status"] == "in_progress" and isinstance(lines, Exception)):
                 # The input file deleted (or damaged) since validation: the batch fails, once.
                 batch = self._validate(batch, lines)
             if batch["status"] == "in_progress" and not isinstance(lines, Exception):
@@ -184,6 +186,15 @@ class BatchRunner:
     async def _finalize(self, batch: dict, final: str | None = None, stamp: str | None = None) -> None:
         """Writes the output and error files (input order) and ends the batch: completed, cancelled or `final`.
         The bytes are written and fsynced on a worker thread; the rows, on the loop (the store's one owner)."""
+        if batch["id"] in self._finalizing:  # the other caller (cancel, or the loop) writes the files and ends it
+            return
+        self._finalizing.add(batch["id"])
+        try:
+            await self._write_results(batch, final, stamp)
+        finally:
+            self._finalizing.discard(batch["id"])
+
+    async def _write_results(self, batch: dict, final: str | None, stamp: str | None) -> None:
         if final is None:
             final, stamp = ("cancelled", "cancelled_at") if batch["status"] == "cancelling" else ("completed",
                                                                                                   "completed_at")

@@ -98,7 +98,7 @@ class BatchStore:
         the id. Touches no database, so any thread may run it: an upload writes and fsyncs off the event loop."""
         file_id = file_id or new_id("file-")
         path = self.file_path(file_id)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")  # its own: two writers of one id never share it
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
