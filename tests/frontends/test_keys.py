@@ -101,6 +101,17 @@ def test_concurrency_counts_requests_in_flight():
     assert usage.admit(policy) is None
 
 
+def test_a_read_neither_waits_for_nor_takes_a_concurrency_slot():
+    """A GET (a batch's status, a file) passes while the key's one slot is busy, and leaves it as it was; it still
+    counts towards the requests per minute."""
+    usage = KeyUsage(FakeClock())
+    policy = KeyPolicy(key="k", name="n", max_concurrent=1, requests_per_minute=3)
+    assert usage.admit(policy) is None and usage.num_in_flight == 1
+    assert usage.admit(policy, in_flight=False) is None and usage.num_in_flight == 1
+    assert usage.admit(policy, in_flight=False) is None
+    assert usage.admit(policy, in_flight=False).limit == "requests"
+
+
 def test_the_file_is_read_again_when_it_changes_or_on_request(tmp_path):
     path = tmp_path / "keys.yaml"
     path.write_text(FILE)

@@ -183,11 +183,12 @@ class KeyUsage:
                 return at + WINDOW_S - now
         return 0.0
 
-    def admit(self, policy: KeyPolicy) -> Refusal | None:
-        """Counts a new request in, or says which limit refuses it and when to come back."""
+    def admit(self, policy: KeyPolicy, in_flight: bool = True) -> Refusal | None:
+        """Counts a new request in, or says which limit refuses it and when to come back. `in_flight`: False for a
+        read (GET) that neither waits for nor takes a `max_concurrent` slot (the caller then skips release())."""
         now = self.clock()
         self._expire(now)
-        if policy.max_concurrent is not None and self.num_in_flight >= policy.max_concurrent:
+        if in_flight and policy.max_concurrent is not None and self.num_in_flight >= policy.max_concurrent:
             return Refusal("concurrency", f"this key has {self.num_in_flight} requests running, its limit is "
                            f"{policy.max_concurrent}", 1)
         rpm = policy.requests_per_minute
@@ -199,7 +200,7 @@ class KeyUsage:
             return Refusal("tokens", f"this key used {self.num_tokens} tokens in the last minute, its limit is "
                            f"{tpm} per minute", _seconds(self._tokens_free_in(tpm, now)))
         self.request_times.append(now)
-        self.num_in_flight += 1
+        self.num_in_flight += in_flight
         return None
 
     def release(self) -> None:

@@ -88,7 +88,10 @@ class APIKeyMiddleware:
         grant = self.ring.grant(policy)
         shape = self.shapes.find(scope["path"], gate=True)
         anthropic = shape is not None and shape.name == "anthropic"
-        refusal = grant.usage.admit(policy)
+        # A read (a batch's status, a file, the model list) never waits for a generation's slot: a key limited to
+        # one at a time could not look at its batch while the batch's own lines run.
+        in_flight = scope.get("method") != "GET"
+        refusal = grant.usage.admit(policy, in_flight)
         if refusal is not None:
             if self.metrics is not None:
                 self.metrics.key_refusals.labels(policy.name, refusal.limit).inc()
@@ -113,7 +116,8 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send_with_limits)
         finally:
             current_grant.reset(token)
-            grant.usage.release()
+            if in_flight:
+                grant.usage.release()
             if self.metrics is not None:
                 self.metrics.key_requests.labels(policy.name, status).inc()
 
