@@ -340,7 +340,7 @@ def test_lent_kv_is_kept_from_admission_and_a_moved_limit_keeps_the_loan_out():
         sched.add_request(Request(f"r{i}", list(range(1, 11)), SamplingParams(max_tokens=20)))  # 30 tokens each
     sched.schedule()
     assert list(sched.running) == ["r0", "r1"] and sched.num_waiting == 2  # 2 x 30 <= 60 < 3 x 30
-    capacity.tokens = 150  # the governor moves the limit: the loan stays out
+    capacity.set_limit(150)  # the governor moves the limit: the loan stays out
     assert capacity.tokens == 90 and capacity.lendable(keep=80) == 10
     capacity.repay(60)
     sched.schedule()

@@ -221,7 +221,7 @@ class DistributedEngineCore(EngineCore):
             return
         kv = [k for k, _ in everyone if k is not None]
         if kv and (self.kv_capacity_tokens is None or min(kv) < self.kv_capacity_tokens):
-            self.kv_capacity.tokens = min(kv)  # the one holder: the scheduler and the governor read it
+            self.kv_capacity.set_limit(min(kv))  # the one holder: the scheduler and the governor read it
             log.info("KV capacity: %d tokens, the smallest rank's", self.kv_capacity_tokens)
         blocks = [b for _, b in everyone if b is not None]
         if self.prefix is not None and blocks and min(blocks) < self.prefix.max_cached_blocks:

@@ -157,7 +157,12 @@ class BackgroundWarmup:
         if piece_helper is not None:
             if self._kv_loan is not None:
                 self._kv_loan.take()  # before the helper loads: admission never counts on what it will hold
-            piece_helper.start()
+            try:
+                piece_helper.start()
+            except BaseException:
+                if self._kv_loan is not None:
+                    self._kv_loan.repay("did not start")
+                raise
             self.report.piece_helper = "compiling"
 
     @property
@@ -237,11 +242,13 @@ class BackgroundWarmup:
                 core.step()
 
     def close(self) -> None:
-        for helper in (self._compiler, self._piece_helper):
-            if helper is not None:
-                helper.close()
-        if self._kv_loan is not None:
-            self._kv_loan.repay("was stopped")  # after close: its process has ended
+        try:
+            for helper in (self._compiler, self._piece_helper):
+                if helper is not None:
+                    helper.close()
+        finally:
+            if self._kv_loan is not None:
+                self._kv_loan.repay("was stopped")  # after close: its process has ended
 
     # -- the pieces -------------------------------------------------------------------------------------
     def _add(self, core: WarmableCore, rid: str, prompt: list[int], max_tokens: int) -> None:
@@ -320,7 +327,7 @@ class BackgroundWarmup:
                     if kind == "failed":
                         log.warning("warm-up: the piece helper process stopped; the pieces left compile here")
                     if self._kv_loan is not None:
-                        # "done" is its last line before it exits; "failed" comes once its output has closed.
+                        # Both come once its output has closed and the process has ended (tile_compile.py).
                         self._kv_loan.repay("finished" if kind == "done" else "stopped")
         if self._compiler is None:
             return

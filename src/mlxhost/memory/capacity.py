@@ -24,9 +24,9 @@ class KVCapacity:
         """What admission may hand out: the limit less what is lent."""
         return None if self.limit is None else max(0, self.limit - self.lent)
 
-    @tokens.setter
-    def tokens(self, value: int | None) -> None:
-        # The governor and a distributed server move the limit; a loan stays out until repaid.
+    def set_limit(self, value: int | None) -> None:
+        """The governor and a distributed server move the limit (not `tokens`, which is less a loan); a loan
+        stays out until repaid."""
         self.limit = value
 
     def lendable(self, keep: int) -> int:

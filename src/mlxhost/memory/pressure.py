@@ -165,7 +165,7 @@ class MemoryGovernor:
         if self.snapshots is not None and limits.snapshot_bytes is not None:
             evicted += self.snapshots.set_max_bytes(limits.snapshot_bytes)
         if self.capacity is not None:
-            self.capacity.tokens = limits.kv_tokens
+            self.capacity.set_limit(limits.kv_tokens)
         self.limits = limits
         return evicted
 

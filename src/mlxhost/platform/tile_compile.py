@@ -119,7 +119,7 @@ class TileCompiler:
             threading.Thread(target=self._read, args=(proc,), name="mlxhost-tile-compile", daemon=True).start()
 
     def _read(self, proc: subprocess.Popen) -> None:
-        done = False
+        done = None
         for line in proc.stdout:
             parts = line.split()
             if len(parts) == 3 and parts[0] == "ready":
@@ -127,10 +127,11 @@ class TileCompiler:
             elif len(parts) > 2 and parts[0] == "piece":
                 self._reports.put(("piece", " ".join(parts[1:-1]), float(parts[-1])))
             elif parts[:1] == ["done"]:
-                done = True
-                self._reports.put(("done", 0, time.perf_counter() - self._started))
-        if not done:  # it died, or was stopped
-            self._reports.put(("failed", 0, 0.0))
+                done = time.perf_counter() - self._started
+        # Reported once the process has ended, not at its last line: the memory it held (a second copy of the model,
+        # for the piece helper) is free by then, and the server may hand it out again (engine/warmup.py's KV loan).
+        proc.wait()
+        self._reports.put(("done", 0, done) if done is not None else ("failed", 0, 0.0))  # else: died or stopped
 
     def poll(self) -> list[tuple[str, int, float]]:
         """The processes' reports merged: "ready" for each checkpoint once it and every one below it are
