@@ -85,8 +85,11 @@ def test_host_table_has_a_row_per_requested_path(qwen3_model_dir, tmp_path, caps
     for path in ("core", "thread", "async"):
         row = table[path]
         assert row["num_steps"] > 0, path
-        assert all(row[f"{p}_us"] > 0 for p in ("schedule", "runner", "sample", "launch", "readback", "detok",
-                                                 "update", "output", "step", "gap")), row
+        # Every phase has its median (the async path's read from a trace written to the microsecond, where a
+        # fast host's shortest phases may read 0).
+        assert all(row[f"{p}_us"] >= 0 for p in ("schedule", "runner", "sample", "launch", "readback", "detok",
+                                                  "update", "output")), row
+        assert row["step_us"] > 0 and row["gap_us"] > 0, row
         assert row["handoff_us"] is not None
     assert STEP_TRACE_ENV not in os.environ
     assert "host time per decode step" in capsys.readouterr().out

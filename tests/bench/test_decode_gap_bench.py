@@ -25,9 +25,10 @@ def test_each_target_gets_its_untimed_rounds_then_one_timed_row_on_one_engine(qw
 
     monkeypatch.setattr(decode_gap, "run_gap_round", spy_round)
     monkeypatch.setattr(decode_gap, "_set_target", spy_set)
-    rows = asyncio.run(decode_gap.run_gap_bench(str(qwen3_model_dir), EngineConfig(max_num_seqs=4), [0.0, 0.5],
-                                                num_streams=2, stream_prompt_tokens=16, long_prompt_tokens=300,
-                                                warm_rounds=1))
+    # 64-token chunks: the long prompt takes several steps, so every round sees gaps.
+    config = EngineConfig(max_num_seqs=4, prefill_step_size=64)
+    rows = asyncio.run(decode_gap.run_gap_bench(str(qwen3_model_dir), config, [0.0, 0.5], num_streams=2,
+                                                stream_prompt_tokens=16, long_prompt_tokens=300, warm_rounds=1))
     assert rounds == ["t0w0-", "t0-", "t1w0-", "t1-"] and len(engines) == 1
     assert targets == [0.0, 0.5]
     assert [r["max_decode_gap_s"] for r in rows] == [0.0, 0.5]

@@ -74,4 +74,5 @@ def test_the_trace_line_has_a_column_for_each_header_name(stepped, tmp_path):
     # A decode step's host columns carry its values (ms); the first step prefilled.
     assert steps[1][0].num_decoding and not steps[1][0].prefill_chunk_tokens
     row = dict(zip(names, lines[1].split("\t")))
-    assert all(float(row[f[:-2] + "_ms"]) > 0 for f in (*_AROUND_RUNNER, *_IN_DECODE))
+    info = steps[1][0]
+    assert all(row[f[:-2] + "_ms"] == f"{getattr(info, f) * 1e3:.3f}" for f in (*_AROUND_RUNNER, *_IN_DECODE))

@@ -56,7 +56,14 @@ async def run_gap_round(engine, loaded, num_streams: int, stream_prompt_tokens: 
 
     tasks = [asyncio.ensure_future(stream(i)) for i in range(num_streams)]
     try:
-        await started.wait()
+        waiting = asyncio.ensure_future(started.wait())
+        await asyncio.wait({waiting, *tasks}, return_when=asyncio.FIRST_COMPLETED)
+        if not started.is_set():  # a stream ended before all had started: its error, not a hang
+            waiting.cancel()
+            for task in tasks:
+                if task.done():
+                    task.result()
+            raise RuntimeError("a stream ended before every stream had its first token")
         await asyncio.sleep(1.0)  # steady decoding before the prompt lands
         ids = tok.encode(make_prompt(seed, f"{tag}long", 0, long_prompt_tokens))
         window["start"] = time.perf_counter()
@@ -67,6 +74,7 @@ async def run_gap_round(engine, loaded, num_streams: int, stream_prompt_tokens: 
     finally:
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     return {"num_gaps": len(gaps), "gap_p50_s": percentile(gaps, 0.5), "gap_p99_s": percentile(gaps, 0.99),
             "gap_max_s": max(gaps) if gaps else None, "gap_mean_s": statistics.fmean(gaps) if gaps else None,
             "long_ttft_s": window["end"] - window["start"], "long_prompt_tokens": len(ids)}
@@ -112,8 +120,8 @@ async def run_gap_bench(model_path: str, engine_config: EngineConfig, targets: l
             row = await run_gap_round(engine, loaded, num_streams, stream_prompt_tokens, long_prompt_tokens, seed,
                                       tag=f"t{pos}-")
             rows.append({"max_decode_gap_s": target, **row})
-            print(f"max_decode_gap {target}: p99 gap {row['gap_p99_s']:.3f} s, "
-                  f"long prompt TTFT {row['long_ttft_s']:.1f} s", flush=True)
+            p99 = f"{row['gap_p99_s']:.3f} s" if row["gap_p99_s"] is not None else "- (no token fell in the prefill)"
+            print(f"max_decode_gap {target}: p99 gap {p99}, long prompt TTFT {row['long_ttft_s']:.1f} s", flush=True)
     finally:
         engine.stop()
     return rows

@@ -272,6 +272,7 @@ class AsyncEngine:
                         cmd, arg = self._inbox.get(block=block, timeout=timeout if block else None)
                         block = False
                         if cmd == "stop":
+                            self._warming = False
                             if warm is not None:
                                 warm.close()
                             core.close()

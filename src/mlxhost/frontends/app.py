@@ -147,13 +147,20 @@ async def _by_deadline(work: Awaitable[None], deadline: Callable[[], float | Non
     """Awaits `work` until it ends (True) or `deadline()` (time.monotonic(), None: none), re-read while waiting,
     has passed (False: it is cancelled)."""
     task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=_DEADLINE_POLL_S)
-        if done:
-            task.result()  # its exception, if any, for the caller
-            return True
-        until = deadline()
-        if until is not None and time.monotonic() >= until:
-            task.cancel()
-            await asyncio.wait({task}, timeout=_DEADLINE_POLL_S)  # a moment to unwind, not a wait for it
-            return False
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DEADLINE_POLL_S)
+            if done:
+                task.result()  # its exception, if any, for the caller
+                return True
+            until = deadline()
+            if until is not None and time.monotonic() >= until:
+                break
+    except asyncio.CancelledError:  # our caller was cancelled: the work goes with it
+        task.cancel()
+        raise
+    task.cancel()
+    # Given up: whatever it raises while unwinding is not an error of the shutdown's.
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    await asyncio.wait({task}, timeout=_DEADLINE_POLL_S)  # a moment to unwind, not a wait for it
+    return False
