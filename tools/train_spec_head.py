@@ -103,7 +103,8 @@ def make_core(loaded, c: int, **spec):
     return EngineCore(loaded.model, loaded.tokenizer, config, max_model_len=1024)
 
 
-def generate(core, prompts: list[list[int]], max_tokens: int, wave: int, eos=frozenset()) -> tuple[list[list[int]], int, float]:
+def generate(core, prompts: list[list[int]], max_tokens: int, wave: int,
+             eos=frozenset()) -> tuple[list[list[int]], int, float]:
     """Greedy outputs of `prompts`, `wave` at a time; also (tokens, seconds) of decoding them."""
     from mlxhost.engine.request import Request, SamplingParams
 
@@ -140,7 +141,8 @@ def measure(loaded, head_dir: Path, kind: str, prompts: list[list[int]], args) -
                          num_draft_tokens=args.num_draft_tokens, spec_max_batch=max(c, 4))
         generate(auto, prompts[:c], args.max_tokens, c, loaded.eos_token_ids)
         got_auto, n_auto, s_auto = generate(auto, prompts, args.max_tokens, c, loaded.eos_token_ids)
-        row = {"c": c, "off_tok_s": n_off / s_off, f"{kind}_tok_s": n_on / s_on, "speedup": (n_on / s_on) / (n_off / s_off),
+        row = {"c": c, "off_tok_s": n_off / s_off, f"{kind}_tok_s": n_on / s_on,
+               "speedup": (n_on / s_on) / (n_off / s_off),
                "acceptance": d["num_accepted"] / d["num_drafted"] if d["num_drafted"] else 0.0,
                "tokens_per_row_step": d["num_emitted"] / (d["num_steps"] * c) if d["num_steps"] else 1.0,
                "auto_tok_s": n_auto / s_auto, "auto_speedup": (n_auto / s_auto) / (n_off / s_off),
@@ -164,15 +166,18 @@ def main(argv=None) -> int:
                     help="eagle3: tokens its own LM head drafts over (0: the model's whole vocabulary)")
     ap.add_argument("--distill", action="store_true",
                     help="eagle3 with --draft-vocab: learn the model's whole next-token distribution, not its argmax")
-    ap.add_argument("--answers", default=None, help="a JSON file of the model's answers: read if it exists, else written")
+    ap.add_argument("--answers", default=None,
+                    help="a JSON file of the model's answers: read if it exists, else written")
     ap.add_argument("--measure", action="store_true", help="then measure acceptance and speed on held-out prompts")
     ap.add_argument("--measure-only", action="store_true",
-                    help="measure the head already in --out on --model (e.g. the model as served elsewhere), no training")
+                    help="measure the head already in --out on --model (e.g. the model as served elsewhere), "
+                         "no training")
     ap.add_argument("--num-held-out", type=int, default=16)
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--output-json", default=None, help="with --measure-only: where the rows go (default: OUT/measured.json)")
+    ap.add_argument("--output-json", default=None,
+                    help="with --measure-only: where the rows go (default: OUT/measured.json)")
     args = ap.parse_args(argv)
 
     import mlx.core as mx
@@ -192,6 +197,8 @@ def main(argv=None) -> int:
     tok, target = loaded.tokenizer, loaded.model
     train_q, held_q = make_questions(args.seed)
     if args.measure_only:
+        if not (Path(args.out) / "config.json").is_file():
+            raise SystemExit(f"--measure-only: no head in {args.out} (config.json and model.safetensors)")
         held = [chat_ids(tok, q) for q in held_q[:args.num_held_out]]
         rows = measure(loaded, Path(args.out), args.kind, held, args)
         Path(args.output_json or Path(args.out) / "measured.json").write_text(json.dumps(rows, indent=2))
