@@ -78,6 +78,14 @@ def test_the_services_close_once_on_either_path(tmp_path, second_signal):
     asyncio.run(main())
 
 
+class CountingModels(FakeModels):
+    num_closes = 0
+
+    def close(self, until=lambda: None) -> int:
+        self.num_closes += 1
+        return super().close(until)
+
+
 def test_a_service_that_fails_to_close_keeps_nothing_else_open(tmp_path):
     """A service whose close raises (a runner ended by a database error) is logged; the other services and the
     engines still close on the lifespan's way out."""
@@ -86,13 +94,6 @@ def test_a_service_that_fails_to_close_keeps_nothing_else_open(tmp_path):
         async def close(self) -> None:
             await super().close()
             raise RuntimeError("the session's transport is gone")
-
-    class CountingModels(FakeModels):
-        num_closes = 0
-
-        def close(self, until=lambda: None) -> int:
-            self.num_closes += 1
-            return super().close(until)
 
     models, mcp = CountingModels(), BrokenMcp()
     app = create_app(models, mcp)
@@ -118,13 +119,6 @@ def test_a_second_signal_bounds_a_close_the_lifespan_already_started(tmp_path):
         async def close(self) -> None:
             await super().close()
             await asyncio.Event().wait()  # a session whose transport never answers
-
-    class CountingModels(FakeModels):
-        num_closes = 0
-
-        def close(self, until=lambda: None) -> int:
-            self.num_closes += 1
-            return super().close(until)
 
     models, mcp = CountingModels(), HangingMcp()
     app = create_app(models, mcp)

@@ -127,25 +127,13 @@ class GracefulServer(uvicorn.Server):
         # inside a step.
         state = self.config.app.state
         if self.force_exit:
-            await _close_services(state)
+            await state.close_services()  # each bounded by the shutdown deadline (create_app's close_services)
         num_stuck = state.close_models(lambda: state.stop_deadline)
         if num_stuck:
             log.warning("exiting at the shutdown deadline without %d engine(s) still inside a step", num_stuck)
             _exit_now()
         # A graceful stop is a normal exit (0), not a death by the signal uvicorn would re-raise.
         self._captured_signals.clear()
-
-
-async def _close_services(state: Any) -> None:
-    """The MCP sessions and the Batch API's runner (create_app's `close_services`), which would keep the process
-    waiting, closed by the shutdown deadline; one still closing then is given up."""
-    left = (state.stop_deadline or math.inf) - time.monotonic()
-    try:
-        await asyncio.wait_for(state.close_services(), None if left == math.inf else max(left, 0.0))
-    except asyncio.TimeoutError:  # Python 3.10's is not the builtin
-        log.warning("exiting at the shutdown deadline with a service (MCP sessions, Batch API) still closing")
-    except Exception:  # the engines still stop (and flush the SSD tier)
-        log.exception("closing the services failed")
 
 
 def _exit_now() -> None:
