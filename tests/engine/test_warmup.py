@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 
 import pytest
 
 from mlxhost.config import EngineConfig
 from mlxhost.engine.core import EngineCore
-from mlxhost.engine.loop import Assembled, AsyncEngine
+from mlxhost.engine.loop import WARMUP_ISOLATE_ENV, Assembled, AsyncEngine
 from mlxhost.engine.request import Request, SamplingParams
 from mlxhost.engine.runner.batch import make_buckets
 from mlxhost.engine.warmup import BackgroundWarmup
@@ -345,3 +346,53 @@ def test_lent_kv_is_kept_from_admission_and_a_moved_limit_keeps_the_loan_out():
     capacity.repay(60)
     sched.schedule()
     assert list(sched.running) == ["r0", "r1", "r2", "r3"]  # nothing running was touched; the rest join
+
+
+@pytest.mark.parametrize("mode", ["stream", "thread"])
+def test_warmup_steps_isolated_for_an_ab_run_leave_real_output_unchanged(loaded, monkeypatch, mode):
+    """MLXHOST_WARMUP_ISOLATE: the warm-up's steps on a stream or a thread of their own; a request during and one
+    after the warm-up get the tokens a core that never warmed up gives, and a warm-up thread is gone at its end."""
+    monkeypatch.setenv(WARMUP_ISOLATE_ENV, mode)
+    steps: list[tuple[str, bool]] = []  # (thread, whether the step was the warm-up's)
+    made = {}
+
+    def make_core():
+        core = _core(loaded)
+        made["warm"] = BackgroundWarmup(8, core.runner.buckets)
+        step = core.step
+
+        def traced():
+            steps.append((threading.current_thread().name, made["warm"].owns_step))
+            return step()
+
+        core.step = traced
+        return Assembled(core, made["warm"])
+
+    engine = AsyncEngine(make_core, max_num_waiting=10)
+
+    async def tokens_of(request):
+        return [t async for o in engine.generate(request) for t in o.new_token_ids]
+
+    async def main():
+        engine.start(asyncio.get_running_loop())
+        during = await tokens_of(_real())
+        deadline = time.monotonic() + 300  # a bound for a stuck engine, not a timing assertion
+        while not made["warm"].finished:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        after = await tokens_of(_real("after"))
+        engine.stop()
+        return during, after
+
+    during, after = asyncio.run(main())
+    expected = _tokens(_core(loaded), _real())
+    assert during == expected and after == expected
+    assert made["warm"].report.pieces_done == PIECES
+    warm_threads = {name for name, warm in steps if warm}
+    real_threads = {name for name, warm in steps if not warm}
+    assert warm_threads and real_threads and not any(name.startswith("mlxhost-warm") for name in real_threads)
+    if mode == "thread":
+        assert all(name.startswith("mlxhost-warm") for name in warm_threads)
+        assert not any(t.name.startswith("mlxhost-warm") for t in threading.enumerate())
+    else:
+        assert warm_threads == real_threads  # the engine thread, on another stream

@@ -58,6 +58,51 @@ class Assembled:
     memory_refresh_s: float = 0.0
 
 
+# For A/B runs on MLX-CUDA (docs/BENCHMARKS.md, "What the warm-up leaves behind"): where the warm-up's own steps run.
+WARMUP_ISOLATE_ENV = "MLXHOST_WARMUP_ISOLATE"
+
+
+class _WarmupSteps:
+    """Runs the background warm-up's steps: on the engine thread's stream like every other step (the default), on
+    a stream of their own ("stream"), or on a thread of their own ("thread": MLX keeps each thread's streams, and
+    on MLX-CUDA their instantiated CUDA graphs, apart), whose streams are dropped when the warm-up ends. The engine
+    thread waits for each such step, so the core still has one user at a time."""
+
+    def __init__(self, mode: str) -> None:
+        import mlx.core as mx  # lazy: mlx only when used
+
+        self._stream = mx.new_stream(mx.default_device()) if mode == "stream" else None
+        self._pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlxhost-warm")
+                      if mode == "thread" else None)
+
+    def step(self, core: Core) -> list:
+        import mlx.core as mx  # lazy: mlx only when used
+
+        if self._stream is not None:
+            with mx.stream(self._stream):
+                return core.step()
+        if self._pool is not None:
+            return self._pool.submit(core.step).result()
+        return core.step()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.submit(_drop_thread_streams).result()
+            self._pool.shutdown()
+            self._pool = None
+
+
+def _drop_thread_streams() -> None:
+    """MLX 0.32 needs each thread that used it to clear its streams before it ends: left to process teardown, a
+    finished thread's stream aborted the interpreter at exit now and then ("terminate called without an active
+    exception", exit code 134; ml-explore/mlx#3395)."""
+    import mlx.core as mx  # lazy: mlx only when used
+
+    if hasattr(mx, "clear_streams"):
+        mx.synchronize()
+        mx.clear_streams()
+
+
 class AsyncEngine:
     def __init__(self, assemble: Callable[[], Assembled], max_num_waiting: int) -> None:
         # The core (and with it the model's MLX stream) is built on the engine thread itself.
@@ -216,17 +261,10 @@ class AsyncEngine:
 
     # -- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
-        import mlx.core as mx  # lazy: mlx only when used
-
         try:
             self._serve()
         finally:
-            # MLX 0.32 needs each thread that used it to clear its streams before it ends: left to
-            # process teardown, a finished thread's stream aborted the interpreter at exit now and then
-            # ("terminate called without an active exception", exit code 134; ml-explore/mlx#3395).
-            if hasattr(mx, "clear_streams"):
-                mx.synchronize()
-                mx.clear_streams()
+            _drop_thread_streams()
 
     def _serve(self) -> None:
         import mlx.core as mx  # lazy: mlx only when used
@@ -252,6 +290,7 @@ class AsyncEngine:
             trace = _StepTrace.open(os.environ.get(STEP_TRACE_ENV))
             # Warm-up while serving (engine/warmup.py): its steps run while no request is in the engine.
             warm = built.warmup
+            warm_steps = _WarmupSteps(os.environ.get(WARMUP_ISOLATE_ENV, "")) if warm is not None else None
             while True:
                 timeout = idle_timeout
                 if warm is not None:
@@ -262,6 +301,7 @@ class AsyncEngine:
                     if warm.finished:
                         warm = None
                         self._warming = False
+                        warm_steps.close()
                 block = not core.has_work
                 if block:
                     core.on_idle()
@@ -275,6 +315,7 @@ class AsyncEngine:
                             self._warming = False
                             if warm is not None:
                                 warm.close()
+                                warm_steps.close()
                             core.close()
                             trace.close()
                             return
@@ -289,7 +330,7 @@ class AsyncEngine:
                 except queue.Empty:
                     pass
                 started = self._busy_since = time.perf_counter()
-                outputs = core.step()
+                outputs = warm_steps.step(core) if warm is not None and warm.owns_step else core.step()
                 self._busy_since = None
                 elapsed = time.perf_counter() - started
                 self.stats = stats = core.stats()

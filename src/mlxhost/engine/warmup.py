@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
@@ -41,6 +42,8 @@ HELPER_POLL_S = 0.5
 # builds an engine core, whose module imports this one.
 KV_TOKENS = 32768
 PREFIX_BYTES = 256 << 20
+# For A/B runs: what `_tidy_host` does to the host's heap once the warm-up is over.
+WARMUP_AFTER_ENV = "MLXHOST_WARMUP_AFTER"
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,11 @@ class BackgroundWarmup:
     @property
     def finished(self) -> bool:
         return self.report.finished_s is not None
+
+    @property
+    def owns_step(self) -> bool:
+        """The engine's next step runs the warm-up's requests, not real ones."""
+        return self._owns_work and not self.finished
 
     @property
     def num_pieces(self) -> int:
@@ -367,9 +375,30 @@ class BackgroundWarmup:
 
     def _finish(self) -> None:
         self.close()
+        _tidy_host(os.environ.get(WARMUP_AFTER_ENV, ""))
         self.report.finished_s = time.perf_counter() - self._started
         log.info("warm-up finished %.1f s after it started (tiled-kernel helper: %s, piece helper: %s)",
                  self.report.finished_s, self.report.helper, self.report.piece_helper)
+
+
+def _tidy_host(what: str) -> None:
+    """For A/B runs (MLXHOST_WARMUP_AFTER, docs/BENCHMARKS.md "What the warm-up leaves behind"): once the warm-up
+    is over, "collect" runs Python's full garbage collection, "trim" that and glibc's malloc_trim (the host
+    heap the warm-up's steps grew back to the system), "freeze" moves every surviving object out of the
+    collector's reach; comma-separated, any of them. Unset: nothing."""
+    import gc
+
+    if "collect" in what or "trim" in what:
+        gc.collect()
+    if "trim" in what:
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc: nothing to trim this way
+            pass
+    if "freeze" in what:
+        gc.freeze()
 
 
 def tile_compiler(target: WarmupTarget) -> Any:
