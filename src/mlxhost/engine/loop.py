@@ -71,6 +71,9 @@ class _WarmupSteps:
     def __init__(self, mode: str) -> None:
         import mlx.core as mx  # lazy: mlx only when used
 
+        if mode not in ("", "stream", "thread"):
+            log.warning("%s=%r is neither 'stream' nor 'thread': the warm-up's steps run as every other step",
+                        WARMUP_ISOLATE_ENV, mode)
         self._stream = mx.new_stream(mx.default_device()) if mode == "stream" else None
         self._pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlxhost-warm")
                       if mode == "thread" else None)
@@ -124,6 +127,7 @@ class AsyncEngine:
         self._calls: dict[concurrent.futures.Future, asyncio.Future] = {}  # loop thread only
         self._stop_sent = False
         self._warming = False  # a background warm-up is still running (written on the engine thread only)
+        self._warm_steps: _WarmupSteps | None = None  # where its steps run (engine thread only)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -264,6 +268,8 @@ class AsyncEngine:
         try:
             self._serve()
         finally:
+            if self._warm_steps is not None:  # its thread's streams too, however the loop ended
+                self._warm_steps.close()
             _drop_thread_streams()
 
     def _serve(self) -> None:
@@ -291,6 +297,7 @@ class AsyncEngine:
             # Warm-up while serving (engine/warmup.py): its steps run while no request is in the engine.
             warm = built.warmup
             warm_steps = _WarmupSteps(os.environ.get(WARMUP_ISOLATE_ENV, "")) if warm is not None else None
+            self._warm_steps = warm_steps
             while True:
                 timeout = idle_timeout
                 if warm is not None:
