@@ -17,7 +17,7 @@ from mlxhost.engine.core import EngineCore
 from mlxhost.engine.loop import WARMUP_ISOLATE_ENV, Assembled, AsyncEngine
 from mlxhost.engine.request import Request, SamplingParams
 from mlxhost.engine.runner.batch import make_buckets
-from mlxhost.engine.warmup import BackgroundWarmup
+from mlxhost.engine.warmup import WARMUP_AFTER_ENV, BackgroundWarmup
 from mlxhost.models.loader import load_model
 from mlxhost.platform.quantized_rows import ALL_TILED_ROWS, fold_quantized_rows
 
@@ -396,3 +396,16 @@ def test_warmup_steps_isolated_for_an_ab_run_leave_real_output_unchanged(loaded,
         assert not any(t.name.startswith("mlxhost-warm") for t in threading.enumerate())
     else:
         assert warm_threads == real_threads  # the engine thread, on another stream
+
+
+def test_the_host_is_tidied_after_the_warmup_only_when_asked(loaded, monkeypatch):
+    """MLXHOST_WARMUP_AFTER: "collect,freeze" freezes what survives the warm-up; unset, the collector is untouched."""
+    import gc
+
+    for value, frozen in (("", False), ("collect,trim,freeze", True)):
+        monkeypatch.setenv(WARMUP_AFTER_ENV, value)
+        gc.unfreeze()
+        core = _core(loaded)
+        BackgroundWarmup(8, core.runner.buckets).run_to_end(core)
+        assert (gc.get_freeze_count() > 0) == frozen
+    gc.unfreeze()

@@ -383,9 +383,9 @@ class BackgroundWarmup:
 
 def _tidy_host(what: str) -> None:
     """For A/B runs (MLXHOST_WARMUP_AFTER, docs/BENCHMARKS.md "What the warm-up leaves behind"): once the warm-up
-    is over, "collect" runs Python's full garbage collection, "trim" that and glibc's malloc_trim (the host
-    heap the warm-up's steps grew back to the system), "freeze" moves every surviving object out of the
-    collector's reach; comma-separated, any of them. Unset: nothing."""
+    is over, "collect" runs Python's full garbage collection, "trim" that and glibc's malloc_trim (the free parts
+    of the host's heap go back to the system), "freeze" moves every surviving object out of the collector's
+    reach; comma-separated, any of them. Unset: nothing."""
     import gc
 
     if "collect" in what or "trim" in what:
