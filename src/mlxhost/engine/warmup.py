@@ -14,7 +14,9 @@ prefix hits, and as many prompts as one forward prefills.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import gc
 import logging
 import os
 import time
@@ -386,13 +388,9 @@ def _tidy_host(what: str) -> None:
     is over, "collect" runs Python's full garbage collection, "trim" that and glibc's malloc_trim (the free parts
     of the host's heap go back to the system), "freeze" moves every surviving object out of the collector's
     reach; comma-separated, any of them. Unset: nothing."""
-    import gc
-
     if "collect" in what or "trim" in what:
         gc.collect()
     if "trim" in what:
-        import ctypes
-
         try:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):  # not glibc: nothing to trim this way
