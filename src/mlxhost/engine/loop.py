@@ -268,9 +268,11 @@ class AsyncEngine:
         try:
             self._serve()
         finally:
-            if self._warm_steps is not None:  # its thread's streams too, however the loop ended
-                self._warm_steps.close()
-            _drop_thread_streams()
+            try:
+                if self._warm_steps is not None:  # its thread's streams too, however the loop ended
+                    self._warm_steps.close()
+            finally:
+                _drop_thread_streams()
 
     def _serve(self) -> None:
         import mlx.core as mx  # lazy: mlx only when used
