@@ -26,15 +26,7 @@
 # through (e.g. WAVES=8 PROBE=1 KERNELS=/tmp/kernels: 8 waves per level, every server on one kernel folder that
 # the first mlxhost start fills from empty, each mlxhost start timed from launch).
 set -uo pipefail
-if [ -n "${MLX_SITE_BUNDLE:-}" ]; then
-  mkdir -p /tmp/site && tar -xJf "$MLX_SITE_BUNDLE" -C /tmp/site
-  export PYTHONPATH=/tmp/site:$PWD/src
-  # Byte-compiled as pip's install would leave them: a first import does not compile them inside a start-up.
-  python3 -m compileall -q -j0 /tmp/site "$PWD/src" > /dev/null
-else
-  export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+source "$(dirname "$0")/site-env.sh"
 [ "${KERNELS:-}" = shared ] && [ -f "${KERNEL_CACHE_ARCHIVE:-}" ] && tar -xJf "$KERNEL_CACHE_ARCHIVE" -C /tmp
 out=${OUT:-/tmp/gpu-bench}; mkdir -p "$out"
 shapes=("${@:-qwen3-0.6b}")

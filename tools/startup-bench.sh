@@ -10,15 +10,7 @@
 # WARM_WAIT_S (the same for the warm restart, default 30),
 # SHARE=1 (the later shapes' cold starts reuse the first shape's kernel cache: only their own kernels are new).
 set -uo pipefail
-if [ -n "${MLX_SITE_BUNDLE:-}" ]; then
-  mkdir -p /tmp/site && tar -xJf "$MLX_SITE_BUNDLE" -C /tmp/site
-  export PYTHONPATH=/tmp/site:$PWD/src
-  # Byte-compiled as pip's install would leave them: a first import does not compile them inside a start-up.
-  python3 -m compileall -q -j0 /tmp/site "$PWD/src" > /dev/null
-else
-  export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+source "$(dirname "$0")/site-env.sh"
 out=${OUT:-/tmp/startup-bench}; mkdir -p "$out"
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.device_info().get('device_name'))"
 first=

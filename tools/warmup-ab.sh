@@ -10,14 +10,7 @@
 # usage: bash tools/warmup-ab.sh [SHAPE] (default qwen3-0.6b; MODEL=DIR serves that folder instead). Env: VARIANTS (default A,B,AW,AN,AT), ROUNDS
 # (paired rounds per variant and block, default 3), BLOCKS (default 2), OUT (default /tmp/warmup-ab).
 set -uo pipefail
-if [ -n "${MLX_SITE_BUNDLE:-}" ]; then
-  mkdir -p /tmp/site && tar -xJf "$MLX_SITE_BUNDLE" -C /tmp/site
-  export PYTHONPATH=/tmp/site:$PWD/src
-  python3 -m compileall -q -j0 /tmp/site "$PWD/src" > /dev/null
-else
-  export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+source "$(dirname "$0")/site-env.sh"
 out=${OUT:-/tmp/warmup-ab}; mkdir -p "$out"
 shape=${1:-qwen3-0.6b}; m=${MODEL:-/tmp/models/$shape}
 [ -f "$m/config.json" ] || python3 -m mlxhost.server.cli demo-model "$m" --shape "$shape" --bits 4 > /dev/null
