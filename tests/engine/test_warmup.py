@@ -14,7 +14,7 @@ import pytest
 
 from mlxhost.config import EngineConfig
 from mlxhost.engine.core import EngineCore
-from mlxhost.engine.loop import WARMUP_ISOLATE_ENV, Assembled, AsyncEngine
+from mlxhost.engine.loop import WARMUP_ISOLATE_ENV, Assembled, AsyncEngine, warmup_isolation
 from mlxhost.engine.request import Request, SamplingParams
 from mlxhost.engine.runner.batch import make_buckets
 from mlxhost.engine.warmup import WARMUP_AFTER_ENV, BackgroundWarmup
@@ -348,9 +348,18 @@ def test_lent_kv_is_kept_from_admission_and_a_moved_limit_keeps_the_loan_out():
     assert list(sched.running) == ["r0", "r1", "r2", "r3"]  # nothing running was touched; the rest join
 
 
-@pytest.mark.parametrize("mode", ["stream", "thread"])
+def test_the_warmup_gets_a_thread_of_its_own_by_default_on_cuda_only(monkeypatch):
+    import mlxhost.platform.backend as backend
+
+    for on_cuda, expected in ((True, "thread"), (False, "off")):
+        monkeypatch.setattr(backend, "is_cuda", lambda on_cuda=on_cuda: on_cuda)
+        assert warmup_isolation({}) == expected
+        assert warmup_isolation({WARMUP_ISOLATE_ENV: "stream"}) == "stream"  # the switch wins either way
+
+
+@pytest.mark.parametrize("mode", ["off", "stream", "thread"])
 def test_warmup_steps_isolated_for_an_ab_run_leave_real_output_unchanged(loaded, monkeypatch, mode):
-    """MLXHOST_WARMUP_ISOLATE: the warm-up's steps on a stream or a thread of their own; a request during and one
+    """MLXHOST_WARMUP_ISOLATE: the warm-up's steps as every step, on a stream or on a thread of their own; a request during and one
     after the warm-up get the tokens a core that never warmed up gives, and a warm-up thread is gone at its end."""
     monkeypatch.setenv(WARMUP_ISOLATE_ENV, mode)
     steps: list[tuple[str, bool]] = []  # (thread, whether the step was the warm-up's)
@@ -395,7 +404,7 @@ def test_warmup_steps_isolated_for_an_ab_run_leave_real_output_unchanged(loaded,
         assert all(name.startswith("mlxhost-warm") for name in warm_threads)
         assert not any(t.name.startswith("mlxhost-warm") for t in threading.enumerate())
     else:
-        assert warm_threads == real_threads  # the engine thread, on another stream
+        assert warm_threads == real_threads  # the engine thread, on its own stream or on another
 
 
 def test_the_host_is_tidied_after_the_warmup_only_when_asked(loaded, monkeypatch):

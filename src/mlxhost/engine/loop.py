@@ -58,21 +58,31 @@ class Assembled:
     memory_refresh_s: float = 0.0
 
 
-# For A/B runs on MLX-CUDA (docs/BENCHMARKS.md, "What the warm-up leaves behind"): where the warm-up's own steps run.
+# Where the warm-up's own steps run (docs/BENCHMARKS.md, "What the warm-up leaves behind"): "thread" by default on
+# MLX-CUDA, where steps on the engine thread left a lone stream 10% slower after the warm-up; "off" elsewhere.
 WARMUP_ISOLATE_ENV = "MLXHOST_WARMUP_ISOLATE"
 
 
+def warmup_isolation(environ=os.environ) -> str:
+    mode = environ.get(WARMUP_ISOLATE_ENV)
+    if mode is None:
+        from mlxhost.platform.backend import is_cuda  # lazy: imports mlx
+
+        return "thread" if is_cuda() else "off"
+    return mode
+
+
 class _WarmupSteps:
-    """Runs the background warm-up's steps: on the engine thread's stream like every other step (the default), on
-    a stream of their own ("stream"), or on a thread of their own ("thread": MLX keeps each thread's streams, and
-    on MLX-CUDA their instantiated CUDA graphs, apart), whose streams are dropped when the warm-up ends. The engine
+    """Runs the background warm-up's steps: on the engine thread's stream like every other step ("off"), on a
+    stream of their own ("stream"), or on a thread of their own ("thread": MLX keeps each thread's streams, and on
+    MLX-CUDA their instantiated CUDA graphs, apart), whose streams are dropped when the warm-up ends. The engine
     thread waits for each such step, so the core still has one user at a time."""
 
     def __init__(self, mode: str) -> None:
         import mlx.core as mx  # lazy: mlx only when used
 
-        if mode not in ("", "stream", "thread"):
-            log.warning("%s=%r is neither 'stream' nor 'thread': the warm-up's steps run as every other step",
+        if mode not in ("", "off", "stream", "thread"):
+            log.warning("%s=%r is not 'off', 'stream' or 'thread': the warm-up's steps run as every other step",
                         WARMUP_ISOLATE_ENV, mode)
         self._stream = mx.new_stream(mx.default_device()) if mode == "stream" else None
         self._pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlxhost-warm")
@@ -298,7 +308,7 @@ class AsyncEngine:
             trace = _StepTrace.open(os.environ.get(STEP_TRACE_ENV))
             # Warm-up while serving (engine/warmup.py): its steps run while no request is in the engine.
             warm = built.warmup
-            warm_steps = _WarmupSteps(os.environ.get(WARMUP_ISOLATE_ENV, "")) if warm is not None else None
+            warm_steps = _WarmupSteps(warmup_isolation()) if warm is not None else None
             self._warm_steps = warm_steps
             while True:
                 timeout = idle_timeout
