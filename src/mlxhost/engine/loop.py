@@ -84,6 +84,8 @@ class _WarmupSteps:
         if mode not in ("", "off", "stream", "thread"):
             log.warning("%s=%r is not 'off', 'stream' or 'thread': the warm-up's steps run as every other step",
                         WARMUP_ISOLATE_ENV, mode)
+        elif mode in ("stream", "thread"):
+            log.info("the warm-up's steps run on a %s of their own (%s)", mode, WARMUP_ISOLATE_ENV)
         self._stream = mx.new_stream(mx.default_device()) if mode == "stream" else None
         self._pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlxhost-warm")
                       if mode == "thread" else None)

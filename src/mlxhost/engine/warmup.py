@@ -471,7 +471,7 @@ def make_warmup(core: WarmableCore, max_batch: int, compile_tiles: bool, source:
         compiler = tile_compiler(target)
     warm = BackgroundWarmup(max_batch, target.buckets, compiler=compiler, model=target.model,
                             piece_helper=piece_helper, kv_loan=kv_loan)
-    log.info("warm-up runs while serving: %d pieces between requests on the engine thread", warm.num_pieces)
+    log.info("warm-up runs while serving: %d pieces between requests", warm.num_pieces)
     return warm
 
 
