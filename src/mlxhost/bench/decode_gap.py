@@ -105,6 +105,8 @@ async def run_gap_bench(model_path: str, engine_config: EngineConfig, targets: l
             await asyncio.sleep(0.5)
         if engine.warmup_running:
             print(f"the warm-up is still running after {warmup_wait_s:.0f} s; rounds start anyway", flush=True)
+        else:  # a long wait here is the warm-up compiling (a cold kernel cache), not the rounds
+            print(f"engine ready, warm-up over {time.perf_counter() - waited:.0f} s later", flush=True)
         # A lone prompt first: the cost model measures a prefill before any round (as a server has).
         warm = loaded.tokenizer.encode(make_prompt(seed, "warm", 0, 256))
         async for _ in engine.generate(Request(uuid.uuid4().hex, warm, SamplingParams(max_tokens=2),
