@@ -2,10 +2,12 @@
 # What the background warm-up leaves behind that slows a lone stream (docs/BENCHMARKS.md, "One stream on MLX-CUDA"):
 # several `mlxhost serve` of one random 4-bit shape up at once on one GPU, each a variant, then for each in turn a
 # new prompt length timed (does it stall?) and `bench decode --paths raw --url` (served against raw generate_step,
-# paired rounds). Variants: A default; B --warmup off; AW the warm-up's steps on a thread of their own
-# (MLXHOST_WARMUP_ISOLATE=thread); AS on a stream of their own (=stream); AN without CUDA graphs
-# (MLX_USE_CUDA_GRAPHS=0); AT gc.collect + malloc_trim after the warm-up (MLXHOST_WARMUP_AFTER=trim); AF gc.freeze
-# after it (=collect,freeze). A starts first and its warm-up fills the kernel cache before the others start.
+# paired rounds). Variants: A the warm-up's steps on the engine thread (MLXHOST_WARMUP_ISOLATE=off, the default
+# before MLX-CUDA moved them to a thread of their own); B --warmup off; AW on a thread of their own
+# (=thread, today's default on MLX-CUDA); AS on a stream of their own (=stream); AN as A without CUDA graphs
+# (MLX_USE_CUDA_GRAPHS=0); AT as A with gc.collect + malloc_trim after the warm-up (MLXHOST_WARMUP_AFTER=trim); AF
+# as A with gc.freeze after it (=collect,freeze). A starts first and its warm-up fills the kernel cache before the
+# others start.
 # Needs what gpu-bench.sh needs (MLX_SITE_BUNDLE or an environment where mlx's CUDA build and mlxhost import).
 # usage: bash tools/warmup-ab.sh [SHAPE] (default qwen3-0.6b; MODEL=DIR serves that folder instead). Env: VARIANTS (default A,B,AW,AN,AT), ROUNDS
 # (paired rounds per variant and block, default 3), BLOCKS (default 2), OUT (default /tmp/warmup-ab).
@@ -15,8 +17,10 @@ out=${OUT:-/tmp/warmup-ab}; mkdir -p "$out"
 shape=${1:-qwen3-0.6b}; m=${MODEL:-/tmp/models/$shape}
 [ -f "$m/config.json" ] || python3 -m mlxhost.server.cli demo-model "$m" --shape "$shape" --bits 4 > /dev/null
 declare -A FLAGS=([A]="" [B]="--warmup off" [AW]="" [AS]="" [AN]="" [AT]="" [AF]="")
-declare -A ENVS=([A]="X=1" [B]="X=1" [AW]="MLXHOST_WARMUP_ISOLATE=thread" [AS]="MLXHOST_WARMUP_ISOLATE=stream"
-                 [AN]="MLX_USE_CUDA_GRAPHS=0" [AT]="MLXHOST_WARMUP_AFTER=trim" [AF]="MLXHOST_WARMUP_AFTER=collect,freeze")
+off=MLXHOST_WARMUP_ISOLATE=off
+declare -A ENVS=([A]="$off" [B]="X=1" [AW]="MLXHOST_WARMUP_ISOLATE=thread" [AS]="MLXHOST_WARMUP_ISOLATE=stream"
+                 [AN]="$off MLX_USE_CUDA_GRAPHS=0" [AT]="$off MLXHOST_WARMUP_AFTER=trim"
+                 [AF]="$off MLXHOST_WARMUP_AFTER=collect,freeze")
 IFS=, read -ra names <<< "${VARIANTS:-A,B,AW,AN,AT}"
 pids=(); port=8100; declare -A PORT=()
 trap 'kill -INT "${pids[@]}" 2> /dev/null' EXIT
