@@ -19,6 +19,7 @@ from mlxhost.engine.request import Request, SamplingParams
 from mlxhost.engine.runner.batch import make_buckets
 from mlxhost.engine.warmup import WARMUP_AFTER_ENV, BackgroundWarmup
 from mlxhost.models.loader import load_model
+from mlxhost.platform import backend
 from mlxhost.platform.quantized_rows import ALL_TILED_ROWS, fold_quantized_rows
 
 PIECES = ["lone prompt", "decode batch sizes", "unequal prompts joining", "prefix hits", "prompts prefilled together"]
@@ -349,8 +350,6 @@ def test_lent_kv_is_kept_from_admission_and_a_moved_limit_keeps_the_loan_out():
 
 
 def test_the_warmup_gets_a_thread_of_its_own_by_default_on_cuda_only(monkeypatch):
-    import mlxhost.platform.backend as backend
-
     for on_cuda, expected in ((True, "thread"), (False, "off")):
         monkeypatch.setattr(backend, "is_cuda", lambda on_cuda=on_cuda: on_cuda)
         assert warmup_isolation({}) == expected
@@ -358,9 +357,10 @@ def test_the_warmup_gets_a_thread_of_its_own_by_default_on_cuda_only(monkeypatch
 
 
 @pytest.mark.parametrize("mode", ["off", "stream", "thread"])
-def test_warmup_steps_isolated_for_an_ab_run_leave_real_output_unchanged(loaded, monkeypatch, mode):
-    """MLXHOST_WARMUP_ISOLATE: the warm-up's steps as every step, on a stream or on a thread of their own; a request during and one
-    after the warm-up get the tokens a core that never warmed up gives, and a warm-up thread is gone at its end."""
+def test_warmup_steps_wherever_they_run_leave_real_output_unchanged(loaded, monkeypatch, mode):
+    """MLXHOST_WARMUP_ISOLATE: the warm-up's steps as every step, on a stream or on a thread of their own; a
+    request during and one after the warm-up get the tokens a core that never warmed up gives, and a warm-up
+    thread is gone at its end."""
     monkeypatch.setenv(WARMUP_ISOLATE_ENV, mode)
     steps: list[tuple[str, bool]] = []  # (thread, whether the step was the warm-up's)
     made = {}
