@@ -335,8 +335,7 @@ class AsyncEngine:
                         if cmd == "stop":
                             self._warming = False
                             if warm is not None:
-                                warm.close()
-                                warm_steps.close()
+                                warm.close()  # its thread's streams: _run closes warm_steps however the loop ends
                             core.close()
                             trace.close()
                             return
