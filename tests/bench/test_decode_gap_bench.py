@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from mlxhost.bench import decode_gap
 from mlxhost.config import EngineConfig
+from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.engine.scheduler import Scheduler
+from mlxhost.memory.capacity import KVCapacity
 
 
 def test_each_target_gets_its_untimed_rounds_then_one_timed_row_on_one_engine(qwen3_model_dir, monkeypatch):
@@ -63,3 +68,27 @@ def test_the_async_engine_says_while_its_background_warm_up_runs(qwen3_model_dir
             off.stop()
 
     asyncio.run(main())
+
+
+
+@pytest.mark.parametrize("streams,long_prompt", [(8, 16384), (3, 500)])
+def test_the_streams_and_the_long_prompt_are_all_admitted_under_the_kv_the_engine_holds(streams, long_prompt):
+    # Eight 8B streams asking 100k tokens each on an 80 GB card (323,840 KV tokens): five waited for good, and
+    # the round never started. The bench now asks for what lets every row in at once.
+    capacity, stream_prompt = 323_840, 64
+    max_tokens = decode_gap.stream_max_tokens(capacity, streams, stream_prompt, long_prompt)
+    assert long_prompt <= max_tokens <= decode_gap.MAX_STREAM_TOKENS
+    sched = Scheduler(EngineConfig(max_num_seqs=16), max_model_len=200_000, kv_capacity=KVCapacity(capacity))
+    for i in range(streams):
+        sched.add_request(Request(f"s{i}", list(range(stream_prompt + 3)), SamplingParams(max_tokens=max_tokens),
+                                  eos_token_ids=frozenset({0})))
+    sched.add_request(Request("long", list(range(long_prompt + 20)), SamplingParams(max_tokens=1),
+                              eos_token_ids=frozenset({0})))
+    sched.schedule()
+    assert len(sched.running) == streams + 1 and not sched.waiting
+    assert decode_gap.stream_max_tokens(None, streams, stream_prompt, long_prompt) == decode_gap.MAX_STREAM_TOKENS
+
+
+def test_a_kv_budget_too_small_for_the_round_is_an_error_naming_what_to_change():
+    with pytest.raises(ValueError, match="fewer streams or a shorter prompt"):
+        decode_gap.stream_max_tokens(100_000, 8, 64, 16384)

@@ -4,6 +4,10 @@ prefills beside it, once per `--max-decode-gap` value (0: whole prefill chunks b
 Streams start and decode; once each has its first token, the long prompt arrives. Every gap a stream sees
 between the long prompt's arrival and its first token is counted; the long prompt's time to first token
 says what the bound costs the prefill.
+
+Admission reserves every row's prompt + max_tokens (scheduler.py `_kv_bound`), so the streams ask for only as
+many tokens as lets all of them and the long prompt in at once: with 100k each, eight 8B streams on an 80 GB
+card left five waiting for good, and the round never started.
 """
 
 from __future__ import annotations
@@ -26,8 +30,30 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+# How long the streams may take to all have their first token before the round gives up (a cold compile of a
+# new batch size on MLX-CUDA takes tens of seconds; a stream that is never admitted takes forever).
+START_TIMEOUT_S = 300.0
+MAX_STREAM_TOKENS = 100_000
+
+
+def stream_max_tokens(kv_capacity: int | None, num_streams: int, stream_prompt_tokens: int,
+                      long_prompt_tokens: int) -> int:
+    """Each stream's max_tokens: as many as lets the streams and the long prompt be admitted together under
+    `kv_capacity` (rows x the longest prompt + max_tokens, with slack for the tokenizer's count). A capacity too
+    small to leave the streams as many tokens as the long prompt has is an error: they would end mid-round."""
+    if kv_capacity is None:
+        return MAX_STREAM_TOKENS
+    rows = num_streams + 1
+    tokens = min(MAX_STREAM_TOKENS, int(kv_capacity / rows / 1.05) - stream_prompt_tokens)
+    if tokens < long_prompt_tokens:
+        raise ValueError(f"{num_streams} streams beside a {long_prompt_tokens}-token prompt need about "
+                         f"{int(rows * (stream_prompt_tokens + long_prompt_tokens) * 1.05)} KV tokens, and this "
+                         f"engine holds {kv_capacity}: ask for fewer streams or a shorter prompt")
+    return tokens
+
+
 async def run_gap_round(engine, loaded, num_streams: int, stream_prompt_tokens: int, long_prompt_tokens: int,
-                        seed: int, tag: str = "") -> dict:
+                        seed: int, tag: str = "", max_tokens: int = MAX_STREAM_TOKENS) -> dict:
     """One round on a running engine: `num_streams` streams decode, then the long prompt arrives; the gaps the
     streams see until its first token, and that first token's delay."""
     tok, eos = loaded.tokenizer, loaded.eos_token_ids
@@ -39,7 +65,7 @@ async def run_gap_round(engine, loaded, num_streams: int, stream_prompt_tokens: 
     async def stream(i: int) -> None:
         nonlocal num_started
         ids = tok.encode(make_prompt(seed, f"{tag}stream", i, stream_prompt_tokens))
-        params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         last = None
         async for _ in engine.generate(Request(uuid.uuid4().hex, ids, params, eos)):
             now = time.perf_counter()
@@ -57,13 +83,14 @@ async def run_gap_round(engine, loaded, num_streams: int, stream_prompt_tokens: 
     tasks = [asyncio.ensure_future(stream(i)) for i in range(num_streams)]
     try:
         waiting = asyncio.ensure_future(started.wait())
-        await asyncio.wait({waiting, *tasks}, return_when=asyncio.FIRST_COMPLETED)
-        if not started.is_set():  # a stream ended before all had started: its error, not a hang
+        await asyncio.wait({waiting, *tasks}, return_when=asyncio.FIRST_COMPLETED, timeout=START_TIMEOUT_S)
+        if not started.is_set():  # a stream ended (its error) or some never started: not a hang
             waiting.cancel()
             for task in tasks:
                 if task.done():
                     task.result()
-            raise RuntimeError("a stream ended before every stream had its first token")
+            raise RuntimeError(f"only {num_started} of {num_streams} streams had their first token within "
+                               f"{START_TIMEOUT_S:.0f} s ({engine.stats.num_waiting} requests waiting)")
         await asyncio.sleep(1.0)  # steady decoding before the prompt lands
         ids = tok.encode(make_prompt(seed, f"{tag}long", 0, long_prompt_tokens))
         window["start"] = time.perf_counter()
@@ -107,6 +134,8 @@ async def run_gap_bench(model_path: str, engine_config: EngineConfig, targets: l
             print(f"the warm-up is still running after {warmup_wait_s:.0f} s; rounds start anyway", flush=True)
         else:  # a long wait here is the warm-up compiling (a cold kernel cache), not the rounds
             print(f"engine ready, warm-up over {time.perf_counter() - waited:.0f} s later", flush=True)
+        max_tokens = stream_max_tokens(engine.kv_capacity_tokens, num_streams, stream_prompt_tokens,
+                                       long_prompt_tokens)
         # A lone prompt first: the cost model measures a prefill before any round (as a server has).
         warm = loaded.tokenizer.encode(make_prompt(seed, "warm", 0, 256))
         async for _ in engine.generate(Request(uuid.uuid4().hex, warm, SamplingParams(max_tokens=2),
@@ -116,11 +145,11 @@ async def run_gap_bench(model_path: str, engine_config: EngineConfig, targets: l
             await engine.call(lambda core, t=target: _set_target(core, t))
             for k in range(warm_rounds):
                 untimed = await run_gap_round(engine, loaded, num_streams, stream_prompt_tokens, long_prompt_tokens,
-                                              seed, tag=f"t{pos}w{k}-")
+                                              seed, tag=f"t{pos}w{k}-", max_tokens=max_tokens)
                 print(f"max_decode_gap {target}: untimed round {k + 1}, long prompt TTFT "
                       f"{untimed['long_ttft_s']:.1f} s", flush=True)
             row = await run_gap_round(engine, loaded, num_streams, stream_prompt_tokens, long_prompt_tokens, seed,
-                                      tag=f"t{pos}-")
+                                      tag=f"t{pos}-", max_tokens=max_tokens)
             rows.append({"max_decode_gap_s": target, **row})
             p99 = f"{row['gap_p99_s']:.3f} s" if row["gap_p99_s"] is not None else "- (no token fell in the prefill)"
             print(f"max_decode_gap {target}: p99 gap {p99}, long prompt TTFT {row['long_ttft_s']:.1f} s", flush=True)
