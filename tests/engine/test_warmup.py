@@ -226,6 +226,45 @@ def test_a_piece_waits_for_the_piece_helper_and_all_run_once_the_helper_fails(lo
     assert warm.report.pieces_done == PIECES and warm.report.piece_helper == "failed" and helper.closed
 
 
+def test_the_piece_helper_runs_every_piece_and_stops_at_the_first_failed_warmup_request(loaded, monkeypatch):
+    from mlxhost.engine.warmup_helper import run_pieces
+
+    core = _core(loaded)
+    done: list[str] = []
+    assert run_pieces(core, BackgroundWarmup(8, core.runner.buckets), done.append) is None and done == PIECES
+    # An out-of-memory step (MLX-CUDA's context is unusable after it): the helper stops at once, reporting no
+    # piece as done, and the server runs them all itself.
+    real_step = core.step
+    monkeypatch.setattr(core, "step", lambda: [dataclasses.replace(o, error="cudaMallocAsync failed: out of memory")
+                                               for o in real_step()])
+    done = []
+    assert run_pieces(core, BackgroundWarmup(8, core.runner.buckets), done.append) == \
+        "cudaMallocAsync failed: out of memory"
+    assert done == []
+
+
+def test_a_piece_helper_that_finds_too_little_free_memory_at_its_start_leaves_every_piece_to_the_server(
+        loaded, qwen3_model_dir, monkeypatch, tmp_path, capfd):
+    from types import SimpleNamespace
+
+    import mlxhost.engine.warmup as warmup
+
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    core = _core(loaded)
+    target = core.warmup_target()
+    budget = SimpleNamespace(weights=2**30, activations=2**28, free_for_others=2**40)
+    monkeypatch.setattr(core, "warmup_target", lambda: dataclasses.replace(target, budget=budget))
+    monkeypatch.setattr(warmup, "piece_helper_bytes", lambda target: 2**60)  # more than any machine has free
+    monkeypatch.setattr(warmup, "piece_helper_loan", lambda target: 0)
+    # The real helper process, started from the model's folder: it exits before loading anything.
+    warm = warmup.make_warmup(core, 8, compile_tiles=True, source=str(qwen3_model_dir))
+    assert warm.report.piece_helper == "compiling"
+    warm.run_to_end(core)
+    assert warm.report.piece_helper == "failed" and warm.report.pieces_done == PIECES
+    assert not any(e.startswith("helper: ") for e in warm.report.events)
+    assert "GiB are free and it needs" in capfd.readouterr().err
+
+
 def test_the_piece_helper_starts_only_where_a_second_copy_of_the_model_fits(loaded, monkeypatch):
     from types import SimpleNamespace
 

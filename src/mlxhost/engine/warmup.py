@@ -462,7 +462,9 @@ def make_warmup(core: WarmableCore, max_batch: int, compile_tiles: bool, source:
     loan = piece_helper_loan(target) if compile_tiles and source is not None else None
     if loan is not None:
         spec = {"cache_dir": str(kernel_dir()), "source": source, "config": dataclasses.asdict(target.config),
-                "max_model_len": target.max_model_len, "buckets": target.buckets, "max_batch": max_batch}
+                "max_model_len": target.max_model_len, "buckets": target.buckets, "max_batch": max_batch,
+                # What it holds beside the server: it checks the device has that free at its start.
+                "needs_bytes": piece_helper_bytes(target) if target.budget is not None else None}
         piece_helper = TileCompiler([], [], kernel_dir(), module="mlxhost.engine.warmup_helper", spec=spec)
         if loan:
             kv_loan = KVLoan(target.kv_capacity, loan, target.kv_bytes_per_token, piece_helper_bytes(target),

@@ -8,6 +8,12 @@ staging folder (platform/tile_compile.py), and after each piece a line `piece NA
 that piece itself, which then only loads compiled kernels. Its quantized layers dequantize from 8 rows on, as
 the server's do while their tiled kernels compile (the tile helper compiles those), so both need the same
 kernels. Started by engine/warmup.py's make_warmup, on MLX-CUDA only.
+
+It stops early, and the server runs the pieces left itself, where it cannot help: when the device holds less
+free memory at its start than the server counted it would need (other processes, or the server's own load,
+took it meanwhile), and at the first warm-up request that fails. On an H100 both happened under load at an
+8B cold start: the helper's steps ran out of memory, MLX-CUDA's context was unusable after it, and the helper
+failed every step for minutes while the server's warm-up waited for it.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import dataclasses
 import shutil
 import sys
 import time
+from collections.abc import Callable
 
 from mlxhost.engine.warmup import KV_TOKENS, PREFIX_BYTES, BackgroundWarmup
 from mlxhost.models.torch_free import follow_parent
@@ -26,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     follow_parent()  # the server kept torch out for this model: so does this process (it loads the same one)
     spec, cache, staging, linked = start_staged(argv)
     try:
+        short = _memory_short(spec.get("needs_bytes"))
+        if short:
+            print(f"piece helper: {short}; the server runs the pieces", file=sys.stderr, flush=True)
+            return 2
         # Here, not at the top: the core (and MLX) load only after start_staged pointed MLX's kernel cache.
         from mlxhost.config import EngineConfig
         from mlxhost.engine.core import EngineCore
@@ -41,24 +52,53 @@ def main(argv: list[str] | None = None) -> int:
         core = EngineCore(loaded.model, loaded.tokenizer, config, spec["max_model_len"], spec["buckets"])
         set_tiled_rows(loaded.model, MIN_TILED_ROWS - 1)
         warm = BackgroundWarmup(spec["max_batch"], spec["buckets"])
-        reported = 0
-        while not warm.finished:
-            wait = warm.between_steps(core)
-            done = warm.report.pieces_done
-            if len(done) > reported:  # a piece ended: its kernels go to the cache before the server hears of it
-                publish(staging, cache, linked)
-                for name in done[reported:]:
-                    print(f"piece {name} {time.perf_counter() - started:.3f}", flush=True)
-                reported = len(done)
-            if wait:
-                time.sleep(wait)
-            elif core.has_work:
-                core.step()
+
+        def piece_done(name: str) -> None:  # its kernels go to the cache before the server hears of it
+            publish(staging, cache, linked)
+            print(f"piece {name} {time.perf_counter() - started:.3f}", flush=True)
+
+        failed = run_pieces(core, warm, piece_done)
+        if failed:
+            print(f"piece helper: a warm-up request failed ({failed}); the server runs the pieces left",
+                  file=sys.stderr, flush=True)
+            return 3
         publish(staging, cache, linked)
         print("done", flush=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return 0
+
+
+def _memory_short(needs: int | None) -> str | None:
+    """Why the free memory cannot hold the helper (`needs` bytes, as the server counted them), or None."""
+    if not needs:
+        return None
+    from mlxhost.memory.device import read_memory  # here: MLX loads only after start_staged pointed its cache
+
+    free = read_memory().available_now
+    if free >= needs:
+        return None
+    return f"{free / 2**30:.2f} GiB are free and it needs {needs / 2**30:.2f} GiB"
+
+
+def run_pieces(core, warm: BackgroundWarmup, piece_done: Callable[[str], None]) -> str | None:
+    """Runs every piece on `core`, calling `piece_done(name)` as each ends. Returns None once all ran, else the
+    error of the first request that failed: on MLX-CUDA an out-of-memory or illegal access can leave the context
+    unusable, and every later step would fail too."""
+    reported = 0
+    while not warm.finished:
+        wait = warm.between_steps(core)
+        done = warm.report.pieces_done
+        for name in done[reported:]:
+            piece_done(name)
+        reported = len(done)
+        if wait:
+            time.sleep(wait)
+        elif core.has_work:
+            for out in core.step():
+                if out.error:
+                    return out.error
+    return None
 
 
 if __name__ == "__main__":
