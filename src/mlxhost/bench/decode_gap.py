@@ -134,8 +134,10 @@ async def run_gap_bench(model_path: str, engine_config: EngineConfig, targets: l
             print(f"the warm-up is still running after {warmup_wait_s:.0f} s; rounds start anyway", flush=True)
         else:  # a long wait here is the warm-up compiling (a cold kernel cache), not the rounds
             print(f"engine ready, warm-up over {time.perf_counter() - waited:.0f} s later", flush=True)
-        max_tokens = stream_max_tokens(engine.kv_capacity_tokens, num_streams, stream_prompt_tokens,
-                                       long_prompt_tokens)
+        # The prompts as the tokenizer counts them (a real vocabulary makes more tokens of the words than asked).
+        counted = [len(loaded.tokenizer.encode(make_prompt(seed, tag, 0, n)))
+                   for tag, n in (("stream", stream_prompt_tokens), ("long", long_prompt_tokens))]
+        max_tokens = stream_max_tokens(engine.kv_capacity_tokens, num_streams, *counted)
         # A lone prompt first: the cost model measures a prefill before any round (as a server has).
         warm = loaded.tokenizer.encode(make_prompt(seed, "warm", 0, 256))
         async for _ in engine.generate(Request(uuid.uuid4().hex, warm, SamplingParams(max_tokens=2),
