@@ -265,6 +265,22 @@ def test_a_piece_helper_that_finds_too_little_free_memory_at_its_start_leaves_ev
     assert "GiB are free and it needs" in capfd.readouterr().err
 
 
+def test_a_piece_helper_that_reports_nothing_for_too_long_is_stopped_and_its_loan_comes_back(loaded, monkeypatch):
+    import mlxhost.engine.warmup as warmup
+
+    core = _loan_core(loaded, monkeypatch, short_tokens=1000)
+    warm, helper = _make_with_fake_helper(core, monkeypatch)
+    assert core.kv_capacity_tokens == 3000 and warm.between_steps(core) > 0  # lent; the first piece waits for it
+    monkeypatch.setattr(warmup, "PIECE_HELPER_QUIET_S", 0.0)  # as if it had been silent that long
+    time.sleep(0.01)
+    warm.between_steps(core)
+    assert helper.closed and warm.report.piece_helper == "failed" and core.kv_capacity_tokens == 4000
+    helper.queued.append(("failed", 0, 0.0))  # its end, reported once its process is gone: nothing more changes
+    warm.run_to_end(core)
+    assert warm.report.pieces_done == PIECES and core.kv_capacity_tokens == 4000
+    assert not any(e.startswith("helper: ") for e in warm.report.events)
+
+
 def test_the_piece_helper_starts_only_where_a_second_copy_of_the_model_fits(loaded, monkeypatch):
     from types import SimpleNamespace
 

@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 
 # With only the helper process left to hear from, how long the idle engine waits on its inbox between looks.
 HELPER_POLL_S = 0.5
+# A piece helper that reports nothing for this long is stopped, and the server runs the pieces left: a cold
+# piece compiled in under 40 s on an H100 (8B), loading included; a helper failing every step once kept the
+# server's warm-up waiting for minutes.
+PIECE_HELPER_QUIET_S = 600.0
 # The piece helper's KV and prefix cache (enough for every piece: the longest prompt is one prefill step plus a
 # little, a few rows at a time); what `piece_helper_loan` counts. Here, not in warmup_helper.py: that module
 # builds an engine core, whose module imports this one.
@@ -158,6 +162,7 @@ class BackgroundWarmup:
         # Pieces the helper process ran first (their kernels are on disk); without one, every piece may run.
         self._piece_helper = piece_helper
         self._helped: set[str] = set()
+        self._helper_heard = time.perf_counter()  # its last report (or its start)
         self._kv_loan = kv_loan if piece_helper is not None else None
         if piece_helper is not None:
             if self._kv_loan is not None:
@@ -327,7 +332,20 @@ class BackgroundWarmup:
     # -- bookkeeping ------------------------------------------------------------------------------------
     def _apply_reports(self) -> None:
         if self._piece_helper is not None:
-            for kind, name, seconds in self._piece_helper.poll():
+            reports = self._piece_helper.poll()
+            if reports:
+                self._helper_heard = time.perf_counter()
+            elif (self.report.piece_helper == "compiling"
+                  and time.perf_counter() - self._helper_heard > PIECE_HELPER_QUIET_S):
+                log.warning("warm-up: the piece helper process reported nothing for %.0f s; it is stopped and the "
+                            "pieces left compile here", PIECE_HELPER_QUIET_S)
+                self._piece_helper.close()
+                self.report.piece_helper = "failed"
+                if self._kv_loan is not None:
+                    self._kv_loan.repay("was stopped")  # after close: its process has ended
+            for kind, name, seconds in reports:
+                if self.report.piece_helper != "compiling":
+                    continue  # stopped here already: its end, reported later, changes nothing
                 if kind == "piece":
                     self._helped.add(name)
                     self.report.events.append(f"helper: {name}")
