@@ -1,9 +1,9 @@
-"""Why one stream's pace on the GPU host swings between rounds (#19): raw generate_step, round by round,
+"""Why one stream's pace on the GPU host swings between rounds: raw generate_step, round by round,
 beside what the host and the GPU were doing.
 
-The served-against-raw line of #19 compares two streams a second apart, and on the H100 hosts the same
-raw loop gave 3.5 ms a step in one round and 6.2 ms in the next. This probe prints, per round, the step
-time with the CPU the main thread ran on and the GPU's SM clock and throttle reasons, so a slow round can
+The served-against-raw line of `bench decode --url` compares two streams a second apart, and on the H100
+hosts the same raw loop gave 3.5 ms a step in one round and 6.2 ms in the next. This probe prints, per round,
+the step time with the CPU the main thread ran on and the GPU's SM clock and throttle reasons, so a slow round can
 be put down to the CPU (a core, a NUMA node) or to the GPU (clocks), and a pinning tested against it.
 
 usage: python tools/host_probe.py MODEL_DIR [--rounds 16] [--tokens 128] [--label NAME]

@@ -1,4 +1,4 @@
-"""Issue #13 on a live server (tiny model, 127.0.0.1): big bodies never stall running streams, the
+"""Hardening on a live server (tiny model, 127.0.0.1): big bodies never stall running streams, the
 Host and content-type gate, strict schemas, clipped echoes, the OpenAPI document, 405s with `Allow`,
 and metric series that 404 probes cannot grow."""
 

@@ -1,4 +1,4 @@
-"""Vision-language serving end to end (issue #5): the real server on the tiny Qwen2.5-VL and Qwen3-VL
+"""Vision-language serving end to end: the real server on the tiny Qwen2.5-VL and Qwen3-VL
 fixtures, checked against caches off and against mlx-vlm's own generate and forward.
 
 Servers are module-scoped and started lazily, at most two per family: caches on (with media limits

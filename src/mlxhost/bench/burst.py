@@ -18,7 +18,7 @@ from mlxhost.bench.report import format_table, write_json
 from mlxhost.bench.serve import ServeBenchConfig, add_serve_args_argument, default_json_path, int_list, run_serve_bench
 from mlxhost.testing.demo import ensure_demo_model
 
-# Prompt tokens of the burst issue #19 measured on the GPU (130-1,400 words, about 180-1,900 tokens).
+# Prompt tokens of the burst first measured on the GPU (130-1,400 words, about 180-1,900 tokens).
 DEFAULT_MIX = [180, 1900, 550, 1100, 270, 1500, 820, 400]
 
 
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model folder (default: the demo model)")
     parser.add_argument("--rows", type=int_list, default=[1, 8],
-                        help="--max-num-prefill-rows values (1: one prompt per forward, the path before #19)")
+                        help="--max-num-prefill-rows values (1: one prompt per forward, as before batched prefill)")
     parser.add_argument("--prefill-step-sizes", type=int_list, default=[512], help="--prefill-step-size values")
     parser.add_argument("--prompt-tokens-mix", type=int_list, default=DEFAULT_MIX, metavar="N,N,...",
                         help="the burst: one prompt of each length, all sent at once")

@@ -1,4 +1,4 @@
-"""Benchmarks for issue #13, against a running server (any build, so before/after compare):
+"""Hardening benchmarks, against a running server (any build, so before/after compare):
 
   python -m mlxhost.bench.hardening stall --url URL --model NAME   # streams' worst inter-token gap
                                                                     # while 5 MB bodies arrive
