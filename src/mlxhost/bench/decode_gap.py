@@ -6,8 +6,8 @@ between the long prompt's arrival and its first token is counted; the long promp
 says what the bound costs the prefill.
 
 Admission reserves every row's prompt + max_tokens (scheduler.py `_kv_bound`), so the streams ask for only as
-many tokens as lets all of them and the long prompt in at once: with 100k each, eight 8B streams on an 80 GB
-card left five waiting for good, and the round never started.
+many tokens as lets all of them and the long prompt in at once (`stream_max_tokens`): with 100k each, eight 8B
+streams on an 80 GB card left five waiting for good, and the round never started.
 """
 
 from __future__ import annotations
@@ -34,21 +34,32 @@ def percentile(values: list[float], q: float) -> float | None:
 # new batch size on MLX-CUDA takes tens of seconds; a stream that is never admitted takes forever).
 START_TIMEOUT_S = 300.0
 MAX_STREAM_TOKENS = 100_000
+# Tokens a stream decodes before the long prompt lands: the steps that start the streams and a second of steady
+# decoding (about 200 steps of a small model on a GPU).
+STREAM_MARGIN_TOKENS = 2048
 
 
 def stream_max_tokens(kv_capacity: int | None, num_streams: int, stream_prompt_tokens: int,
-                      long_prompt_tokens: int) -> int:
-    """Each stream's max_tokens: as many as lets the streams and the long prompt be admitted together under
-    `kv_capacity` (rows x the longest prompt + max_tokens, with slack for the tokenizer's count). A capacity too
-    small to leave the streams as many tokens as the long prompt has is an error: they would end mid-round."""
-    if kv_capacity is None:
-        return MAX_STREAM_TOKENS
+                      long_prompt_tokens: int, max_num_seqs: int | None = None, kv_prealloc_tokens: int = 0) -> int:
+    """Each stream's max_tokens: as many as lets the streams and the long prompt be admitted together, in the
+    engine's `max_num_seqs` slots and under `kv_capacity` (admission's bound, scheduler.py `_kv_bound`: rows x
+    the longest prompt + max_tokens, or `kv_prealloc_tokens` where more; 5% held back for prompts that tokenize
+    longer). The streams must still be decoding when the long prompt's first token comes: they decode one token
+    a step, and its prefill takes far fewer steps than it has tokens, so at least that many plus what they decode
+    before it lands. Where the slots or the KV cannot hold that: ValueError, naming what to change."""
     rows = num_streams + 1
-    tokens = min(MAX_STREAM_TOKENS, int(kv_capacity / rows / 1.05) - stream_prompt_tokens)
-    if tokens < long_prompt_tokens:
+    if max_num_seqs is not None and rows > max_num_seqs:
+        raise ValueError(f"{num_streams} streams and the long prompt need {rows} sequences at once, and the engine "
+                         f"runs {max_num_seqs}: ask for fewer streams or a larger --max-num-seqs")
+    least = long_prompt_tokens + STREAM_MARGIN_TOKENS
+    if kv_capacity is None:
+        return max(MAX_STREAM_TOKENS, least)
+    room = int(kv_capacity / rows / 1.05)  # the longest row's length that lets every row in
+    tokens = min(max(MAX_STREAM_TOKENS, least), room - stream_prompt_tokens)
+    if tokens < least or kv_prealloc_tokens > room:
         raise ValueError(f"{num_streams} streams beside a {long_prompt_tokens}-token prompt need about "
-                         f"{int(rows * (stream_prompt_tokens + long_prompt_tokens) * 1.05)} KV tokens, and this "
-                         f"engine holds {kv_capacity}: ask for fewer streams or a shorter prompt")
+                         f"{int(rows * max(stream_prompt_tokens + least, kv_prealloc_tokens) * 1.05)} KV tokens, "
+                         f"and this engine holds {kv_capacity}: ask for fewer streams or a shorter prompt")
     return tokens
 
 
@@ -67,7 +78,9 @@ async def run_gap_round(engine, loaded, num_streams: int, stream_prompt_tokens: 
         ids = tok.encode(make_prompt(seed, f"{tag}stream", i, stream_prompt_tokens))
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         last = None
-        async for _ in engine.generate(Request(uuid.uuid4().hex, ids, params, eos)):
+        async for out in engine.generate(Request(uuid.uuid4().hex, ids, params, eos)):
+            if out.error:
+                raise RuntimeError(f"stream {i} failed: {out.error}")
             now = time.perf_counter()
             if last is None:
                 num_started += 1
@@ -79,16 +92,18 @@ async def run_gap_round(engine, loaded, num_streams: int, stream_prompt_tokens: 
             last = now
             if window["end"] is not None:
                 return  # leaving the stream aborts its request
+            if out.finished:
+                raise RuntimeError(f"stream {i} ended ({out.finish_reason}) before the long prompt's first token")
 
     tasks = [asyncio.ensure_future(stream(i)) for i in range(num_streams)]
     try:
         waiting = asyncio.ensure_future(started.wait())
         await asyncio.wait({waiting, *tasks}, return_when=asyncio.FIRST_COMPLETED, timeout=START_TIMEOUT_S)
-        if not started.is_set():  # a stream ended (its error) or some never started: not a hang
+        if not started.is_set():  # a stream failed or ended, or some never started: not a hang
             waiting.cancel()
             for task in tasks:
                 if task.done():
-                    task.result()
+                    task.result()  # its error
             raise RuntimeError(f"only {num_started} of {num_streams} streams had their first token within "
                                f"{START_TIMEOUT_S:.0f} s ({engine.stats.num_waiting} requests waiting)")
         await asyncio.sleep(1.0)  # steady decoding before the prompt lands
@@ -137,7 +152,9 @@ async def run_gap_bench(model_path: str, engine_config: EngineConfig, targets: l
         # The prompts as the tokenizer counts them (a real vocabulary makes more tokens of the words than asked).
         counted = [len(loaded.tokenizer.encode(make_prompt(seed, tag, 0, n)))
                    for tag, n in (("stream", stream_prompt_tokens), ("long", long_prompt_tokens))]
-        max_tokens = stream_max_tokens(engine.kv_capacity_tokens, num_streams, *counted)
+        max_tokens = stream_max_tokens(engine.kv_capacity_tokens, num_streams, *counted,
+                                       max_num_seqs=engine_config.max_num_seqs,
+                                       kv_prealloc_tokens=engine_config.kv_prealloc_tokens)
         # A lone prompt first: the cost model measures a prefill before any round (as a server has).
         warm = loaded.tokenizer.encode(make_prompt(seed, "warm", 0, 256))
         async for _ in engine.generate(Request(uuid.uuid4().hex, warm, SamplingParams(max_tokens=2),

@@ -39,9 +39,10 @@ log = logging.getLogger(__name__)
 
 # With only the helper process left to hear from, how long the idle engine waits on its inbox between looks.
 HELPER_POLL_S = 0.5
-# A piece helper that reports nothing for this long is stopped, and the server runs the pieces left: a cold
-# piece compiled in under 40 s on an H100 (8B), loading included; a helper failing every step once kept the
-# server's warm-up waiting for minutes.
+# A safety net for a hung piece helper (stuck in the driver, say): one that reports nothing for this long is
+# stopped, and the server runs the pieces left. Its first report comes after it has loaded the model; on an
+# H100 an 8B helper's came 3 s after its start, its slowest piece 15 s after the one before. (A helper whose
+# steps fail stops at the first failure itself, engine/warmup_helper.py.)
 PIECE_HELPER_QUIET_S = 600.0
 # The piece helper's KV and prefix cache (enough for every piece: the longest prompt is one prefill step plus a
 # little, a few rows at a time); what `piece_helper_loan` counts. Here, not in warmup_helper.py: that module
@@ -225,7 +226,8 @@ class BackgroundWarmup:
             self._pieces_over = True
             self._owns_work = False
             self._after_pieces(core)
-        if "compiling" in (self.report.helper, self.report.piece_helper):
+        if "compiling" in (self.report.helper, self.report.piece_helper) or (
+                self._kv_loan is not None and self._kv_loan.out):  # a stopped helper's loan comes back at its end
             return HELPER_POLL_S
         self._finish()
         return None
@@ -339,21 +341,20 @@ class BackgroundWarmup:
                   and time.perf_counter() - self._helper_heard > PIECE_HELPER_QUIET_S):
                 log.warning("warm-up: the piece helper process reported nothing for %.0f s; it is stopped and the "
                             "pieces left compile here", PIECE_HELPER_QUIET_S)
-                self._piece_helper.close()
+                self._piece_helper.close()  # its end is reported once its process is gone: the loan comes back then
                 self.report.piece_helper = "failed"
-                if self._kv_loan is not None:
-                    self._kv_loan.repay("was stopped")  # after close: its process has ended
             for kind, name, seconds in reports:
-                if self.report.piece_helper != "compiling":
-                    continue  # stopped here already: its end, reported later, changes nothing
                 if kind == "piece":
+                    if self.report.piece_helper != "compiling":
+                        continue  # stopped here already: the server runs its pieces
                     self._helped.add(name)
                     self.report.events.append(f"helper: {name}")
                     log.info("warm-up: the helper process ran '%s' (%.1f s after it started)", name, seconds)
                 elif kind in ("done", "failed"):
-                    self.report.piece_helper = kind
-                    if kind == "failed":
-                        log.warning("warm-up: the piece helper process stopped; the pieces left compile here")
+                    if self.report.piece_helper == "compiling":
+                        self.report.piece_helper = kind
+                        if kind == "failed":
+                            log.warning("warm-up: the piece helper process stopped; the pieces left compile here")
                     if self._kv_loan is not None:
                         # Both come once its output has closed and the process has ended (tile_compile.py).
                         self._kv_loan.repay("finished" if kind == "done" else "stopped")

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 
 from mlxhost.engine.warmup import KV_TOKENS, PREFIX_BYTES, BackgroundWarmup
+from mlxhost.memory.device import read_memory
 from mlxhost.models.torch_free import follow_parent
 from mlxhost.platform.tile_compile import publish, start_staged
 
@@ -73,8 +74,6 @@ def _memory_short(needs: int | None) -> str | None:
     """Why the free memory cannot hold the helper (`needs` bytes, as the server counted them), or None."""
     if not needs:
         return None
-    from mlxhost.memory.device import read_memory  # here: MLX loads only after start_staged pointed its cache
-
     free = read_memory().available_now
     if free >= needs:
         return None
