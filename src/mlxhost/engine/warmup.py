@@ -53,6 +53,15 @@ PREFIX_BYTES = 256 << 20
 WARMUP_AFTER_ENV = "MLXHOST_WARMUP_AFTER"
 
 
+def _own_memory() -> str:
+    """This process's MLX memory, for the log when a helper stops: whether the server's own buffers (MLX keeps
+    freed ones cached for reuse) left the helper short of device memory."""
+    import mlx.core as mx  # lazy: mlx only when used
+
+    return (f"this process holds {mx.get_active_memory() / 2**30:.2f} GiB active and {mx.get_cache_memory() / 2**30:.2f} "
+            f"GiB cached by MLX, peak {mx.get_peak_memory() / 2**30:.2f} GiB")
+
+
 @dataclass(frozen=True)
 class WarmupTarget:
     """What the warm-up reads of a core (its `warmup_target()`), and nothing else of its insides."""
@@ -354,7 +363,8 @@ class BackgroundWarmup:
                     if self.report.piece_helper == "compiling":
                         self.report.piece_helper = kind
                         if kind == "failed":
-                            log.warning("warm-up: the piece helper process stopped; the pieces left compile here")
+                            log.warning("warm-up: the piece helper process stopped; the pieces left compile here "
+                                        "(%s)", _own_memory())
                     if self._kv_loan is not None:
                         # Both come once its output has closed and the process has ended (tile_compile.py).
                         self._kv_loan.repay("finished" if kind == "done" else "stopped")
