@@ -325,7 +325,7 @@ def _loan_core(loaded, monkeypatch, short_tokens: int | None):
     helper `short_tokens` of KV short of what other processes may use (None: no budget)."""
     from types import SimpleNamespace
 
-    from mlxhost.engine.warmup import KV_TOKENS, PREFIX_BYTES
+    from mlxhost.engine.warmup_memory import KV_TOKENS, PREFIX_BYTES
 
     core = EngineCore(loaded.model, loaded.tokenizer, dataclasses.replace(CONFIG, kv_budget_tokens=4000),
                       LOAN_LEN, make_buckets(8))

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 from mlxhost.config import EngineConfig
 from mlxhost.engine.request import Request, SamplingParams
+from mlxhost.engine.warmup_memory import KVLoan, own_mlx_memory, piece_helper_bytes, piece_helper_loan
 from mlxhost.platform.kernel_cache import count_modules, kernel_dir
 from mlxhost.platform.tile_compile import (
     MIN_TILED_ROWS,
@@ -44,22 +45,8 @@ HELPER_POLL_S = 0.5
 # H100 an 8B helper's came 3 s after its start, its slowest piece 15 s after the one before. (A helper whose
 # steps fail stops at the first failure itself, engine/warmup_helper.py.)
 PIECE_HELPER_QUIET_S = 600.0
-# The piece helper's KV and prefix cache (enough for every piece: the longest prompt is one prefill step plus a
-# little, a few rows at a time); what `piece_helper_loan` counts. Here, not in warmup_helper.py: that module
-# builds an engine core, whose module imports this one.
-KV_TOKENS = 32768
-PREFIX_BYTES = 256 << 20
 # For A/B runs: what `_tidy_host` does to the host's heap once the warm-up is over.
 WARMUP_AFTER_ENV = "MLXHOST_WARMUP_AFTER"
-
-
-def _own_memory() -> str:
-    """This process's MLX memory, for the log when a helper stops: whether the server's own buffers (MLX keeps
-    freed ones cached for reuse) left the helper short of device memory."""
-    import mlx.core as mx  # lazy: mlx only when used
-
-    return (f"this process holds {mx.get_active_memory() / 2**30:.2f} GiB active and {mx.get_cache_memory() / 2**30:.2f} "
-            f"GiB cached by MLX, peak {mx.get_peak_memory() / 2**30:.2f} GiB")
 
 
 @dataclass(frozen=True)
@@ -104,36 +91,6 @@ class WarmupReport:
     piece_helper: str = "off"  # the piece helper (engine/warmup_helper.py): off, compiling, done, failed
     events: list[str] = field(default_factory=list)  # "helper: PIECE", "start: PIECE", "done: PIECE" in order
     finished_s: float | None = None  # seconds from the warm-up's start to its end
-
-
-@dataclass
-class KVLoan:
-    """KV tokens the server lends the piece helper process while it lives: admission hands them to no request
-    from `take` until `repay` (the helper finished, failed or was closed). Both run on the engine thread, which
-    owns the capacity; a running request never loses KV by either."""
-
-    capacity: Any  # memory/capacity.py's KVCapacity
-    tokens: int
-    kv_bytes_per_token: int
-    helper_bytes: int = 0  # what the helper holds beside the server (the log)
-    free_bytes: int = 0  # what the budget leaves to other processes (the log)
-    out: bool = False
-
-    def take(self) -> None:
-        self.capacity.lend(self.tokens)
-        self.out = True
-        log.info("warm-up: %d KV tokens (%.2f GiB) lent to the piece helper process while it runs (it holds %.2f "
-                 "GiB beside the server, %.2f GiB are left to other processes); KV for new requests meanwhile %s "
-                 "tokens", self.tokens, self.tokens * self.kv_bytes_per_token / 2**30, self.helper_bytes / 2**30,
-                 max(self.free_bytes, 0) / 2**30, self.capacity.tokens)
-
-    def repay(self, why: str) -> None:
-        if not self.out:
-            return
-        self.capacity.repay(self.tokens)
-        self.out = False
-        log.info("warm-up: the piece helper process %s; its %d KV tokens are back (KV for new requests %s tokens)",
-                 why, self.tokens, self.capacity.tokens)
 
 
 @dataclass
@@ -364,7 +321,7 @@ class BackgroundWarmup:
                         self.report.piece_helper = kind
                         if kind == "failed":
                             log.warning("warm-up: the piece helper process stopped; the pieces left compile here "
-                                        "(%s)", _own_memory())
+                                        "(%s)", own_mlx_memory())
                     if self._kv_loan is not None:
                         # Both come once its output has closed and the process has ended (tile_compile.py).
                         self._kv_loan.repay("finished" if kind == "done" else "stopped")
@@ -443,43 +400,6 @@ def tile_compiler(target: WarmupTarget) -> Any:
     return TileCompiler(shapes, rows, cache)
 
 
-def piece_helper_bytes(target: WarmupTarget) -> int:
-    """What the piece helper holds beside the server: the model again, its activations, its small KV and prefix
-    cache."""
-    budget = target.budget
-    return budget.weights + budget.activations + KV_TOKENS * target.kv_bytes_per_token + PREFIX_BYTES
-
-
-def piece_helper_loan(target: WarmupTarget) -> int | None:
-    """KV tokens the server lends the piece helper (engine/warmup_helper.py), which loads the model a second time
-    with a small KV budget, for as long as it runs: 0 where the memory the server's budget leaves to other
-    processes holds it, None where not even a loan makes it fit (no helper). A 32B bf16 model on one 140-GiB GPU
-    does not fit: the helper's load took the memory the server's own steps then failed to get. The loan comes
-    from the server's KV, which it does not hold yet: its KV grows with traffic, the helper lives a minute or
-    so from start-up. A server without a budget keeps the helper. (A draft model's share of the budget is
-    counted too, though the helper runs without one: the estimate errs towards no helper.)"""
-    budget = target.budget
-    if budget is None:
-        return 0
-    need = piece_helper_bytes(target)
-    short = need - budget.free_for_others
-    if short <= 0:
-        return 0
-    # The longest request the model takes stays admissible while the loan is out: the API refuses a request
-    # whose prompt and max_tokens exceed the live capacity, and none may be refused for a start-up loan.
-    keep = target.max_model_len
-    lendable = target.kv_capacity.lendable(keep) if target.kv_capacity is not None else 0
-    per_token = target.kv_bytes_per_token
-    tokens = -(-short // per_token) if per_token > 0 else None
-    if tokens is not None and tokens <= lendable:
-        return tokens
-    log.info("warm-up: no piece helper process (it would hold %.2f GiB beside the server: %.2f GiB are left to "
-             "other processes, and %.2f GiB of KV could be lent while it runs, keeping %d tokens for the longest "
-             "request); the pieces compile here, between requests", need / 2**30,
-             max(budget.free_for_others, 0) / 2**30, lendable * per_token / 2**30, keep)
-    return None
-
-
 def make_warmup(core: WarmableCore, max_batch: int, compile_tiles: bool, source: str | None = None,
                 ) -> BackgroundWarmup:
     """The warm-up a server runs while it serves. `compile_tiles` (MLX-CUDA): the model's tiled quantized kernels
@@ -490,14 +410,13 @@ def make_warmup(core: WarmableCore, max_batch: int, compile_tiles: bool, source:
     compiler = piece_helper = kv_loan = None
     loan = piece_helper_loan(target) if compile_tiles and source is not None else None
     if loan is not None:
+        need = piece_helper_bytes(target) if target.budget is not None else None
         spec = {"cache_dir": str(kernel_dir()), "source": source, "config": dataclasses.asdict(target.config),
                 "max_model_len": target.max_model_len, "buckets": target.buckets, "max_batch": max_batch,
-                # What it holds beside the server: it checks the device has that free at its start.
-                "needs_bytes": piece_helper_bytes(target) if target.budget is not None else None}
+                "needs_bytes": need}  # what it holds beside the server: it checks the device has that free first
         piece_helper = TileCompiler([], [], kernel_dir(), module="mlxhost.engine.warmup_helper", spec=spec)
         if loan:
-            kv_loan = KVLoan(target.kv_capacity, loan, target.kv_bytes_per_token, piece_helper_bytes(target),
-                             target.budget.free_for_others)
+            kv_loan = KVLoan(target.kv_capacity, loan, target.kv_bytes_per_token, need, target.budget.free_for_others)
     if compile_tiles:
         compiler = tile_compiler(target)
     warm = BackgroundWarmup(max_batch, target.buckets, compiler=compiler, model=target.model,

@@ -24,7 +24,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from mlxhost.engine.warmup import KV_TOKENS, PREFIX_BYTES, BackgroundWarmup
+from mlxhost.engine.warmup import BackgroundWarmup
+from mlxhost.engine.warmup_memory import KV_TOKENS, PREFIX_BYTES
 from mlxhost.memory.device import read_memory
 from mlxhost.models.torch_free import follow_parent
 from mlxhost.platform.tile_compile import publish, start_staged

@@ -3,7 +3,7 @@
 The one number admission checks (`Scheduler.can_admit`) and the API's "can never fit" check reads.
 memory/ owns it: set at start-up from the budget (or `--kv-budget-tokens`), lowered and restored by
 the governor under memory pressure (pressure.py), lowered to the smallest rank's by a distributed
-server, and lent out for a while (the warm-up's piece helper process, engine/warmup.py). Everyone else
+server, and lent out for a while (the warm-up's piece helper process, engine/warmup_memory.py). Everyone else
 reads `tokens` through this object; nobody keeps a copy.
 """
 

@@ -129,7 +129,7 @@ class TileCompiler:
             elif parts[:1] == ["done"]:
                 done = time.perf_counter() - self._started
         # Reported once the process has ended, not at its last line: the memory it held (a second copy of the model,
-        # for the piece helper) is free by then, and the server may hand it out again (engine/warmup.py's KV loan).
+        # for the piece helper) is free by then, and the server may hand it out again (engine/warmup_memory.py's KV loan).
         proc.wait()
         self._reports.put(("done", 0, done) if done is not None else ("failed", 0, 0.0))  # else: died or stopped
 

@@ -1,0 +1,92 @@
+"""What the warm-up's piece helper process (engine/warmup_helper.py) holds beside the server, and the KV capacity
+the server lends it while it runs where the memory its budget leaves to other processes does not hold it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# The piece helper's KV and prefix cache (enough for every piece: the longest prompt is one prefill step plus a
+# little, a few rows at a time): what it builds its core with and what `piece_helper_bytes` counts.
+KV_TOKENS = 32768
+PREFIX_BYTES = 256 << 20
+
+
+def own_mlx_memory() -> str:
+    """This process's MLX memory, for the log when a helper stops: whether the server's own buffers (MLX keeps
+    freed ones cached for reuse) left the helper short of device memory."""
+    import mlx.core as mx  # lazy: mlx only when used
+
+    return (f"this process holds {mx.get_active_memory() / 2**30:.2f} GiB active and {mx.get_cache_memory() / 2**30:.2f} "
+            f"GiB cached by MLX, peak {mx.get_peak_memory() / 2**30:.2f} GiB")
+
+
+@dataclass
+class KVLoan:
+    """KV tokens the server lends the piece helper process while it lives: admission hands them to no request
+    from `take` until `repay` (the helper finished, failed or was closed). Both run on the engine thread, which
+    owns the capacity; a running request never loses KV by either."""
+
+    capacity: Any  # memory/capacity.py's KVCapacity
+    tokens: int
+    kv_bytes_per_token: int
+    helper_bytes: int = 0  # what the helper holds beside the server (the log)
+    free_bytes: int = 0  # what the budget leaves to other processes (the log)
+    out: bool = False
+
+    def take(self) -> None:
+        self.capacity.lend(self.tokens)
+        self.out = True
+        log.info("warm-up: %d KV tokens (%.2f GiB) lent to the piece helper process while it runs (it holds %.2f "
+                 "GiB beside the server, %.2f GiB are left to other processes); KV for new requests meanwhile %s "
+                 "tokens", self.tokens, self.tokens * self.kv_bytes_per_token / 2**30, self.helper_bytes / 2**30,
+                 max(self.free_bytes, 0) / 2**30, self.capacity.tokens)
+
+    def repay(self, why: str) -> None:
+        if not self.out:
+            return
+        self.capacity.repay(self.tokens)
+        self.out = False
+        log.info("warm-up: the piece helper process %s; its %d KV tokens are back (KV for new requests %s tokens)",
+                 why, self.tokens, self.capacity.tokens)
+
+
+def piece_helper_bytes(target: Any) -> int:
+    """What the piece helper holds beside the server: the model again, its activations, its small KV and prefix
+    cache."""
+    budget = target.budget
+    return budget.weights + budget.activations + KV_TOKENS * target.kv_bytes_per_token + PREFIX_BYTES
+
+
+def piece_helper_loan(target: Any) -> int | None:
+    """KV tokens the server lends the piece helper (engine/warmup_helper.py), which loads the model a second time
+    with a small KV budget, for as long as it runs: 0 where the memory the server's budget leaves to other
+    processes holds it, None where not even a loan makes it fit (no helper). A 32B bf16 model on one 140-GiB GPU
+    does not fit: the helper's load took the memory the server's own steps then failed to get. The loan comes
+    from the server's KV, which it does not hold yet: its KV grows with traffic, the helper lives a minute or
+    so from start-up. A server without a budget keeps the helper. (A draft model's share of the budget is
+    counted too, though the helper runs without one: the estimate errs towards no helper.)"""
+    budget = target.budget
+    if budget is None:
+        return 0
+    need = piece_helper_bytes(target)
+    short = need - budget.free_for_others
+    if short <= 0:
+        return 0
+    # The longest request the model takes stays admissible while the loan is out: the API refuses a request
+    # whose prompt and max_tokens exceed the live capacity, and none may be refused for a start-up loan.
+    keep = target.max_model_len
+    lendable = target.kv_capacity.lendable(keep) if target.kv_capacity is not None else 0
+    per_token = target.kv_bytes_per_token
+    tokens = -(-short // per_token) if per_token > 0 else None
+    if tokens is not None and tokens <= lendable:
+        return tokens
+    log.info("warm-up: no piece helper process (it would hold %.2f GiB beside the server: %.2f GiB are left to "
+             "other processes, and %.2f GiB of KV could be lent while it runs, keeping %d tokens for the longest "
+             "request); the pieces compile here, between requests", need / 2**30,
+             max(budget.free_for_others, 0) / 2**30, lendable * per_token / 2**30, keep)
+    return None
