@@ -13,7 +13,7 @@ folder it writes serves with `mlxhost serve MODEL --speculative KIND --speculati
 then decodes held-out prompts (other templates' fillers) with speculation off, with the head and with
 `--speculative auto`, at each `--concurrency`, checks that greedy output is the same, and prints acceptance,
 tokens per row-step and tok/s. `--answers FILE` keeps the model's answers for the next run (the slow part).
-The model is converted to float32 (the CPU's fast path; float16 and 4-bit matmuls are slow there).
+The model is converted to float32 (`--dtype`: the CPU's fast path; float16 and 4-bit matmuls are slow there).
 """
 
 from __future__ import annotations
@@ -127,11 +127,12 @@ def measure(loaded, head_dir: Path, kind: str, prompts: list[list[int]], args) -
     rows = []
     for c in args.concurrency:
         plain = make_core(loaded, c)
-        generate(plain, prompts[:c], args.max_tokens, c, loaded.eos_token_ids)  # warm-up
+        warm = prompts if args.full_warmup else prompts[:c]
+        generate(plain, warm, args.max_tokens, c, loaded.eos_token_ids)  # warm-up
         want, n_off, s_off = generate(plain, prompts, args.max_tokens, c, loaded.eos_token_ids)
         spec = make_core(loaded, c, speculative=kind, draft_model=str(head_dir),
                          num_draft_tokens=args.num_draft_tokens, spec_max_batch=max(c, 4))
-        generate(spec, prompts[:c], args.max_tokens, c, loaded.eos_token_ids)
+        generate(spec, warm, args.max_tokens, c, loaded.eos_token_ids)
         before = spec.spec_stats()
         got, n_on, s_on = generate(spec, prompts, args.max_tokens, c, loaded.eos_token_ids)
         after = spec.spec_stats()
@@ -139,7 +140,7 @@ def measure(loaded, head_dir: Path, kind: str, prompts: list[list[int]], args) -
         # The same head under --speculative auto: steps whose drafts do not pay decode plainly.
         auto = make_core(loaded, c, speculative="auto", draft_model=str(head_dir),
                          num_draft_tokens=args.num_draft_tokens, spec_max_batch=max(c, 4))
-        generate(auto, prompts[:c], args.max_tokens, c, loaded.eos_token_ids)
+        generate(auto, warm, args.max_tokens, c, loaded.eos_token_ids)
         got_auto, n_auto, s_auto = generate(auto, prompts, args.max_tokens, c, loaded.eos_token_ids)
         row = {"c": c, "off_tok_s": n_off / s_off, f"{kind}_tok_s": n_on / s_on,
                "speedup": (n_on / s_on) / (n_off / s_off),
@@ -156,6 +157,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a .gguf file or model folder (default: the fetched SmolLM2)")
     ap.add_argument("--kind", choices=["eagle3", "mtp"], default="eagle3")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="a .gguf --model's weights are dequantized to this (float32: the CPU's fast path; on a GPU "
+                         "the dtype a server would use, bfloat16 or float16)")
     ap.add_argument("--out", required=True, help="the head's folder")
     ap.add_argument("--num-prompts", type=int, default=320, help="training prompts (at most the templates')")
     ap.add_argument("--max-tokens", type=int, default=48, help="tokens the model answers each prompt with")
@@ -175,6 +179,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-held-out", type=int, default=16)
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--full-warmup", action="store_true",
+                    help="each core first decodes every held-out prompt once, not one wave: on MLX-CUDA a shape met "
+                         "for the first time compiles kernels, which would land in the timed pass")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", default=None,
                     help="with --measure-only: where the rows go (default: OUT/measured.json)")
@@ -192,7 +199,7 @@ def main(argv=None) -> int:
     if source is None:
         raise SystemExit("no model: python -m mlxhost.testing.real_models fetch --only smollm2")
     if str(source).endswith(".gguf"):
-        source = prepare_gguf(source, GGUFConvertConfig(dtype="float32", dequantize=True))
+        source = prepare_gguf(source, GGUFConvertConfig(dtype=args.dtype, dequantize=True))
     loaded = load_model(str(source))
     tok, target = loaded.tokenizer, loaded.model
     train_q, held_q = make_questions(args.seed)
