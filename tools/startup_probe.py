@@ -51,7 +51,11 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            delta = json.loads(line[6:])["choices"]
+            chunk = json.loads(line[6:])
+            if "error" in chunk:  # the server failed the request mid-stream: counted, not a crash of the probe
+                err = chunk["error"]
+                return {"sent_s": sent - t0, "error": str(err.get("message", err) if isinstance(err, dict) else err)}
+            delta = chunk["choices"]
             if not delta or not delta[0].get("delta", {}).get("content"):
                 continue
             now = time.monotonic()

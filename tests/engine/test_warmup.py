@@ -10,6 +10,7 @@ import dataclasses
 import threading
 import time
 
+import mlx.core as mx
 import pytest
 
 from mlxhost.config import EngineConfig
@@ -252,7 +253,7 @@ def test_a_piece_helper_that_finds_too_little_free_memory_at_its_start_leaves_ev
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
     core = _core(loaded)
     target = core.warmup_target()
-    budget = SimpleNamespace(weights=2**30, activations=2**28, free_for_others=2**40)
+    budget = SimpleNamespace(weights=2**30, activations=2**28, free_for_others=2**40, ceiling=2**40)
     monkeypatch.setattr(core, "warmup_target", lambda: dataclasses.replace(target, budget=budget))
     monkeypatch.setattr(warmup, "piece_helper_bytes", lambda target: 2**60)  # more than any machine has free
     monkeypatch.setattr(warmup, "piece_helper_loan", lambda target: 0)
@@ -292,7 +293,7 @@ def test_the_piece_helper_starts_only_where_a_second_copy_of_the_model_fits(load
     from types import SimpleNamespace
 
     import mlxhost.engine.warmup as warmup
-    from mlxhost.engine.warmup_helper import KV_TOKENS, PREFIX_BYTES
+    from mlxhost.engine.warmup_memory import KV_TOKENS, PREFIX_BYTES, SLACK_BYTES
     from mlxhost.memory.capacity import KVCapacity
 
     gib = 2**30
@@ -303,10 +304,13 @@ def test_the_piece_helper_starts_only_where_a_second_copy_of_the_model_fits(load
                           kv_capacity=KVCapacity(44 * gib // 262_144), max_model_len=32768)
     assert warmup.piece_helper_loan(big) is None
     small = SimpleNamespace(budget=SimpleNamespace(weights=4 * gib, activations=1 * gib, kv=20 * gib,
-                                                   free_for_others=13 * gib), kv_bytes_per_token=147_456,
+                                                   free_for_others=15 * gib), kv_bytes_per_token=147_456,
                             kv_capacity=KVCapacity(20 * gib // 147_456), max_model_len=32768)
     need = 5 * gib + KV_TOKENS * 147_456 + PREFIX_BYTES
-    assert need < 13 * gib and warmup.piece_helper_loan(small) == 0  # fits what is left: nothing lent
+    # Fits what is left with SLACK_BYTES to spare (the processes' CUDA contexts): nothing lent.
+    assert need + SLACK_BYTES < 15 * gib and warmup.piece_helper_loan(small) == 0
+    small.budget.free_for_others = need + SLACK_BYTES - 1  # one byte short of the slack: a loan of one token
+    assert warmup.piece_helper_loan(small) == 1
     assert warmup.piece_helper_loan(SimpleNamespace(budget=None)) == 0  # no budget to go by: as before
     # make_warmup then runs the pieces on the engine thread alone.
     monkeypatch.setattr(warmup, "piece_helper_loan", lambda core: None)
@@ -318,6 +322,7 @@ def test_the_piece_helper_starts_only_where_a_second_copy_of_the_model_fits(load
 
 # -- the piece helper borrows KV ---------------------------------------------------------------------------
 LOAN_LEN = 512  # max_model_len: what the capacity keeps while lent
+LOAN_CEILING = 16 * 2**30  # the stand-in budget's ceiling
 
 
 def _loan_core(loaded, monkeypatch, short_tokens: int | None):
@@ -325,7 +330,7 @@ def _loan_core(loaded, monkeypatch, short_tokens: int | None):
     helper `short_tokens` of KV short of what other processes may use (None: no budget)."""
     from types import SimpleNamespace
 
-    from mlxhost.engine.warmup_memory import KV_TOKENS, PREFIX_BYTES
+    from mlxhost.engine.warmup_memory import KV_TOKENS, PREFIX_BYTES, SLACK_BYTES
 
     core = EngineCore(loaded.model, loaded.tokenizer, dataclasses.replace(CONFIG, kv_budget_tokens=4000),
                       LOAN_LEN, make_buckets(8))
@@ -333,7 +338,8 @@ def _loan_core(loaded, monkeypatch, short_tokens: int | None):
     budget = None
     if short_tokens is not None:
         need = 2**30 + 2**28 + KV_TOKENS * per_token + PREFIX_BYTES
-        budget = SimpleNamespace(weights=2**30, activations=2**28, free_for_others=need - short_tokens * per_token)
+        budget = SimpleNamespace(weights=2**30, activations=2**28, ceiling=LOAN_CEILING,
+                                 free_for_others=need + SLACK_BYTES - short_tokens * per_token)
     monkeypatch.setattr(core, "warmup_target", lambda: dataclasses.replace(target, budget=budget))
     return core
 
@@ -353,11 +359,14 @@ def _make_with_fake_helper(core, monkeypatch) -> tuple[BackgroundWarmup, _Helper
 
 @pytest.mark.parametrize("end", ["done", "failed", "closed"])
 def test_the_piece_helper_borrows_kv_while_it_runs_and_gives_it_back(loaded, monkeypatch, end):
+    limit_before = mx.get_memory_limit()
     core = _loan_core(loaded, monkeypatch, short_tokens=1000)
     warm, helper = _make_with_fake_helper(core, monkeypatch)
     assert helper.started and warm.report.piece_helper == "compiling"
     # Lowered on the one capacity the scheduler admits by and the API's "never fits" check reads.
     assert core.kv_capacity_tokens == core.scheduler.kv_capacity_tokens == core.stats().kv_capacity_tokens == 3000
+    # MLX frees cached buffers rather than grow past the ceiling less the loan while the helper runs.
+    assert mx.get_memory_limit() == LOAN_CEILING - 1000 * core.kv_bytes_per_token
     warm.between_steps(core)
     assert core.kv_capacity_tokens == 3000  # still running: still lent
     if end == "closed":
@@ -368,8 +377,9 @@ def test_the_piece_helper_borrows_kv_while_it_runs_and_gives_it_back(loaded, mon
         warm.between_steps(core)
         assert warm.report.piece_helper == end
     assert core.kv_capacity_tokens == core.scheduler.kv_capacity_tokens == 4000
+    assert mx.get_memory_limit() == limit_before  # and the limit is back
     warm.close()  # repaid once only
-    assert core.kv_capacity_tokens == 4000
+    assert core.kv_capacity_tokens == 4000 and mx.get_memory_limit() == limit_before
 
 
 def test_the_piece_helper_is_refused_where_not_even_a_loan_covers_it(loaded, monkeypatch):

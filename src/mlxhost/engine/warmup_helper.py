@@ -40,12 +40,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"piece helper: {short}; the server runs the pieces", file=sys.stderr, flush=True)
             return 2
         # Here, not at the top: the core (and MLX) load only after start_staged pointed MLX's kernel cache.
-        from mlxhost.config import EngineConfig
+        import mlx.core as mx
+
+        from mlxhost.config import EngineConfig  # (these too, as above)
         from mlxhost.engine.core import EngineCore
         from mlxhost.models.loader import load_model
         from mlxhost.platform.quantized_rows import set_tiled_rows
         from mlxhost.platform.tile_compile import MIN_TILED_ROWS
 
+        if spec.get("needs_bytes"):
+            # MLX frees its cached buffers before it grows past what the server counted for this process (its
+            # default, 80% of the device, would let it take what the server's own steps need).
+            mx.set_memory_limit(spec["needs_bytes"])
         started = time.perf_counter()
         loaded = load_model(spec["source"])
         config = dataclasses.replace(EngineConfig(**spec["config"]), kv_budget_tokens=KV_TOKENS,

@@ -1,5 +1,12 @@
 """What the warm-up's piece helper process (engine/warmup_helper.py) holds beside the server, and the KV capacity
 the server lends it while it runs where the memory its budget leaves to other processes does not hold it.
+
+Both processes also bound what MLX may keep while the helper lives: MLX-CUDA's allocator keeps freed buffers
+for reuse up to 80% of the device by default, whatever the budget says, so two processes on one GPU could
+together ask for more than it has. At an 8B cold start on an 80 GB H100 under 16 streams they did: the
+helper's step and the server's running requests failed with out-of-memory errors. So the server's MLX memory
+limit is its ceiling less the loan while the helper runs (MLX frees cached buffers before it grows past it),
+and the helper's is what the server counted for it.
 """
 
 from __future__ import annotations
@@ -14,6 +21,9 @@ log = logging.getLogger(__name__)
 # little, a few rows at a time): what it builds its core with and what `piece_helper_bytes` counts.
 KV_TOKENS = 32768
 PREFIX_BYTES = 256 << 20
+# Of the memory the server's budget leaves to other processes, what the helper does not count on: the CUDA
+# contexts of the server, the helper and the tile compilers (about half a GiB each), and other programs.
+SLACK_BYTES = 4 << 30
 
 
 def own_mlx_memory() -> str:
@@ -29,28 +39,40 @@ def own_mlx_memory() -> str:
 class KVLoan:
     """KV tokens the server lends the piece helper process while it lives: admission hands them to no request
     from `take` until `repay` (the helper finished, failed or was closed). Both run on the engine thread, which
-    owns the capacity; a running request never loses KV by either."""
+    owns the capacity and MLX; a running request never loses KV by either. Meanwhile MLX's memory limit is
+    `ceiling` less the loan, so the buffers MLX keeps cached stay inside what the server left the helper."""
 
     capacity: Any  # memory/capacity.py's KVCapacity
     tokens: int
     kv_bytes_per_token: int
+    ceiling: int  # the server's budget ceiling (memory/budget.py)
     helper_bytes: int = 0  # what the helper holds beside the server (the log)
     free_bytes: int = 0  # what the budget leaves to other processes (the log)
     out: bool = False
+    _limit_before: int | None = None
 
     def take(self) -> None:
+        import mlx.core as mx  # lazy: mlx only when used
+
         self.capacity.lend(self.tokens)
         self.out = True
+        limit = max(self.ceiling - self.tokens * self.kv_bytes_per_token, 0)
+        self._limit_before = mx.set_memory_limit(limit)
+        mx.clear_cache()  # what MLX cached past the new limit goes back to the device before the helper loads
         log.info("warm-up: %d KV tokens (%.2f GiB) lent to the piece helper process while it runs (it holds %.2f "
                  "GiB beside the server, %.2f GiB are left to other processes); KV for new requests meanwhile %s "
-                 "tokens", self.tokens, self.tokens * self.kv_bytes_per_token / 2**30, self.helper_bytes / 2**30,
-                 max(self.free_bytes, 0) / 2**30, self.capacity.tokens)
+                 "tokens, MLX memory limit %.2f GiB", self.tokens, self.tokens * self.kv_bytes_per_token / 2**30,
+                 self.helper_bytes / 2**30, max(self.free_bytes, 0) / 2**30, self.capacity.tokens, limit / 2**30)
 
     def repay(self, why: str) -> None:
         if not self.out:
             return
+        import mlx.core as mx  # lazy: mlx only when used
+
         self.capacity.repay(self.tokens)
         self.out = False
+        if self._limit_before is not None:
+            mx.set_memory_limit(self._limit_before)
         log.info("warm-up: the piece helper process %s; its %d KV tokens are back (KV for new requests %s tokens)",
                  why, self.tokens, self.capacity.tokens)
 
@@ -65,7 +87,7 @@ def piece_helper_bytes(target: Any) -> int:
 def piece_helper_loan(target: Any) -> int | None:
     """KV tokens the server lends the piece helper (engine/warmup_helper.py), which loads the model a second time
     with a small KV budget, for as long as it runs: 0 where the memory the server's budget leaves to other
-    processes holds it, None where not even a loan makes it fit (no helper). A 32B bf16 model on one 140-GiB GPU
+    processes holds it with `SLACK_BYTES` to spare, None where not even a loan makes it fit (no helper). A 32B bf16 model on one 140-GiB GPU
     does not fit: the helper's load took the memory the server's own steps then failed to get. The loan comes
     from the server's KV, which it does not hold yet: its KV grows with traffic, the helper lives a minute or
     so from start-up. A server without a budget keeps the helper. (A draft model's share of the budget is
@@ -74,7 +96,7 @@ def piece_helper_loan(target: Any) -> int | None:
     if budget is None:
         return 0
     need = piece_helper_bytes(target)
-    short = need - budget.free_for_others
+    short = need + SLACK_BYTES - budget.free_for_others
     if short <= 0:
         return 0
     # The longest request the model takes stays admissible while the loan is out: the API refuses a request
