@@ -59,10 +59,11 @@ class KVLoan:
         limit = max(self.ceiling - self.tokens * self.kv_bytes_per_token, 0)
         self._limit_before = mx.set_memory_limit(limit)
         mx.clear_cache()  # what MLX cached past the new limit goes back to the device before the helper loads
-        log.info("warm-up: %d KV tokens (%.2f GiB) lent to the piece helper process while it runs (it holds %.2f "
-                 "GiB beside the server, %.2f GiB are left to other processes); KV for new requests meanwhile %s "
-                 "tokens, MLX memory limit %.2f GiB", self.tokens, self.tokens * self.kv_bytes_per_token / 2**30,
-                 self.helper_bytes / 2**30, max(self.free_bytes, 0) / 2**30, self.capacity.tokens, limit / 2**30)
+        lent = (f"{self.tokens} KV tokens ({self.tokens * self.kv_bytes_per_token / 2**30:.2f} GiB) lent to the piece "
+                f"helper process while it runs" if self.tokens else "the piece helper process runs, nothing lent")
+        log.info("warm-up: %s (it holds %.2f GiB beside the server, %.2f GiB are left to other processes); KV for new "
+                 "requests meanwhile %s tokens, MLX memory limit %.2f GiB", lent, self.helper_bytes / 2**30,
+                 max(self.free_bytes, 0) / 2**30, self.capacity.tokens, limit / 2**30)
 
     def repay(self, why: str) -> None:
         if not self.out:
@@ -73,8 +74,9 @@ class KVLoan:
         self.out = False
         if self._limit_before is not None:
             mx.set_memory_limit(self._limit_before)
-        log.info("warm-up: the piece helper process %s; its %d KV tokens are back (KV for new requests %s tokens)",
-                 why, self.tokens, self.capacity.tokens)
+        back = f"its {self.tokens} KV tokens are back" if self.tokens else "MLX's memory limit is back"
+        log.info("warm-up: the piece helper process %s; %s (KV for new requests %s tokens)", why, back,
+                 self.capacity.tokens)
 
 
 def piece_helper_bytes(target: Any) -> int:
