@@ -24,6 +24,13 @@ PREFIX_BYTES = 256 << 20
 # Of the memory the server's budget leaves to other processes, what the helper does not count on: the CUDA
 # contexts of the server, the helper and the tile compilers (about half a GiB each), and other programs.
 SLACK_BYTES = 4 << 30
+# Forwards whose dequantized weights one process holds at once. A prefill chunk, and a decode step of 8 rows or
+# more while the tiled kernels compile, dequantize every quantized layer (platform/quantized_rows.py); MLX-CUDA
+# keeps each copy until the forward has run on the device, and steps are launched ahead of it. On an H100 a
+# random 8B 4-bit server (15 GiB of weights dequantized) grew from 7 to 56 GiB within 4 s of its first 16
+# streams: about three forwards' worth. The budget's activations (a profile of 1- and 2-token forwards, which
+# do not dequantize) miss it, so the piece helper's fit counts it for both processes.
+DEQUANT_IN_FLIGHT = 3
 
 
 def own_mlx_memory() -> str:
@@ -79,11 +86,21 @@ class KVLoan:
                  self.capacity.tokens)
 
 
+def dequant_transient(target: Any) -> int:
+    """What a process serving `target`'s model holds beyond its budget while its forwards dequantize."""
+    if target.model is None:
+        return 0
+    from mlxhost.platform.quantized_rows import dequantized_bytes  # lazy: pulls in mlx
+
+    return DEQUANT_IN_FLIGHT * dequantized_bytes(target.model)
+
+
 def piece_helper_bytes(target: Any) -> int:
-    """What the piece helper holds beside the server: the model again, its activations, its small KV and prefix
-    cache."""
+    """What the piece helper holds beside the server: the model again, its activations and dequantized weights,
+    its small KV and prefix cache."""
     budget = target.budget
-    return budget.weights + budget.activations + KV_TOKENS * target.kv_bytes_per_token + PREFIX_BYTES
+    return (budget.weights + budget.activations + dequant_transient(target) + KV_TOKENS * target.kv_bytes_per_token
+            + PREFIX_BYTES)
 
 
 def piece_helper_loan(target: Any) -> int | None:
@@ -98,7 +115,8 @@ def piece_helper_loan(target: Any) -> int | None:
     if budget is None:
         return 0
     need = piece_helper_bytes(target)
-    short = need + SLACK_BYTES - budget.free_for_others
+    # The server's own dequantized weights are beyond its ceiling too.
+    short = need + dequant_transient(target) + SLACK_BYTES - budget.free_for_others
     if short <= 0:
         return 0
     # The longest request the model takes stays admissible while the loan is out: the API refuses a request

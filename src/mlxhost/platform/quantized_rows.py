@@ -164,6 +164,18 @@ def row_layers(model: nn.Module) -> list[nn.Module]:
     return [m for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module) if isinstance(m, ROW_LAYERS)]
 
 
+def dequantized_bytes(model: nn.Module) -> int:
+    """Bytes of every row-folding layer's weight dequantized to its scales' dtype: what one forward whose rows all
+    dequantize allocates. On MLX-CUDA a forward in flight holds every layer's copy until its work has run on the
+    device (engine/warmup_memory.py). An untied model's embedding is counted too, though only a tied head
+    dequantizes: the figure errs high."""
+    total = 0
+    for layer in row_layers(model):
+        weight = layer["weight"]
+        total += weight.shape[0] * (weight.shape[-1] * 32 // layer.bits) * layer["scales"].dtype.size
+    return total
+
+
 def set_tiled_rows(model: "nn.Module | list[nn.Module]", rows: int) -> int:
     """Row counts up to `rows` take the tiled kernel in the model's row-folding layers (or in the list of them
     given), more (from _MIN_ROWS on) dequantize + matmul; ALL_TILED_ROWS: no limit. Returns how many layers
