@@ -1,12 +1,13 @@
 """What the warm-up's piece helper process (engine/warmup_helper.py) holds beside the server, and the KV capacity
 the server lends it while it runs where the memory its budget leaves to other processes does not hold it.
 
-Both processes also bound what MLX may keep while the helper lives: MLX-CUDA's allocator keeps freed buffers
-for reuse up to 80% of the device by default, whatever the budget says, so two processes on one GPU could
-together ask for more than it has. At an 8B cold start on an 80 GB H100 under 16 streams they did: the
-helper's step and the server's running requests failed with out-of-memory errors. So the server's MLX memory
-limit is its ceiling less the loan while the helper runs (MLX frees cached buffers before it grows past it),
-and the helper's is what the server counted for it.
+At an 8B cold start on an 80 GB H100 under 16 streams the two processes together asked for more than the
+device has: the helper's steps and the server's running requests failed with out-of-memory errors. Two things
+were outside the count. MLX-CUDA keeps freed buffers cached up to 80% of the device by default, whatever the
+budget says: while the helper lives, the server's MLX memory limit is its ceiling less the loan and the
+helper's is what the server counted for it (MLX then frees cached buffers before it grows past them). And the
+weights a forward dequantizes, held until the forward has run (`DEQUANT_IN_FLIGHT`): that alone took the
+server 49 GiB past its weights, so the fit counts it for both processes.
 """
 
 from __future__ import annotations
@@ -106,11 +107,12 @@ def piece_helper_bytes(target: Any) -> int:
 def piece_helper_loan(target: Any) -> int | None:
     """KV tokens the server lends the piece helper (engine/warmup_helper.py), which loads the model a second time
     with a small KV budget, for as long as it runs: 0 where the memory the server's budget leaves to other
-    processes holds it with `SLACK_BYTES` to spare, None where not even a loan makes it fit (no helper). A 32B bf16 model on one 140-GiB GPU
-    does not fit: the helper's load took the memory the server's own steps then failed to get. The loan comes
-    from the server's KV, which it does not hold yet: its KV grows with traffic, the helper lives a minute or
-    so from start-up. A server without a budget keeps the helper. (A draft model's share of the budget is
-    counted too, though the helper runs without one: the estimate errs towards no helper.)"""
+    processes holds it with `SLACK_BYTES` to spare, None where not even a loan makes it fit (no helper). A 32B
+    bf16 model on one 140-GiB GPU does not fit: the helper's load took the memory the server's own steps then
+    failed to get; nor does a 4-bit 8B on an 80 GB card, once both processes' dequantized weights count. The
+    loan comes from the server's KV, which it does not hold yet: its KV grows with traffic, the helper lives a
+    minute or so from start-up. A server without a budget keeps the helper. (A draft model's share of the
+    budget is counted too, though the helper runs without one: the estimate errs towards no helper.)"""
     budget = target.budget
     if budget is None:
         return 0
