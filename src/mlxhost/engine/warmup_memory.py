@@ -6,8 +6,8 @@ device has: the helper's steps and the server's running requests failed with out
 were outside the count. MLX-CUDA keeps freed buffers cached up to 80% of the device by default, whatever the
 budget says: while the helper lives, the server's MLX memory limit is its ceiling less the loan and the
 helper's is what the server counted for it (MLX then frees cached buffers before it grows past them). And the
-weights a forward dequantizes, held until the forward has run (`DEQUANT_IN_FLIGHT`): that alone took the
-server 49 GiB past its weights, so the fit counts it for both processes.
+weights a forward dequantizes, held until the forward has run (`DEQUANT_IN_FLIGHT`; the server grew from 7 to
+56 GiB in 4 s): the fit counts them for both processes.
 """
 
 from __future__ import annotations
