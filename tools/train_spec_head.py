@@ -13,7 +13,8 @@ folder it writes serves with `mlxhost serve MODEL --speculative KIND --speculati
 then decodes held-out prompts (other templates' fillers) with speculation off, with the head and with
 `--speculative auto`, at each `--concurrency`, checks that greedy output is the same, and prints acceptance,
 tokens per row-step and tok/s. `--answers FILE` keeps the model's answers for the next run (the slow part).
-The model is converted to float32 (`--dtype`: the CPU's fast path; float16 and 4-bit matmuls are slow there).
+A .gguf model is converted to float32 (`--dtype`: the CPU's fast path; float16 and 4-bit matmuls are slow
+there); a model folder loads as it is.
 """
 
 from __future__ import annotations

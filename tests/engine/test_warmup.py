@@ -20,6 +20,7 @@ from mlxhost.engine.loop import WARMUP_ISOLATE_ENV, Assembled, AsyncEngine, warm
 from mlxhost.engine.request import Request, SamplingParams
 from mlxhost.engine.runner.batch import make_buckets
 from mlxhost.engine.warmup import WARMUP_AFTER_ENV, BackgroundWarmup
+from mlxhost.memory.budget import BudgetConfig
 from mlxhost.models.loader import load_model
 from mlxhost.platform import backend
 from mlxhost.platform.quantized_rows import ALL_TILED_ROWS, fold_quantized_rows
@@ -254,7 +255,8 @@ def test_a_piece_helper_that_finds_too_little_free_memory_at_its_start_leaves_ev
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
     core = _core(loaded)
     target = core.warmup_target()
-    budget = SimpleNamespace(weights=2**30, activations=2**28, free_for_others=2**40, ceiling=2**40)
+    budget = SimpleNamespace(weights=2**30, activations=2**28, free_for_others=2**40, ceiling=2**40,
+                             config=BudgetConfig())
     monkeypatch.setattr(core, "warmup_target", lambda: dataclasses.replace(target, budget=budget))
     monkeypatch.setattr(warmup, "piece_helper_bytes", lambda target: 2**60)  # more than any machine has free
     monkeypatch.setattr(warmup, "piece_helper_loan", lambda target: 0)
@@ -351,7 +353,7 @@ def _loan_core(loaded, monkeypatch, short_tokens: int | None):
     budget = None
     if short_tokens is not None:
         need = 2**30 + 2**28 + KV_TOKENS * per_token + PREFIX_BYTES
-        budget = SimpleNamespace(weights=2**30, activations=2**28, ceiling=LOAN_CEILING,
+        budget = SimpleNamespace(weights=2**30, activations=2**28, ceiling=LOAN_CEILING, config=BudgetConfig(),
                                  free_for_others=need + SLACK_BYTES - short_tokens * per_token)
     monkeypatch.setattr(core, "warmup_target", lambda: dataclasses.replace(target, budget=budget))
     return core
@@ -410,10 +412,26 @@ def test_the_piece_helper_is_refused_where_not_even_a_loan_covers_it(loaded, mon
 
 @pytest.mark.parametrize("short_tokens", [None, 0])
 def test_without_a_budget_or_with_room_left_the_helper_runs_and_borrows_nothing(loaded, monkeypatch, short_tokens):
+    limit_before = mx.get_memory_limit()
     core = _loan_core(loaded, monkeypatch, short_tokens=short_tokens)
     warm, helper = _make_with_fake_helper(core, monkeypatch)
     assert helper.started and core.kv_capacity_tokens == 4000
+    # With a budget, MLX's limit is the server's ceiling while the helper runs, even with nothing lent.
+    assert mx.get_memory_limit() == (limit_before if short_tokens is None else LOAN_CEILING)
     warm.close()
+    assert mx.get_memory_limit() == limit_before
+
+
+def test_with_several_models_in_the_process_mlxs_limit_is_left_alone():
+    from types import SimpleNamespace
+
+    from mlxhost.engine.warmup_memory import server_memory_limit
+
+    for config, limit in [(BudgetConfig(), 2**34 - 10 * 1024), (BudgetConfig(share=0.5), None),
+                          (BudgetConfig(reserved_bytes=2**30), None)]:
+        target = SimpleNamespace(budget=SimpleNamespace(ceiling=2**34, config=config), kv_bytes_per_token=1024,
+                                 model=None)
+        assert server_memory_limit(target, 10) == limit
 
 
 def test_lent_kv_is_kept_from_admission_and_a_moved_limit_keeps_the_loan_out():

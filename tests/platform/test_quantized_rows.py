@@ -16,6 +16,7 @@ from mlxhost.models.loader import load_model
 from mlxhost.platform.quantized_rows import (
     RowsQuantizedEmbedding,
     RowsQuantizedLinear,
+    dequantized_bytes,
     fold_on_cuda,
     fold_quantized_rows,
     set_tiled_rows,
@@ -203,3 +204,14 @@ def test_the_loader_folds_on_cuda(qwen3_4bit_model_dir, monkeypatch):
     monkeypatch.setattr(backend, "is_cuda", lambda: True)
     model = load_model(str(qwen3_4bit_model_dir)).model
     assert type(model.model.layers[0].self_attn.o_proj) is RowsQuantizedLinear
+
+
+def test_dequantized_bytes_counts_each_folded_weight_at_the_dtype_it_dequantizes_to():
+    holder = nn.Module()
+    holder.affine = nn.QuantizedLinear(256, 128, group_size=64, bits=3)  # float32 scales: float32 out
+    holder.fp = nn.QuantizedLinear(256, 128, group_size=32, bits=4, mode="mxfp4")  # uint8 scales: bfloat16 out
+    holder.embed = nn.QuantizedEmbedding(300, 64, group_size=64, bits=8)
+    assert dequantized_bytes(holder) == 0  # nothing folded: no layer dequantizes
+    fold_quantized_rows(holder)
+    assert dequantized_bytes(holder) == 128 * 256 * 4 + 128 * 256 * 2 + 300 * 64 * 4
+    assert holder.affine(mx.random.normal((9, 256))).dtype == mx.float32

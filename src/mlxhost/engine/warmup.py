@@ -25,7 +25,13 @@ from typing import Any, Callable, Iterator, Protocol
 
 from mlxhost.config import EngineConfig
 from mlxhost.engine.request import Request, SamplingParams
-from mlxhost.engine.warmup_memory import KVLoan, own_mlx_memory, piece_helper_bytes, piece_helper_loan
+from mlxhost.engine.warmup_memory import (
+    KVLoan,
+    own_mlx_memory,
+    piece_helper_bytes,
+    piece_helper_loan,
+    server_memory_limit,
+)
 from mlxhost.platform.kernel_cache import count_modules, kernel_dir
 from mlxhost.platform.tile_compile import (
     MIN_TILED_ROWS,
@@ -415,9 +421,9 @@ def make_warmup(core: WarmableCore, max_batch: int, compile_tiles: bool, source:
                 "max_model_len": target.max_model_len, "buckets": target.buckets, "max_batch": max_batch,
                 "needs_bytes": need}  # what it holds beside the server: it checks the device has that free first
         piece_helper = TileCompiler([], [], kernel_dir(), module="mlxhost.engine.warmup_helper", spec=spec)
-        if target.budget is not None:  # also with nothing lent: MLX's memory limit is the ceiling while it runs
-            kv_loan = KVLoan(target.kv_capacity, loan, target.kv_bytes_per_token, target.budget.ceiling, need,
-                             target.budget.free_for_others)
+        if target.budget is not None:  # also with nothing lent: MLX's memory limit is set while it runs
+            kv_loan = KVLoan(target.kv_capacity, loan, target.kv_bytes_per_token, server_memory_limit(target, loan),
+                             need, target.budget.free_for_others)
     if compile_tiles:
         compiler = tile_compiler(target)
     warm = BackgroundWarmup(max_batch, target.buckets, compiler=compiler, model=target.model,

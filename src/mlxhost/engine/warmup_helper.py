@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if spec.get("needs_bytes"):
             # MLX frees its cached buffers before it grows past what the server counted for this process (its
-            # default, 80% of the device, would let it take what the server's own steps need).
+            # default, nearly all of the device, would let it take what the server's own steps need).
             mx.set_memory_limit(spec["needs_bytes"])
         started = time.perf_counter()
         loaded = load_model(spec["source"])

@@ -3,11 +3,13 @@ the server lends it while it runs where the memory its budget leaves to other pr
 
 At an 8B cold start on an 80 GB H100 under 16 streams the two processes together asked for more than the
 device has: the helper's steps and the server's running requests failed with out-of-memory errors. Two things
-were outside the count. MLX-CUDA keeps freed buffers cached up to 80% of the device by default, whatever the
-budget says: while the helper lives, the server's MLX memory limit is its ceiling less the loan and the
-helper's is what the server counted for it (MLX then frees cached buffers before it grows past them). And the
-weights a forward dequantizes, held until the forward has run (`DEQUANT_IN_FLIGHT`; the server grew from 7 to
-56 GiB in 4 s): the fit counts them for both processes.
+were outside the count. The weights a forward dequantizes, held until the forward has run (`DEQUANT_IN_FLIGHT`;
+the server grew from 7 to 56 GiB in 4 s): the fit counts them for both processes. And MLX keeps freed buffers
+cached up to its memory limit, by default nearly all of the device, whatever the budget says: while the helper
+lives, the server's MLX memory limit is what the fit counted for it (its ceiling less the loan, plus its
+dequantized weights) and the helper's what the server counted for the helper, so MLX frees cached buffers
+before it grows past them. MLX's limit is the process's: with several models in one process (each with its
+own budget share and helper) it is left alone.
 """
 
 from __future__ import annotations
@@ -47,13 +49,13 @@ def own_mlx_memory() -> str:
 class KVLoan:
     """KV tokens the server lends the piece helper process while it lives: admission hands them to no request
     from `take` until `repay` (the helper finished, failed or was closed). Both run on the engine thread, which
-    owns the capacity and MLX; a running request never loses KV by either. Meanwhile MLX's memory limit is
-    `ceiling` less the loan, so the buffers MLX keeps cached stay inside what the server left the helper."""
+    owns the capacity; a running request never loses KV by either. Meanwhile MLX's memory limit is
+    `memory_limit`, so the buffers MLX keeps cached stay inside what the server left the helper."""
 
     capacity: Any  # memory/capacity.py's KVCapacity
     tokens: int
     kv_bytes_per_token: int
-    ceiling: int  # the server's budget ceiling (memory/budget.py)
+    memory_limit: int | None  # MLX's while the helper runs (None: left alone; `server_memory_limit`)
     helper_bytes: int = 0  # what the helper holds beside the server (the log)
     free_bytes: int = 0  # what the budget leaves to other processes (the log)
     out: bool = False
@@ -64,14 +66,15 @@ class KVLoan:
 
         self.capacity.lend(self.tokens)
         self.out = True
-        limit = max(self.ceiling - self.tokens * self.kv_bytes_per_token, 0)
-        self._limit_before = mx.set_memory_limit(limit)
-        mx.clear_cache()  # what MLX cached past the new limit goes back to the device before the helper loads
+        if self.memory_limit is not None:
+            self._limit_before = mx.set_memory_limit(self.memory_limit)
+            mx.clear_cache()  # what MLX cached past the new limit goes back to the device before the helper loads
         lent = (f"{self.tokens} KV tokens ({self.tokens * self.kv_bytes_per_token / 2**30:.2f} GiB) lent to the piece "
                 f"helper process while it runs" if self.tokens else "the piece helper process runs, nothing lent")
+        limit = f"{self.memory_limit / 2**30:.2f} GiB" if self.memory_limit is not None else "unchanged"
         log.info("warm-up: %s (it holds %.2f GiB beside the server, %.2f GiB are left to other processes); KV for new "
-                 "requests meanwhile %s tokens, MLX memory limit %.2f GiB", lent, self.helper_bytes / 2**30,
-                 max(self.free_bytes, 0) / 2**30, self.capacity.tokens, limit / 2**30)
+                 "requests meanwhile %s tokens, MLX memory limit %s", lent, self.helper_bytes / 2**30,
+                 max(self.free_bytes, 0) / 2**30, self.capacity.tokens, limit)
 
     def repay(self, why: str) -> None:
         if not self.out:
@@ -82,7 +85,8 @@ class KVLoan:
         self.out = False
         if self._limit_before is not None:
             mx.set_memory_limit(self._limit_before)
-        back = f"its {self.tokens} KV tokens are back" if self.tokens else "MLX's memory limit is back"
+            self._limit_before = None
+        back = f"its {self.tokens} KV tokens are back" if self.tokens else "nothing was lent"
         log.info("warm-up: the piece helper process %s; %s (KV for new requests %s tokens)", why, back,
                  self.capacity.tokens)
 
@@ -94,6 +98,16 @@ def dequant_transient(target: Any) -> int:
     from mlxhost.platform.quantized_rows import dequantized_bytes  # lazy: pulls in mlx
 
     return DEQUANT_IN_FLIGHT * dequantized_bytes(target.model)
+
+
+def server_memory_limit(target: Any, loan: int) -> int | None:
+    """MLX's memory limit for the server while the helper runs: what the fit counts for it (its ceiling less the
+    loan, plus its dequantized weights). None (left alone) where the process serves several models: the limit is
+    the process's, each model's budget a share of it."""
+    budget = target.budget
+    if budget.config.share < 1.0 or budget.config.reserved_bytes:
+        return None
+    return max(budget.ceiling - loan * target.kv_bytes_per_token + dequant_transient(target), 0)
 
 
 def piece_helper_bytes(target: Any) -> int:
@@ -129,8 +143,9 @@ def piece_helper_loan(target: Any) -> int | None:
     tokens = -(-short // per_token) if per_token > 0 else None
     if tokens is not None and tokens <= lendable:
         return tokens
-    log.info("warm-up: no piece helper process (it would hold %.2f GiB beside the server: %.2f GiB are left to "
-             "other processes, and %.2f GiB of KV could be lent while it runs, keeping %d tokens for the longest "
-             "request); the pieces compile here, between requests", need / 2**30,
+    log.info("warm-up: no piece helper process (it would hold %.2f GiB beside the server, which holds %.2f GiB of "
+             "dequantized weights beyond its budget, with %.2f GiB to spare: %.2f GiB are left to other processes, and "
+             "%.2f GiB of KV could be lent while it runs, keeping %d tokens for the longest request); the pieces "
+             "compile here, between requests", need / 2**30, dequant_transient(target) / 2**30, SLACK_BYTES / 2**30,
              max(budget.free_for_others, 0) / 2**30, lendable * per_token / 2**30, keep)
     return None

@@ -13,8 +13,10 @@ The other way round, at many rows (a prompt's chunk, several prompts' chunks pre
 kernel is slower than dequantizing the weight and one plain matmul (cuBLAS), with the logits unchanged
 (docs/BENCHMARKS.md, "Quantized layers on MLX-CUDA"). So from
 `dequant_rows` rows on, a linear layer (and the tied head) takes that path. The dequantized copy of one
-weight lives only until its matmul has run; the start-up memory profile's prefill forward takes the same
-path, so the budget counts it. Tensor-parallel shards do the same, their all-reduce after the matmul
+weight lives only until its matmul has run on the device (on MLX-CUDA a forward launched ahead holds all of
+its layers' copies meanwhile); the start-up memory profile's prefill forward takes the same path, so the budget
+counts one forward of it where that forward was measured, not where the profile extrapolated from 1- and
+2-token forwards (a cold MLX-CUDA start: engine/warmup_memory.py). Tensor-parallel shards do the same, their all-reduce after the matmul
 either way: a rank never compiles a tiled kernel for a prompt's rows.
 
 The layers keep their classes (as subclasses) under the same names with the same arrays, so anything that
@@ -165,14 +167,15 @@ def row_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def dequantized_bytes(model: nn.Module) -> int:
-    """Bytes of every row-folding layer's weight dequantized to its scales' dtype: what one forward whose rows all
-    dequantize allocates. On MLX-CUDA a forward in flight holds every layer's copy until its work has run on the
-    device (engine/warmup_memory.py). An untied model's embedding is counted too, though only a tied head
-    dequantizes: the figure errs high."""
+    """Bytes of every row-folding layer's weight dequantized (affine: to its scales' dtype; the floating-point
+    modes, whose scales are uint8: to bfloat16): what one forward whose rows all dequantize allocates. On MLX-CUDA
+    a forward in flight holds every layer's copy until its work has run on the device (engine/warmup_memory.py).
+    An untied model's embedding is counted too, though only a tied head dequantizes: the figure errs high."""
     total = 0
     for layer in row_layers(model):
         weight = layer["weight"]
-        total += weight.shape[0] * (weight.shape[-1] * 32 // layer.bits) * layer["scales"].dtype.size
+        itemsize = layer["scales"].dtype.size if getattr(layer, "mode", "affine") == "affine" else 2
+        total += weight.shape[0] * (weight.shape[-1] * 32 // layer.bits) * itemsize
     return total
 
 
