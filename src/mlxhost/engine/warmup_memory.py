@@ -131,8 +131,8 @@ def piece_helper_loan(target: Any) -> int | None:
     if budget is None:
         return 0
     need = piece_helper_bytes(target)
-    # The server's own dequantized weights are beyond its ceiling too.
-    short = need + dequant_transient(target) + SLACK_BYTES - budget.free_for_others
+    server_extra = dequant_transient(target)  # the server's own dequantized weights are beyond its ceiling too
+    short = need + server_extra + SLACK_BYTES - budget.free_for_others
     if short <= 0:
         return 0
     # The longest request the model takes stays admissible while the loan is out: the API refuses a request
@@ -146,6 +146,6 @@ def piece_helper_loan(target: Any) -> int | None:
     log.info("warm-up: no piece helper process (it would hold %.2f GiB beside the server, which holds %.2f GiB of "
              "dequantized weights beyond its budget, with %.2f GiB to spare: %.2f GiB are left to other processes, and "
              "%.2f GiB of KV could be lent while it runs, keeping %d tokens for the longest request); the pieces "
-             "compile here, between requests", need / 2**30, dequant_transient(target) / 2**30, SLACK_BYTES / 2**30,
+             "compile here, between requests", need / 2**30, server_extra / 2**30, SLACK_BYTES / 2**30,
              max(budget.free_for_others, 0) / 2**30, lendable * per_token / 2**30, keep)
     return None

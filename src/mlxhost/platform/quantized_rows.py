@@ -16,8 +16,8 @@ kernel is slower than dequantizing the weight and one plain matmul (cuBLAS), wit
 weight lives only until its matmul has run on the device (on MLX-CUDA a forward launched ahead holds all of
 its layers' copies meanwhile); the start-up memory profile's prefill forward takes the same path, so the budget
 counts one forward of it where that forward was measured, not where the profile extrapolated from 1- and
-2-token forwards (a cold MLX-CUDA start: engine/warmup_memory.py). Tensor-parallel shards do the same, their all-reduce after the matmul
-either way: a rank never compiles a tiled kernel for a prompt's rows.
+2-token forwards (a cold MLX-CUDA start: engine/warmup_memory.py). Tensor-parallel shards do the same, their
+all-reduce after the matmul either way: a rank never compiles a tiled kernel for a prompt's rows.
 
 The layers keep their classes (as subclasses) under the same names with the same arrays, so anything that
 walks the model (LoRA, weight accounting, saving) sees no change.
