@@ -1,13 +1,20 @@
-"""When speculation runs, without a model: the batch-size threshold and a row's draft length with its
-back-off after drafts that keep failing."""
+"""When speculation runs, without a model: the batch-size threshold, a row's draft length with its
+back-off after drafts that keep failing, and `--speculative auto`'s costs, samples and probes."""
 
 from mlxhost.engine.spec.policy import (
+    COST_SAMPLES,
     FIRST_PAUSE,
     MAX_PAUSE,
     PATIENCE,
+    PLAIN,
     PROBE_EVERY,
+    PROBE_LEN,
+    SPEC,
+    TAP,
     AutoPolicy,
     DraftLength,
+    StepClock,
+    StepCosts,
     can_speculate,
     expected_gain,
 )
@@ -96,11 +103,15 @@ def test_expected_gain_weights_each_draft_by_the_chance_it_is_reached():
 
 def test_auto_speculates_only_where_the_gain_covers_the_measured_cost():
     policy = AutoPolicy()
-    assert policy.pays(1, [0.0])  # nothing measured: try
+    assert policy.pays(1, [0.0]) and policy.pays(1, [0.0])  # nothing measured: speculate until a sample
     policy.costs.record(True, 1, 0.030)
-    assert not policy.pays(1, [3.0])  # speculative step measured, plain not yet: one plain step
+    # Speculative step measured, plain not yet: a plain run, its steps but the last without a tap.
+    assert [policy.pays(1, [3.0]) for _ in range(PROBE_LEN)] == [False] * PROBE_LEN
+    assert not policy.pays(1, [3.0]) and policy.declining(1)  # the run yielded no sample: another
     policy.costs.record(False, 1, 0.020)
     assert policy.costs.ratio(1) == 1.5
+    policy.pays(1, [3.0])
+    policy.pays(1, [3.0])  # the rest of the second run
     assert policy.pays(1, [0.6])  # 1 + 0.6 tokens in 1.5 steps' time beats 1 per step
     assert not policy.pays(1, [0.4])
     assert policy.declining(1)
@@ -109,10 +120,121 @@ def test_auto_speculates_only_where_the_gain_covers_the_measured_cost():
     assert policy.pays(4, [0.3, 0.3, 0.1, 0.1]) and not policy.pays(4, [0.3, 0.2, 0.1, 0.1])  # 4 * 0.2 = 0.8
 
 
-def test_auto_probes_now_and_then_while_speculation_does_not_pay():
+def test_the_cost_is_the_median_of_recent_samples():
+    costs = StepCosts()
+    costs.record(False, 2, 50.0)  # the first step of a new shape compiles its kernels
+    costs.record(False, 2, 1.0)
+    assert costs.cost(False, 2) == 1.0  # of two, the lower: outliers are slow
+    for seconds in (1.1, 0.9, 1.0, 40.0):
+        costs.record(False, 2, seconds)
+    assert costs.cost(False, 2) == 1.0
+    for _ in range(COST_SAMPLES):
+        costs.record(False, 2, 3.0)
+    assert costs.cost(False, 2) == 3.0 and costs.count(False, 2) == 6 + COST_SAMPLES  # old samples age out
+    assert costs.cost(True, 2) is None and costs.ratio(2) is None
+
+
+def _steps(clock: StepClock, kinds: str, rows=(0, 1), dt=1.0, t=0.0):
+    """Steps of the given kinds ('s' speculative, 'p' plain, 't' plain with a tap), each `dt` long: the
+    samples each step's start closed (None: not recorded)."""
+    got = []
+    for k in kinds:
+        got.append(clock.start(t, rows))
+        clock.mark({"s": SPEC, "p": PLAIN, "t": TAP}[k])
+        t += dt
+    got.append(clock.start(t, rows))
+    return got[1:]  # one per step: the sample of its own interval
+
+
+def test_only_steady_state_intervals_are_samples():
+    clock = StepClock()
+    # A plain step right after a speculative one waits on nothing (too cheap), a speculative one after a
+    # plain one pays that step's tail (too dear): only same-kind neighbours count.
+    assert _steps(clock, "sspps") == [None, (True, 1.0), None, (False, 1.0), None]
+    clock = StepClock()
+    assert _steps(clock, "pppsss") == [None, (False, 1.0), (False, 1.0), None, (True, 1.0), (True, 1.0)]
+
+
+def test_a_plain_step_that_ran_the_tap_is_no_plain_sample():
+    clock = StepClock()
+    # A tap step's own interval, and the plain step after it (which waits on the tap's work), are dropped.
+    assert _steps(clock, "ptpptt") == [None, None, None, (False, 1.0), None, None]
+
+
+def test_a_change_of_rows_or_a_prefill_is_accounted_for():
+    clock = StepClock()
+    clock.start(0.0, (0, 1))
+    clock.start(1.0, (0, 1))
+    assert clock.start(2.0, (0, 1), prefill_s=0.25) == (False, 0.75)  # the prefill between them is no step
+    assert clock.start(3.0, (0, 1, 2)) is None  # a row joined: the step is not the batch's steady one
+    assert clock.start(4.0, (0, 1, 2)) is None  # its predecessor had other rows
+    assert clock.start(5.0, (0, 1, 2)) == (False, 1.0)
+
+
+def _drive(policy: AutoPolicy, num_rows: int, gains: list[float], num_steps: int, seconds: dict[str, float]):
+    """Decode steps at one batch size as the decoder runs them, each kind of step taking `seconds[kind]`:
+    the kinds, in order."""
+    clock, t, kinds = StepClock(), 0.0, []
+    rows = tuple(range(num_rows))
+    for _ in range(num_steps):
+        sample = clock.start(t, rows)
+        if sample is not None:
+            policy.costs.record(sample[0], num_rows, sample[1])
+        if policy.pays(num_rows, gains):
+            kind = SPEC
+        else:
+            kind = PLAIN if policy.declining(num_rows) else TAP  # plain_tap: a seed for the next step's drafts
+        clock.mark(kind)
+        kinds.append(kind)
+        t += seconds[kind]
+    return kinds
+
+
+def test_a_fresh_batch_size_measures_both_kinds_then_decides():
     policy = AutoPolicy()
-    policy.costs.record(False, 2, 0.01)
-    policy.costs.record(True, 2, 0.05)
-    decisions = [policy.pays(2, [0.1, 0.1]) for _ in range(3 * PROBE_EVERY - 1)]
-    assert decisions.count(True) == 2 and decisions[PROBE_EVERY - 1]
-    assert not policy.declining(2)  # the next step probes: a head prepares its drafts now
+    kinds = _drive(policy, 2, [0.3, 0.3], 20, {SPEC: 2.0, PLAIN: 1.0, TAP: 1.2})
+    # Speculation until a sample (two steps), a plain run whose last step seeds the head only if speculation
+    # is to follow (here it is not: 0.6 < 2 * (2 - 1)), then plain decoding.
+    assert kinds[:6] == [SPEC, SPEC, PLAIN, PLAIN, PLAIN, PLAIN]
+    assert policy.costs.ratio(2) == 2.0 and set(kinds[3:]) == {PLAIN}
+
+
+def test_while_speculation_pays_plain_is_probed_and_its_cost_refreshed():
+    policy = AutoPolicy()
+    policy.costs.record(False, 1, 10.0)  # plain measured dear (the old bias: tap steps, a compile)
+    policy.costs.record(True, 1, 2.0)
+    kinds = _drive(policy, 1, [0.5], PROBE_EVERY + PROBE_LEN + 20, {SPEC: 2.0, PLAIN: 1.0, TAP: 1.3})
+    first = kinds.index(PLAIN)
+    assert first < PROBE_EVERY and set(kinds[:first]) == {SPEC}
+    assert kinds[first:first + PROBE_LEN] == [PLAIN] * PROBE_LEN  # no tap: speculation no longer pays
+    assert policy.costs.cost(False, 1) == 1.0 and policy.costs.ratio(1) == 2.0
+    assert set(kinds[first:]) == {PLAIN}  # 1 + 0.5 tokens in 2 steps' time: plain decoding wins
+
+
+def test_a_plain_probe_leaves_the_head_a_seed_when_speculation_goes_on():
+    policy = AutoPolicy()
+    kinds = _drive(policy, 1, [3.0], 3 * PROBE_EVERY, {SPEC: 2.0, PLAIN: 1.0, TAP: 1.3})
+    probes = [i for i in range(1, len(kinds)) if kinds[i] != SPEC and kinds[i - 1] == SPEC]
+    assert len(probes) >= 3  # the first measurement, then one per PROBE_EVERY decisions at least
+    for i in probes[1:]:
+        assert kinds[i:i + PROBE_LEN + 1] == [PLAIN] * (PROBE_LEN - 1) + [TAP, SPEC]
+    assert all(b - a <= PROBE_EVERY + PROBE_LEN for a, b in zip(probes[1:], probes[2:]))
+    assert policy.costs.count(False, 1) == len(probes)  # one steady plain sample per probe
+
+
+def test_while_declined_speculation_is_probed_in_a_run():
+    policy = AutoPolicy()
+    policy.costs.record(False, 2, 1.0)
+    policy.costs.record(True, 2, 100.0)
+    decisions, declining = [], []
+    for _ in range(2 * PROBE_EVERY + PROBE_LEN):
+        decisions.append(policy.pays(2, [0.1, 0.1]))
+        declining.append(policy.declining(2))
+    runs = [i for i in range(len(decisions)) if decisions[i] and (i == 0 or not decisions[i - 1])]
+    assert len(runs) == 2 and runs[0] < PROBE_EVERY
+    for i in runs:
+        assert decisions[i:i + PROBE_LEN + 1] == [True] * PROBE_LEN + [False]
+        assert not declining[i - 1]  # the step before the probe feeds the head
+        assert declining[i + PROBE_LEN - 1]  # the probe's last step: the next declines, no head work
+    assert all(declining[i] for i in range(runs[0] - 1))
+    assert decisions.count(True) == 2 * PROBE_LEN

@@ -38,7 +38,15 @@ from typing import Any
 import mlx.core as mx
 
 from mlxhost.engine.request import Request
-from mlxhost.engine.spec.policy import AutoPolicy, DraftLength, can_speculate, expected_gain
+from mlxhost.engine.spec.policy import (
+    SPEC,
+    TAP,
+    AutoPolicy,
+    DraftLength,
+    StepClock,
+    can_speculate,
+    expected_gain,
+)
 from mlxhost.engine.spec.proposer import DraftStep, Proposer
 from mlxhost.engine.spec.verify import can_rewind
 
@@ -58,7 +66,9 @@ class SpecStats:
     num_row_pauses: int = 0  # times a row stopped drafting because its drafts kept failing
     # Plain steps of a batch small enough to speculate whose head was not run: no row drafts next step.
     num_head_skips: int = 0
-    num_declined_steps: int = 0  # --speculative auto: steps that could draft and decoded plainly (no gain)
+    # --speculative auto: steps that could draft and decoded plainly by the policy's choice: no gain, and
+    # also its plain probes and the plain steps that first measure a batch size.
+    num_declined_steps: int = 0
 
     def as_dict(self) -> dict:
         rate = self.num_accepted / self.num_drafted if self.num_drafted else 0.0
@@ -87,7 +97,7 @@ class SpeculativeDecoder:
         self.stats = SpecStats()
         self.auto = AutoPolicy() if auto else None  # --speculative auto: measured costs decide each step
         self._clock = 0  # decode steps seen, plain ones included: what rows' pauses count in
-        self._last = None  # auto: (start, rows, speculated) of the step before, to time it
+        self._timing = StepClock() if auto else None  # auto: which step intervals are cost samples
 
     @property
     def mode(self) -> str:
@@ -98,14 +108,14 @@ class SpeculativeDecoder:
         """This decode step's drafts; None: it decodes plainly (pipelined)."""
         if self.auto is None:
             return self._plan(runner, requests)
-        # A step's time is from its start to the next one's, less the next one's prefill: with plain steps
-        # pipelined that is what the device took. Samples across a change of rows are dropped.
-        started, rows = time.perf_counter(), tuple(runner.batch.row_ids)
-        if self._last is not None and self._last[1] == rows:
-            self.auto.costs.record(self._last[2], runner.batch.num_live,
-                                   started - self._last[0] - runner.last_prefill_s)
+        # A step's time is from its start to the next one's, less the next one's prefill; the clock keeps
+        # only steady-state intervals (policy.py). The step is plain until it drafts or runs a tap.
+        sample = self._timing.start(time.perf_counter(), tuple(runner.batch.row_ids), runner.last_prefill_s)
+        if sample is not None:
+            self.auto.costs.record(sample[0], runner.batch.num_live, sample[1])
         drafts = self._plan(runner, requests)
-        self._last = (started, rows, drafts is not None)
+        if drafts is not None:
+            self._timing.mark(SPEC)
         return drafts
 
     def _plan(self, runner: Any, requests: dict[str, Request]) -> Drafts | None:
@@ -188,6 +198,8 @@ class SpeculativeDecoder:
         if not self._head_wanted(runner):
             self.stats.num_head_skips += 1
             return None
+        if self._timing is not None:
+            self._timing.mark(TAP)  # dearer than a plain step: not a plain cost sample
         return self.proposer.tap
 
     def _head_wanted(self, runner: Any) -> bool:

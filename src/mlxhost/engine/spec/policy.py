@@ -9,10 +9,25 @@ batches speculate (`can_speculate`), and a row whose drafts keep failing stops d
 `--speculative auto` adds a measured trade (`AutoPolicy`): a step speculates only where the tokens the
 drafting rows are expected to gain (each row's acceptance, `DraftLength.acceptance`, over its draft length)
 make up for the measured cost of a verification step over a plain one at that batch size (`StepCosts`).
+
+The costs come from steady-state intervals only (`StepClock`). A step is timed from its start to the next
+one's, and plain steps are pipelined: a plain step launches its forward and then reads back the previous
+step's token, so its interval mostly waits on the step before it, while a speculative step waits for its own
+verification. The first plain step after a speculative one thus measures host time alone (far too cheap), and
+a speculative step after a plain one also pays the tail of that plain step (too dear). A plain step that runs
+a head's tap costs more than a plain one. So an interval counts only where the step and the one before it are
+of the same kind (both speculative, or both plain with no tap) over the same rows, and each cost is the median
+of its last few samples, which a kernel compile on a new shape does not move.
+
+Each kind is measured where it is not chosen too (two-way probing): at a batch size where one kind has had
+no fresh sample for `PROBE_EVERY` decisions, a run of `PROBE_LEN` steps of it is forced, long enough for a
+steady-state interval. Otherwise, once speculation pays, plain steps would never be measured again there (and
+the other way round).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 # Drafted steps in a row with nothing accepted before a row stops drafting.
@@ -22,11 +37,17 @@ FIRST_PAUSE = 8
 MAX_PAUSE = 256
 # A row's acceptance counts decay by this per drafted step, so it follows the text the row is in.
 ACCEPTANCE_DECAY = 0.8
-# While speculation does not pay at a batch size, one step in this many speculates anyway (and the step
-# before it feeds a head), so the costs and rows' acceptance it is judged by stay current.
-PROBE_EVERY = 32
-# Weight of a new step-time sample in its moving average.
-COST_EMA = 0.2
+# At a batch size, a kind of step (plain or speculative) with no fresh sample for this many decisions there
+# gets a probe: a run of PROBE_LEN steps of it, so its cost (and rows' acceptance) stays current. Three
+# steps: the first one's interval follows a step of the other kind, the second is steady, and the third
+# is free to feed a head (plain probe) or gives a second sample (speculative probe).
+PROBE_EVERY = 64
+PROBE_LEN = 3
+# Samples kept per kind and batch size: their median is the cost.
+COST_SAMPLES = 9
+
+# A decode step's kind, for `StepClock`: speculative, plain, plain running the head's tap.
+SPEC, PLAIN, TAP = "spec", "plain", "tap"
 
 
 def can_speculate(num_rows: int, max_batch: int) -> bool:
@@ -91,20 +112,72 @@ def expected_gain(acceptance: float, k: int) -> float:
 
 @dataclass
 class StepCosts:
-    """Moving averages of a decode step's seconds by batch size (running requests), plain and speculative."""
+    """A decode step's seconds by batch size (running requests), plain and speculative: the median of the
+    last `COST_SAMPLES` samples, so one outlier (a kernel compile on a new shape, a stall of the host) does
+    not set the cost for many steps the way a moving average's first sample did."""
 
-    plain: dict[int, float] = field(default_factory=dict)
-    spec: dict[int, float] = field(default_factory=dict)
+    samples: dict[tuple[bool, int], deque] = field(default_factory=dict)  # (speculative, rows) -> seconds
+    counts: dict[tuple[bool, int], int] = field(default_factory=dict)  # samples ever recorded: their freshness
 
     def record(self, speculative: bool, num_rows: int, seconds: float) -> None:
-        table = self.spec if speculative else self.plain
-        old = table.get(num_rows)
-        table[num_rows] = seconds if old is None else old + COST_EMA * (seconds - old)
+        key = (speculative, num_rows)
+        self.samples.setdefault(key, deque(maxlen=COST_SAMPLES)).append(seconds)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def count(self, speculative: bool, num_rows: int) -> int:
+        return self.counts.get((speculative, num_rows), 0)
+
+    def cost(self, speculative: bool, num_rows: int) -> float | None:
+        """The median sample (None: none yet). Of an even count the lower middle one: outliers only ever
+        make a steady-state step slower."""
+        got = self.samples.get((speculative, num_rows))
+        return sorted(got)[(len(got) - 1) // 2] if got else None
 
     def ratio(self, num_rows: int) -> float | None:
         """A speculative step's cost in plain steps at this batch size (None: not both measured)."""
-        plain, spec = self.plain.get(num_rows), self.spec.get(num_rows)
+        plain, spec = self.cost(False, num_rows), self.cost(True, num_rows)
         return spec / plain if plain and spec is not None else None
+
+
+class StepClock:
+    """Which step intervals measure a steady-state step. Each decode step `start`s (its time, its rows, the
+    prefill that ran before it) and is `mark`ed with its kind once known (`SPEC`, `PLAIN`, `TAP`; unmarked it
+    is plain). Starting step N closes step N-1's interval, a sample only where N-1 and N-2 are of the same
+    kind and neither ran a tap (module docstring: with pipelining the interval of a plain step mostly waits on
+    the one before it), and the rows of N-2, N-1 and N are the same (a join or a finish changes the work)."""
+
+    def __init__(self) -> None:
+        self._before: tuple | None = None  # (rows, kind) of the step before the current one
+        self._current: list | None = None  # [start, rows, kind] of the current step
+
+    def start(self, now: float, rows: tuple, prefill_s: float = 0.0) -> tuple[bool, float] | None:
+        """A step starts at `now` over `rows`: (speculative, seconds) of the step before it, if steady."""
+        before, current = self._before, self._current
+        self._before = None if current is None else (current[1], current[2])
+        self._current = [now, rows, PLAIN]
+        if before is None or current is None:
+            return None
+        started, timed_rows, kind = current
+        if kind == TAP or before != (timed_rows, kind) or rows != timed_rows:
+            return None
+        seconds = now - started - prefill_s  # the prefill ran on the host between the two steps
+        return (kind == SPEC, seconds) if seconds > 0 else None
+
+    def mark(self, kind: str) -> None:
+        if self._current is not None:
+            self._current[2] = kind
+
+
+@dataclass
+class _Size:
+    """`AutoPolicy`'s state at one batch size."""
+
+    decisions: int = 0
+    seen: list[int] = field(default_factory=lambda: [0, 0])  # samples of [plain, spec] seen so far
+    # The decision count when each kind [plain, spec] last had a fresh sample or began a probe.
+    fresh: list[int] = field(default_factory=lambda: [0, 0])
+    run: list[bool] = field(default_factory=list)  # the rest of a forced run: speculate or not, step by step
+    gains: list[float] = field(default_factory=list)  # the last decision's, to foresee the next one
 
 
 @dataclass
@@ -112,25 +185,50 @@ class AutoPolicy:
     """`--speculative auto`: whether a step whose rows may draft speculates. It does when the drafting
     rows' expected extra tokens cover what the verification costs beyond a plain step: speculating
     emits B + sum(gains) tokens in `ratio` plain steps' time, plain decoding B per step, so it pays when
-    sum(gains) >= B * (ratio - 1). Until both costs are measured at a batch size, it tries speculation
-    and then one plain step."""
+    sum(gains) >= B * (ratio - 1). Until both costs are measured at a batch size, it speculates until a
+    speculative sample exists, then runs plain steps (a plain probe, again until a sample exists); after
+    that each kind is probed where it went `PROBE_EVERY` decisions without a fresh sample."""
 
     costs: StepCosts = field(default_factory=StepCosts)
-    declined: dict[int, int] = field(default_factory=dict)  # batch size -> steps declined in a row
+    sizes: dict[int, _Size] = field(default_factory=dict)
 
     def pays(self, num_rows: int, gains: list[float]) -> bool:
-        if num_rows in self.costs.spec and num_rows not in self.costs.plain:
-            return False  # one plain step to measure against
-        ratio = self.costs.ratio(num_rows)
-        if ratio is None or sum(gains) >= num_rows * (ratio - 1):
-            self.declined[num_rows] = 0
-            return True
-        n = self.declined.get(num_rows, 0) + 1
-        self.declined[num_rows] = n
-        return n % PROBE_EVERY == 0
+        size = self._size(num_rows)
+        size.decisions += 1
+        size.gains = list(gains)
+        speculate, size.run, probe = self._next(size, num_rows, gains, size.decisions)
+        if probe:  # a probe that yields no sample (the rows changed) is not retried at once
+            size.fresh[speculate] = size.decisions
+        return speculate
 
     def declining(self, num_rows: int) -> bool:
-        """Whether the next step at this batch size will decode plainly (its last one was declined and
-        the next is no probe): a head need not prepare drafts for it."""
-        n = self.declined.get(num_rows, 0)
-        return n > 0 and (n + 1) % PROBE_EVERY != 0
+        """Whether the next step at this batch size will decode plainly, so a head need not prepare drafts
+        for it (no tap: a plain probe's steps but the last stay steady-state samples). Foreseen from the
+        forced run in progress, or by the formula with the last decision's gains."""
+        size = self._size(num_rows)
+        return not self._next(size, num_rows, size.gains, size.decisions + 1)[0]
+
+    def _size(self, num_rows: int) -> _Size:
+        """The batch size's state, its freshness brought up to the samples recorded since it was last seen."""
+        size = self.sizes.setdefault(num_rows, _Size())
+        for kind in (False, True):
+            n = self.costs.count(kind, num_rows)
+            if n != size.seen[kind]:
+                size.seen[kind], size.fresh[kind] = n, size.decisions
+        return size
+
+    def _next(self, size: _Size, num_rows: int, gains: list[float], decision: int) -> tuple[bool, list[bool], bool]:
+        """Decision number `decision` at this batch size, without changing any state: (speculate, the forced
+        run left after it, whether it starts a probe)."""
+        if size.run:
+            return size.run[0], size.run[1:], False
+        if not size.seen[True]:
+            return True, [], False  # speculate until a steady-state sample exists (two steps in a row at least)
+        if not size.seen[False]:
+            return False, [False] * (PROBE_LEN - 1), False  # then a plain run, again until a sample exists
+        ratio = self.costs.ratio(num_rows)
+        chosen = ratio is None or sum(gains) >= num_rows * (ratio - 1)
+        other = not chosen
+        if decision - size.fresh[other] >= PROBE_EVERY:
+            return other, [other] * (PROBE_LEN - 1), True
+        return chosen, [], False
