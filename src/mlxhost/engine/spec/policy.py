@@ -21,8 +21,9 @@ of its last few samples, which a kernel compile on a new shape does not move.
 
 Each kind is measured where it is not chosen too (two-way probing): at a batch size where one kind has had
 no fresh sample for `PROBE_EVERY` decisions, a run of `PROBE_LEN` steps of it is forced, long enough for a
-steady-state interval. Otherwise, once speculation pays, plain steps would never be measured again there (and
-the other way round).
+steady-state interval; a plain probe's steps run no tap but the last, which seeds the head where speculation
+follows. Otherwise, once speculation pays, plain steps would never be measured again there (and the other way
+round).
 """
 
 from __future__ import annotations
