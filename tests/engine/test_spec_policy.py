@@ -173,14 +173,15 @@ def test_a_change_of_rows_or_a_prefill_is_accounted_for():
 
 def _drive(policy: AutoPolicy, num_rows: int, gains: list[float], num_steps: int, seconds: dict[str, float]):
     """Decode steps at one batch size as the decoder runs them, each kind of step taking `seconds[kind]`:
-    the kinds, in order."""
+    the kinds, in order. A plain step without a tap leaves a head no seed: the next step's decision is the
+    one `declining` foresaw."""
     clock, t, kinds = StepClock(), 0.0, []
     rows = tuple(range(num_rows))
     for _ in range(num_steps):
         sample = clock.start(t, rows)
         if sample is not None:
             policy.costs.record(sample[0], num_rows, sample[1])
-        if policy.pays(num_rows, gains):
+        if policy.pays(num_rows, gains, foreseen=bool(kinds) and kinds[-1] == PLAIN):
             kind = SPEC
         else:
             kind = PLAIN if policy.declining(num_rows) else TAP  # plain_tap: a seed for the next step's drafts
@@ -228,7 +229,8 @@ def test_while_declined_speculation_is_probed_in_a_run():
     policy.costs.record(True, 2, 100.0)
     decisions, declining = [], []
     for _ in range(2 * PROBE_EVERY + PROBE_LEN):
-        decisions.append(policy.pays(2, [0.1, 0.1]))
+        # The head, given no seed after a step foreseen plain, cannot draft: the decoder asks all the same.
+        decisions.append(policy.pays(2, [0.1, 0.1], foreseen=bool(declining) and declining[-1]))
         declining.append(policy.declining(2))
     runs = [i for i in range(len(decisions)) if decisions[i] and (i == 0 or not decisions[i - 1])]
     assert len(runs) == 2 and runs[0] < PROBE_EVERY
@@ -238,3 +240,15 @@ def test_while_declined_speculation_is_probed_in_a_run():
         assert declining[i + PROBE_LEN - 1]  # the probe's last step: the next declines, no head work
     assert all(declining[i] for i in range(runs[0] - 1))
     assert decisions.count(True) == 2 * PROBE_LEN
+
+
+def test_a_step_foreseen_plain_stays_plain():
+    policy = AutoPolicy()
+    policy.costs.record(False, 1, 1.0)
+    policy.costs.record(True, 1, 2.0)
+    assert not policy.pays(1, [0.5]) and policy.declining(1)
+    # The head got no seed, so this step cannot draft whatever its gains: it is decided plain, and counted.
+    assert not policy.pays(1, [3.0], foreseen=True)
+    assert policy.sizes[1].decisions == 2
+    assert not policy.declining(1) and policy.pays(1, [3.0])  # foreseen from these gains: speculate
+    assert not policy.declining(1) and not policy.pays(1, [0.5])  # foreseen speculative: the formula decides

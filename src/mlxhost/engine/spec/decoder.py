@@ -66,8 +66,9 @@ class SpecStats:
     num_row_pauses: int = 0  # times a row stopped drafting because its drafts kept failing
     # Plain steps of a batch small enough to speculate whose head was not run: no row drafts next step.
     num_head_skips: int = 0
-    # --speculative auto: steps that could draft and decoded plainly by the policy's choice: no gain, and
-    # also its plain probes and the plain steps that first measure a batch size.
+    # --speculative auto: steps that could draft (or could have, had the policy fed the head the step
+    # before) and decoded plainly by the policy's choice: no gain, and also its plain probes and the plain
+    # steps that first measure a batch size.
     num_declined_steps: int = 0
 
     def as_dict(self) -> dict:
@@ -98,6 +99,7 @@ class SpeculativeDecoder:
         self.auto = AutoPolicy() if auto else None  # --speculative auto: measured costs decide each step
         self._clock = 0  # decode steps seen, plain ones included: what rows' pauses count in
         self._timing = StepClock() if auto else None  # auto: which step intervals are cost samples
+        self._seed_declined = None  # auto: (step, rows) whose head the policy left without a seed
 
     @property
     def mode(self) -> str:
@@ -147,8 +149,12 @@ class SpeculativeDecoder:
             if k > 0:
                 budget[i] = k
         step = DraftStep(batch, rids, states, requests, budget, self._clock)
+        drafting = bool(budget) and self.proposer.can_draft(step)
+        # A head the policy gave no seed last step cannot draft: the policy decides this step all the same
+        # (it foresaw it plain), so it keeps counting decisions and its probes come.
+        unseeded = bool(budget) and self._seed_declined == (self._clock, batch.num_live)
         proposal = (self.proposer.propose(step)
-                    if budget and self.proposer.can_draft(step) and self._pays(batch, states, budget) else None)
+                    if (drafting or unseeded) and self._pays(batch, states, budget, unseeded) and drafting else None)
         if proposal is None:
             # No row drafts (with prompt lookup: none is inside a span its history already holds, judged
             # without `last`, which is still being computed): decode plainly, pipelined.
@@ -157,12 +163,12 @@ class SpeculativeDecoder:
         fed, lengths = proposal
         return Drafts(step, fed, list(lengths), list(lengths), self.proposer.tap)
 
-    def _pays(self, batch: Any, states: list, budget: dict[int, int]) -> bool:
+    def _pays(self, batch: Any, states: list, budget: dict[int, int], foreseen: bool = False) -> bool:
         """--speculative auto: the drafting rows' expected gain against the measured cost of verifying."""
         if self.auto is None:
             return True
         gains = [expected_gain(states[i].draft_length.acceptance, k) for i, k in budget.items()]
-        if self.auto.pays(batch.num_live, gains):
+        if self.auto.pays(batch.num_live, gains, foreseen):
             return True
         self.stats.num_declined_steps += 1
         return False
@@ -208,6 +214,7 @@ class SpeculativeDecoder:
         worse, never wrong."""
         rows, nxt = runner.rows, self._clock + 1
         if self.auto is not None and self.auto.declining(runner.batch.num_live):
+            self._seed_declined = (nxt, runner.batch.num_live)
             return False
         for rid in runner.batch.row_ids:
             length = rows[rid].draft_length if rid is not None else None

@@ -179,6 +179,8 @@ class _Size:
     fresh: list[int] = field(default_factory=lambda: [0, 0])
     run: list[bool] = field(default_factory=list)  # the rest of a forced run: speculate or not, step by step
     gains: list[float] = field(default_factory=list)  # the last decision's, to foresee the next one
+    # (decision, run, probe) of a decision `declining` foresaw as plain: it stays plain, its head had no seed.
+    promised: tuple | None = None
 
 
 @dataclass
@@ -193,11 +195,17 @@ class AutoPolicy:
     costs: StepCosts = field(default_factory=StepCosts)
     sizes: dict[int, _Size] = field(default_factory=dict)
 
-    def pays(self, num_rows: int, gains: list[float]) -> bool:
+    def pays(self, num_rows: int, gains: list[float], foreseen: bool = False) -> bool:
+        """Whether this step speculates. `foreseen`: the step before asked `declining` here, and was told
+        plain; that decision stands."""
         size = self._size(num_rows)
         size.decisions += 1
         size.gains = list(gains)
-        speculate, size.run, probe = self._next(size, num_rows, gains, size.decisions)
+        promised, size.promised = size.promised, None
+        if foreseen and promised is not None and promised[0] == size.decisions:
+            speculate, (size.run, probe) = False, promised[1:]
+        else:
+            speculate, size.run, probe = self._next(size, num_rows, gains, size.decisions)
         if probe:  # a probe that yields no sample (the rows changed) is not retried at once
             size.fresh[speculate] = size.decisions
         return speculate
@@ -205,9 +213,13 @@ class AutoPolicy:
     def declining(self, num_rows: int) -> bool:
         """Whether the next step at this batch size will decode plainly, so a head need not prepare drafts
         for it (no tap: a plain probe's steps but the last stay steady-state samples). Foreseen from the
-        forced run in progress, or by the formula with the last decision's gains."""
+        forced run in progress, or by the formula with the last decision's gains; a plain one is kept to
+        (the decoder then asks `pays` though the head cannot draft, so decisions and probes go on)."""
         size = self._size(num_rows)
-        return not self._next(size, num_rows, size.gains, size.decisions + 1)[0]
+        speculate, run, probe = self._next(size, num_rows, size.gains, size.decisions + 1)
+        # Kept to: without the head's seed the next step cannot draft, and it still counts as a decision.
+        size.promised = None if speculate else (size.decisions + 1, run, probe)
+        return not speculate
 
     def _size(self, num_rows: int) -> _Size:
         """The batch size's state, its freshness brought up to the samples recorded since it was last seen."""
