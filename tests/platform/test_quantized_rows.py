@@ -9,6 +9,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
 import mlxhost.platform.backend as backend
+import mlxhost.platform.quantized_rows as quantized_rows
 from mlxhost.config import EngineConfig
 from mlxhost.engine.core import EngineCore
 from mlxhost.engine.request import Request, SamplingParams
@@ -16,6 +17,7 @@ from mlxhost.models.loader import load_model
 from mlxhost.platform.quantized_rows import (
     RowsQuantizedEmbedding,
     RowsQuantizedLinear,
+    dequant_in_flight_bytes,
     dequantized_bytes,
     fold_on_cuda,
     fold_quantized_rows,
@@ -215,3 +217,41 @@ def test_dequantized_bytes_counts_each_folded_weight_at_the_dtype_it_dequantizes
     fold_quantized_rows(holder)
     assert dequantized_bytes(holder) == 128 * 256 * 4 + 128 * 256 * 2 + 300 * 64 * 4
     assert holder.affine(mx.random.normal((9, 256))).dtype == mx.float32
+
+
+def test_the_budget_counts_a_bounded_share_of_the_dequantized_weights_per_forward_in_flight(monkeypatch):
+    holder = nn.Module()
+    holder.layers = [nn.QuantizedLinear(256, 128, group_size=64, bits=4) for _ in range(4)]  # float32 scales
+    assert dequant_in_flight_bytes(holder) == 0  # nothing folded (Metal, the CPU): nothing dequantizes
+    fold_quantized_rows(holder)
+    layer = 128 * 256 * 4
+    # The whole model's copies where they are under the bound, for each forward in flight ...
+    assert dequant_in_flight_bytes(holder) == quantized_rows.DEQUANT_IN_FLIGHT * 4 * layer
+    # ... otherwise the bound and the layer that crosses it (a cast copy beside it).
+    monkeypatch.setattr(quantized_rows, "DEQUANT_EVAL_BYTES", layer)
+    assert dequant_in_flight_bytes(holder) == quantized_rows.DEQUANT_IN_FLIGHT * 3 * layer
+
+
+@pytest.mark.parametrize("bound", [1, 1 << 40])
+def test_a_forward_evaluates_its_dequantized_copies_once_they_reach_the_bound(monkeypatch, bound):
+    """Left unevaluated, every layer's copy lives until the forward runs (15 GiB for an 8B 4-bit model on MLX-CUDA):
+    past the bound the layer evaluates what was built, with the same result either way."""
+    layer = nn.QuantizedLinear(256, 128, group_size=64, bits=4)
+    x = mx.random.normal((1, 16, 256))
+    want = layer(x)
+    holder = nn.Module()
+    holder.proj = layer
+    fold_quantized_rows(holder, dequant_rows=8)
+    evaluated = []
+    real_eval = mx.eval
+    monkeypatch.setattr(quantized_rows, "DEQUANT_EVAL_BYTES", bound)
+    monkeypatch.setattr(quantized_rows.mx, "eval", lambda *a: (evaluated.append(a), real_eval(*a))[1])
+    quantized_rows._unevaluated.bytes = 0
+    got = holder.proj(x)
+    assert mx.allclose(got, want, atol=1e-4)
+    copy = 128 * 256 * 4  # float32 scales: a float32 copy, the input's dtype
+    if bound == 1:
+        assert len(evaluated) == 1 and quantized_rows._unevaluated.bytes == 0
+    else:
+        assert not evaluated and quantized_rows._unevaluated.bytes == copy
+    quantized_rows._unevaluated.bytes = 0

@@ -3,13 +3,13 @@ the server lends it while it runs where the memory its budget leaves to other pr
 
 At an 8B cold start on an 80 GB H100 under 16 streams the two processes together asked for more than the
 device has: the helper's steps and the server's running requests failed with out-of-memory errors. Two things
-were outside the count. The weights a forward dequantizes, held until the forward has run (`DEQUANT_IN_FLIGHT`;
-the server grew from 7 to 56 GiB in 4 s): the fit counts them for both processes. And MLX keeps freed buffers
-cached up to its memory limit, by default nearly all of the device, whatever the budget says: while the helper
-lives, the server's MLX memory limit is what the fit counted for it (its ceiling less the loan, plus its
-dequantized weights) and the helper's what the server counted for the helper, so MLX frees cached buffers
-before it grows past them. MLX's limit is the process's: with several models in one process (each with its
-own budget share and helper) it is left alone.
+were outside the count. The weights forwards dequantize, held until they have run (the server grew from 7 to
+56 GiB in 4 s): they are bounded and counted in the budget's activations now (platform/quantized_rows.py), for
+both processes. And MLX keeps freed buffers cached up to its memory limit, by default nearly all of the device,
+whatever the budget says: while the helper lives, the server's MLX memory limit is its ceiling less the loan and
+the helper's what the server counted for the helper, so MLX frees cached buffers before it grows past them.
+MLX's limit is the process's: with several models in one process (each with its own budget share and helper)
+it is left alone.
 """
 
 from __future__ import annotations
@@ -27,13 +27,6 @@ PREFIX_BYTES = 256 << 20
 # Of the memory the server's budget leaves to other processes, what the helper does not count on: the CUDA
 # contexts of the server, the helper and the tile compilers (about half a GiB each), and other programs.
 SLACK_BYTES = 4 << 30
-# Forwards whose dequantized weights one process holds at once. A prefill chunk, and a decode step of 8 rows or
-# more while the tiled kernels compile, dequantize every quantized layer (platform/quantized_rows.py); MLX-CUDA
-# keeps each copy until the forward has run on the device, and steps are launched ahead of it. On an H100 a
-# random 8B 4-bit server (15 GiB of weights dequantized) grew from 7 to 56 GiB within 4 s of its first 16
-# streams: about three forwards' worth. The budget's activations (a profile of 1- and 2-token forwards, which
-# do not dequantize) miss it, so the piece helper's fit counts it for both processes.
-DEQUANT_IN_FLIGHT = 3
 
 
 def own_mlx_memory() -> str:
@@ -91,31 +84,21 @@ class KVLoan:
                  self.capacity.tokens)
 
 
-def dequant_transient(target: Any) -> int:
-    """What a process serving `target`'s model holds beyond its budget while its forwards dequantize."""
-    if target.model is None:
-        return 0
-    from mlxhost.platform.quantized_rows import dequantized_bytes  # lazy: pulls in mlx
-
-    return DEQUANT_IN_FLIGHT * dequantized_bytes(target.model)
-
-
 def server_memory_limit(target: Any, loan: int) -> int | None:
     """MLX's memory limit for the server while the helper runs: what the fit counts for it (its ceiling less the
-    loan, plus its dequantized weights). None (left alone) where the process serves several models: the limit is
+    loan). None (left alone) where the process serves several models: the limit is
     the process's, each model's budget a share of it."""
     budget = target.budget
     if budget.config.share < 1.0 or budget.config.reserved_bytes:
         return None
-    return max(budget.ceiling - loan * target.kv_bytes_per_token + dequant_transient(target), 0)
+    return max(budget.ceiling - loan * target.kv_bytes_per_token, 0)
 
 
 def piece_helper_bytes(target: Any) -> int:
-    """What the piece helper holds beside the server: the model again, its activations and dequantized weights,
-    its small KV and prefix cache."""
+    """What the piece helper holds beside the server: the model again, its activations (dequantized weights in
+    flight included), its small KV and prefix cache."""
     budget = target.budget
-    return (budget.weights + budget.activations + dequant_transient(target) + KV_TOKENS * target.kv_bytes_per_token
-            + PREFIX_BYTES)
+    return budget.weights + budget.activations + KV_TOKENS * target.kv_bytes_per_token + PREFIX_BYTES
 
 
 def piece_helper_loan(target: Any) -> int | None:
@@ -123,16 +106,14 @@ def piece_helper_loan(target: Any) -> int | None:
     with a small KV budget, for as long as it runs: 0 where the memory the server's budget leaves to other
     processes holds it with `SLACK_BYTES` to spare, None where not even a loan makes it fit (no helper). A 32B
     bf16 model on one 140-GiB GPU does not fit: the helper's load took the memory the server's own steps then
-    failed to get; nor does a 4-bit 8B on an 80 GB card, once both processes' dequantized weights count. The
-    loan comes from the server's KV, which it does not hold yet: its KV grows with traffic, the helper lives a
+    failed to get. The loan comes from the server's KV, which it does not hold yet: its KV grows with traffic, the helper lives a
     minute or so from start-up. A server without a budget keeps the helper. (A draft model's share of the
     budget is counted too, though the helper runs without one: the estimate errs towards no helper.)"""
     budget = target.budget
     if budget is None:
         return 0
     need = piece_helper_bytes(target)
-    server_extra = dequant_transient(target)  # the server's own dequantized weights are beyond its ceiling too
-    short = need + server_extra + SLACK_BYTES - budget.free_for_others
+    short = need + SLACK_BYTES - budget.free_for_others
     if short <= 0:
         return 0
     # The longest request the model takes stays admissible while the loan is out: the API refuses a request
@@ -143,9 +124,8 @@ def piece_helper_loan(target: Any) -> int | None:
     tokens = -(-short // per_token) if per_token > 0 else None
     if tokens is not None and tokens <= lendable:
         return tokens
-    log.info("warm-up: no piece helper process (it would hold %.2f GiB beside the server, which holds %.2f GiB of "
-             "dequantized weights beyond its budget, with %.2f GiB to spare: %.2f GiB are left to other processes, and "
-             "%.2f GiB of KV could be lent while it runs, keeping %d tokens for the longest request); the pieces "
-             "compile here, between requests", need / 2**30, server_extra / 2**30, SLACK_BYTES / 2**30,
+    log.info("warm-up: no piece helper process (it would hold %.2f GiB beside the server, with %.2f GiB to spare: "
+             "%.2f GiB are left to other processes, and %.2f GiB of KV could be lent while it runs, keeping %d tokens "
+             "for the longest request); the pieces compile here, between requests", need / 2**30, SLACK_BYTES / 2**30,
              max(budget.free_for_others, 0) / 2**30, lendable * per_token / 2**30, keep)
     return None

@@ -78,6 +78,17 @@ def _forward_peak(model: Any, num_tokens: int, make_cache: Callable[[Any], list]
     return max(0, peak - before)
 
 
+def dequantized_in_flight(model: Any) -> int:
+    """On MLX-CUDA, the weights that forwards launched ahead hold dequantized (platform/quantized_rows.py): one
+    forward's profile does not see them, so the budget's activations add them (logged where they count)."""
+    from mlxhost.platform.quantized_rows import dequant_in_flight_bytes  # lazy: pulls in mlx
+
+    extra = dequant_in_flight_bytes(model) if hasattr(model, "leaf_modules") else 0
+    if extra:
+        log.info("memory profile: activations count %.2f GiB of weights dequantized by forwards in flight", extra / 2**30)
+    return extra
+
+
 def budget_config(config: Any, prefix_cache: bool, vision_cache: bool = False) -> BudgetConfig:
     """The budget's rules from an `EngineConfig`: its mode and utilization, and the prefix cache's
     share fixed by `--cache-memory` (or 0 when there is no prefix cache, so KV gets it all); the
@@ -101,6 +112,7 @@ def startup_budget(model: Any, chunk_tokens: int, cfg: BudgetConfig | None = Non
         activations = remembered_activation_bytes(model, chunk_tokens, make_cache, Path(remember))
     else:
         activations = activation_bytes(model, chunk_tokens, make_cache, agree)
+    activations += dequantized_in_flight(model)
     try:
         budget = compute_budget(read_memory(), weights, activations, cfg or BudgetConfig())
     except MemoryBudgetError as exc:

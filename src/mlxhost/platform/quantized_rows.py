@@ -13,11 +13,13 @@ The other way round, at many rows (a prompt's chunk, several prompts' chunks pre
 kernel is slower than dequantizing the weight and one plain matmul (cuBLAS), with the logits unchanged
 (docs/BENCHMARKS.md, "Quantized layers on MLX-CUDA"). So from
 `dequant_rows` rows on, a linear layer (and the tied head) takes that path. The dequantized copy of one
-weight lives only until its matmul has run on the device (on MLX-CUDA a forward launched ahead holds all of
-its layers' copies meanwhile); the start-up memory profile's prefill forward takes the same path, so the budget
-counts one forward of it where that forward was measured, not where the profile extrapolated from 1- and
-2-token forwards (a cold MLX-CUDA start: engine/warmup_memory.py). Tensor-parallel shards do the same, their
-all-reduce after the matmul either way: a rank never compiles a tiled kernel for a prompt's rows.
+weight lives until its matmul has run on the device, and MLX runs a forward's work only once it is evaluated:
+left alone, a forward holds every layer's copy (15 GiB for a random 8B 4-bit shape, several forwards launched
+ahead at once took an H100 server from 7 to 56 GiB, past its budget, and its requests ran out of memory). So
+a thread's forward evaluates what it built each time its unevaluated copies reach `DEQUANT_EVAL_BYTES`, which
+frees them, and the budget counts what is left (`dequant_in_flight_bytes`, memory/profile.py). Tensor-parallel
+shards do the same, their all-reduce after the matmul either way: a rank never compiles a tiled kernel for a
+prompt's rows (every rank evaluates at the same layers, since they build the same graph).
 
 The layers keep their classes (as subclasses) under the same names with the same arrays, so anything that
 walks the model (LoRA, weight accounting, saving) sees no change.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -45,6 +48,14 @@ DEQUANT_ROWS = 128
 # Row counts up to this run the tiled kernel; above it (from _MIN_ROWS rows on) a layer dequantizes too, while
 # that kernel is still being compiled by another process (platform/tile_compile.py, engine/warmup.py).
 ALL_TILED_ROWS = 1 << 30
+# Dequantized bytes a thread's forward builds before it evaluates them (see above): each wait costs one sync, a
+# few per prefill chunk of an 8B model, against the seconds of compute in the chunk.
+DEQUANT_EVAL_BYTES = 1 << 30
+# Forwards whose unevaluated copies one process holds at once: the one being built, and the steps launched
+# ahead of it (a prefill chunk and the decode step beside it, the step before still on the device).
+DEQUANT_IN_FLIGHT = 3
+# Per thread (the engine's and the warm-up's build forwards side by side): copies built since the last wait.
+_unevaluated = threading.local()
 
 
 def _folded(matmul, x: mx.array, layer=None, add_bias: bool = True) -> mx.array:
@@ -60,11 +71,25 @@ def _folded(matmul, x: mx.array, layer=None, add_bias: bool = True) -> mx.array:
     if layer is not None and (0 < layer.dequant_rows <= rows or (rows >= _MIN_ROWS and rows > layer.tiled_rows)):
         w = mx.dequantize(layer["weight"], layer["scales"], layer.get("biases"), layer.group_size, layer.bits,
                           getattr(layer, "mode", "affine"))
-        y = (x.reshape(rows, shape[-1]) @ w.astype(x.dtype).T).reshape(*shape[:-1], -1)
+        copies = w.nbytes
+        if w.dtype != x.dtype:
+            copies, w = copies + w.size * x.dtype.size, w.astype(x.dtype)
+        y = (x.reshape(rows, shape[-1]) @ w.T).reshape(*shape[:-1], -1)
+        _bound_unevaluated(y, copies)
         return y + layer["bias"] if add_bias and "bias" in layer else y
     if len(shape) > 2 and rows > shape[-2] and rows >= _MIN_ROWS:
         return matmul(x.reshape(rows, shape[-1])).reshape(*shape[:-1], -1)
     return matmul(x)
+
+
+def _bound_unevaluated(y: mx.array, copies: int) -> None:
+    """Counts a dequantized copy `y` was built from; at `DEQUANT_EVAL_BYTES` evaluates `y` (and the forward up to
+    it), so the copies so far run and are freed before more are made."""
+    pending = getattr(_unevaluated, "bytes", 0) + copies
+    if pending >= DEQUANT_EVAL_BYTES:
+        mx.eval(y)
+        pending = 0
+    _unevaluated.bytes = pending
 
 
 class _ShardMatmul:
@@ -166,17 +191,31 @@ def row_layers(model: nn.Module) -> list[nn.Module]:
     return [m for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module) if isinstance(m, ROW_LAYERS)]
 
 
+def _layer_dequantized_bytes(layer: nn.Module) -> int:
+    """One row-folding layer's weight dequantized (affine: to its scales' dtype; the floating-point modes, whose
+    scales are uint8: to bfloat16)."""
+    weight = layer["weight"]
+    itemsize = layer["scales"].dtype.size if getattr(layer, "mode", "affine") == "affine" else 2
+    return weight.shape[0] * (weight.shape[-1] * 32 // layer.bits) * itemsize
+
+
 def dequantized_bytes(model: nn.Module) -> int:
-    """Bytes of every row-folding layer's weight dequantized (affine: to its scales' dtype; the floating-point
-    modes, whose scales are uint8: to bfloat16): what one forward whose rows all dequantize allocates. On MLX-CUDA
-    a forward in flight holds every layer's copy until its work has run on the device (engine/warmup_memory.py).
-    An untied model's embedding is counted too, though only a tied head dequantizes: the figure errs high."""
-    total = 0
-    for layer in row_layers(model):
-        weight = layer["weight"]
-        itemsize = layer["scales"].dtype.size if getattr(layer, "mode", "affine") == "affine" else 2
-        total += weight.shape[0] * (weight.shape[-1] * 32 // layer.bits) * itemsize
-    return total
+    """Bytes of every row-folding layer's weight dequantized: what one forward whose rows all dequantize allocates
+    in all. An untied model's embedding is counted too, though only a tied head dequantizes: the figure errs high."""
+    return sum(_layer_dequantized_bytes(layer) for layer in row_layers(model))
+
+
+def dequant_in_flight_bytes(model: nn.Module) -> int:
+    """What a process serving `model` holds beyond a forward's measured activations while its forwards dequantize:
+    `DEQUANT_IN_FLIGHT` forwards' unevaluated copies, each at most `DEQUANT_EVAL_BYTES` and the layer that crossed
+    it (a cast copy doubles a layer at most), or the whole model's where that is less. 0 where no layer folds rows
+    (Metal, the CPU); counted where the prefill's path is off too, since decode rows dequantize while the tiled
+    kernels compile."""
+    sizes = [_layer_dequantized_bytes(layer) for layer in row_layers(model)]
+    if not sizes:
+        return 0
+    per_forward = min(sum(sizes), DEQUANT_EVAL_BYTES + 2 * max(sizes))
+    return DEQUANT_IN_FLIGHT * per_forward
 
 
 def set_tiled_rows(model: "nn.Module | list[nn.Module]", rows: int) -> int:
