@@ -252,3 +252,21 @@ def test_a_step_foreseen_plain_stays_plain():
     assert policy.sizes[1].decisions == 2
     assert not policy.declining(1) and policy.pays(1, [3.0])  # foreseen from these gains: speculate
     assert not policy.declining(1) and not policy.pays(1, [0.5])  # foreseen speculative: the formula decides
+
+
+def test_a_new_batch_size_goes_by_the_nearest_measured_one():
+    """Rows finish one by one, so a batch passes through many sizes: a size learnt from nothing would speculate
+    first at each, where speculation never paid next to it."""
+    policy = AutoPolicy()
+    assert policy.costs.nearest_ratio(15) is None
+    policy.costs.record(False, 16, 1.0)
+    policy.costs.record(True, 16, 2.0)
+    assert policy.costs.nearest_ratio(15) == policy.costs.nearest_ratio(3) == 2.0
+    kinds = _drive(policy, 15, [0.3] * 15, 20, {SPEC: 2.0, PLAIN: 1.0, TAP: 1.2})
+    assert set(kinds) == {PLAIN}  # 15 * 0.3 = 4.5 extra tokens do not pay for 15 rows' second step
+    policy.costs.record(False, 4, 1.0)
+    policy.costs.record(True, 4, 1.1)
+    policy.costs.record(False, 8, 1.0)
+    policy.costs.record(True, 8, 1.5)
+    assert policy.costs.nearest_ratio(5) == 1.1 and policy.costs.nearest_ratio(6) == 1.5  # a tie: the larger
+    assert policy.costs.nearest_ratio(16) == 2.0  # its own

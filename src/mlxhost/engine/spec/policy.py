@@ -139,6 +139,17 @@ class StepCosts:
         plain, spec = self.cost(False, num_rows), self.cost(True, num_rows)
         return spec / plain if plain and spec is not None else None
 
+    def nearest_ratio(self, num_rows: int) -> float | None:
+        """`ratio` at this batch size, or else at the nearest one where both kinds are measured (of two as near,
+        the larger: verifying costs more there). Rows finish one by one, so a batch passes through many sizes;
+        learning each from nothing spent a dozen steps per size speculating and probing (None: none measured)."""
+        sizes = {n for _, n in self.samples}
+        for n in sorted(sizes, key=lambda n: (abs(n - num_rows), -n)):
+            ratio = self.ratio(n)
+            if ratio is not None:
+                return ratio
+        return None
+
 
 class StepClock:
     """Which step intervals measure a steady-state step. Each decode step `start`s (its time, its rows, the
@@ -188,9 +199,10 @@ class AutoPolicy:
     """`--speculative auto`: whether a step whose rows may draft speculates. It does when the drafting
     rows' expected extra tokens cover what the verification costs beyond a plain step: speculating
     emits B + sum(gains) tokens in `ratio` plain steps' time, plain decoding B per step, so it pays when
-    sum(gains) >= B * (ratio - 1). Until both costs are measured at a batch size, it speculates until a
-    speculative sample exists, then runs plain steps (a plain probe, again until a sample exists); after
-    that each kind is probed where it went `PROBE_EVERY` decisions without a fresh sample."""
+    sum(gains) >= B * (ratio - 1). A batch size without both costs measured goes by the nearest size that has
+    them; until any has, it speculates until a speculative sample exists, then runs plain steps (a plain probe,
+    again until a sample exists). Each kind is probed where it went `PROBE_EVERY` decisions at a size without a
+    fresh sample there, which measures the size's own costs."""
 
     costs: StepCosts = field(default_factory=StepCosts)
     sizes: dict[int, _Size] = field(default_factory=dict)
@@ -235,11 +247,12 @@ class AutoPolicy:
         run left after it, whether it starts a probe)."""
         if size.run:
             return size.run[0], size.run[1:], False
-        if not size.seen[True]:
-            return True, [], False  # speculate until a steady-state sample exists (two steps in a row at least)
-        if not size.seen[False]:
-            return False, [False] * (PROBE_LEN - 1), False  # then a plain run, again until a sample exists
-        ratio = self.costs.ratio(num_rows)
+        ratio = self.costs.nearest_ratio(num_rows)
+        if ratio is None:  # nothing measured at any size yet
+            if not size.seen[True]:
+                return True, [], False  # speculate until a steady-state sample exists (two steps in a row at least)
+            if not size.seen[False]:
+                return False, [False] * (PROBE_LEN - 1), False  # then a plain run, again until a sample exists
         chosen = ratio is None or sum(gains) >= num_rows * (ratio - 1)
         other = not chosen
         if decision - size.fresh[other] >= PROBE_EVERY:
