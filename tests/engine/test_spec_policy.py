@@ -165,10 +165,15 @@ def test_a_change_of_rows_or_a_prefill_is_accounted_for():
     clock = StepClock()
     clock.start(0.0, (0, 1))
     clock.start(1.0, (0, 1))
-    assert clock.start(2.0, (0, 1), prefill_s=0.25) == (False, 0.75)  # the prefill between them is no step
-    assert clock.start(3.0, (0, 1, 2)) is None  # a row joined: the step is not the batch's steady one
-    assert clock.start(4.0, (0, 1, 2)) is None  # its predecessor had other rows
-    assert clock.start(5.0, (0, 1, 2)) == (False, 1.0)
+    assert clock.start(2.0, (0, 1)) == (False, 1.0)
+    # A prefill before a step (here the third) spoils the interval it ends and the one it begins: on MLX-CUDA
+    # it may wait for the decode forward launched before it.
+    assert clock.start(3.0, (0, 1), prefill_s=0.25) is None
+    assert clock.start(4.0, (0, 1)) is None
+    assert clock.start(5.0, (0, 1)) == (False, 1.0)
+    assert clock.start(6.0, (0, 1, 2)) is None  # a row joined: the step is not the batch's steady one
+    assert clock.start(7.0, (0, 1, 2)) is None  # its predecessor had other rows
+    assert clock.start(8.0, (0, 1, 2)) == (False, 1.0)
 
 
 def _drive(policy: AutoPolicy, num_rows: int, gains: list[float], num_steps: int, seconds: dict[str, float]):
@@ -270,3 +275,13 @@ def test_a_new_batch_size_goes_by_the_nearest_measured_one():
     policy.costs.record(True, 8, 1.5)
     assert policy.costs.nearest_ratio(5) == 1.1 and policy.costs.nearest_ratio(6) == 1.5  # a tie: the larger
     assert policy.costs.nearest_ratio(16) == 2.0  # its own
+
+
+def test_a_forced_run_cut_short_by_a_change_of_batch_size_is_not_resumed_later():
+    policy = AutoPolicy()
+    assert policy.pays(2, [1.0])  # nothing measured: speculation first ...
+    policy.costs.record(True, 2, 2.0)
+    assert not policy.pays(2, [1.0])  # ... then a plain run of PROBE_LEN steps, cut short here
+    assert policy.sizes[2].run
+    policy.pays(3, [1.0, 1.0, 1.0])  # a row joined
+    assert not policy.sizes[2].run and policy.sizes[2].promised is None

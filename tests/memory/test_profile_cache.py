@@ -4,9 +4,11 @@ the activation peak back instead of running the forward; another shape, a bad fi
 import json
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models import llama
 
 from mlxhost.memory import profile
+from mlxhost.platform.quantized_rows import dequant_in_flight_bytes, fold_quantized_rows
 
 
 def _model(hidden=64):
@@ -56,3 +58,23 @@ def test_startup_budget_remembers_only_when_asked(tmp_path, monkeypatch):
     for _ in range(2):
         profile.startup_budget(_model(), 32, remember=str(tmp_path))
     assert len(calls) == 3
+
+
+def test_the_budget_adds_the_dequantized_weights_forwards_hold_where_layers_fold_rows(monkeypatch):
+    """On MLX-CUDA (row-folding layers) forwards in flight hold dequantized weight copies the one-forward profile
+    does not see; elsewhere nothing is added."""
+    monkeypatch.setattr(profile, "activation_bytes", lambda *a, **kw: 1000)
+    plain = profile.startup_budget(_model(), 32)
+    assert plain.activations == 1000
+    model = _model()
+    nn.quantize(model, group_size=32, bits=4)
+    fold_quantized_rows(model)
+    extra = dequant_in_flight_bytes(model)
+    assert extra > 0 and profile.startup_budget(model, 32).activations == 1000 + extra
+
+
+def test_a_measurement_from_before_forwards_freed_their_copies_is_not_read_back(monkeypatch):
+    """What a forward holds changed with how it runs: the key says how it was measured."""
+    key = profile.measurement_key(_model(), 32)
+    monkeypatch.setattr(profile, "_MEASURED_AS", "before")
+    assert key is not None and profile.measurement_key(_model(), 32) not in (None, key)

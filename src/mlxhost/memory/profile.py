@@ -19,6 +19,8 @@ log = logging.getLogger(__name__)
 # The memory profile's time allowance: beyond it the full-chunk forward is extrapolated, not run.
 _PROFILE_BUDGET_S = 5.0
 _MARGIN = 2
+# Part of a remembered measurement's key: changed where the way forwards run changes what they hold.
+_MEASURED_AS = "dequant-bounded"
 
 
 def weights_bytes(model: Any) -> int:
@@ -138,7 +140,10 @@ def measurement_key(model: Any, chunk_tokens: int, make_cache: Callable[[Any], l
         if params is None or not params.frozen or " at 0x" in repr(plan):
             return None
         layout = f"{make_cache.__name__}:{plan!r}"
-    digest = hashlib.sha256(f"{mx.__version__}|{mx.default_device()}|{_device_name()}|{chunk_tokens}|{layout}".encode())
+    # The prefix names how forwards were run when measured: a forward that held every dequantized copy at once
+    # measured far more than one that frees them as it goes (platform/quantized_rows.py).
+    digest = hashlib.sha256(f"{_MEASURED_AS}|{mx.__version__}|{mx.default_device()}|{_device_name()}|{chunk_tokens}|"
+                            f"{layout}".encode())
     for name, value in tree_flatten(model.parameters()):
         digest.update(f"{name}:{tuple(value.shape)}:{value.dtype}".encode())
     if hasattr(model, "named_modules"):

@@ -19,7 +19,7 @@ ahead at once took an H100 server from 7 to 56 GiB, past its budget, and its req
 a thread's forward evaluates what it built each time its unevaluated copies reach `DEQUANT_EVAL_BYTES`, which
 frees them, and the budget counts what is left (`dequant_in_flight_bytes`, memory/profile.py). Tensor-parallel
 shards do the same, their all-reduce after the matmul either way: a rank never compiles a tiled kernel for a
-prompt's rows (every rank evaluates at the same layers, since they build the same graph).
+prompt's rows (where ranks evaluate at different layers, their collectives still run in the same order).
 
 The layers keep their classes (as subclasses) under the same names with the same arrays, so anything that
 walks the model (LoRA, weight accounting, saving) sees no change.
@@ -51,10 +51,13 @@ ALL_TILED_ROWS = 1 << 30
 # Dequantized bytes a thread's forward builds before it evaluates them (see above): each wait costs one sync, a
 # few per prefill chunk of an 8B model, against the seconds of compute in the chunk.
 DEQUANT_EVAL_BYTES = 1 << 30
-# Forwards whose unevaluated copies one process holds at once: the one being built, and the steps launched
-# ahead of it (a prefill chunk and the decode step beside it, the step before still on the device).
+# Bounds of dequantized copies one process may hold at once. An evaluation waits for everything launched before
+# it on the stream, so one thread holds at most the copies launched since its last wait (the end of the forward
+# before, in flight) and those its next wait launches: two. The third is margin, for a forward built on a
+# second thread (the warm-up's, under MLXHOST_WARMUP_ISOLATE) and for copies a bound misses (a layer's sibling
+# projections built before it, left lazy by its evaluation). Unmeasured beyond the 8B cold start it let run.
 DEQUANT_IN_FLIGHT = 3
-# Per thread (the engine's and the warm-up's build forwards side by side): copies built since the last wait.
+# Per thread (the warm-up may build its forwards on a thread of its own): copies built since the last wait.
 _unevaluated = threading.local()
 
 

@@ -156,23 +156,26 @@ class StepClock:
     prefill that ran before it) and is `mark`ed with its kind once known (`SPEC`, `PLAIN`, `TAP`; unmarked it
     is plain). Starting step N closes step N-1's interval, a sample only where N-1 and N-2 are of the same
     kind and neither ran a tap (module docstring: with pipelining the interval of a plain step mostly waits on
-    the one before it), and the rows of N-2, N-1 and N are the same (a join or a finish changes the work)."""
+    the one before it), the rows of N-2, N-1 and N are the same (a join or a finish changes the work), and no
+    prompt prefilled before N-1 or N. A prefill does not simply add its own time: on MLX-CUDA a prefill chunk
+    that dequantizes evaluates mid-forward (platform/quantized_rows.py) and so waits for the decode forward
+    launched before it, which would leave a plain step's interval with host time alone."""
 
     def __init__(self) -> None:
         self._before: tuple | None = None  # (rows, kind) of the step before the current one
-        self._current: list | None = None  # [start, rows, kind] of the current step
+        self._current: list | None = None  # [start, rows, kind, a prefill ran before it] of the current step
 
     def start(self, now: float, rows: tuple, prefill_s: float = 0.0) -> tuple[bool, float] | None:
         """A step starts at `now` over `rows`: (speculative, seconds) of the step before it, if steady."""
         before, current = self._before, self._current
         self._before = None if current is None else (current[1], current[2])
-        self._current = [now, rows, PLAIN]
+        self._current = [now, rows, PLAIN, prefill_s > 0]
         if before is None or current is None:
             return None
-        started, timed_rows, kind = current
-        if kind == TAP or before != (timed_rows, kind) or rows != timed_rows:
+        started, timed_rows, kind, prefilled = current
+        if kind == TAP or before != (timed_rows, kind) or rows != timed_rows or prefilled or prefill_s > 0:
             return None
-        seconds = now - started - prefill_s  # the prefill ran on the host between the two steps
+        seconds = now - started
         return (kind == SPEC, seconds) if seconds > 0 else None
 
     def mark(self, kind: str) -> None:
@@ -206,10 +209,15 @@ class AutoPolicy:
 
     costs: StepCosts = field(default_factory=StepCosts)
     sizes: dict[int, _Size] = field(default_factory=dict)
+    last_rows: int | None = None  # the batch size of the last decision
 
     def pays(self, num_rows: int, gains: list[float], foreseen: bool = False) -> bool:
         """Whether this step speculates. `foreseen`: the step before asked `declining` here, and was told
         plain; that decision stands."""
+        left = self.sizes.get(self.last_rows)
+        if self.last_rows != num_rows and left is not None:
+            left.run, left.promised = [], None  # a run cut short by a join or a finish is not resumed later
+        self.last_rows = num_rows
         size = self._size(num_rows)
         size.decisions += 1
         size.gains = list(gains)
