@@ -48,10 +48,10 @@ DEQUANT_ROWS = 128
 # Row counts up to this run the tiled kernel; above it (from _MIN_ROWS rows on) a layer dequantizes too, while
 # that kernel is still being compiled by another process (platform/tile_compile.py, engine/warmup.py).
 ALL_TILED_ROWS = 1 << 30
-# Dequantized bytes a thread's forward builds before it evaluates them (see above): each wait costs one sync, a
-# few per prefill chunk of an 8B model, against the seconds of compute in the chunk.
+# Dequantized bytes a thread's forward builds before it evaluates them (see above): each wait costs one sync,
+# about fifteen per prefill chunk of an 8B 4-bit model (15 GiB of copies), against the chunk's compute.
 DEQUANT_EVAL_BYTES = 1 << 30
-# Bounds of dequantized copies one process may hold at once. An evaluation waits for everything launched before
+# How many such sets of dequantized copies one process may hold at once. An evaluation waits for everything launched before
 # it on the stream, so one thread holds at most the copies launched since its last wait (the end of the forward
 # before, in flight) and those its next wait launches: two. The third is margin, for a forward built on a
 # second thread (the warm-up's, under MLXHOST_WARMUP_ISOLATE) and for copies a bound misses (a layer's sibling
