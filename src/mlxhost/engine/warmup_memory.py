@@ -34,8 +34,8 @@ def own_mlx_memory() -> str:
     freed ones cached for reuse) left the helper short of device memory."""
     import mlx.core as mx  # lazy: mlx only when used
 
-    return (f"this process holds {mx.get_active_memory() / 2**30:.2f} GiB active and {mx.get_cache_memory() / 2**30:.2f} "
-            f"GiB cached by MLX, peak {mx.get_peak_memory() / 2**30:.2f} GiB")
+    return (f"this process holds {mx.get_active_memory() / 2**30:.2f} GiB active and "
+            f"{mx.get_cache_memory() / 2**30:.2f} GiB cached by MLX, peak {mx.get_peak_memory() / 2**30:.2f} GiB")
 
 
 @dataclass
@@ -86,8 +86,8 @@ class KVLoan:
 
 def server_memory_limit(target: Any, loan: int) -> int | None:
     """MLX's memory limit for the server while the helper runs: what the fit counts for it (its ceiling less the
-    loan). None (left alone) where the process serves several models: the limit is
-    the process's, each model's budget a share of it."""
+    loan). None (left alone) where the process serves several models: the limit is the process's, each model's
+    budget a share of it."""
     budget = target.budget
     if budget.config.share < 1.0 or budget.config.reserved_bytes:
         return None
@@ -106,9 +106,9 @@ def piece_helper_loan(target: Any) -> int | None:
     with a small KV budget, for as long as it runs: 0 where the memory the server's budget leaves to other
     processes holds it with `SLACK_BYTES` to spare, None where not even a loan makes it fit (no helper). A 32B
     bf16 model on one 140-GiB GPU does not fit: the helper's load took the memory the server's own steps then
-    failed to get. The loan comes from the server's KV, which it does not hold yet: its KV grows with traffic, the helper lives a
-    minute or so from start-up. A server without a budget keeps the helper. (A draft model's share of the
-    budget is counted too, though the helper runs without one: the estimate errs towards no helper.)"""
+    failed to get. The loan comes from the server's KV, which it does not hold yet: its KV grows with traffic,
+    the helper lives a minute or so from start-up. A server without a budget keeps the helper. (A draft model's
+    share of the budget is counted too, though the helper runs without one: the estimate errs towards no helper.)"""
     budget = target.budget
     if budget is None:
         return 0

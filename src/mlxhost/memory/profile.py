@@ -87,7 +87,8 @@ def dequantized_in_flight(model: Any) -> int:
 
     extra = dequant_in_flight_bytes(model) if hasattr(model, "leaf_modules") else 0
     if extra:
-        log.info("memory profile: activations count %.2f GiB of weights dequantized by forwards in flight", extra / 2**30)
+        log.info("memory profile: activations count %.2f GiB of weights dequantized by forwards in flight",
+                 extra / 2**30)
     return extra
 
 

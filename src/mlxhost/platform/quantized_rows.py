@@ -51,9 +51,9 @@ ALL_TILED_ROWS = 1 << 30
 # Dequantized bytes a thread's forward builds before it evaluates them (see above): each wait costs one sync,
 # about fifteen per prefill chunk of an 8B 4-bit model (15 GiB of copies), against the chunk's compute.
 DEQUANT_EVAL_BYTES = 1 << 30
-# How many such sets of dequantized copies one process may hold at once. An evaluation waits for everything launched before
-# it on the stream, so one thread holds at most the copies launched since its last wait (the end of the forward
-# before, in flight) and those its next wait launches: two. The third is margin, for a forward built on a
+# How many such sets of dequantized copies one process may hold at once. An evaluation waits for everything
+# launched before it on the stream, so one thread holds at most the copies launched since its last wait (the end
+# of the forward before, in flight) and those its next wait launches: two. The third is margin, for a forward built on a
 # second thread (the warm-up's, under MLXHOST_WARMUP_ISOLATE) and for copies a bound misses (a layer's sibling
 # projections built before it, left lazy by its evaluation). Unmeasured beyond the 8B cold start it let run.
 DEQUANT_IN_FLIGHT = 3

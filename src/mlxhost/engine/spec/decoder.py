@@ -110,8 +110,8 @@ class SpeculativeDecoder:
         """This decode step's drafts; None: it decodes plainly (pipelined)."""
         if self.auto is None:
             return self._plan(runner, requests)
-        # A step's time is from its start to the next one's, less the next one's prefill; the clock keeps
-        # only steady-state intervals (policy.py). The step is plain until it drafts or runs a tap.
+        # A step's time is from its start to the next one's; the clock keeps only steady-state intervals
+        # (policy.py `StepClock`). The step is plain until it drafts or runs a tap.
         sample = self._timing.start(time.perf_counter(), tuple(runner.batch.row_ids), runner.last_prefill_s)
         if sample is not None:
             self.auto.costs.record(sample[0], runner.batch.num_live, sample[1])
@@ -153,8 +153,8 @@ class SpeculativeDecoder:
         # A head the policy gave no seed last step cannot draft: the policy decides this step all the same
         # (it foresaw it plain), so it keeps counting decisions and its probes come.
         unseeded = bool(budget) and self._seed_declined == (self._clock, batch.num_live)
-        proposal = (self.proposer.propose(step)
-                    if (drafting or unseeded) and self._pays(batch, states, budget, unseeded) and drafting else None)
+        decided = (drafting or unseeded) and self._pays(batch, states, budget, unseeded)
+        proposal = self.proposer.propose(step) if decided and drafting else None
         if proposal is None:
             # No row drafts (with prompt lookup: none is inside a span its history already holds, judged
             # without `last`, which is still being computed): decode plainly, pipelined.
