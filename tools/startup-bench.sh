@@ -28,6 +28,8 @@ for shape in "${@:-qwen3-0.6b}"; do
     --load-s "${LOAD_S:-45}" --concurrency "${CONC:-16}" --wait-warmup-s "${WAIT_S:-200}" \
     --out "$out/cold-$shape.json" || { echo "cold start of $shape failed"; exit 1; }
   echo "kernel cache after the cold start: $(find "$kernels" -name '*.ptx' | wc -l) modules"
+  # When each module landed, oldest first: which compile held up which phase of the start (read with the log).
+  find "$kernels" -name '*.ptx' -not -path '*/.staging-*' -printf '%TT %f\n' | sort > "$out/kernels-cold-$shape.txt"
   timeout 150 python3 tools/startup_probe.py "$m" --label "warm-$shape" --kernel-dir "$kernels" --load-s 10 \
     --concurrency "${CONC:-16}" --wait-warmup-s "${WARM_WAIT_S:-30}" --out "$out/warm-$shape.json"
   [ -z "$first" ] && first=$kernels

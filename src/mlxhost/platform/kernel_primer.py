@@ -7,7 +7,9 @@ cache a request still met new pairs: its first decode step (sampled ids are uint
 prompts prefilled together (`gather_axis_bfloat16_int32` and `gather_int32_int32_1`: 7.9 s), the first
 batch of 32 (two scatters) (docs/BENCHMARKS.md, "Start-up on MLX-CUDA", D). These processes run each pair once
 on tiny arrays while the server loads its model, and publish the modules into the kernel cache through a
-staging folder (platform/tile_compile.py), where the server's MLX finds them at first use.
+staging folder (platform/tile_compile.py), where the server's MLX finds them at first use. The prompt ids'
+gathers come first: the model's first forwards (forward_primer.py, then the server's) need them before any
+request.
 
 Started by server/app.py on MLX-CUDA only; a module already in the cache is not compiled again, so a warm
 restart starts no process.
@@ -33,17 +35,17 @@ PROCESSES = 3
 
 
 def modules(act: str, quantized: bool) -> list[tuple[str, str, str]]:
-    """(kind, array dtype, index dtype) of each module a cold server was seen to compile on the request path
-    (BENCHMARKS.md D) or a sampling filter's graph holds, those the first requests meet first."""
+    """(kind, array dtype, index dtype) of each module a cold server was seen to compile on its start-up forwards
+    or the request path (BENCHMARKS.md D) or a sampling filter's graph holds, in the order they are first met."""
     src = [act, "uint32"] if quantized else [act]  # quantized embeddings gather packed uint32 rows
-    first = [("gather", s, "uint32") for s in src]  # a decode step's ids: sampled, uint32
+    # Prompt ids, int32: the start-up forwards' embedding (the server's and forward_primer.py's) meets these first.
+    first = [("gather", s, "int32") for s in src]
+    first += [("gather", s, "uint32") for s in src]  # a decode step's ids: sampled, uint32
     first += [("gather_axis", act, "int32"), ("gather", "int32", "int32")]  # prompts prefilled together
     first += [("scatter", "int32", "int32"), ("scatter", "uint32", "int32")]  # batches of 32
     # Top-k sampling (mlx-lm's apply_top_k: put_along_axis at argpartition's uint32 indices), read off its graph
     # on the CPU; top-p's take_along_axis is the int32 pair above. Their fused (mx.compile) kernels are not primed.
-    first += [("scatter_axis", act, "uint32")]
-    # Prompt ids: the server's own start-up forwards compile these too; they come last, to be skipped once there.
-    return first + [("gather", s, "int32") for s in src]
+    return first + [("scatter_axis", act, "uint32")]
 
 
 def module_name(kind: str, dtype: str, index: str) -> str:
