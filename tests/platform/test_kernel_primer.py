@@ -5,6 +5,9 @@ on the CPU through the graph MLX exports; the names follow mlx/backend/cuda/inde
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import mlx.core as mx
 import pytest
@@ -13,12 +16,13 @@ from mlxhost.platform import kernel_primer
 from mlxhost.platform.kernel_primer import model_dtypes, module_name, modules
 
 
-def test_a_quantized_model_primes_the_prompt_ids_gathers_first_then_the_sampled_ids(tmp_path):
+def test_a_quantized_model_primes_its_first_forwards_modules_first_then_the_sampled_ids(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16", "quantization": {"bits": 4}}))
     act, quantized = model_dtypes(str(tmp_path))
     names = [module_name(*m) for m in modules(act, quantized)]
-    assert names[:2] == ["gather_bfloat16_int32_1", "gather_uint32_int32_1"]  # the start-up forwards' embedding
-    assert names[2:4] == ["gather_bfloat16_uint32_1", "gather_uint32_uint32_1"]  # the first decode step's
+    # The first forwards': the embedding's at prompt ids, the fused swiglu (one process each), then a decode step's.
+    assert names[:3] == ["gather_bfloat16_int32_1", "gather_uint32_int32_1", "swiglu_bfloat16"]
+    assert names[3:5] == ["gather_bfloat16_uint32_1", "gather_uint32_uint32_1"]
     assert {"gather_axis_bfloat16_int32", "gather_int32_int32_1", "scatter_int32_int32_Assign_1",
             "scatter_uint32_int32_Assign_1"} <= set(names)
     assert "scatter_axis_bfloat16_uint32_Assign" in names  # top-k sampling's
@@ -43,9 +47,15 @@ def test_an_unquantized_model_primes_no_uint32_weights():
     assert "gather_float16_uint32_1" in names and not any(n.startswith("gather_uint32") for n in names)
 
 
+def _fill(cache, mods) -> None:
+    (cache / ".primed").mkdir(exist_ok=True)
+    for m in mods:
+        path = cache / ".primed" / module_name(*m) if m[0] == "compiled" else cache / f"{module_name(*m)}.ptx"
+        path.write_bytes(b"")
+
+
 def test_a_cache_holding_every_module_starts_no_process(tmp_path, monkeypatch):
-    for m in modules("bfloat16", True):
-        (tmp_path / f"{module_name(*m)}.ptx").write_bytes(b"")
+    _fill(tmp_path, modules("bfloat16", True))
     assert (tmp_path / "gather_bfloat16_uint32_1.ptx").exists()  # MLX's file name for the module
     monkeypatch.setattr(kernel_primer.subprocess, "Popen", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     assert kernel_primer.start(None, tmp_path) == []
@@ -102,3 +112,60 @@ def test_top_k_sampling_builds_the_take_along_axis_scatter_the_primer_compiles(t
     text = (tmp_path / "g.dot").read_text()
     assert "ScatterAxis" in text and ("scatter_axis", "bfloat16", "uint32") in modules("bfloat16", True)
     assert mx.argpartition(-logprobs, kth=4, axis=-1).dtype == mx.uint32
+
+
+def _compiled_kernels(code: str, tmp) -> set[str]:
+    """The fused kernels a fresh process compiles running `code`, by name, from MLX's CPU kernel cache (under the
+    temp folder, named as MLX-CUDA names its modules)."""
+    subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TMPDIR=str(tmp)), check=True, timeout=300)
+    return {p.name.split("_contiguous")[0].split("_strided")[0] for p in tmp.rglob("*.cpp")}
+
+
+def test_the_first_forwards_fuse_exactly_the_kernel_the_primer_compiles(qwen3_4bit_model_dir, tmp_path):
+    """The KV probe's and the memory profile's forwards of a quantized Qwen3, as the server runs them: the one fused
+    kernel they compile is the one `run("compiled", ...)` compiles (a model that fuses another function, or an
+    mlx-lm whose swiglu changes, fails here)."""
+    act, _ = model_dtypes(str(qwen3_4bit_model_dir))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "primer").mkdir()
+    forwards = _compiled_kernels(
+        "import mlx.core as mx\n"
+        "from mlxhost.models.loader import load_model\n"
+        "from mlxhost.kv.kinds.probe import probe_kv\n"
+        "from mlxhost.memory.profile import activation_bytes\n"
+        f"model = load_model({str(qwen3_4bit_model_dir)!r}).model\n"
+        "probe_kv(model)\n"
+        "activation_bytes(model, 16)\n", tmp_path / "model")
+    primed = _compiled_kernels(
+        "import mlx.core as mx\n"
+        "from mlxhost.platform.kernel_primer import run\n"
+        f"mx.eval(run('compiled', {act!r}, ''))\n", tmp_path / "primer")
+    assert forwards == primed and len(primed) == 1
+
+
+def test_the_server_waits_for_the_first_forwards_modules_or_for_no_process_left(tmp_path, caplog):
+    caplog.set_level("INFO", logger=kernel_primer.__name__)
+    first = kernel_primer.first_forward_modules("bfloat16", True)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        _fill(tmp_path, first)
+        kernel_primer.wait_first([sleeper], None, tmp_path, timeout_s=20)
+        assert "compiled beside the load" in caplog.text
+        (tmp_path / f"{module_name(*first[0])}.ptx").unlink()
+        caplog.clear()
+        kernel_primer.wait_first([sleeper], None, tmp_path, timeout_s=0.2)  # bounded
+        assert "not there yet" in caplog.text
+    finally:
+        sleeper.kill()
+    sleeper.wait()
+    caplog.clear()
+    kernel_primer.wait_first([sleeper], None, tmp_path, timeout_s=20)  # nobody left to compile it: no wait
+    assert "not there yet" in caplog.text and "waited 0.0 s" in caplog.text
+    kernel_primer.wait_first([], None, tmp_path / "missing")  # none started (a warm cache)
+
+
+def test_a_fused_kernel_is_marked_once_compiled(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    spec = {"cache_dir": str(tmp_path), "modules": [["compiled", "float32", ""]]}
+    assert kernel_primer.main([json.dumps(spec)]) == 0
+    assert kernel_primer.cached(tmp_path, ("compiled", "float32", ""))

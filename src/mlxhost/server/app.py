@@ -26,7 +26,7 @@ from mlxhost.models.loader import LoadedModel, load_model
 from mlxhost.models.specs import default_name, weights_on_disk, with_source_aliases
 from mlxhost.platform.backend import is_cuda
 from mlxhost.platform.kernel_cache import count_modules, use_persistent_kernel_cache
-from mlxhost.platform.kernel_primer import stop
+from mlxhost.platform.kernel_primer import stop, wait_first
 from mlxhost.server.manager import ModelManager
 from mlxhost.server.progress import StageLog
 from mlxhost.serving.fim import fim_for
@@ -80,24 +80,16 @@ def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAP
     if kernels is not None:
         log.info("MLX kernel cache: %s (%d compiled modules)", kernels, count_modules(kernels))
     specs = model_specs(config, loaded)
-    primers, forwards = [], None
+    primers = []
     if kernels is not None and is_cuda():
         # Started before the load so the compiles hide behind it (kernel_primer.py); only a speed-up: a failure
         # to start them costs the first requests their compile time, not the server its start.
-        from mlxhost.platform import forward_primer, kernel_primer
+        from mlxhost.platform import kernel_primer
 
         try:
             primers = kernel_primer.start(specs[0].source, kernels)
         except Exception as exc:
-            log.warning("MLX kernel cache: indexing kernels not compiled ahead (%s)", exc)
-        engine = config.engine
-        try:
-            # Not for a model loaded already (a distributed rank's shard): its engine's forwards come next.
-            forwards = None if loaded is not None else forward_primer.start(specs[0].source, kernels, {
-                "kv_bits": engine.kv_bits, "kv_group_size": engine.kv_group_size,
-                "kv_quant_mode": engine.kv_quant_mode})
-        except Exception as exc:
-            log.warning("MLX kernel cache: the model's first forwards not compiled ahead (%s)", exc)
+            log.warning("MLX kernel cache: kernels not compiled ahead (%s)", exc)
     preloaded = {specs[0].name: loaded} if loaded is not None else {}
     manager = ModelManager(
         specs,
@@ -110,12 +102,11 @@ def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAP
     try:
         manager.load_pinned()
     except BaseException:
-        stop(primers + ([forwards] if forwards is not None else []))
+        if primers:
+            stop(primers)
         raise
-    if forwards is not None:
-        from mlxhost.platform.forward_primer import wait  # lazy: only where one was started
-
-        wait(forwards)  # the engine's first forward (on its start) then finds every module compiled
+    if primers:
+        wait_first(primers, specs[0].source, kernels)  # the engine's first forwards (at its start) need them
     mcp = None
     if config.mcp is not None:
         mcp = McpManager(config.mcp)
