@@ -164,6 +164,25 @@ def test_the_server_waits_for_the_first_forwards_modules_or_for_no_process_left(
     kernel_primer.wait_first([], None, tmp_path / "missing")  # none started (a warm cache)
 
 
+def test_a_module_mlx_refuses_is_marked_failed_and_not_waited_for(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    first = kernel_primer.first_forward_modules("bfloat16", True)  # model_dtypes(None)'s
+    _fill(tmp_path, first[:-1])
+    monkeypatch.setattr(kernel_primer, "run", lambda *m: (_ for _ in ()).throw(RuntimeError("no")))
+    assert kernel_primer.main([json.dumps({"cache_dir": str(tmp_path), "modules": [list(first[-1])]})]) == 1
+    assert kernel_primer.failed_marker(tmp_path, first[-1]).exists() and not kernel_primer.cached(tmp_path, first[-1])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        caplog.set_level("INFO", logger=kernel_primer.__name__)
+        kernel_primer.wait_first([sleeper], None, tmp_path, timeout_s=20)  # the marker ends the wait at once
+        assert "not there yet (waited 0.0 s" in caplog.text
+    finally:
+        sleeper.kill()
+    monkeypatch.setattr(kernel_primer.subprocess, "Popen", lambda *a, **k: sleeper)
+    kernel_primer.start(None, tmp_path)  # a new launch tries again
+    assert not kernel_primer.failed_marker(tmp_path, first[-1]).exists()
+
+
 def test_a_fused_kernel_is_marked_once_compiled(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
     spec = {"cache_dir": str(tmp_path), "modules": [["compiled", "float32", ""]]}

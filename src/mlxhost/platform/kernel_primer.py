@@ -70,6 +70,11 @@ def module_name(kind: str, dtype: str, index: str) -> str:
             "compiled": f"swiglu_{dtype}"}[kind]
 
 
+def failed_marker(cache: Path, module: tuple[str, str, str]) -> Path:
+    """The file a process leaves where MLX refused to compile the module this launch: nobody waits for it."""
+    return cache / ".primed" / f"{module_name(*module)}.failed"
+
+
 def cached(cache: Path, module: tuple[str, str, str]) -> bool:
     """Whether `cache` holds the module: MLX's binary, or the marker of a fused kernel."""
     if module[0] == "compiled":
@@ -102,6 +107,8 @@ def start(source: str | None, cache: Path) -> list[subprocess.Popen]:
     todo = [m for m in modules(act, quantized) if not cached(cache, m)]
     if not todo:
         return []
+    for m in todo:  # an earlier launch's failure says nothing about this one's
+        failed_marker(cache, m).unlink(missing_ok=True)
     groups = [todo[i::PROCESSES] for i in range(min(PROCESSES, len(todo)))]
     log.info("MLX kernel cache: %d modules compile in %d processes beside the model's load",
              len(todo), len(groups))
@@ -121,19 +128,20 @@ def wait_first(procs: list[subprocess.Popen], source: str | None, cache: Path, t
         return
     todo = first_forward_modules(*model_dtypes(source))
     started = time.perf_counter()
-    while not all(cached(cache, m) for m in todo):
+    while not all(cached(cache, m) or failed_marker(cache, m).exists() for m in todo):
         if time.perf_counter() - started > timeout_s or all(p.poll() is not None for p in procs):
-            log.info("MLX kernel cache: the first forwards compile what is not there yet (waited %.1f s)",
-                     time.perf_counter() - started)
-            return
+            break
         time.sleep(0.05)
-    log.info("MLX kernel cache: the first forwards' modules compiled beside the load (waited %.1f s for them)",
-             time.perf_counter() - started)
+    waited = time.perf_counter() - started
+    if all(cached(cache, m) for m in todo):
+        log.info("MLX kernel cache: the first forwards' modules compiled beside the load (waited %.1f s)", waited)
+    else:
+        log.info("MLX kernel cache: the first forwards compile what is not there yet (waited %.1f s)", waited)
 
 
 def _reap(proc: subprocess.Popen) -> None:
     if proc.wait() not in (0, -15):  # -15: stopped with the server (stop)
-        log.warning("MLX kernel cache: a process compiling indexing kernels exited with %d; requests compile "
+        log.warning("MLX kernel cache: a process compiling kernels at launch exited with %d; the server compiles "
                     "what it did not", proc.returncode)
 
 
@@ -178,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # one pair MLX refuses does not hold back the others
                 print(f"kernel primer: {' '.join(module)}: {exc}", file=sys.stderr)
                 failed += 1
+                failed_marker(cache, module).parent.mkdir(exist_ok=True)
+                failed_marker(cache, module).touch()
                 continue
             # Now, not at the end: the server finds each module at first use while the others compile.
             publish(staging, cache, linked)

@@ -24,9 +24,9 @@ from mlxhost.memory.device import read_memory
 from mlxhost.memory.release import give_back_memory
 from mlxhost.models.loader import LoadedModel, load_model
 from mlxhost.models.specs import default_name, weights_on_disk, with_source_aliases
+from mlxhost.platform import kernel_primer
 from mlxhost.platform.backend import is_cuda
 from mlxhost.platform.kernel_cache import count_modules, use_persistent_kernel_cache
-from mlxhost.platform.kernel_primer import stop, wait_first
 from mlxhost.server.manager import ModelManager
 from mlxhost.server.progress import StageLog
 from mlxhost.serving.fim import fim_for
@@ -84,8 +84,6 @@ def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAP
     if kernels is not None and is_cuda():
         # Started before the load so the compiles hide behind it (kernel_primer.py); only a speed-up: a failure
         # to start them costs the first requests their compile time, not the server its start.
-        from mlxhost.platform import kernel_primer
-
         try:
             primers = kernel_primer.start(specs[0].source, kernels)
         except Exception as exc:
@@ -103,10 +101,10 @@ def build_app(config: ServerConfig, loaded: LoadedModel | None = None) -> FastAP
         manager.load_pinned()
     except BaseException:
         if primers:
-            stop(primers)
+            kernel_primer.stop(primers)
         raise
     if primers:
-        wait_first(primers, specs[0].source, kernels)  # the engine's first forwards (at its start) need them
+        kernel_primer.wait_first(primers, specs[0].source, kernels)  # the engine's first forwards need them
     mcp = None
     if config.mcp is not None:
         mcp = McpManager(config.mcp)
