@@ -14,6 +14,7 @@ from mlxhost.config import LOAD_STRATEGIES
 from mlxhost.models.encoder import encoder_type, load_encoder
 from mlxhost.models.loaded import LoadedModel, ModelLoadError, materialize
 from mlxhost.models.source import resolve_source
+from mlxhost.models.tokenizer_cache import load_tokenizer
 from mlxhost.models.vlm import is_vlm_config, load_vlm, read_config
 
 log = logging.getLogger(__name__)
@@ -21,13 +22,14 @@ log = logging.getLogger(__name__)
 _CHUNK_BYTES = 256 << 20
 
 
-def load_model(source: str, strategy: str = "auto") -> LoadedModel:
+def load_model(source: str, strategy: str = "auto", remember: str | None = None) -> LoadedModel:
     """Loads weights and tokenizer; a hub id comes from the Hugging Face cache or is downloaded once.
     `strategy` is "auto" (choose_load_strategy by the weights' size) or one of LOAD_STRATEGIES.
+    `remember`: a folder where a text model's loaded tokenizer is kept for the next start (tokenizer_cache.py).
     Every array the model holds is evaluated before this returns (`materialize`)."""
     from mlxhost.platform.quantized_rows import fold_on_cuda  # lazy: pulls in mlx
 
-    loaded = _load(source, strategy)
+    loaded = _load(source, strategy, remember)
     materialize(loaded.model)
     if not getattr(loaded.model, "is_audio", False):  # audio models (audio/) are no nn.Module: nothing to fold
         fold_on_cuda(loaded.model)
@@ -47,7 +49,7 @@ def model_kind(config: dict | None) -> str:
     return "text"
 
 
-def _load(source: str, strategy: str) -> LoadedModel:
+def _load(source: str, strategy: str, remember: str | None = None) -> LoadedModel:
     if strategy != "auto" and strategy not in LOAD_STRATEGIES:
         raise ValueError(f"load strategy must be auto or one of {LOAD_STRATEGIES}, got {strategy!r}")
     # A local path as is; a hub id from the Hugging Face cache, else downloaded (models/source.py).
@@ -73,13 +75,11 @@ def _load(source: str, strategy: str) -> LoadedModel:
     files = weight_files(folder)
     if strategy == "auto":
         strategy = choose_load_strategy(sum(p.stat().st_size for p in files))
-    from mlx_lm.utils import load_tokenizer  # lazy: mlx_lm only when used
-
     loaders = {"mlx-lm": _load_mlx_lm, "chunked": _load_chunked, "mmap": _load_mmap}
     start = time.perf_counter()
     model, config = loaders[strategy](folder)
     weights_s = time.perf_counter() - start
-    tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+    tokenizer = load_tokenizer(folder, config.get("eos_token_id"), Path(remember) if remember else None)
     tokenizer_s = time.perf_counter() - start - weights_s
     log.info("loaded %s: weights %.2f s (%s), tokenizer %.2f s", source, weights_s, strategy, tokenizer_s)
     return LoadedModel(model, tokenizer, config, source, strategy,

@@ -140,7 +140,7 @@ def load_served(spec: ModelSpec, config: ServerConfig, loaded: LoadedModel | Non
     """Loads one model: `(ServedModel, AsyncEngine)`, the engine not yet started."""
     own = loaded is None  # a model handed in (a distributed rank's shard) keeps the layout it was built with
     if own:
-        loaded = load_model(spec.source, config.load_strategy)
+        loaded = load_model(spec.source, config.load_strategy, config.engine.measurements_dir)
     if loaded.is_encoder:
         return load_encoder_served(spec, config, loaded)
     if getattr(loaded.model, "is_audio", False):

@@ -53,13 +53,14 @@ def max_token_chars(tokenizer: Any, vocab: dict | None = None) -> int:
 
 
 def _normalizer_is_safe(tokenizer: Any) -> bool:
-
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
-    to_str = getattr(backend, "to_str", None)
-    if to_str is None:
+    if backend is None or not hasattr(backend, "to_str"):
         return True  # a slow (Python) tokenizer: SentencePiece, which keeps every character
     try:
-        normalizer = json.loads(to_str()).get("normalizer")
+        # The normalizer's own JSON (its pickled state): serializing the whole tokenizer to read one key
+        # took ~0.3 s of every start with a 150k vocabulary.
+        normalizer = backend.normalizer
+        normalizer = None if normalizer is None else json.loads(normalizer.__getstate__())
     except Exception:
         return False
     return _safe(normalizer)

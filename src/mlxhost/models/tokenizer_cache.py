@@ -1,0 +1,83 @@
+"""A text model's tokenizer, kept between starts.
+
+mlx-lm's `load_tokenizer` took 1.2-1.6 s of every start with a 150k-token vocabulary (Qwen's), most of it in
+Python: mlx-lm and transformers each parse tokenizer.json with `json`, and both walk the vocabulary. The
+loaded wrapper, pickled once, reads back in about a third of that (the Rust tokenizer re-parses its own JSON).
+
+The file's name is a digest of every file of the model's folder but its weights (contents, not dates), the eos
+ids asked for, and the versions of Python, mlx-lm, transformers and tokenizers, so any change that could change
+the tokenizer loads it afresh. A file that is missing, unreadable or from elsewhere is a fresh load, never an
+error. The folder is the user's own cache (pickles run code when read: nothing else writes there).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# A folder's files that hold weights, not tokenizer data: not read into the digest.
+_WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".npz", ".ckpt", ".h5", ".msgpack")
+_LIBRARIES = ("mlx-lm", "transformers", "tokenizers")
+
+
+def load_tokenizer(folder: Path, eos_token_ids: Any = None, cache_dir: Path | None = None) -> Any:
+    """mlx-lm's `load_tokenizer(folder, eos_token_ids=...)`, read from `cache_dir` when this folder's tokenizer
+    was loaded there before (None: no cache)."""
+    from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer  # lazy: mlx_lm only when used
+
+    path = None
+    if cache_dir is not None:
+        try:
+            path = Path(cache_dir) / f"tokenizer-{tokenizer_key(folder, eos_token_ids)}.pickle"
+            start = time.perf_counter()
+            with open(path, "rb") as f:
+                tokenizer = pickle.load(f)
+            log.info("tokenizer: read back from an earlier start in %.2f s (%s)", time.perf_counter() - start, path)
+            return tokenizer
+        except FileNotFoundError:
+            pass
+        except Exception as exc:  # a torn or foreign file, a class that moved: load afresh and replace it
+            log.debug("tokenizer cache: %s unreadable (%s): loading afresh", path, exc)
+    tokenizer = mlx_lm_load_tokenizer(folder, eos_token_ids=eos_token_ids)
+    if path is not None:
+        _write(path, tokenizer)
+    return tokenizer
+
+
+def tokenizer_key(folder: Path, eos_token_ids: Any) -> str:
+    digest = hashlib.sha256(f"{sys.version}|{eos_token_ids!r}".encode())
+    for name in _LIBRARIES:
+        try:
+            digest.update(f"|{name}={metadata.version(name)}".encode())
+        except metadata.PackageNotFoundError:
+            digest.update(f"|{name}=none".encode())
+    for file in sorted(Path(folder).iterdir()):
+        if file.is_file() and not file.name.endswith(_WEIGHT_SUFFIXES):
+            digest.update(f"|{file.name}:".encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()[:24]
+
+
+def _write(path: Path, tokenizer: Any) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tokenizer-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump(tokenizer, f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(tmp, path)  # whole or absent: a start that dies mid-write leaves no half file
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except Exception as exc:  # an unpicklable tokenizer (remote code), a read-only cache: no cache, no error
+        log.debug("tokenizer cache: could not keep the tokenizer in %s: %s", path, exc)
