@@ -142,13 +142,21 @@ def measure(loaded, head_dir: Path, kind: str, prompts: list[list[int]], args) -
         auto = make_core(loaded, c, speculative="auto", draft_model=str(head_dir),
                          num_draft_tokens=args.num_draft_tokens, spec_max_batch=max(c, 4))
         generate(auto, warm, args.max_tokens, c, loaded.eos_token_ids)
+        before_auto = auto.spec_stats()
         got_auto, n_auto, s_auto = generate(auto, prompts, args.max_tokens, c, loaded.eos_token_ids)
+        after_auto = auto.spec_stats()
+        # What `auto` measured and chose (its step costs per batch size), and how its expected acceptance
+        # compares with what it got in the steps it speculated.
+        auto_d = {k: round(after_auto[k] - before_auto[k], 2) for k in
+                  ("num_steps", "num_drafted", "num_accepted", "expected_accepted", "num_declined_steps",
+                   "num_plain_steps")}
         row = {"c": c, "off_tok_s": n_off / s_off, f"{kind}_tok_s": n_on / s_on,
                "speedup": (n_on / s_on) / (n_off / s_off),
                "acceptance": d["num_accepted"] / d["num_drafted"] if d["num_drafted"] else 0.0,
                "tokens_per_row_step": d["num_emitted"] / (d["num_steps"] * c) if d["num_steps"] else 1.0,
                "auto_tok_s": n_auto / s_auto, "auto_speedup": (n_auto / s_auto) / (n_off / s_off),
-               "same_output": got == want and got_auto == want, **d}
+               "same_output": got == want and got_auto == want, **d,
+               "auto_counts": auto_d, "auto_costs": after_auto.get("auto")}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows

@@ -118,6 +118,10 @@ def test_auto_speculates_only_where_the_gain_covers_the_measured_cost():
     policy.costs.record(True, 4, 0.030)
     policy.costs.record(False, 4, 0.025)
     assert policy.pays(4, [0.3, 0.3, 0.1, 0.1]) and not policy.pays(4, [0.3, 0.2, 0.1, 0.1])  # 4 * 0.2 = 0.8
+    # What /v1/status shows: each size's costs and choices.
+    assert policy.summary() == {
+        "1": {"plain_ms": 20.0, "spec_ms": 30.0, "ratio": 1.5, "decisions": 10, "speculated": 3},
+        "4": {"plain_ms": 25.0, "spec_ms": 30.0, "ratio": 1.2, "decisions": 2, "speculated": 1}}
 
 
 def test_the_cost_is_the_median_of_recent_samples():

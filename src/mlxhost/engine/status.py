@@ -101,7 +101,8 @@ def spec_stats(spec: Any) -> dict:
     return {"mode": spec.mode, "policy": "auto" if spec.auto is not None else "fixed",
             "num_draft_tokens": spec.max_k, "spec_max_batch": spec.max_batch, **stats,
             # One proposer per model: its kind's acceptance (several models' kinds sit side by side in /metrics).
-            "acceptance_by_kind": {spec.mode: stats["acceptance_rate"]}}
+            "acceptance_by_kind": {spec.mode: stats["acceptance_rate"]},
+            **({"auto": spec.auto.summary()} if spec.auto is not None else {})}
 
 
 def vision_stats(vision_cache: Any, mm: Any) -> dict | None:

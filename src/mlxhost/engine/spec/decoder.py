@@ -70,6 +70,9 @@ class SpecStats:
     # before) and decoded plainly by the policy's choice: no gain, and also its plain probes and the plain
     # steps that first measure a batch size.
     num_declined_steps: int = 0
+    # --speculative auto: the drafts the policy expected accepted in the steps it chose to speculate, against
+    # which num_accepted shows whether rows' acceptance estimates run high.
+    expected_accepted: float = 0.0
 
     def as_dict(self) -> dict:
         rate = self.num_accepted / self.num_drafted if self.num_drafted else 0.0
@@ -100,6 +103,7 @@ class SpeculativeDecoder:
         self._clock = 0  # decode steps seen, plain ones included: what rows' pauses count in
         self._timing = StepClock() if auto else None  # auto: which step intervals are cost samples
         self._seed_declined = None  # auto: (step, rows) whose head the policy left without a seed
+        self._expected = 0.0  # auto: the drafts the last decision expected accepted
 
     @property
     def mode(self) -> str:
@@ -160,6 +164,8 @@ class SpeculativeDecoder:
             # without `last`, which is still being computed): decode plainly, pipelined.
             self.stats.num_plain_steps += 1
             return None
+        if self.auto is not None:
+            self.stats.expected_accepted += self._expected
         fed, lengths = proposal
         return Drafts(step, fed, list(lengths), list(lengths), self.proposer.tap)
 
@@ -168,6 +174,7 @@ class SpeculativeDecoder:
         if self.auto is None:
             return True
         gains = [expected_gain(states[i].draft_length.acceptance, k) for i, k in budget.items()]
+        self._expected = sum(gains)
         if self.auto.pays(batch.num_live, gains, foreseen):
             return True
         self.stats.num_declined_steps += 1

@@ -193,6 +193,7 @@ class _Size:
     fresh: list[int] = field(default_factory=lambda: [0, 0])
     run: list[bool] = field(default_factory=list)  # the rest of a forced run: speculate or not, step by step
     gains: list[float] = field(default_factory=list)  # the last decision's, to foresee the next one
+    speculated: int = 0  # decisions that speculated (probes included)
     # (decision, run, probe) of a decision `declining` foresaw as plain: it stays plain, its head had no seed.
     promised: tuple | None = None
 
@@ -228,7 +229,20 @@ class AutoPolicy:
             speculate, size.run, probe = self._next(size, num_rows, gains, size.decisions)
         if probe:  # a probe that yields no sample (the rows changed) is not retried at once
             size.fresh[speculate] = size.decisions
+        size.speculated += speculate
         return speculate
+
+    def summary(self) -> dict:
+        """For /v1/status, per batch size: the measured step costs (ms; None: not measured there), their ratio,
+        the decisions made and how many speculated."""
+        out = {}
+        for rows, size in sorted(self.sizes.items()):
+            plain, spec = self.costs.cost(False, rows), self.costs.cost(True, rows)
+            out[str(rows)] = {"plain_ms": None if plain is None else round(plain * 1e3, 3),
+                              "spec_ms": None if spec is None else round(spec * 1e3, 3),
+                              "ratio": None if plain is None or spec is None else round(spec / plain, 3),
+                              "decisions": size.decisions, "speculated": size.speculated}
+        return out
 
     def declining(self, num_rows: int) -> bool:
         """Whether the next step at this batch size will decode plainly, so a head need not prepare drafts
