@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start-up on an MLX-CUDA machine (docs/BENCHMARKS.md, Start-up): for each random 4-bit shape, a cold start
-# (empty MLX kernel cache: a fresh machine) and a warm restart (the kernel cache the cold start filled), each
+# (empty MLX kernel cache and start-up measurements: a fresh machine) and a warm restart (the kernel cache the cold start filled), each
 # timed from launch by tools/startup_probe.py: ready, first token, requests sent during the warm-up, the
 # warm-up's end. Needs what gpu-bench.sh needs (MLX_SITE_BUNDLE or an environment where mlx's CUDA build,
 # mlx-lm, mlxhost's dependencies and httpx import).
@@ -22,6 +22,8 @@ for shape in "${@:-qwen3-0.6b}"; do
   kernels=/tmp/kernels-$shape
   rm -rf "$kernels"; mkdir -p "$kernels"
   [ "${SHARE:-0}" = 1 ] && [ -n "$first" ] && cp -r "$first"/. "$kernels"/
+  # Nor what earlier starts kept (the activation measurement, the loaded tokenizer: every shape has Qwen3's).
+  rm -rf "$(python3 -c 'import platformdirs; print(platformdirs.user_cache_dir("mlxhost"))')/measurements"
   sync; echo 3 > /proc/sys/vm/drop_caches 2> /dev/null  # weights read from disk, as after a reboot (root only)
   limit=$((${LOAD_S:-45} + ${WAIT_S:-200} + 120))
   timeout "$limit" python3 tools/startup_probe.py "$m" --label "cold-$shape" --kernel-dir "$kernels" \
