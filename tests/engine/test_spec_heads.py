@@ -165,6 +165,9 @@ def test_auto_takes_the_heads_kind_and_declines_steps_that_cost_more(loaded, hea
     got = run(core, copy(reqs))
     assert {r: got[r]["ids"] for r in got} == {r: plain[r]["ids"] for r in plain}
     assert core.spec_stats()["num_steps"] > 0
+    # The policy measured both kinds of step where it decided (no step had ever counted as steady once).
+    measured = core.spec_stats()["auto"].values()
+    assert any(size["spec_ms"] for size in measured) and any(size["plain_ms"] for size in measured)
 
     core = make_core(loaded, speculative="auto", draft_model=heads[kind], num_draft_tokens=4)
     for n in range(1, 9):  # measured costs, given: verifying never pays

@@ -173,7 +173,9 @@ class ModelRunner:
         if joined:
             self._sync_phase(*(j[2] for j in joined))
             joined = self.prefiller.take_prompt_scores(joined, requests, out)
-        self.last_prefill_s = time.perf_counter() - started  # for the slow-step log line
+        # For the slow-step log line and `--speculative auto`'s step clock, which takes no step after a prefill as a
+        # cost sample: 0 exactly when no prompt prefilled (the clock once saw this step's few microseconds as one).
+        self.last_prefill_s = time.perf_counter() - started if sched.prefill_chunks else 0.0
         self.last_join_s = self.last_sample_s = self.last_launch_s = self.last_readback_s = 0.0
         try:
             self._joined_last_step = [j[0] for j in joined]
