@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 # A folder's files that hold weights, not tokenizer data: not read into the digest.
 _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".npz", ".ckpt", ".h5", ".msgpack")
 _LIBRARIES = ("mlx-lm", "transformers", "tokenizers")
+# Files read whole into the digest up to this size (tokenizer.json files run to ~35 MB); larger ones, of another
+# kind (an ONNX export beside the weights), count by size and date.
+_MAX_READ_BYTES = 64 << 20
 
 
 def load_tokenizer(folder: Path, eos_token_ids: Any = None, cache_dir: Path | None = None) -> Any:
@@ -62,9 +65,14 @@ def tokenizer_key(folder: Path, eos_token_ids: Any) -> str:
         except metadata.PackageNotFoundError:
             digest.update(f"|{name}=none".encode())
     for file in sorted(Path(folder).iterdir()):
-        if file.is_file() and not file.name.endswith(_WEIGHT_SUFFIXES):
-            digest.update(f"|{file.name}:".encode())
-            digest.update(file.read_bytes())
+        if not file.is_file() or file.name.endswith(_WEIGHT_SUFFIXES):
+            continue
+        stat = file.stat()
+        if stat.st_size > _MAX_READ_BYTES:  # no tokenizer file is this large: its size and date stand for it
+            digest.update(f"|{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+            continue
+        digest.update(f"|{file.name}:".encode())
+        digest.update(file.read_bytes())
     return digest.hexdigest()[:24]
 
 
