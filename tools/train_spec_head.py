@@ -23,6 +23,7 @@ import argparse
 import itertools
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -150,6 +151,16 @@ def measure(loaded, head_dir: Path, kind: str, prompts: list[list[int]], args) -
         auto_d = {k: round(after_auto[k] - before_auto[k], 2) for k in
                   ("num_steps", "num_drafted", "num_accepted", "expected_accepted", "num_declined_steps",
                    "num_plain_steps")}
+        # --rounds: off and auto again, in turns (which goes first alternates), one ratio per round: the host's
+        # speed drifts over a run of seconds, and each pair shares its drift.
+        ratios = []
+        for r in range(args.rounds):
+            pair = [(plain, "off"), (auto, "auto")][::1 if r % 2 == 0 else -1]
+            tok_s = {}
+            for core, name in pair:
+                _, n, secs = generate(core, prompts, args.max_tokens, c, loaded.eos_token_ids)
+                tok_s[name] = n / secs
+            ratios.append(tok_s["auto"] / tok_s["off"])
         row = {"c": c, "off_tok_s": n_off / s_off, f"{kind}_tok_s": n_on / s_on,
                "speedup": (n_on / s_on) / (n_off / s_off),
                "acceptance": d["num_accepted"] / d["num_drafted"] if d["num_drafted"] else 0.0,
@@ -157,6 +168,8 @@ def measure(loaded, head_dir: Path, kind: str, prompts: list[list[int]], args) -
                "auto_tok_s": n_auto / s_auto, "auto_speedup": (n_auto / s_auto) / (n_off / s_off),
                "same_output": got == want and got_auto == want, **d,
                "auto_counts": auto_d, "auto_costs": after_auto.get("auto")}
+        if ratios:
+            row.update(auto_round_ratios=[round(x, 3) for x in ratios], auto_vs_off_median=statistics.median(ratios))
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -191,6 +204,9 @@ def main(argv=None) -> int:
     ap.add_argument("--full-warmup", action="store_true",
                     help="each core first decodes every held-out prompt once, not one wave: on MLX-CUDA a shape met "
                          "for the first time compiles kernels, which would land in the timed pass")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="with --measure-only: then this many paired rounds of off and auto in turns, each timing "
+                         "every held-out prompt (their median ratio: auto_vs_off_median)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", default=None,
                     help="with --measure-only: where the rows go (default: OUT/measured.json)")
