@@ -12,9 +12,17 @@ import mlx.core as mx
 import pytest
 
 import mlxhost.distributed.channel as channel_module
+from mlxhost.config import EngineConfig
 from mlxhost.distributed.channel import Channel, ControlServer, LostRank, connect
 from mlxhost.distributed.config import DistributedConfig, choose_handoff
-from mlxhost.distributed.engine import DistributedRunner, DivergenceError, RankContext, StepPlan, step_digest
+from mlxhost.distributed.engine import (
+    DistributedRunner,
+    DivergenceError,
+    RankContext,
+    StepPlan,
+    fixed_speculation,
+    step_digest,
+)
 from mlxhost.distributed.serve import Identity, differences
 from mlxhost.engine.scheduler import SchedulerOutput
 from mlxhost.kv.cache_ops import CacheResults, DropBlock, LoadBlock
@@ -350,3 +358,12 @@ def test_a_pipeline_hand_off_ties_plain_and_quantized_caches_alike():
     assert isinstance(plain.keys, mx.array) and mx.array_equal(plain.keys, mx.zeros((1, 2)))
     assert isinstance(quantized.keys, tuple) and len(quantized.keys) == 3
     assert quantized.keys[0].dtype == mx.uint32 and quantized.keys[2] is not None
+
+
+def test_auto_speculation_is_fixed_over_ranks(caplog):
+    """Each rank would time its own steps: `auto`'s choices could differ between ranks, and their collectives
+    stop pairing up. Over ranks `auto` keeps its proposer and speculates wherever it can."""
+    assert fixed_speculation(EngineConfig(speculative="auto")).speculative == "ngram"
+    assert "over ranks" in caplog.text
+    assert fixed_speculation(EngineConfig(speculative="auto", draft_model="/no/such/draft")).speculative == "draft"
+    assert fixed_speculation(EngineConfig(speculative="off")).speculative == "off"

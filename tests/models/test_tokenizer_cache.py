@@ -4,6 +4,7 @@ afresh."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import mlx_lm.utils
@@ -93,3 +94,20 @@ def test_torn_file_loads_afresh_and_is_replaced(folder, tmp_path, fresh_loads):
     _same(first, again)
     load_tokenizer(folder, None, cache)
     assert len(fresh_loads) == 2  # the file was written whole again
+
+
+def test_the_folder_keeps_the_most_recently_used(folder, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for i in range(10):
+        old = cache / f"tokenizer-old{i}.pickle"
+        old.write_bytes(b"x")
+        os.utime(old, (1000 + i, 1000 + i))
+    stale = cache / ".tokenizer-left-by-a-dead-start"
+    stale.write_bytes(b"x")
+    os.utime(stale, (1000, 1000))
+    load_tokenizer(folder, None, cache)
+    kept = sorted(p.name for p in cache.glob("tokenizer-*.pickle"))
+    assert len(kept) == 8 and f"tokenizer-{tokenizer_key(folder, None)}.pickle" in kept
+    assert "tokenizer-old9.pickle" in kept and "tokenizer-old2.pickle" not in kept
+    assert not stale.exists()

@@ -30,6 +30,7 @@ from mlxhost.engine.core import EngineCore
 from mlxhost.engine.request import Request
 from mlxhost.engine.runner.model_runner import ModelRunner, StepTokens
 from mlxhost.engine.scheduler import SchedulerOutput
+from mlxhost.engine.spec.setup import auto_proposer
 from mlxhost.engine.warmup import BackgroundWarmup, tile_compiler
 from mlxhost.kv.cache_ops import CacheResults
 from mlxhost.memory.profile import startup_budget
@@ -189,6 +190,18 @@ def describe(sched: SchedulerOutput, step: int) -> str:
             f"{len(sched.decode_request_ids)} decoding)")
 
 
+def fixed_speculation(config: Any) -> Any:
+    """`--speculative auto` over ranks: its proposer, speculating wherever it can. `auto` decides each step by
+    costs it times itself, and every rank would time its own steps: near the threshold one rank would verify
+    drafts while another decoded plainly, and their collectives would no longer pair up."""
+    if config.speculative != "auto":
+        return config
+    name = auto_proposer(config)
+    log.warning("--speculative auto over ranks: %s drafts on every step it can (each rank would time its own "
+                "steps and could decide otherwise)", name)
+    return dataclasses.replace(config, speculative=name)
+
+
 class DistributedEngineCore(EngineCore):
     runner_cls = DistributedRunner
 
@@ -198,6 +211,7 @@ class DistributedEngineCore(EngineCore):
         if config.ssd_cache_dir:  # each rank keeps its own shard of every block, in its own folder
             config = dataclasses.replace(config, ssd_cache_dir=os.path.join(
                 config.ssd_cache_dir, f"{ctx.dist.layout}-rank{ctx.rank}"))
+        config = fixed_speculation(config)
         mx.random.seed(ctx.seed)  # one random stream on every rank: sampling stays identical
         # Rank 0's decode buckets on every rank: it picks them on its own backend and flags, and a batch padded
         # on one rank and not on another runs collectives of other sizes (on MLX-CUDA rank 0 padded to

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             # default, nearly all of the device, would let it take what the server's own steps need).
             mx.set_memory_limit(spec["needs_bytes"])
         started = time.perf_counter()
-        loaded = load_model(spec["source"])
+        loaded = load_model(spec["source"], remember=spec["config"].get("measurements_dir"))
         config = dataclasses.replace(EngineConfig(**spec["config"]), kv_budget_tokens=KV_TOKENS,
                                      cache_memory_bytes=PREFIX_BYTES, ssd_cache_dir=None, speculative="off",
                                      draft_model=None, memory_refresh_s=0.0)

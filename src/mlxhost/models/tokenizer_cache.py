@@ -27,7 +27,11 @@ log = logging.getLogger(__name__)
 
 # A folder's files that hold weights, not tokenizer data: not read into the digest.
 _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".npz", ".ckpt", ".h5", ".msgpack")
-_LIBRARIES = ("mlx-lm", "transformers", "tokenizers")
+# What builds the tokenizer: transformers converts a SentencePiece or tiktoken vocabulary when a folder has no
+# tokenizer.json, so those libraries (and protobuf, which reads .model files) count too.
+_LIBRARIES = ("mlxhost", "mlx-lm", "transformers", "tokenizers", "sentencepiece", "tiktoken", "protobuf")
+# Tokenizers kept at most: the most recently used stay (each is 1-40 MB).
+_KEEP = 8
 # Files read whole into the digest up to this size (tokenizer.json files run to ~35 MB); larger ones, of another
 # kind (an ONNX export beside the weights), count by size and date.
 _MAX_READ_BYTES = 64 << 20
@@ -45,6 +49,7 @@ def load_tokenizer(folder: Path, eos_token_ids: Any = None, cache_dir: Path | No
             start = time.perf_counter()
             with open(path, "rb") as f:
                 tokenizer = pickle.load(f)
+            os.utime(path)  # recently used: kept when the folder is trimmed
             log.info("tokenizer: read back from an earlier start in %.2f s (%s)", time.perf_counter() - start, path)
             return tokenizer
         except FileNotFoundError:
@@ -77,8 +82,12 @@ def tokenizer_key(folder: Path, eos_token_ids: Any) -> str:
 
 
 def _write(path: Path, tokenizer: Any) -> None:
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    if type(inner).__module__.startswith("transformers_modules"):
+        return  # a model's own tokenizer code (trust_remote_code): its class need not import in the next process
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        _trim(path.parent)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tokenizer-")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -89,3 +98,15 @@ def _write(path: Path, tokenizer: Any) -> None:
             raise
     except Exception as exc:  # an unpicklable tokenizer (remote code), a read-only cache: no cache, no error
         log.debug("tokenizer cache: could not keep the tokenizer in %s: %s", path, exc)
+
+
+def _trim(folder: Path) -> None:
+    """Room for one more: the least recently used tokenizers past `_KEEP - 1` go, and temp files a start left
+    behind when it died mid-write (an hour old: no start writes that long)."""
+    now = time.time()
+    for tmp in folder.glob(".tokenizer-*"):
+        if now - tmp.stat().st_mtime > 3600:
+            tmp.unlink(missing_ok=True)
+    kept = sorted(folder.glob("tokenizer-*.pickle"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in kept[_KEEP - 1:]:
+        old.unlink(missing_ok=True)

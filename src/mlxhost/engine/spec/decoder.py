@@ -103,7 +103,6 @@ class SpeculativeDecoder:
         self._clock = 0  # decode steps seen, plain ones included: what rows' pauses count in
         self._timing = StepClock() if auto else None  # auto: which step intervals are cost samples
         self._seed_declined = None  # auto: (step, rows) whose head the policy left without a seed
-        self._expected = 0.0  # auto: the drafts the last decision expected accepted
 
     @property
     def mode(self) -> str:
@@ -164,9 +163,10 @@ class SpeculativeDecoder:
             # without `last`, which is still being computed): decode plainly, pipelined.
             self.stats.num_plain_steps += 1
             return None
-        if self.auto is not None:
-            self.stats.expected_accepted += self._expected
         fed, lengths = proposal
+        if self.auto is not None:  # by the drafts the rows really proposed (prompt lookup may skip rows)
+            self.stats.expected_accepted += sum(expected_gain(states[i].draft_length.acceptance, n)
+                                                for i, n in enumerate(lengths) if n)
         return Drafts(step, fed, list(lengths), list(lengths), self.proposer.tap)
 
     def _pays(self, batch: Any, states: list, budget: dict[int, int], foreseen: bool = False) -> bool:
@@ -174,7 +174,6 @@ class SpeculativeDecoder:
         if self.auto is None:
             return True
         gains = [expected_gain(states[i].draft_length.acceptance, k) for i, k in budget.items()]
-        self._expected = sum(gains)
         if self.auto.pays(batch.num_live, gains, foreseen):
             return True
         self.stats.num_declined_steps += 1

@@ -193,7 +193,7 @@ class _Size:
     fresh: list[int] = field(default_factory=lambda: [0, 0])
     run: list[bool] = field(default_factory=list)  # the rest of a forced run: speculate or not, step by step
     gains: list[float] = field(default_factory=list)  # the last decision's, to foresee the next one
-    speculated: int = 0  # decisions that speculated (probes included)
+    speculated: int = 0  # decisions to speculate (probes included; the proposer may still find nothing)
     # (decision, run, probe) of a decision `declining` foresaw as plain: it stays plain, its head had no seed.
     promised: tuple | None = None
 
