@@ -5,8 +5,8 @@ Python: mlx-lm and transformers each parse tokenizer.json with `json`, and both 
 loaded wrapper, pickled once, reads back in about a third of that (the Rust tokenizer re-parses its own JSON).
 
 The file's name is a digest of every file of the model's folder but its weights (contents, not dates), the eos
-ids asked for, and the versions of Python, mlx-lm, transformers and tokenizers, so any change that could change
-the tokenizer loads it afresh. A file that is missing, unreadable or from elsewhere is a fresh load, never an
+ids asked for, and the versions of Python and of the libraries that build a tokenizer (`_LIBRARIES`), so any
+change that could change the tokenizer loads it afresh. A file that is missing, unreadable or from elsewhere is a fresh load, never an
 error. The folder is the user's own cache (pickles run code when read: nothing else writes there).
 """
 

@@ -156,17 +156,11 @@ def _swiglu(gate, x):
     """mlx-lm's swiglu (mlx_lm.models.activations), op for op: MLX names a fused kernel by its graph, so this
     compiles the very module the server's forwards load (a test compares the two). Importing mlx-lm's own would
     import the mlx_lm package, and with it transformers: 4-5 s on a cold machine, before this process's most
-    awaited module."""
+    awaited module. Compiled at the call: a primer process runs it once."""
     import mlx.core as mx  # lazy: mlx only when used
     import mlx.nn as nn  # lazy: mlx only when used
 
-    global _swiglu_compiled
-    if _swiglu_compiled is None:
-        _swiglu_compiled = mx.compile(lambda gate, x: nn.silu(gate) * x, shapeless=True)
-    return _swiglu_compiled(gate, x)
-
-
-_swiglu_compiled = None
+    return mx.compile(lambda g, y: nn.silu(g) * y, shapeless=True)(gate, x)
 
 
 def run(kind: str, dtype: str, index: str):
